@@ -1,0 +1,345 @@
+//! Types and constants shared by sluice's kernel programs and user space.
+//!
+//! Everything here is `#[repr(C)]` plain old data: the same definition is the
+//! layout of a map key or value on both sides of the kernel boundary. Every
+//! port, mark and address that the dataplane depends on is defined once, here.
+#![no_std]
+
+/// ztunnel's in-pod listener for outbound traffic of the app.
+pub const PORT_OUTBOUND: u16 = 15001;
+/// ztunnel's in-pod listener for plaintext inbound traffic.
+pub const PORT_INBOUND: u16 = 15006;
+/// ztunnel's in-pod listener for inbound HBONE (mTLS tunnel) traffic.
+pub const PORT_HBONE: u16 = 15008;
+
+/// Mark ztunnel sets (SO_MARK 1337) on every socket it owns: never captured.
+pub const MARK_ZTUNNEL: u32 = 0x539;
+/// Mark that makes a packet take the "deliver locally" policy route.
+pub const MARK_REDIRECT: u32 = 0x111;
+/// Only these bits of the packet mark belong to the mesh (Istio uses the same mask).
+pub const MARK_MASK: u32 = 0xfff;
+
+/// Policy routing table holding `local default dev lo` inside the pod netns.
+pub const ROUTE_TABLE: u32 = 100;
+/// Priority of the `fwmark 0x111/0xfff lookup 100` rule (the one Istio uses).
+pub const RULE_PRIORITY: u32 = 32764;
+
+/// Source address kubelet health probes are SNATed to on the node (IPv4).
+pub const PROBE_ADDR_V4: [u8; 4] = [169, 254, 7, 127];
+/// Source address kubelet health probes are SNATed to on the node (IPv6).
+pub const PROBE_ADDR_V6: [u8; 16] = [
+    0xfd, 0x16, 0x92, 0x54, 0x71, 0x27, 0x13, 0x37, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+];
+
+/// A flow hint left by a tc program is honoured by sk_lookup only this long.
+/// A hint is normally consumed microseconds after it is written (same packet,
+/// same CPU); the bound keeps a stale hint (e.g. a retransmitted SYN whose
+/// lookup never ran) from exempting a later, unrelated flow with the same tuple.
+pub const FLOW_HINT_TTL_NS: u64 = 1_000_000_000;
+
+/// `AF_INET` / `AF_INET6` as stored in map keys.
+pub const FAMILY_V4: u8 = 2;
+pub const FAMILY_V6: u8 = 10;
+
+/// Enrollment state of a pod, as stored in the shared pod-state map.
+///
+/// Programs only distinguish `Enabled` from everything else: anything but
+/// `Enabled` fails closed (new connections are dropped, never bypass ztunnel).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PodState {
+    /// Capture attached, ztunnel has not (yet) given us its listeners.
+    Pending = 1,
+    /// Capture attached and steering to ztunnel's listeners.
+    Enabled = 2,
+    /// Being removed: capture still attached, new connections fail closed.
+    Draining = 3,
+}
+
+impl PodState {
+    pub const fn from_u32(v: u32) -> Option<Self> {
+        match v {
+            1 => Some(Self::Pending),
+            2 => Some(Self::Enabled),
+            3 => Some(Self::Draining),
+            _ => None,
+        }
+    }
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "Pending",
+            Self::Enabled => "Enabled",
+            Self::Draining => "Draining",
+        }
+    }
+}
+
+/// Value of the shared pod-state map (key: the pod netns cookie).
+///
+/// Written only by user space; read by every program on the connection path.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PodEntry {
+    /// A [`PodState`] discriminant. Kept as a raw `u32` so that a value the
+    /// programs do not know (e.g. written by a newer agent) reads as "not
+    /// Enabled" and fails closed instead of being undefined behaviour.
+    pub state: u32,
+    /// Bumped on every state change; lets readers detect a changed entry.
+    pub generation: u32,
+    /// CLOCK_BOOTTIME (ns) when the pod was enrolled.
+    pub enrolled_at_ns: u64,
+    /// CLOCK_BOOTTIME (ns) of the last state change.
+    pub changed_at_ns: u64,
+}
+
+impl PodEntry {
+    pub const fn state(&self) -> Option<PodState> {
+        PodState::from_u32(self.state)
+    }
+
+    pub const fn is_enabled(&self) -> bool {
+        self.state == PodState::Enabled as u32
+    }
+}
+
+/// Which of ztunnel's in-pod listeners a connection is steered to.
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Outbound = 1,
+    Inbound = 2,
+    Hbone = 3,
+}
+
+impl Role {
+    pub const ALL: [Role; 3] = [Role::Outbound, Role::Inbound, Role::Hbone];
+
+    pub const fn port(self) -> u16 {
+        match self {
+            Self::Outbound => PORT_OUTBOUND,
+            Self::Inbound => PORT_INBOUND,
+            Self::Hbone => PORT_HBONE,
+        }
+    }
+
+    pub const fn from_port(port: u16) -> Option<Self> {
+        match port {
+            PORT_OUTBOUND => Some(Self::Outbound),
+            PORT_INBOUND => Some(Self::Inbound),
+            PORT_HBONE => Some(Self::Hbone),
+            _ => None,
+        }
+    }
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Outbound => "outbound",
+            Self::Inbound => "inbound",
+            Self::Hbone => "hbone",
+        }
+    }
+}
+
+/// Key of the listener socket map: one socket per pod, role and address family.
+///
+/// A dual-stack `[::]` listener is registered under both families, so one
+/// socket serves IPv4 and IPv6 lookups, exactly as it does without capture.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ListenerKey {
+    pub netns_cookie: u64,
+    pub role: u8,
+    pub family: u8,
+    pub _pad: [u8; 6],
+}
+
+impl ListenerKey {
+    pub const fn new(netns_cookie: u64, role: Role, family: u8) -> Self {
+        Self {
+            netns_cookie,
+            role: role as u8,
+            family,
+            _pad: [0; 6],
+        }
+    }
+}
+
+/// Key of the pod-address map: one of a pod's addresses. Ingress packets
+/// carry no socket, and bpf_get_netns_cookie() in tc answers from the packet's
+/// socket, so the ingress programs find the pod by destination address.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AddrKey {
+    pub family: u8,
+    pub _pad: [u8; 3],
+    /// Raw network-order words; IPv4 uses word 0 only.
+    pub addr: [u32; 4],
+}
+
+impl AddrKey {
+    pub const fn new(family: u8, addr: [u32; 4]) -> Self {
+        Self {
+            family,
+            _pad: [0; 3],
+            addr,
+        }
+    }
+}
+
+/// Per-pod counters (per-CPU map, key: netns cookie), summed by user space.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Inbound connections assigned to the 15006 listener.
+    pub captured_inbound: u64,
+    /// Inbound connections assigned to the 15008 (HBONE) listener.
+    pub captured_hbone: u64,
+    /// Outbound connections assigned to the 15001 listener.
+    pub captured_outbound: u64,
+    /// Connections deliberately not captured (probes, in-pod traffic over lo).
+    pub bypassed: u64,
+    /// SYNs dropped because the pod is not `Enabled` (fail closed, row F1).
+    pub dropped_fail_closed: u64,
+    /// SYNs dropped because the pod is `Enabled` but the listener is gone
+    /// (ztunnel restarting): also fail closed, counted apart to tell them apart.
+    pub missing_socket: u64,
+}
+
+impl Counters {
+    pub fn add(&mut self, o: &Counters) {
+        self.captured_inbound += o.captured_inbound;
+        self.captured_hbone += o.captured_hbone;
+        self.captured_outbound += o.captured_outbound;
+        self.bypassed += o.bypassed;
+        self.dropped_fail_closed += o.dropped_fail_closed;
+        self.missing_socket += o.missing_socket;
+    }
+}
+
+/// What a tc program tells sk_lookup about one connection's first lookup.
+///
+/// sk_lookup programs cannot call bpf_get_netns_cookie (tc programs can), so
+/// every SYN's path into a pod crosses one of our tc programs, which leaves
+/// this hint — carrying the pod's netns cookie — for sk_lookup to take.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HintVerdict {
+    /// The SYN came over the pod's `lo`: in-pod traffic, never captured.
+    Local = 1,
+    /// The SYN was redirected by the egress program: steer to 15001.
+    Outbound = 2,
+    /// The SYN arrived on the pod's interface: steer to 15006.
+    Inbound = 3,
+    /// The SYN arrived on the pod's interface for port 15008: steer to 15008.
+    Hbone = 4,
+}
+
+impl HintVerdict {
+    pub const fn from_u32(v: u32) -> Option<Self> {
+        match v {
+            1 => Some(Self::Local),
+            2 => Some(Self::Outbound),
+            3 => Some(Self::Inbound),
+            4 => Some(Self::Hbone),
+            _ => None,
+        }
+    }
+}
+
+/// Key of the flow-hint map: the connection as sk_lookup sees it
+/// (remote = the SYN's source, local = the SYN's destination). Pod addresses
+/// are unique on a node, so the tuple alone names one pod.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlowKey {
+    /// Addresses as raw network-order words; IPv4 uses word 0 only.
+    pub remote_addr: [u32; 4],
+    pub local_addr: [u32; 4],
+    /// Ports in host byte order.
+    pub remote_port: u16,
+    pub local_port: u16,
+    pub family: u8,
+    pub _pad: [u8; 3],
+}
+
+/// Value of the flow-hint map.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlowHint {
+    /// A [`HintVerdict`] discriminant.
+    pub verdict: u32,
+    pub _pad: u32,
+    /// The pod (netns cookie) whose tc program wrote the hint.
+    pub netns_cookie: u64,
+    /// bpf_ktime_get_ns() when the hint was written.
+    pub at_ns: u64,
+}
+
+/// Length of the pod uid field in [`PodMeta`] (Kubernetes uids are 36 bytes).
+pub const POD_UID_LEN: usize = 64;
+/// Length of the netns path field in [`PodMeta`].
+pub const NETNS_PATH_LEN: usize = 192;
+
+/// Who a pod is, for user space only (the programs never read it). Kept in a
+/// pinned map beside the pod state so a new process can find every enrolled
+/// pod without any file outside bpffs.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct PodMeta {
+    /// NUL-padded pod uid.
+    pub uid: [u8; POD_UID_LEN],
+    /// NUL-padded path of the netns the pod was enrolled with.
+    pub netns_path: [u8; NETNS_PATH_LEN],
+}
+
+#[cfg(feature = "user")]
+mod user {
+    use super::*;
+    // SAFETY: all of these are repr(C), Copy, with explicit padding fields so
+    // every byte is initialised.
+    unsafe impl aya::Pod for PodEntry {}
+    unsafe impl aya::Pod for ListenerKey {}
+    unsafe impl aya::Pod for Counters {}
+    unsafe impl aya::Pod for FlowKey {}
+    unsafe impl aya::Pod for FlowHint {}
+    unsafe impl aya::Pod for PodMeta {}
+    unsafe impl aya::Pod for AddrKey {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use core::mem::size_of;
+
+    #[test]
+    fn map_layouts_have_no_implicit_padding() {
+        assert_eq!(size_of::<PodEntry>(), 24);
+        assert_eq!(size_of::<ListenerKey>(), 16);
+        assert_eq!(size_of::<Counters>(), 48);
+        assert_eq!(size_of::<FlowKey>(), 16 + 16 + 2 + 2 + 1 + 3);
+        assert_eq!(size_of::<FlowHint>(), 24);
+        assert_eq!(size_of::<PodMeta>(), POD_UID_LEN + NETNS_PATH_LEN);
+        assert_eq!(size_of::<AddrKey>(), 20);
+    }
+
+    #[test]
+    fn roles_and_ports_round_trip() {
+        for r in Role::ALL {
+            assert_eq!(Role::from_port(r.port()), Some(r));
+        }
+        assert_eq!(Role::from_port(80), None);
+    }
+
+    #[test]
+    fn unknown_state_is_not_enabled() {
+        let e = PodEntry {
+            state: 99,
+            generation: 0,
+            enrolled_at_ns: 0,
+            changed_at_ns: 0,
+        };
+        assert!(!e.is_enabled());
+        assert_eq!(e.state(), None);
+    }
+}

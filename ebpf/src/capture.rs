@@ -1,0 +1,236 @@
+//! tc programs on the pod's interfaces (tcx links). They never pick a listener
+//! (sk_lookup does); they decide which packets are delivered locally, leave
+//! hints for sk_lookup, and drop SYNs that would otherwise bypass ztunnel.
+//!
+//! Per-packet cost: every TCP packet is parsed; only SYNs touch pod_state,
+//! pod_addrs (ingress), listeners and flow_hints. Non-SYN egress packets cost one socket lookup
+//! (bpf_skc_lookup_tcp), which is how a flow that ztunnel terminates inside the
+//! pod is recognised without any per-flow state of our own.
+
+use aya_ebpf::{
+    bindings::bpf_sock_tuple,
+    bindings::{BPF_F_CURRENT_NETNS, BPF_F_INGRESS, TC_ACT_OK, TC_ACT_SHOT},
+    helpers::{
+        bpf_get_netns_cookie, bpf_ktime_get_ns, bpf_map_lookup_elem, bpf_redirect, bpf_sk_release,
+        bpf_skc_lookup_tcp,
+    },
+    programs::TcContext,
+    EbpfContext,
+};
+use core::ffi::c_void;
+use sluice_common::{
+    AddrKey, Counters, FlowHint, FlowKey, HintVerdict, ListenerKey, Role, FAMILY_V4, MARK_MASK,
+    MARK_REDIRECT, MARK_ZTUNNEL, PORT_HBONE,
+};
+
+use crate::{
+    addr::{is_loopback, is_probe},
+    maps::{count, FLOW_HINTS, LISTENERS, POD_ADDRS, POD_STATE},
+    packet::{parse_tcp, Tcp},
+};
+
+const TC_OK: i32 = TC_ACT_OK as i32;
+const TC_SHOT: i32 = TC_ACT_SHOT as i32;
+const BPF_TCP_LISTEN: u32 = 10;
+
+#[inline(always)]
+fn mark(ctx: &TcContext) -> u32 {
+    unsafe { (*ctx.skb.skb).mark }
+}
+
+/// The pod of an outgoing packet. In tc this helper answers from the packet's
+/// socket, which every SYN an app sends has.
+#[inline(always)]
+fn netns_cookie(ctx: &TcContext) -> u64 {
+    unsafe { bpf_get_netns_cookie(ctx.as_ptr()) }
+}
+
+/// The pod an incoming packet is addressed to, if it is one of a pod's addresses.
+#[inline(always)]
+fn pod_of(family: u8, daddr: &[u32; 4]) -> Option<u64> {
+    unsafe { POD_ADDRS.get(&AddrKey::new(family, *daddr)) }.copied()
+}
+
+/// Egress on the pod's interface: the app's outbound TCP.
+pub fn egress(ctx: &TcContext) -> i32 {
+    let Some(t) = parse_tcp(ctx) else {
+        return TC_OK; // row O5
+    };
+    // Rows O4/O6: ztunnel's own sockets (and what they accepted) leave untouched.
+    if mark(ctx) & MARK_MASK == MARK_ZTUNNEL {
+        return TC_OK;
+    }
+    // Row O3 (loopback never reaches this interface, checked for symmetry).
+    if is_probe(t.family, &t.daddr) || is_loopback(t.family, &t.daddr) {
+        return TC_OK;
+    }
+    let cookie = netns_cookie(ctx);
+    if t.is_syn() {
+        // A new outbound connection (row O1): steer it to 15001 or fail closed (F1).
+        let Some(pod) = (unsafe { POD_STATE.get(&cookie) }) else {
+            return TC_OK;
+        };
+        if !pod.is_enabled() {
+            count(cookie, |c: &mut Counters| &mut c.dropped_fail_closed);
+            return TC_SHOT;
+        }
+        if !listener_present(&ListenerKey::new(cookie, Role::Outbound, t.family)) {
+            count(cookie, |c: &mut Counters| &mut c.missing_socket);
+            return TC_SHOT;
+        }
+        put_hint(cookie, &t, HintVerdict::Outbound);
+        return redirect_to_self(ctx);
+    }
+    // Not a SYN: deliver locally only packets of flows a local socket terminates
+    // (outbound flows ztunnel accepted on 15001, the app's replies to ztunnel's
+    // spoofed-source connections: row I4). Flows from before enrollment have no
+    // such socket and leave normally (row I5).
+    if terminated_locally(ctx, &t) {
+        return redirect_to_self(ctx);
+    }
+    TC_OK
+}
+
+/// Ingress on the pod's interface: drop inbound SYNs that ztunnel cannot take
+/// (row F1), so the client retries instead of reaching the app or being reset;
+/// hint the others to sk_lookup (rows I1/I2).
+pub fn ingress(ctx: &TcContext) -> i32 {
+    let Some(t) = parse_tcp(ctx) else {
+        return TC_OK;
+    };
+    if !t.is_syn() || mark(ctx) & MARK_MASK == MARK_REDIRECT {
+        // Established traffic, or our own egress redirect (already checked there).
+        return TC_OK;
+    }
+    // An address we do not know (added after enrollment?) gets no hint, and
+    // sk_lookup refuses unhinted connections: fail closed.
+    let Some(cookie) = pod_of(t.family, &t.daddr) else {
+        return TC_OK;
+    };
+    if is_probe(t.family, &t.saddr) {
+        count(cookie, |c: &mut Counters| &mut c.bypassed);
+        return TC_OK; // row I3
+    }
+    let Some(pod) = (unsafe { POD_STATE.get(&cookie) }) else {
+        return TC_OK;
+    };
+    if !pod.is_enabled() {
+        count(cookie, |c: &mut Counters| &mut c.dropped_fail_closed);
+        return TC_SHOT;
+    }
+    let (role, verdict) = if t.dport == PORT_HBONE {
+        (Role::Hbone, HintVerdict::Hbone)
+    } else {
+        (Role::Inbound, HintVerdict::Inbound)
+    };
+    if !listener_present(&ListenerKey::new(cookie, role, t.family)) {
+        count(cookie, |c: &mut Counters| &mut c.missing_socket);
+        return TC_SHOT;
+    }
+    put_hint(cookie, &t, verdict);
+    TC_OK
+}
+
+/// Ingress on the pod's `lo`: Istio exempts `-i lo` traffic (the app to its own
+/// pod IP, ztunnel's spoofed-source connections to the app). sk_lookup cannot
+/// see the input device for these, so tell it with a hint (rows O2, I4).
+pub fn lo_ingress(ctx: &TcContext) -> i32 {
+    if let Some(t) = parse_tcp(ctx) {
+        if t.is_syn() && !is_loopback(t.family, &t.daddr) {
+            // The cookie only serves the counters: 0 (unknown) is fine here.
+            let cookie = pod_of(t.family, &t.daddr).unwrap_or(0);
+            put_hint(cookie, &t, HintVerdict::Local);
+        }
+    }
+    TC_OK
+}
+
+#[inline(always)]
+fn put_hint(cookie: u64, t: &Tcp, verdict: HintVerdict) {
+    let key = FlowKey {
+        remote_addr: t.saddr,
+        local_addr: t.daddr,
+        remote_port: t.sport,
+        local_port: t.dport,
+        family: t.family,
+        _pad: [0; 3],
+    };
+    let hint = FlowHint {
+        verdict: verdict as u32,
+        _pad: 0,
+        netns_cookie: cookie,
+        at_ns: unsafe { bpf_ktime_get_ns() },
+    };
+    let _ = FLOW_HINTS.insert(&key, &hint, 0);
+}
+
+/// Re-injects the packet at the pod interface's ingress with the "deliver
+/// locally" mark; the policy route (table 100) then makes it local.
+#[inline(always)]
+fn redirect_to_self(ctx: &TcContext) -> i32 {
+    // Destination MAC := source MAC (our own), or the frame re-enters as
+    // PACKET_OTHERHOST and IP drops it.
+    let Ok(src) = ctx.load::<[u8; 6]>(6) else {
+        return TC_SHOT;
+    };
+    if ctx.store(0, &src, 0).is_err() {
+        return TC_SHOT;
+    }
+    ctx.set_mark((mark(ctx) & !MARK_MASK) | MARK_REDIRECT);
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    unsafe { bpf_redirect(ifindex, BPF_F_INGRESS as u64) as i32 }
+}
+
+/// Is there a listener for this role in this pod? (Lookups on a socket map
+/// return a referenced socket, released at once.)
+#[inline(always)]
+fn listener_present(key: &ListenerKey) -> bool {
+    let sk = unsafe {
+        bpf_map_lookup_elem(
+            &LISTENERS as *const _ as *mut c_void,
+            key as *const _ as *const c_void,
+        )
+    };
+    if sk.is_null() {
+        return false;
+    }
+    unsafe { bpf_sk_release(sk) };
+    true
+}
+
+/// Would this packet, received here, match a connected (non-listening) socket
+/// of this netns? That socket can only be one ztunnel made or accepted.
+#[inline(always)]
+fn terminated_locally(ctx: &TcContext, t: &Tcp) -> bool {
+    let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
+    let size = if t.family == FAMILY_V4 {
+        let v4 = unsafe { &mut tuple.__bindgen_anon_1.ipv4 };
+        v4.saddr = t.saddr[0];
+        v4.daddr = t.daddr[0];
+        v4.sport = t.sport.to_be();
+        v4.dport = t.dport.to_be();
+        core::mem::size_of_val(v4)
+    } else {
+        let v6 = unsafe { &mut tuple.__bindgen_anon_1.ipv6 };
+        v6.saddr = t.saddr;
+        v6.daddr = t.daddr;
+        v6.sport = t.sport.to_be();
+        v6.dport = t.dport.to_be();
+        core::mem::size_of_val(v6)
+    };
+    let sk = unsafe {
+        bpf_skc_lookup_tcp(
+            ctx.as_ptr(),
+            &mut tuple,
+            size as u32,
+            BPF_F_CURRENT_NETNS as u64,
+            0,
+        )
+    };
+    if sk.is_null() {
+        return false;
+    }
+    let state = unsafe { (*sk).state };
+    unsafe { bpf_sk_release(sk as *mut c_void) };
+    state != BPF_TCP_LISTEN
+}

@@ -1,0 +1,51 @@
+//! sluice's kernel programs. Loaded once per node, attached per pod netns:
+//! - `sluice_steer`   (sk_lookup, netns link): assigns ztunnel's listeners;
+//! - `sluice_egress`  (tcx egress, pod interface): captures outbound TCP;
+//! - `sluice_ingress` (tcx ingress, pod interface): fails closed on inbound SYNs;
+//! - `sluice_lo`      (tcx ingress, pod `lo`): marks in-pod connections as exempt.
+//!
+//! All inputs come from maps written by user space (see `maps.rs`).
+#![no_std]
+#![no_main]
+
+mod addr;
+mod capture;
+mod maps;
+mod packet;
+mod steer;
+
+use aya_ebpf::{
+    macros::{classifier, sk_lookup},
+    programs::{SkLookupContext, TcContext},
+};
+
+#[sk_lookup]
+pub fn sluice_steer(ctx: SkLookupContext) -> u32 {
+    steer::steer(&ctx)
+}
+
+#[classifier]
+pub fn sluice_egress(ctx: TcContext) -> i32 {
+    capture::egress(&ctx)
+}
+
+#[classifier]
+pub fn sluice_ingress(ctx: TcContext) -> i32 {
+    capture::ingress(&ctx)
+}
+
+#[classifier]
+pub fn sluice_lo(ctx: TcContext) -> i32 {
+    capture::lo_ingress(&ctx)
+}
+
+#[link_section = "license"]
+#[no_mangle]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    // The verifier rejects any path that could reach this.
+    loop {}
+}

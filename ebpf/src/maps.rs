@@ -1,0 +1,54 @@
+//! The maps every program shares. All are pinned by name under
+//! `/sys/fs/bpf/sluice/maps/` and created once per node; a pod only adds entries.
+
+use aya_ebpf::{
+    macros::map,
+    maps::{HashMap, LruHashMap, PerCpuHashMap, SockHash},
+};
+use sluice_common::{AddrKey, Counters, FlowHint, FlowKey, ListenerKey, PodEntry, PodMeta};
+
+/// Upper bound on pods per node (Kubernetes' default max-pods is 110).
+const MAX_PODS: u32 = 4096;
+
+/// The shared pod-state map, the single source of truth for enrollment.
+/// Key: pod netns cookie. Written by user space only.
+#[map(name = "pod_state")]
+pub static POD_STATE: HashMap<u64, PodEntry> = HashMap::pinned(MAX_PODS, 0);
+
+/// ztunnel's in-pod listeners, by pod, role and family. Written by user space;
+/// closed sockets leave by themselves.
+#[map(name = "listeners")]
+pub static LISTENERS: SockHash<ListenerKey> = SockHash::pinned(MAX_PODS * 6, 0);
+
+/// Every address of every enrolled pod → its netns cookie. Written by user
+/// space; read by the ingress programs, whose packets carry no socket to ask.
+#[map(name = "pod_addrs")]
+pub static POD_ADDRS: HashMap<AddrKey, u64> = HashMap::pinned(MAX_PODS * 8, 0);
+
+/// Per-pod counters. Per-CPU so the connection path never shares a cache line.
+#[map(name = "counters")]
+pub static COUNTERS: PerCpuHashMap<u64, Counters> = PerCpuHashMap::pinned(MAX_PODS, 0);
+
+/// Hints from tc programs to sk_lookup about a connection's first lookup.
+/// LRU: an entry lives microseconds (written and consumed on one SYN's path);
+/// the size only has to outlast a SYN burst.
+#[map(name = "flow_hints")]
+pub static FLOW_HINTS: LruHashMap<FlowKey, FlowHint> = LruHashMap::pinned(65536, 0);
+
+/// Who each pod is (uid, netns path). User space only; kept beside the state
+/// so that everything about enrollment lives in bpffs.
+#[map(name = "pod_meta")]
+pub static POD_META: HashMap<u64, PodMeta> = HashMap::pinned(MAX_PODS, 0);
+
+/// Adds one to a pod's counter, creating the entry on first use.
+#[inline(always)]
+pub fn count(cookie: u64, field: impl Fn(&mut Counters) -> &mut u64) {
+    if let Some(c) = COUNTERS.get_ptr_mut(&cookie) {
+        // Per-CPU value: no other writer, a plain add is enough.
+        unsafe { *field(&mut *c) += 1 };
+    } else {
+        let mut c = Counters::default();
+        *field(&mut c) = 1;
+        let _ = COUNTERS.insert(&cookie, &c, 0);
+    }
+}

@@ -1,0 +1,100 @@
+//! Shared test fixtures: a topology with an app, a remote server and
+//! (optionally) the ztunnel stand-in, enrolled with sluice.
+
+use std::path::PathBuf;
+
+use sluice::{
+    enroll::{self, Enrolled},
+    loader::Dataplane,
+    state::{Maps, PodRecord},
+    uid::PodUid,
+};
+
+use crate::{
+    app::{App, UdpEcho},
+    standin::{Bind, StandIn},
+    topology::Topology,
+};
+
+pub const APP_PORT: u16 = 8080;
+pub const REMOTE_PORT: u16 = 9090;
+pub const UDP_PORT: u16 = 5353;
+
+pub fn is_root() -> bool {
+    nix::unistd::geteuid().is_root()
+}
+
+/// A pod netns with an app on 8080, a "remote" server on 9090 in the client
+/// netns, UDP echo services on both sides, and optionally the stand-in.
+pub struct Fixture {
+    pub uid: PodUid,
+    pub app: App,
+    pub remote: App,
+    pub standin: Option<StandIn>,
+    _udp: (UdpEcho, UdpEcho),
+    // Last: dropped after the services, it removes the namespaces.
+    pub topo: Topology,
+}
+
+impl Fixture {
+    pub fn new(tag: &str, standin: Option<Bind>) -> anyhow::Result<Self> {
+        let topo = Topology::new(tag)?;
+        Ok(Self {
+            uid: PodUid::new(&format!("pod-{tag}"))?,
+            app: App::start(&topo.pod, APP_PORT),
+            remote: App::start(&topo.client, REMOTE_PORT),
+            standin: standin.map(|b| StandIn::start(&topo.pod, b)),
+            _udp: (
+                UdpEcho::start(&topo.pod, UDP_PORT),
+                UdpEcho::start(&topo.client, UDP_PORT),
+            ),
+            topo,
+        })
+    }
+
+    pub fn dataplane(&self) -> anyhow::Result<Dataplane> {
+        Ok(Dataplane::load_or_adopt(self.topo.pins.clone())?)
+    }
+
+    pub fn enroll(&self) -> anyhow::Result<Enrolled> {
+        let mut dp = self.dataplane()?;
+        Ok(enroll::enroll(
+            &mut dp,
+            &self.topo.pod_netns_path(),
+            &self.uid,
+        )?)
+    }
+
+    pub fn register(&self) -> anyhow::Result<Enrolled> {
+        let mut dp = self.dataplane()?;
+        Ok(enroll::register_uid(&mut dp, &self.uid)?)
+    }
+
+    pub fn unenroll(&self) -> anyhow::Result<()> {
+        let mut maps = Maps::open_pinned(&self.topo.pins.maps())?;
+        Ok(enroll::unenroll(&self.topo.pins, &mut maps, &self.uid)?)
+    }
+
+    pub fn pod_record(&self) -> anyhow::Result<PodRecord> {
+        let pods = sluice::status::read(&self.topo.pins)?;
+        pods.into_iter()
+            .find(|p| p.uid == self.uid.as_str())
+            .ok_or_else(|| anyhow::anyhow!("pod {} not in status", self.uid))
+    }
+
+    pub fn standin(&self) -> &StandIn {
+        self.standin
+            .as_ref()
+            .expect("fixture started without the stand-in")
+    }
+}
+
+/// The `sluice` binary built beside the test executable.
+pub fn sluice_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    // target/<profile>/deps/<test> → target/<profile>/sluice
+    exe.parent()
+        .and_then(|d| d.parent())
+        .map(|d| d.join("sluice"))
+        .expect("target dir layout")
+}

@@ -1,0 +1,97 @@
+//! Istio's real in-pod rules (the reference file), applied with
+//! iptables-restore / ip6tables-restore and the policy route inside a netns,
+//! for the differential test and the benchmarks.
+
+use std::{
+    io::Write,
+    path::PathBuf,
+    process::{Command, Stdio},
+};
+
+use anyhow::{ensure, Context as _};
+
+use crate::{ns::netns_path, topology::ip};
+
+pub fn reference_rules_path() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/reference/istio-inpod-rules.txt")
+}
+
+/// The reference rule set, and its IPv6 form (the same rules with v6 addresses).
+pub fn rules() -> anyhow::Result<(String, String)> {
+    let p = reference_rules_path();
+    let v4 = std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
+    let v6 = v4
+        .replace("127.0.0.1/32", "::1/128")
+        .replace(
+            "169.254.7.127/32",
+            "fd16:9254:7127:1337:ffff:ffff:ffff:ffff/128",
+        )
+        .replace("--on-ip 0.0.0.0", "--on-ip ::");
+    Ok((v4, v6))
+}
+
+fn restore(bin: &str, ns: &str, rules: &str) -> anyhow::Result<()> {
+    let mut child = Command::new("ip")
+        .args(["netns", "exec", ns, bin])
+        .stdin(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("running {bin}"))?;
+    child.stdin.take().unwrap().write_all(rules.as_bytes())?;
+    let out = child.wait_with_output()?;
+    ensure!(
+        out.status.success(),
+        "{bin} in {ns}: {}",
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    Ok(())
+}
+
+/// Applies Istio's rules and policy routing in netns `ns`, as istio-cni does.
+pub fn apply(ns: &str) -> anyhow::Result<()> {
+    ensure!(netns_path(ns).exists(), "no netns {ns}");
+    let (v4, v6) = rules()?;
+    restore("iptables-restore", ns, &v4)?;
+    restore("ip6tables-restore", ns, &v6)?;
+    ip(&[
+        "-n",
+        ns,
+        "rule",
+        "add",
+        "fwmark",
+        "0x111/0xfff",
+        "pref",
+        "32764",
+        "lookup",
+        "100",
+    ])?;
+    ip(&[
+        "-n",
+        ns,
+        "route",
+        "add",
+        "local",
+        "0.0.0.0/0",
+        "dev",
+        "lo",
+        "table",
+        "100",
+    ])?;
+    ip(&[
+        "-n",
+        ns,
+        "-6",
+        "rule",
+        "add",
+        "fwmark",
+        "0x111/0xfff",
+        "pref",
+        "32764",
+        "lookup",
+        "100",
+    ])?;
+    ip(&[
+        "-n", ns, "-6", "route", "add", "local", "::/0", "dev", "lo", "table", "100",
+    ])?;
+    Ok(())
+}

@@ -1,0 +1,12 @@
+//! Test support for sluice's integration tests and demo: namespaces and veths
+//! made for each test, a ztunnel stand-in that behaves like upstream ztunnel in
+//! its pod netns, a tiny app, and clients that report what they reached.
+//! Not shipped.
+
+pub mod app;
+pub mod flow;
+pub mod harness;
+pub mod istio;
+pub mod ns;
+pub mod standin;
+pub mod topology;

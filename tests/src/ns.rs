@@ -1,0 +1,32 @@
+//! Running code inside a named network namespace on a dedicated thread.
+
+use std::{fs::File, os::fd::AsFd, path::PathBuf, thread::JoinHandle};
+
+use nix::sched::{setns, CloneFlags};
+
+pub fn netns_path(name: &str) -> PathBuf {
+    PathBuf::from(format!("/run/netns/{name}"))
+}
+
+/// Enters netns `name` on the calling thread. Only for threads we own.
+pub fn enter(name: &str) -> std::io::Result<()> {
+    let f = File::open(netns_path(name))?;
+    setns(f.as_fd(), CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)
+}
+
+/// Spawns a thread that lives in netns `name`.
+pub fn spawn_in<T: Send + 'static>(
+    name: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> JoinHandle<T> {
+    let name = name.to_owned();
+    std::thread::spawn(move || {
+        enter(&name).unwrap_or_else(|e| panic!("entering netns {name}: {e}"));
+        f()
+    })
+}
+
+/// Runs `f` in netns `name` and waits for it.
+pub fn run_in<T: Send + 'static>(name: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    spawn_in(name, f).join().expect("netns thread panicked")
+}

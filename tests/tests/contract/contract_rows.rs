@@ -1,0 +1,410 @@
+//! One test per contract row and address family.
+
+use std::{net::SocketAddr, time::Duration};
+
+use anyhow::{ensure, Context as _};
+use libtest_mimic::Trial;
+use sluice_common::{PodState, Role, MARK_ZTUNNEL};
+use sluice_tests::{
+    flow::{connect, try_connect, udp, Opts, Reached},
+    harness::{Fixture, APP_PORT, REMOTE_PORT, UDP_PORT},
+    ns::{run_in, spawn_in},
+    standin::{Bind, StandIn},
+    topology::Family,
+};
+
+use crate::{trial, TestResult};
+
+type Row = (&'static str, fn(Family) -> TestResult);
+
+pub fn trials() -> Vec<Trial> {
+    let rows: [Row; 13] = [
+        ("i1_inbound_to_15006_with_original_destination", i1),
+        ("i2_inbound_hbone_to_15008", i2),
+        ("i3_kubelet_probe_reaches_app", i3),
+        (
+            "i4_ztunnel_spoofed_connection_reaches_app_and_replies_return",
+            i4,
+        ),
+        ("i5_connections_from_before_enrollment_keep_working", i5),
+        ("o1_outbound_to_15001_with_original_destination", o1),
+        ("o2_loopback_and_own_pod_ip_not_captured", o2),
+        ("o3_probe_address_not_captured", o3),
+        ("o4_ztunnel_marked_socket_not_captured", o4),
+        ("o5_udp_not_captured", o5),
+        ("o6_replies_of_captured_inbound_not_recaptured", o6),
+        ("f1_listener_missing_fails_closed_then_recovers", f1),
+        ("f2_unenroll_removes_everything", f2),
+    ];
+    let mut v = Vec::new();
+    for fam in [Family::V4, Family::V6] {
+        for (name, f) in rows {
+            v.push(trial(
+                format!("contract::{}::{name}", fam.name()),
+                move || f(fam),
+            ));
+        }
+    }
+    v.push(trial(
+        "contract::ipv4::i1_with_ipv4_only_listeners",
+        i1_v4_only,
+    ));
+    v
+}
+
+/// A fixture with the stand-in, enrolled and `Enabled`.
+fn enabled(tag: &str, bind: Bind) -> anyhow::Result<Fixture> {
+    let f = Fixture::new(tag, Some(bind))?;
+    let e = f.enroll()?;
+    ensure!(e.state == PodState::Enabled, "expected Enabled, got {e:?}");
+    Ok(f)
+}
+
+fn sa(ip: std::net::IpAddr, port: u16) -> SocketAddr {
+    SocketAddr::new(ip, port)
+}
+
+/// How the app prints a peer with this address: "10.0.0.1:" or "[fd00::1]:".
+fn peer(ip: std::net::IpAddr) -> String {
+    let s = sa(ip, 1).to_string();
+    s[..s.len() - 1].to_owned()
+}
+
+fn expect_reply(r: &Reached, prefix: &str) -> TestResult {
+    let line = r
+        .reply()
+        .with_context(|| format!("expected a reply, got {r:?}"))?;
+    ensure!(
+        line.starts_with(prefix),
+        "reply {line:?} does not start with {prefix:?}"
+    );
+    Ok(())
+}
+
+fn i1(fam: Family) -> TestResult {
+    let f = enabled("i1", Bind::DualStack)?;
+    inbound_captured(&f, fam)
+}
+
+fn i1_v4_only() -> TestResult {
+    let f = enabled("i1v4", Bind::V4Only)?;
+    inbound_captured(&f, Family::V4)?;
+    let rec = f.pod_record()?;
+    ensure!(
+        rec.listeners.iter().all(|l| l.ends_with("ipv4")),
+        "IPv4-only listeners must not be registered for IPv6: {:?}",
+        rec.listeners
+    );
+    Ok(())
+}
+
+fn inbound_captured(f: &Fixture, fam: Family) -> TestResult {
+    let dst = sa(fam.pod(), APP_PORT);
+    let r = connect(&f.topo.client, dst, Opts::default());
+    // The app answers through ztunnel and sees the client's own address (I4).
+    expect_reply(&r, &format!("app:{APP_PORT} peer={}", peer(fam.client())))?;
+    let acc = f.standin().accepted();
+    ensure!(
+        acc.len() == 1,
+        "expected one accepted connection, got {acc:?}"
+    );
+    let a = &acc[0];
+    ensure!(a.role == Role::Inbound, "accepted by {:?}", a.role);
+    ensure!(
+        a.local == dst,
+        "listener's local address {} != original destination {dst}",
+        a.local
+    );
+    ensure!(
+        a.peer.ip() == fam.client(),
+        "listener's peer {} is not the client",
+        a.peer
+    );
+    ensure!(f.pod_record()?.counters.captured_inbound == 1);
+    Ok(())
+}
+
+fn i2(fam: Family) -> TestResult {
+    let f = enabled("i2", Bind::DualStack)?;
+    let dst = sa(fam.pod(), 15008);
+    let r = connect(&f.topo.client, dst, Opts::default());
+    expect_reply(
+        &r,
+        &format!("hbone local={dst} peer={}", peer(fam.client())),
+    )?;
+    let acc = f.standin().accepted();
+    ensure!(
+        acc.len() == 1 && acc[0].role == Role::Hbone,
+        "accepted: {acc:?}"
+    );
+    ensure!(f.pod_record()?.counters.captured_hbone == 1);
+    Ok(())
+}
+
+fn i3(fam: Family) -> TestResult {
+    let f = enabled("i3", Bind::DualStack)?;
+    let r = connect(
+        &f.topo.client,
+        sa(fam.pod(), APP_PORT),
+        Opts {
+            bind: Some(fam.probe()),
+            ..Opts::default()
+        },
+    );
+    expect_reply(&r, &format!("app:{APP_PORT} peer={}", peer(fam.probe())))?;
+    ensure!(f.standin().accepted().is_empty(), "probe was captured");
+    Ok(())
+}
+
+fn i4(fam: Family) -> TestResult {
+    let f = enabled("i4", Bind::DualStack)?;
+    // ztunnel's own connection to the app, spoofing the client's address.
+    let r = connect(
+        &f.topo.pod,
+        sa(fam.pod(), APP_PORT),
+        Opts {
+            mark: Some(MARK_ZTUNNEL),
+            bind: Some(fam.client()),
+            transparent: true,
+            ..Opts::default()
+        },
+    );
+    expect_reply(&r, &format!("app:{APP_PORT} peer={}", peer(fam.client())))?;
+    ensure!(
+        f.standin().accepted().is_empty(),
+        "ztunnel's own connection was captured"
+    );
+    ensure!(f.app.peers().iter().all(|p| p.ip() == fam.client()));
+    Ok(())
+}
+
+fn i5(fam: Family) -> TestResult {
+    let f = Fixture::new("i5", Some(Bind::DualStack))?;
+    let inbound_dst = sa(fam.pod(), APP_PORT);
+    let outbound_dst = sa(fam.client(), REMOTE_PORT);
+    // Long-lived connections in both directions, opened before enrollment.
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let (rtx, rrx) = std::sync::mpsc::channel();
+    let client_side = spawn_in(&f.topo.client, move || two_exchanges(inbound_dst, rx));
+    let (tx2, rx2) = std::sync::mpsc::channel::<()>();
+    let pod_side = spawn_in(&f.topo.pod, move || {
+        let r = two_exchanges(outbound_dst, rx2);
+        let _ = rtx.send(());
+        r
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    ensure!(f.enroll()?.state == PodState::Enabled);
+    tx.send(()).ok();
+    tx2.send(()).ok();
+    let a = client_side.join().unwrap()?;
+    let b = pod_side.join().unwrap()?;
+    let _ = rrx.recv();
+    ensure!(
+        a.starts_with(&format!("app:{APP_PORT}")),
+        "inbound after enroll: {a}"
+    );
+    ensure!(
+        b.starts_with(&format!("app:{REMOTE_PORT}")),
+        "outbound after enroll: {b}"
+    );
+    ensure!(
+        f.standin().accepted().is_empty(),
+        "pre-existing connection got captured"
+    );
+    Ok(())
+}
+
+/// One line before `go`, one after; returns the second reply.
+fn two_exchanges(dst: SocketAddr, go: std::sync::mpsc::Receiver<()>) -> anyhow::Result<String> {
+    use std::io::{BufRead, BufReader, Write};
+    let s = try_connect(dst, &Opts::default())?;
+    let mut r = BufReader::new(s.try_clone()?);
+    let mut w = s;
+    let mut line = String::new();
+    writeln!(w, "one")?;
+    r.read_line(&mut line)?;
+    go.recv()?;
+    line.clear();
+    writeln!(w, "two")?;
+    r.read_line(&mut line)?;
+    ensure!(!line.is_empty(), "connection closed after enrollment");
+    Ok(line.trim_end().to_owned())
+}
+
+fn o1(fam: Family) -> TestResult {
+    let f = enabled("o1", Bind::DualStack)?;
+    let dst = sa(fam.client(), REMOTE_PORT);
+    let r = connect(&f.topo.pod, dst, Opts::default());
+    // ztunnel connected onwards from the pod's address.
+    expect_reply(&r, &format!("app:{REMOTE_PORT} peer={}", peer(fam.pod())))?;
+    let acc = f.standin().accepted();
+    ensure!(
+        acc.len() == 1,
+        "expected one accepted connection, got {acc:?}"
+    );
+    ensure!(
+        acc[0].role == Role::Outbound,
+        "accepted by {:?}",
+        acc[0].role
+    );
+    ensure!(
+        acc[0].local == dst,
+        "15001's local address {} != original destination {dst}",
+        acc[0].local
+    );
+    ensure!(acc[0].peer.ip() == fam.pod());
+    ensure!(f.pod_record()?.counters.captured_outbound == 1);
+    Ok(())
+}
+
+fn o2(fam: Family) -> TestResult {
+    let f = enabled("o2", Bind::DualStack)?;
+    let r = connect(&f.topo.pod, sa(fam.loopback(), APP_PORT), Opts::default());
+    expect_reply(&r, &format!("app:{APP_PORT} peer={}", peer(fam.loopback())))?;
+    let r = connect(&f.topo.pod, sa(fam.pod(), APP_PORT), Opts::default());
+    expect_reply(&r, &format!("app:{APP_PORT} peer={}", peer(fam.pod())))?;
+    ensure!(
+        f.standin().accepted().is_empty(),
+        "in-pod traffic was captured"
+    );
+    Ok(())
+}
+
+fn o3(fam: Family) -> TestResult {
+    let f = enabled("o3", Bind::DualStack)?;
+    let r = connect(&f.topo.pod, sa(fam.probe(), REMOTE_PORT), Opts::default());
+    expect_reply(&r, &format!("app:{REMOTE_PORT} peer={}", peer(fam.pod())))?;
+    ensure!(
+        f.standin().accepted().is_empty(),
+        "traffic to the probe address was captured"
+    );
+    Ok(())
+}
+
+fn o4(fam: Family) -> TestResult {
+    let f = enabled("o4", Bind::DualStack)?;
+    let r = connect(
+        &f.topo.pod,
+        sa(fam.client(), REMOTE_PORT),
+        Opts {
+            mark: Some(MARK_ZTUNNEL),
+            ..Opts::default()
+        },
+    );
+    expect_reply(&r, &format!("app:{REMOTE_PORT} peer={}", peer(fam.pod())))?;
+    ensure!(
+        f.standin().accepted().is_empty(),
+        "marked socket was captured"
+    );
+    Ok(())
+}
+
+fn o5(fam: Family) -> TestResult {
+    let f = enabled("o5", Bind::DualStack)?;
+    let out = udp(&f.topo.pod, sa(fam.client(), UDP_PORT)).context("no UDP reply outbound")?;
+    ensure!(
+        out.starts_with(&format!("udp:{UDP_PORT} peer={}", peer(fam.pod()))),
+        "{out}"
+    );
+    let inb = udp(&f.topo.client, sa(fam.pod(), UDP_PORT)).context("no UDP reply inbound")?;
+    ensure!(
+        inb.starts_with(&format!("udp:{UDP_PORT} peer={}", peer(fam.client()))),
+        "{inb}"
+    );
+    ensure!(f.standin().accepted().is_empty());
+    Ok(())
+}
+
+fn o6(fam: Family) -> TestResult {
+    let f = enabled("o6", Bind::DualStack)?;
+    // The reply travels from ztunnel's accepted socket (mark inherited) out of
+    // the pod to the client; it must not be taken for a new outbound flow.
+    for _ in 0..3 {
+        let r = connect(&f.topo.client, sa(fam.pod(), APP_PORT), Opts::default());
+        expect_reply(&r, &format!("app:{APP_PORT}"))?;
+    }
+    let c = f.pod_record()?.counters;
+    ensure!(c.captured_inbound == 3, "{c:?}");
+    ensure!(c.captured_outbound == 0, "a reply was re-captured: {c:?}");
+    ensure!(f
+        .standin()
+        .accepted()
+        .iter()
+        .all(|a| a.role == Role::Inbound));
+    Ok(())
+}
+
+fn f1(fam: Family) -> TestResult {
+    let mut f = Fixture::new("f1", None)?;
+    let e = f.enroll()?;
+    ensure!(
+        e.state == PodState::Pending,
+        "no ztunnel: expected Pending, got {e:?}"
+    );
+    let short = Opts {
+        timeout: Some(Duration::from_millis(1500)),
+        ..Opts::default()
+    };
+    // Pending: SYNs are dropped (not refused, not passed to the app).
+    let r = connect(&f.topo.client, sa(fam.pod(), APP_PORT), short.clone());
+    ensure!(r == Reached::TimedOut, "inbound while Pending: {r:?}");
+    let r = connect(&f.topo.pod, sa(fam.client(), REMOTE_PORT), short.clone());
+    ensure!(r == Reached::TimedOut, "outbound while Pending: {r:?}");
+    ensure!(
+        f.app.peers().is_empty() && f.remote.peers().is_empty(),
+        "traffic bypassed ztunnel"
+    );
+    ensure!(f.pod_record()?.counters.dropped_fail_closed >= 2);
+
+    // A client already retrying succeeds once ztunnel is back (SYN retransmit).
+    let client = f.topo.client.clone();
+    let dst = sa(fam.pod(), APP_PORT);
+    let retrying = std::thread::spawn(move || {
+        connect(
+            &client,
+            dst,
+            Opts {
+                timeout: Some(Duration::from_secs(10)),
+                ..Opts::default()
+            },
+        )
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    f.standin = Some(StandIn::start(&f.topo.pod, Bind::DualStack));
+    ensure!(f.register()?.state == PodState::Enabled);
+    let r = retrying.join().unwrap();
+    expect_reply(&r, &format!("app:{APP_PORT} peer={}", peer(fam.client())))?;
+    ensure!(f.standin().accepted().len() == 1, "retry was not captured");
+
+    // Enabled but ztunnel gone (restarting): its sockets leave the map by
+    // themselves and SYNs are dropped again, counted as missing-socket.
+    f.standin = None;
+    std::thread::sleep(Duration::from_millis(100));
+    let r = connect(&f.topo.client, sa(fam.pod(), APP_PORT), short);
+    ensure!(r == Reached::TimedOut, "inbound with ztunnel gone: {r:?}");
+    let c = f.pod_record()?.counters;
+    ensure!(c.missing_socket >= 1, "{c:?}");
+    ensure!(
+        f.app.peers().len() == 1,
+        "traffic reached the app without ztunnel"
+    );
+    Ok(())
+}
+
+fn f2(fam: Family) -> TestResult {
+    let f = enabled("f2", Bind::DualStack)?;
+    let cookie = f.pod_record()?.netns_cookie;
+    f.unenroll()?;
+    let r = connect(&f.topo.client, sa(fam.pod(), APP_PORT), Opts::default());
+    expect_reply(&r, &format!("app:{APP_PORT} peer={}", peer(fam.client())))?;
+    let r = connect(&f.topo.pod, sa(fam.client(), REMOTE_PORT), Opts::default());
+    expect_reply(&r, &format!("app:{REMOTE_PORT} peer={}", peer(fam.pod())))?;
+    ensure!(f.standin().accepted().is_empty(), "captured after unenroll");
+    ensure!(!f.topo.pins.pod(cookie).exists(), "pod pins remain");
+    let maps = sluice::state::Maps::open_pinned(&f.topo.pins.maps())?;
+    ensure!(!maps.cookies().contains(&cookie), "map entries remain");
+    let rule = run_in(&f.topo.pod, sluice::routes::rule_present)?;
+    ensure!(!rule, "policy rule remains");
+    ensure!(sluice::status::read(&f.topo.pins)?.is_empty());
+    Ok(())
+}

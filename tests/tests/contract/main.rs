@@ -1,0 +1,32 @@
+//! The behaviour contract (DESIGN.md §2), row by row, in real namespaces with
+//! the real programs in the kernel. Each row has an IPv4 and an IPv6 test.
+//! Needs root: without it every test is reported as ignored (skipped), with
+//! the reason, never as passed.
+
+mod contract_rows;
+mod differential;
+mod lifecycle;
+
+use libtest_mimic::{Arguments, Failed, Trial};
+use sluice_tests::harness::is_root;
+
+pub type TestResult = anyhow::Result<()>;
+
+pub fn trial(name: impl Into<String>, f: impl FnOnce() -> TestResult + Send + 'static) -> Trial {
+    Trial::test(name, move || {
+        f().map_err(|e| Failed::from(format!("{e:#}")))
+    })
+    .with_ignored_flag(!is_root())
+}
+
+fn main() {
+    let args = Arguments::from_args();
+    if !is_root() {
+        eprintln!("skipping the dataplane tests: they need root (network namespaces, eBPF)");
+    }
+    let mut trials = Vec::new();
+    trials.extend(contract_rows::trials());
+    trials.extend(differential::trials());
+    trials.extend(lifecycle::trials());
+    libtest_mimic::run(&args, trials).exit();
+}

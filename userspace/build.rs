@@ -1,0 +1,22 @@
+//! Embeds the eBPF object built by `cargo xtask build-ebpf`, so `sluice` is one
+//! file to ship.
+
+use std::path::PathBuf;
+
+fn main() {
+    let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap());
+    let target = std::env::var("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| manifest.join("../target"));
+    let obj = target.join("bpfel-unknown-none/release/sluice-ebpf");
+    println!("cargo:rerun-if-changed={}", obj.display());
+    println!("cargo:rerun-if-env-changed=CARGO_TARGET_DIR");
+    if !obj.exists() {
+        panic!(
+            "the eBPF object {} is missing: run `cargo xtask build-ebpf` first \
+             (or `cargo xtask setup` on a new machine)",
+            obj.display()
+        );
+    }
+    println!("cargo:rustc-env=SLUICE_EBPF_OBJECT={}", obj.display());
+}

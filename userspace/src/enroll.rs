@@ -1,0 +1,356 @@
+//! Enrolling and unenrolling one pod netns: attach (and pin) the links, install
+//! the pod-side routing, write the shared state; register ztunnel's listeners
+//! when they exist. Every step is undone on failure: no half-enrolled pod.
+
+use std::{fs, path::Path};
+
+use aya::programs::{
+    links::{FdLink, PinnedLink},
+    tc::TcAttachOptions,
+    LinkOrder, ProgramError, TcAttachType,
+};
+use sluice_common::{ListenerKey, PodState, Role, NETNS_PATH_LEN};
+
+use crate::{
+    loader::{Dataplane, Pins},
+    netns::{addresses, interfaces, Netns, NetnsError},
+    routes::{self, RouteError},
+    sockets::{self, SocketError},
+    state::{boottime_ns, Maps, StateError},
+    uid::PodUid,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EnrollError {
+    #[error(transparent)]
+    Netns(#[from] NetnsError),
+    #[error("pod {uid} is already enrolled (netns cookie {cookie})")]
+    AlreadyEnrolled { uid: PodUid, cookie: u64 },
+    #[error("netns {path} is already enrolled as pod {uid}")]
+    NetnsTaken { path: String, uid: String },
+    #[error("no enrolled pod has uid {0}")]
+    UnknownPod(PodUid),
+    #[error("netns path {0:?} is too long (max {max} bytes) or not UTF-8", max = NETNS_PATH_LEN - 1)]
+    BadPath(String),
+    #[error("netns {0} has no interface besides lo: nothing to capture")]
+    NoInterface(String),
+    #[error("attaching {what}: {source}")]
+    Attach { what: String, source: ProgramError },
+    #[error("pinning {what}: {reason}")]
+    Pin { what: String, reason: String },
+    #[error("pod routing: {0}")]
+    Routes(#[from] RouteError),
+    #[error(transparent)]
+    State(#[from] StateError),
+    #[error("finding ztunnel's listeners: {0}")]
+    Sockets(#[from] SocketError),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+}
+
+/// What enrolling (or re-registering) a pod achieved.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Enrolled {
+    pub cookie: u64,
+    pub state: PodState,
+    /// Roles for which a ztunnel listener is registered.
+    pub roles: Vec<Role>,
+}
+
+/// Enrolls the pod whose netns is at `netns_path`. The pod is `Pending` (fail
+/// closed) from its first attached link; it becomes `Enabled` here only if
+/// ztunnel's listeners already exist in the netns.
+pub fn enroll(
+    dp: &mut Dataplane,
+    netns_path: &Path,
+    uid: &PodUid,
+) -> Result<Enrolled, EnrollError> {
+    let path = netns_path
+        .to_str()
+        .filter(|p| p.len() < NETNS_PATH_LEN)
+        .ok_or_else(|| EnrollError::BadPath(netns_path.display().to_string()))?
+        .to_owned();
+    let netns = Netns::open(netns_path)?;
+    let cookie = netns.cookie()?;
+    if let Some(cookie) = dp.maps.find_uid(uid) {
+        return Err(EnrollError::AlreadyEnrolled {
+            uid: uid.clone(),
+            cookie,
+        });
+    }
+    if dp.maps.entry(cookie).is_some() {
+        let owner = dp.maps.meta(cookie).map(|m| m.0).unwrap_or_default();
+        return Err(EnrollError::NetnsTaken { path, uid: owner });
+    }
+    // Pins without state can only be the remains of an interrupted enroll.
+    teardown(&dp.pins, &mut dp.maps, Some(&netns), cookie)?;
+
+    if let Err(e) = attach(dp, &netns, cookie, uid, &path) {
+        let _ = teardown(&dp.pins, &mut dp.maps, Some(&netns), cookie);
+        return Err(e);
+    }
+    register(&mut dp.maps, &netns, cookie, None)
+}
+
+fn attach(
+    dp: &mut Dataplane,
+    netns: &Netns,
+    cookie: u64,
+    uid: &PodUid,
+    path: &str,
+) -> Result<(), EnrollError> {
+    // State first: every program fails closed for this pod from its first link.
+    dp.maps.insert_pod(cookie, uid, path, boottime_ns())?;
+    refresh_addrs(&mut dp.maps, netns, cookie)?;
+    let dir = dp.pins.pod(cookie);
+    fs::create_dir_all(&dir).map_err(|source| EnrollError::Io {
+        what: format!("creating {}", dir.display()),
+        source,
+    })?;
+
+    let id = dp
+        .steer
+        .attach(netns)
+        .map_err(|source| EnrollError::Attach {
+            what: "sk_lookup".into(),
+            source,
+        })?;
+    let link = dp
+        .steer
+        .take_link(id)
+        .map_err(|source| EnrollError::Attach {
+            what: "sk_lookup".into(),
+            source,
+        })?;
+    pin(FdLink::from(link), &dir.join("steer"))?;
+
+    // tc attaches resolve interface names in the calling thread's netns, so
+    // they happen on the netns thread; the links are pinned back here (bpffs
+    // refuses pins from a thread in another netns).
+    let (egress, ingress, lo) = (&mut dp.egress, &mut dp.ingress, &mut dp.lo);
+    let links = netns.run(|| -> Result<Vec<(String, FdLink)>, EnrollError> {
+        let pod_ifaces: Vec<String> = interfaces()
+            .map_err(|source| EnrollError::Io {
+                what: "listing interfaces".into(),
+                source,
+            })?
+            .into_iter()
+            .filter(|i| i != "lo")
+            .collect();
+        if pod_ifaces.is_empty() {
+            return Err(EnrollError::NoInterface(path.to_owned()));
+        }
+        routes::install(&pod_ifaces)?;
+        let mut links = Vec::new();
+        for i in &pod_ifaces {
+            // bpffs reserves '.' in names; interface names may contain it.
+            let n = i.replace('.', "_");
+            links.push((
+                format!("egress_{n}"),
+                attach_tc(egress, i, TcAttachType::Egress)?,
+            ));
+            links.push((
+                format!("ingress_{n}"),
+                attach_tc(ingress, i, TcAttachType::Ingress)?,
+            ));
+        }
+        links.push(("lo".into(), attach_tc(lo, "lo", TcAttachType::Ingress)?));
+        Ok(links)
+    })??;
+    for (name, link) in links {
+        pin(link, &dir.join(name))?;
+    }
+    Ok(())
+}
+
+/// Attaches a tc program with a tcx link (in the calling thread's netns).
+fn attach_tc(
+    prog: &mut aya::programs::SchedClassifier,
+    iface: &str,
+    kind: TcAttachType,
+) -> Result<FdLink, EnrollError> {
+    let what = || format!("tc {kind:?} on {iface}");
+    let aerr = |source| EnrollError::Attach {
+        what: what(),
+        source,
+    };
+    let id = prog
+        .attach_with_options(iface, kind, TcAttachOptions::TcxOrder(LinkOrder::default()))
+        .map_err(aerr)?;
+    let link = prog.take_link(id).map_err(aerr)?;
+    FdLink::try_from(link).map_err(|e| EnrollError::Pin {
+        what: what(),
+        reason: error_chain(&e),
+    })
+}
+
+fn pin(link: FdLink, path: &Path) -> Result<(), EnrollError> {
+    link.pin(path).map(drop).map_err(|e| EnrollError::Pin {
+        what: path.display().to_string(),
+        reason: error_chain(&e),
+    })
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+/// Publishes the pod's current addresses to the ingress programs.
+fn refresh_addrs(maps: &mut Maps, netns: &Netns, cookie: u64) -> Result<(), EnrollError> {
+    let addrs = netns.run(addresses)?.map_err(|source| EnrollError::Io {
+        what: "listing the pod's addresses".into(),
+        source,
+    })?;
+    maps.set_addrs(cookie, &addrs)?;
+    Ok(())
+}
+
+/// Registers the listeners ztunnel has opened in the pod netns (and the pod's
+/// current addresses), and moves the pod to `Enabled` once every role has a
+/// listener. `pid_hint` is where to look first.
+pub fn register(
+    maps: &mut Maps,
+    netns: &Netns,
+    cookie: u64,
+    pid_hint: Option<i32>,
+) -> Result<Enrolled, EnrollError> {
+    refresh_addrs(maps, netns, cookie)?;
+    for l in sockets::take_listeners(netns, cookie, pid_hint)? {
+        for &family in &l.families {
+            maps.insert_listener(ListenerKey::new(cookie, l.role, family), &l.fd)?;
+        }
+        // `l.fd` closes here: the map holds its own reference to the socket.
+    }
+    let registered = maps.listeners_of(cookie);
+    let roles: Vec<Role> = Role::ALL
+        .into_iter()
+        .filter(|r| registered.iter().any(|k| k.role == *r as u8))
+        .collect();
+    let state = if roles.len() == Role::ALL.len() {
+        PodState::Enabled
+    } else {
+        PodState::Pending
+    };
+    maps.set_state(cookie, state, boottime_ns())?;
+    Ok(Enrolled {
+        cookie,
+        state,
+        roles,
+    })
+}
+
+/// Re-registers the listeners of an enrolled pod (after ztunnel (re)started).
+pub fn register_uid(dp: &mut Dataplane, uid: &PodUid) -> Result<Enrolled, EnrollError> {
+    let cookie = dp
+        .maps
+        .find_uid(uid)
+        .ok_or_else(|| EnrollError::UnknownPod(uid.clone()))?;
+    let (_, path) = dp.maps.meta(cookie).unwrap_or_default();
+    let netns = Netns::open(Path::new(&path))?;
+    if netns.cookie()? != cookie {
+        return Err(EnrollError::NetnsTaken {
+            path,
+            uid: "another netns now at that path".into(),
+        });
+    }
+    register(&mut dp.maps, &netns, cookie, None)
+}
+
+/// Unenrolls a pod: nothing of it remains (links, pins, routes, map entries).
+pub fn unenroll(pins: &Pins, maps: &mut Maps, uid: &PodUid) -> Result<(), EnrollError> {
+    let cookie = maps
+        .find_uid(uid)
+        .ok_or_else(|| EnrollError::UnknownPod(uid.clone()))?;
+    let (_, path) = maps.meta(cookie).unwrap_or_default();
+    // The netns may be gone with the pod (its routes went with it), or its
+    // path may now name another netns: only touch the one with our cookie.
+    let netns = Netns::open(Path::new(&path))
+        .ok()
+        .filter(|n| n.cookie().ok() == Some(cookie));
+    teardown(pins, maps, netns.as_ref(), cookie)
+}
+
+/// Removes everything of one pod. Idempotent; also the rollback of `enroll`.
+fn teardown(
+    pins: &Pins,
+    maps: &mut Maps,
+    netns: Option<&Netns>,
+    cookie: u64,
+) -> Result<(), EnrollError> {
+    // Fail closed while links go away one by one.
+    maps.set_state(cookie, PodState::Draining, boottime_ns())?;
+    let dir = pins.pod(cookie);
+    if let Ok(entries) = fs::read_dir(&dir) {
+        for e in entries.flatten() {
+            match PinnedLink::from_pin(e.path()) {
+                // Unpinned and dropped: the last reference goes, the link detaches.
+                Ok(link) => drop(link.unpin()),
+                Err(_) => drop(fs::remove_file(e.path())),
+            }
+        }
+    }
+    match fs::remove_dir(&dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(EnrollError::Io {
+                what: format!("removing {}", dir.display()),
+                source: e,
+            })
+        }
+        _ => {}
+    }
+    if let Some(netns) = netns {
+        netns.run(|| -> Result<(), EnrollError> {
+            let ifaces: Vec<String> = interfaces()
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|i| i != "lo")
+                .collect();
+            Ok(routes::remove(&ifaces)?)
+        })??;
+    }
+    maps.remove_pod(cookie);
+    Ok(())
+}
+
+/// Unenrolls every pod and removes the node-wide pins.
+pub fn uninstall(pins: &Pins) -> Result<usize, EnrollError> {
+    if !pins.root().exists() {
+        return Ok(0);
+    }
+    let mut n = 0;
+    if let Ok(mut maps) = Maps::open_pinned(&pins.maps()) {
+        for cookie in maps.cookies() {
+            let path = maps.meta(cookie).map(|m| m.1).unwrap_or_default();
+            let netns = Netns::open(Path::new(&path))
+                .ok()
+                .filter(|ns| ns.cookie().ok() == Some(cookie));
+            teardown(pins, &mut maps, netns.as_ref(), cookie)?;
+            n += 1;
+        }
+    }
+    // Pod dirs without any map entry (interrupted enrolls).
+    if let Ok(entries) = fs::read_dir(pins.pods()) {
+        for e in entries.flatten() {
+            if let Some(cookie) = e.file_name().to_str().and_then(|s| s.parse().ok()) {
+                if let Ok(mut maps) = Maps::open_pinned(&pins.maps()) {
+                    teardown(pins, &mut maps, None, cookie)?;
+                }
+            }
+        }
+    }
+    crate::loader::remove_node_pins(pins).map_err(|e| EnrollError::Io {
+        what: "removing node pins".into(),
+        source: std::io::Error::other(e.to_string()),
+    })?;
+    Ok(n)
+}

@@ -1,0 +1,172 @@
+//! Network namespace handles: open and validate a netns path, learn its cookie,
+//! and run code inside it on a dedicated thread (setns affects only the calling
+//! thread, so the rest of the process never changes namespace).
+
+use std::{
+    fs::File,
+    os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+    path::{Path, PathBuf},
+};
+
+use nix::sched::{setns, CloneFlags};
+
+const NSFS_MAGIC: i64 = 0x6e73_6673;
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetnsError {
+    #[error("netns {path}: {source}")]
+    Open {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{0} is not a network namespace (not a file on nsfs)")]
+    NotNetns(PathBuf),
+    #[error("netns {path}: setns: {source}")]
+    Enter { path: PathBuf, source: nix::Error },
+    #[error("netns {path}: reading the netns cookie: {source}")]
+    Cookie {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// An open network namespace.
+#[derive(Debug)]
+pub struct Netns {
+    file: File,
+    path: PathBuf,
+}
+
+impl Netns {
+    /// Opens `path` (e.g. `/run/netns/NAME` or `/proc/PID/ns/net`) and checks
+    /// that it is a network namespace.
+    pub fn open(path: &Path) -> Result<Self, NetnsError> {
+        let file = File::open(path).map_err(|source| NetnsError::Open {
+            path: path.to_owned(),
+            source,
+        })?;
+        let st = nix::sys::statfs::fstatfs(&file).map_err(|e| NetnsError::Open {
+            path: path.to_owned(),
+            source: e.into(),
+        })?;
+        if st.filesystem_type().0 != NSFS_MAGIC {
+            return Err(NetnsError::NotNetns(path.to_owned()));
+        }
+        let ns = Self {
+            file,
+            path: path.to_owned(),
+        };
+        // nsfs also holds other namespace kinds: entering tells them apart.
+        ns.run(|| ())?;
+        Ok(ns)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Runs `f` on a new thread that has entered this netns.
+    pub fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> Result<R, NetnsError> {
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                setns(self.file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|source| {
+                    if source == nix::Error::EINVAL {
+                        NetnsError::NotNetns(self.path.clone())
+                    } else {
+                        NetnsError::Enter {
+                            path: self.path.clone(),
+                            source,
+                        }
+                    }
+                })?;
+                Ok(f())
+            })
+            .join()
+            .expect("netns worker thread panicked")
+        })
+    }
+
+    /// The kernel's netns cookie: the key the programs derive with
+    /// bpf_get_netns_cookie() in this netns.
+    pub fn cookie(&self) -> Result<u64, NetnsError> {
+        let err = |source| NetnsError::Cookie {
+            path: self.path.clone(),
+            source,
+        };
+        let sock = self.run(udp_socket)?.map_err(err)?;
+        socket_netns_cookie(sock.as_fd()).map_err(err)
+    }
+}
+
+impl AsFd for Netns {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.file.as_fd()
+    }
+}
+
+fn udp_socket() -> std::io::Result<OwnedFd> {
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// SO_NETNS_COOKIE of a socket: which netns it lives in (Linux ≥ 5.14).
+pub fn socket_netns_cookie(fd: BorrowedFd<'_>) -> std::io::Result<u64> {
+    const SO_NETNS_COOKIE: libc::c_int = 71;
+    getsockopt_raw::<u64>(fd, libc::SOL_SOCKET, SO_NETNS_COOKIE)
+}
+
+/// Reads a fixed-size socket option.
+pub fn getsockopt_raw<T: Copy + Default>(
+    fd: BorrowedFd<'_>,
+    level: libc::c_int,
+    name: libc::c_int,
+) -> std::io::Result<T> {
+    let mut v = T::default();
+    let mut len = std::mem::size_of::<T>() as libc::socklen_t;
+    let rc = unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            level,
+            name,
+            &mut v as *mut T as *mut libc::c_void,
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(v)
+}
+
+/// Names of the network interfaces in the calling thread's netns.
+pub fn interfaces() -> std::io::Result<Vec<String>> {
+    let mut names: Vec<String> = nix::net::if_::if_nameindex()
+        .map_err(std::io::Error::from)?
+        .iter()
+        .map(|i| i.name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    Ok(names)
+}
+
+/// The addresses on every interface but `lo` in the calling thread's netns.
+pub fn addresses() -> std::io::Result<Vec<std::net::IpAddr>> {
+    let mut v = Vec::new();
+    for ifa in nix::ifaddrs::getifaddrs().map_err(std::io::Error::from)? {
+        if ifa.interface_name == "lo" {
+            continue;
+        }
+        let Some(a) = ifa.address else { continue };
+        if let Some(v4) = a.as_sockaddr_in() {
+            v.push(std::net::IpAddr::V4(v4.ip()));
+        } else if let Some(v6) = a.as_sockaddr_in6() {
+            v.push(std::net::IpAddr::V6(v6.ip()));
+        }
+    }
+    v.sort();
+    v.dedup();
+    Ok(v)
+}

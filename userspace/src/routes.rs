@@ -1,0 +1,202 @@
+//! The pod-side routing that makes a redirected packet local: a policy rule
+//! `fwmark 0x111/0xfff lookup 100` and a route `local default dev lo table 100`
+//! (both families), plus `accept_local` on the pod's interfaces (the redirected
+//! packet's source is the pod's own address). Set over rtnetlink and sysctl
+//! files from inside the pod netns; no `ip` command.
+
+use std::net::{Ipv4Addr, Ipv6Addr};
+
+use futures::TryStreamExt;
+use netlink_packet_route::{
+    route::{RouteMessage, RouteType},
+    rule::{RuleAction, RuleAttribute, RuleMessage},
+};
+use rtnetlink::Handle;
+use sluice_common::{MARK_MASK, MARK_REDIRECT, ROUTE_TABLE, RULE_PRIORITY};
+
+#[derive(Debug, thiserror::Error)]
+pub enum RouteError {
+    #[error("rtnetlink: {0}")]
+    Netlink(#[from] rtnetlink::Error),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> RouteError {
+    let what = what.into();
+    move |source| RouteError::Io { what, source }
+}
+
+/// Whether IPv6 is usable in the calling thread's netns.
+fn ipv6_enabled() -> bool {
+    std::fs::read_to_string("/proc/sys/net/ipv6/conf/all/disable_ipv6")
+        .map(|v| v.trim() == "0")
+        .unwrap_or(false)
+}
+
+fn set_accept_local(iface: &str, on: bool) -> Result<(), RouteError> {
+    let path = format!("/proc/sys/net/ipv4/conf/{iface}/accept_local");
+    std::fs::write(&path, if on { "1" } else { "0" }).map_err(io(path))
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, RouteError> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()
+        .map_err(io("tokio runtime"))
+}
+
+/// Installs the rule, routes and sysctls. Must run inside the pod netns.
+/// Idempotent: entries that already exist are left as they are.
+pub fn install(pod_ifaces: &[String]) -> Result<(), RouteError> {
+    for i in pod_ifaces {
+        set_accept_local(i, true)?;
+    }
+    let v6 = ipv6_enabled();
+    runtime()?.block_on(async {
+        let (conn, handle, _) = rtnetlink::new_connection().map_err(io("rtnetlink socket"))?;
+        tokio::spawn(conn);
+        let lo = lo_index(&handle).await?;
+        ignore_exists(rule_v4(&handle).execute().await)?;
+        ignore_exists(route_v4(&handle, lo).execute().await)?;
+        if v6 {
+            ignore_exists(rule_v6(&handle).execute().await)?;
+            ignore_exists(route_v6(&handle, lo).execute().await)?;
+        }
+        Ok(())
+    })
+}
+
+/// Removes what [`install`] added. Must run inside the pod netns. Missing
+/// entries are not an error (teardown is also the rollback of a partial install).
+pub fn remove(pod_ifaces: &[String]) -> Result<(), RouteError> {
+    for i in pod_ifaces {
+        // The interface may be gone with the pod; nothing to undo then.
+        let _ = set_accept_local(i, false);
+    }
+    let v6 = ipv6_enabled();
+    runtime()?.block_on(async {
+        let (conn, handle, _) = rtnetlink::new_connection().map_err(io("rtnetlink socket"))?;
+        tokio::spawn(conn);
+        let lo = lo_index(&handle).await?;
+        let mut rules = vec![rule_v4(&handle).message_mut().clone()];
+        let mut routes = vec![route_v4(&handle, lo).message_mut().clone()];
+        if v6 {
+            rules.push(rule_v6(&handle).message_mut().clone());
+            routes.push(route_v6(&handle, lo).message_mut().clone());
+        }
+        for r in rules {
+            ignore_missing(handle.rule().del(r).execute().await)?;
+        }
+        for r in routes {
+            ignore_missing(handle.route().del(r).execute().await)?;
+        }
+        Ok(())
+    })
+}
+
+/// Whether our rule is present (IPv4), for tests and status checks.
+pub fn rule_present() -> Result<bool, RouteError> {
+    runtime()?.block_on(async {
+        let (conn, handle, _) = rtnetlink::new_connection().map_err(io("rtnetlink socket"))?;
+        tokio::spawn(conn);
+        let mut rules = handle.rule().get(rtnetlink::IpVersion::V4).execute();
+        while let Some(r) = rules.try_next().await? {
+            let is_ours = r
+                .attributes
+                .iter()
+                .any(|a| matches!(a, RuleAttribute::FwMark(m) if *m == MARK_REDIRECT))
+                && r.attributes
+                    .iter()
+                    .any(|a| matches!(a, RuleAttribute::Table(t) if *t == ROUTE_TABLE));
+            if is_ours {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    })
+}
+
+async fn lo_index(handle: &Handle) -> Result<u32, RouteError> {
+    let mut links = handle.link().get().match_name("lo".into()).execute();
+    match links.try_next().await? {
+        Some(l) => Ok(l.header.index),
+        None => Err(RouteError::Io {
+            what: "pod netns".into(),
+            source: std::io::Error::new(std::io::ErrorKind::NotFound, "no lo interface"),
+        }),
+    }
+}
+
+fn rule_v4(h: &Handle) -> rtnetlink::RuleAddRequest<Ipv4Addr> {
+    with_mask(h.rule().add().v4())
+}
+
+fn rule_v6(h: &Handle) -> rtnetlink::RuleAddRequest<Ipv6Addr> {
+    with_mask(h.rule().add().v6())
+}
+
+fn with_mask<T>(r: rtnetlink::RuleAddRequest<T>) -> rtnetlink::RuleAddRequest<T> {
+    let mut r = r
+        .fw_mark(MARK_REDIRECT)
+        .priority(RULE_PRIORITY)
+        .table_id(ROUTE_TABLE)
+        .action(RuleAction::ToTable);
+    let msg: &mut RuleMessage = r.message_mut();
+    msg.attributes.push(RuleAttribute::FwMask(MARK_MASK));
+    r
+}
+
+fn route_v4(h: &Handle, lo: u32) -> rtnetlink::RouteAddRequest<Ipv4Addr> {
+    local_route(
+        h.route()
+            .add()
+            .v4()
+            .destination_prefix(Ipv4Addr::UNSPECIFIED, 0),
+        lo,
+    )
+}
+
+fn route_v6(h: &Handle, lo: u32) -> rtnetlink::RouteAddRequest<Ipv6Addr> {
+    local_route(
+        h.route()
+            .add()
+            .v6()
+            .destination_prefix(Ipv6Addr::UNSPECIFIED, 0),
+        lo,
+    )
+}
+
+fn local_route<T>(r: rtnetlink::RouteAddRequest<T>, lo: u32) -> rtnetlink::RouteAddRequest<T> {
+    let mut r = r
+        .table_id(ROUTE_TABLE)
+        .output_interface(lo)
+        .kind(RouteType::Local)
+        .scope(netlink_packet_route::route::RouteScope::Host);
+    let _: &mut RouteMessage = r.message_mut();
+    r
+}
+
+fn errno(e: &rtnetlink::Error) -> Option<i32> {
+    match e {
+        rtnetlink::Error::NetlinkError(m) => m.code.map(|c| -c.get()),
+        _ => None,
+    }
+}
+
+fn ignore_exists(r: Result<(), rtnetlink::Error>) -> Result<(), RouteError> {
+    match r {
+        Err(e) if errno(&e) == Some(libc::EEXIST) => Ok(()),
+        other => Ok(other?),
+    }
+}
+
+fn ignore_missing(r: Result<(), rtnetlink::Error>) -> Result<(), RouteError> {
+    match r {
+        Err(e) if matches!(errno(&e), Some(libc::ENOENT | libc::ESRCH)) => Ok(()),
+        other => Ok(other?),
+    }
+}

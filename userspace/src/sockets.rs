@@ -1,0 +1,279 @@
+//! Finding ztunnel's in-pod listeners without ztunnel's cooperation.
+//!
+//! Upstream ztunnel opens 15001/15006/15008 inside the pod netns with SO_MARK
+//! 1337 and tells nobody. We (1) list that netns's listening TCP sockets with
+//! NETLINK_SOCK_DIAG from inside it — which yields inode and mark, (2) find the
+//! process holding that inode in /proc/<pid>/fd, (3) duplicate the fd with
+//! pidfd_getfd, and (4) check on the duplicate itself that it lives in the pod
+//! netns (SO_NETNS_COOKIE) and listens on the port: a socket of another netns
+//! would be assigned "successfully" and never complete a handshake.
+
+use std::{
+    collections::BTreeMap,
+    fs,
+    os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd},
+};
+
+use netlink_packet_core::{
+    NetlinkHeader, NetlinkMessage, NetlinkPayload, NLM_F_DUMP, NLM_F_REQUEST,
+};
+use netlink_packet_sock_diag::{
+    constants::{AF_INET, AF_INET6, IPPROTO_TCP},
+    inet::{nlas::Nla, ExtensionFlags, InetRequest, SocketId, StateFlags},
+    SockDiagMessage,
+};
+use netlink_sys::{protocols::NETLINK_SOCK_DIAG, Socket, SocketAddr};
+use sluice_common::{Role, FAMILY_V4, FAMILY_V6, MARK_MASK, MARK_ZTUNNEL};
+
+use crate::netns::{getsockopt_raw, socket_netns_cookie, Netns, NetnsError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SocketError {
+    #[error(transparent)]
+    Netns(#[from] NetnsError),
+    #[error("sock_diag: {0}")]
+    Diag(String),
+}
+
+/// A listening socket seen in the pod netns (from sock_diag).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeenListener {
+    pub role: Role,
+    pub inode: u32,
+    pub family: u8,
+}
+
+/// One of ztunnel's listeners, duplicated into this process.
+#[derive(Debug)]
+pub struct Listener {
+    pub role: Role,
+    pub fd: OwnedFd,
+    pub pid: i32,
+    /// Families it serves: a `[::]` socket without IPV6_V6ONLY serves both.
+    pub families: Vec<u8>,
+}
+
+/// Lists ztunnel's listeners in the netns: LISTEN, port 15001/15006/15008, mark 0x539.
+pub fn seen_listeners(netns: &Netns) -> Result<Vec<SeenListener>, SocketError> {
+    let found = netns.run(|| -> Result<Vec<SeenListener>, SocketError> {
+        let mut all = Vec::new();
+        for family in [AF_INET, AF_INET6] {
+            all.extend(dump_listeners(family)?);
+        }
+        Ok(all)
+    })??;
+    Ok(found)
+}
+
+fn dump_listeners(family: u8) -> Result<Vec<SeenListener>, SocketError> {
+    let derr = |e: std::io::Error| SocketError::Diag(e.to_string());
+    let mut socket = Socket::new(NETLINK_SOCK_DIAG).map_err(derr)?;
+    socket.bind_auto().map_err(derr)?;
+    socket.connect(&SocketAddr::new(0, 0)).map_err(derr)?;
+    let mut hdr = NetlinkHeader::default();
+    hdr.flags = NLM_F_REQUEST | NLM_F_DUMP;
+    let mut req = NetlinkMessage::new(
+        hdr,
+        SockDiagMessage::InetRequest(InetRequest {
+            family,
+            protocol: IPPROTO_TCP,
+            extensions: ExtensionFlags::empty(),
+            states: StateFlags::LISTEN,
+            socket_id: if family == AF_INET {
+                SocketId::new_v4()
+            } else {
+                SocketId::new_v6()
+            },
+        })
+        .into(),
+    );
+    req.finalize();
+    let mut buf = vec![0; req.buffer_len()];
+    req.serialize(&mut buf);
+    socket.send(&buf, 0).map_err(derr)?;
+
+    let mut out = Vec::new();
+    let mut rx = vec![0u8; 64 * 1024];
+    loop {
+        let n = socket.recv(&mut &mut rx[..], 0).map_err(derr)?;
+        let mut off = 0;
+        while off < n {
+            let msg = NetlinkMessage::<SockDiagMessage>::deserialize(&rx[off..n])
+                .map_err(|e| SocketError::Diag(e.to_string()))?;
+            let len = msg.header.length as usize;
+            match msg.payload {
+                NetlinkPayload::Done(_) => return Ok(out),
+                NetlinkPayload::Error(e) => return Err(SocketError::Diag(format!("{e:?}"))),
+                NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(r)) => {
+                    let mark = r.nlas.iter().find_map(|n| match n {
+                        Nla::Mark(m) => Some(*m),
+                        _ => None,
+                    });
+                    let port = r.header.socket_id.source_port;
+                    if let (Some(role), Some(mark)) = (Role::from_port(port), mark) {
+                        if mark & MARK_MASK == MARK_ZTUNNEL {
+                            out.push(SeenListener {
+                                role,
+                                inode: r.header.inode,
+                                family: if family == AF_INET {
+                                    FAMILY_V4
+                                } else {
+                                    FAMILY_V6
+                                },
+                            });
+                        }
+                    }
+                }
+                _ => {}
+            }
+            if len == 0 {
+                break;
+            }
+            off += len;
+        }
+    }
+}
+
+/// Where to look for the processes holding the sockets: a known pid first
+/// (the ZDS peer, when there is one), then every process.
+fn candidate_pids(hint: Option<i32>) -> Vec<i32> {
+    let mut pids: Vec<i32> = hint.into_iter().collect();
+    if let Ok(rd) = fs::read_dir("/proc") {
+        pids.extend(
+            rd.flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+                .filter(|p| Some(*p) != hint),
+        );
+    }
+    pids
+}
+
+/// Maps socket inodes to (pid, fd) holders.
+fn find_holders(inodes: &[u32], pid_hint: Option<i32>) -> BTreeMap<u32, (i32, i32)> {
+    let mut found = BTreeMap::new();
+    for pid in candidate_pids(pid_hint) {
+        let Ok(rd) = fs::read_dir(format!("/proc/{pid}/fd")) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let Ok(target) = fs::read_link(e.path()) else {
+                continue;
+            };
+            let t = target.to_string_lossy();
+            let Some(ino) = t
+                .strip_prefix("socket:[")
+                .and_then(|s| s.strip_suffix(']'))
+                .and_then(|s| s.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            if inodes.contains(&ino) && !found.contains_key(&ino) {
+                if let Some(fd) = e.file_name().to_str().and_then(|s| s.parse().ok()) {
+                    found.insert(ino, (pid, fd));
+                }
+            }
+        }
+        if found.len() == inodes.len() {
+            break;
+        }
+    }
+    found
+}
+
+fn pidfd_getfd(pid: i32, fd: i32) -> std::io::Result<OwnedFd> {
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if pidfd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
+    let dup = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+    if dup < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(unsafe { OwnedFd::from_raw_fd(dup as i32) })
+}
+
+fn local_port(fd: &OwnedFd) -> Option<u16> {
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of_val(&ss) as libc::socklen_t;
+    let rc = unsafe {
+        libc::getsockname(
+            fd.as_raw_fd(),
+            &mut ss as *mut _ as *mut libc::sockaddr,
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return None;
+    }
+    // sin_port and sin6_port sit at the same offset.
+    let sin = unsafe { &*(&ss as *const _ as *const libc::sockaddr_in) };
+    Some(u16::from_be(sin.sin_port))
+}
+
+/// Duplicates ztunnel's listeners for this pod into our process, verified.
+/// Returns at most one socket per role and family (any member of a reuseport
+/// group will do: the kernel's reuseport selection runs after sk_lookup's
+/// assignment).
+pub fn take_listeners(
+    netns: &Netns,
+    cookie: u64,
+    pid_hint: Option<i32>,
+) -> Result<Vec<Listener>, SocketError> {
+    let seen = seen_listeners(netns)?;
+    let inodes: Vec<u32> = seen.iter().map(|s| s.inode).collect();
+    let holders = find_holders(&inodes, pid_hint);
+    let mut out: Vec<Listener> = Vec::new();
+    for s in &seen {
+        let covered = |fam: u8| {
+            out.iter()
+                .any(|l: &Listener| l.role == s.role && l.families.contains(&fam))
+        };
+        let done = if s.family == FAMILY_V4 {
+            covered(FAMILY_V4)
+        } else {
+            covered(FAMILY_V4) && covered(FAMILY_V6)
+        };
+        if done {
+            continue;
+        }
+        let Some(&(pid, fd)) = holders.get(&s.inode) else {
+            continue;
+        };
+        let Ok(dup) = pidfd_getfd(pid, fd) else {
+            continue;
+        };
+        // The duplicate is checked, not the listing: it must live in this
+        // pod's netns, listen, and be on the role's port.
+        let same_netns = socket_netns_cookie(dup.as_fd()).ok() == Some(cookie);
+        let listening =
+            getsockopt_raw::<libc::c_int>(dup.as_fd(), libc::SOL_SOCKET, libc::SO_ACCEPTCONN).ok()
+                == Some(1);
+        if !same_netns || !listening || local_port(&dup) != Some(s.role.port()) {
+            continue;
+        }
+        let mut families = if s.family == FAMILY_V4 {
+            vec![FAMILY_V4]
+        } else {
+            let v6only =
+                getsockopt_raw::<libc::c_int>(dup.as_fd(), libc::IPPROTO_IPV6, libc::IPV6_V6ONLY)
+                    .unwrap_or(1);
+            if v6only == 0 {
+                vec![FAMILY_V4, FAMILY_V6]
+            } else {
+                vec![FAMILY_V6]
+            }
+        };
+        families.retain(|f| !covered(*f));
+        if families.is_empty() {
+            continue;
+        }
+        out.push(Listener {
+            role: s.role,
+            fd: dup,
+            pid,
+            families,
+        });
+    }
+    Ok(out)
+}

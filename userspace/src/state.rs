@@ -1,0 +1,354 @@
+//! Typed access to the pinned maps: the shared pod-state map (the single
+//! source of truth for enrollment), pod identities, listeners and counters.
+//! Everything `status` reports is read from here, never from process memory.
+
+use std::path::Path;
+
+use aya::maps::{HashMap, Map, MapData, MapError, PerCpuHashMap, SockHash};
+use serde::Serialize;
+use std::net::IpAddr;
+
+use sluice_common::{
+    AddrKey, Counters, FlowHint, FlowKey, ListenerKey, PodEntry, PodMeta, PodState, Role,
+    FAMILY_V4, FAMILY_V6, NETNS_PATH_LEN, POD_UID_LEN,
+};
+
+use crate::uid::PodUid;
+
+/// Names of the maps in the eBPF object, which are also their pin names.
+pub const MAP_NAMES: [&str; 6] = [
+    "pod_state",
+    "pod_meta",
+    "pod_addrs",
+    "listeners",
+    "counters",
+    "flow_hints",
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error("map {name}: {source}")]
+    Map {
+        name: &'static str,
+        source: MapError,
+    },
+    #[error("map {0} missing from the eBPF object")]
+    Missing(&'static str),
+}
+
+fn merr(name: &'static str) -> impl FnOnce(MapError) -> StateError {
+    move |source| StateError::Map { name, source }
+}
+
+pub struct Maps {
+    pod_state: HashMap<MapData, u64, PodEntry>,
+    pod_meta: HashMap<MapData, u64, PodMeta>,
+    pod_addrs: HashMap<MapData, AddrKey, u64>,
+    listeners: SockHash<MapData, ListenerKey>,
+    counters: PerCpuHashMap<MapData, u64, Counters>,
+    flow_hints: HashMap<MapData, FlowKey, FlowHint>,
+}
+
+/// One enrolled pod, as the maps describe it.
+#[derive(Debug, Clone, Serialize)]
+pub struct PodRecord {
+    pub uid: String,
+    pub netns: String,
+    pub netns_cookie: u64,
+    /// `None` when the map holds a state this build does not know.
+    pub state: Option<&'static str>,
+    pub generation: u32,
+    pub enrolled_at_ns: u64,
+    pub changed_at_ns: u64,
+    /// Registered listeners as "role/family", e.g. "inbound/ipv4".
+    pub listeners: Vec<String>,
+    pub counters: CounterView,
+}
+
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
+pub struct CounterView {
+    pub captured_inbound: u64,
+    pub captured_hbone: u64,
+    pub captured_outbound: u64,
+    pub bypassed: u64,
+    pub dropped_fail_closed: u64,
+    pub missing_socket: u64,
+}
+
+impl From<Counters> for CounterView {
+    fn from(c: Counters) -> Self {
+        Self {
+            captured_inbound: c.captured_inbound,
+            captured_hbone: c.captured_hbone,
+            captured_outbound: c.captured_outbound,
+            bypassed: c.bypassed,
+            dropped_fail_closed: c.dropped_fail_closed,
+            missing_socket: c.missing_socket,
+        }
+    }
+}
+
+impl Maps {
+    /// Opens the maps pinned under `dir` (no programs needed: `status` uses this).
+    pub fn open_pinned(dir: &Path) -> Result<Self, StateError> {
+        let open = |name: &'static str| -> Result<Map, StateError> {
+            let data = MapData::from_pin(dir.join(name)).map_err(merr(name))?;
+            Map::from_map_data(data).map_err(merr(name))
+        };
+        Self::from_maps(open)
+    }
+
+    /// Builds the typed maps from a source of untyped ones.
+    pub fn from_maps(
+        mut take: impl FnMut(&'static str) -> Result<Map, StateError>,
+    ) -> Result<Self, StateError> {
+        Ok(Self {
+            pod_state: take("pod_state")?.try_into().map_err(merr("pod_state"))?,
+            pod_meta: take("pod_meta")?.try_into().map_err(merr("pod_meta"))?,
+            pod_addrs: take("pod_addrs")?.try_into().map_err(merr("pod_addrs"))?,
+            listeners: take("listeners")?.try_into().map_err(merr("listeners"))?,
+            counters: take("counters")?.try_into().map_err(merr("counters"))?,
+            flow_hints: take("flow_hints")?.try_into().map_err(merr("flow_hints"))?,
+        })
+    }
+
+    pub fn entry(&self, cookie: u64) -> Option<PodEntry> {
+        self.pod_state.get(&cookie, 0).ok()
+    }
+
+    /// Netns cookie of the pod with this uid, if enrolled.
+    pub fn find_uid(&self, uid: &PodUid) -> Option<u64> {
+        self.pod_meta
+            .iter()
+            .filter_map(Result::ok)
+            .find(|(_, m)| cstr(&m.uid) == uid.as_str())
+            .map(|(k, _)| k)
+    }
+
+    pub fn meta(&self, cookie: u64) -> Option<(String, String)> {
+        self.pod_meta
+            .get(&cookie, 0)
+            .ok()
+            .map(|m| (cstr(&m.uid), cstr(&m.netns_path)))
+    }
+
+    /// Records a new pod: identity first, then state (the programs read only
+    /// the state, so the pod is never half-visible to them).
+    pub fn insert_pod(
+        &mut self,
+        cookie: u64,
+        uid: &PodUid,
+        netns_path: &str,
+        now_ns: u64,
+    ) -> Result<(), StateError> {
+        let mut meta = PodMeta {
+            uid: [0; POD_UID_LEN],
+            netns_path: [0; NETNS_PATH_LEN],
+        };
+        meta.uid[..uid.as_str().len()].copy_from_slice(uid.as_str().as_bytes());
+        meta.netns_path[..netns_path.len()].copy_from_slice(netns_path.as_bytes());
+        self.pod_meta
+            .insert(cookie, meta, 0)
+            .map_err(merr("pod_meta"))?;
+        let entry = PodEntry {
+            state: PodState::Pending as u32,
+            generation: 1,
+            enrolled_at_ns: now_ns,
+            changed_at_ns: now_ns,
+        };
+        self.pod_state
+            .insert(cookie, entry, 0)
+            .map_err(merr("pod_state"))
+    }
+
+    /// Moves a pod to `state`; a no-op when it already is there.
+    pub fn set_state(
+        &mut self,
+        cookie: u64,
+        state: PodState,
+        now_ns: u64,
+    ) -> Result<(), StateError> {
+        let Ok(mut e) = self.pod_state.get(&cookie, 0) else {
+            return Ok(());
+        };
+        if e.state == state as u32 {
+            return Ok(());
+        }
+        e.state = state as u32;
+        e.generation = e.generation.wrapping_add(1);
+        e.changed_at_ns = now_ns;
+        self.pod_state
+            .insert(cookie, e, 0)
+            .map_err(merr("pod_state"))
+    }
+
+    /// Makes the pod's addresses known to the ingress programs. An address
+    /// held by another cookie is taken over: that netns is gone (addresses are
+    /// unique on a node) and its entry is stale.
+    pub fn set_addrs(&mut self, cookie: u64, addrs: &[IpAddr]) -> Result<(), StateError> {
+        for a in addrs {
+            self.pod_addrs
+                .insert(addr_key(a), cookie, 0)
+                .map_err(merr("pod_addrs"))?;
+        }
+        Ok(())
+    }
+
+    pub fn addrs_of(&self, cookie: u64) -> Vec<AddrKey> {
+        self.pod_addrs
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(_, c)| *c == cookie)
+            .map(|(k, _)| k)
+            .collect()
+    }
+
+    pub fn insert_listener(
+        &mut self,
+        key: ListenerKey,
+        fd: &impl std::os::fd::AsRawFd,
+    ) -> Result<(), StateError> {
+        self.listeners
+            .insert(key, fd.as_raw_fd(), 0)
+            .map_err(merr("listeners"))
+    }
+
+    /// Listener keys registered for a pod (closed sockets have left by themselves).
+    pub fn listeners_of(&self, cookie: u64) -> Vec<ListenerKey> {
+        self.listeners
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| k.netns_cookie == cookie)
+            .collect()
+    }
+
+    pub fn counters(&self, cookie: u64) -> Counters {
+        let mut sum = Counters::default();
+        if let Ok(per_cpu) = self.counters.get(&cookie, 0) {
+            for c in per_cpu.iter() {
+                sum.add(c);
+            }
+        }
+        sum
+    }
+
+    /// Removes every entry of a pod from every map. Missing entries are fine.
+    pub fn remove_pod(&mut self, cookie: u64) {
+        for role in Role::ALL {
+            for family in [FAMILY_V4, FAMILY_V6] {
+                let _ = self
+                    .listeners
+                    .remove(&ListenerKey::new(cookie, role, family));
+            }
+        }
+        let hints: Vec<FlowKey> = self
+            .flow_hints
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(_, h)| h.netns_cookie == cookie)
+            .map(|(k, _)| k)
+            .collect();
+        for k in hints {
+            let _ = self.flow_hints.remove(&k);
+        }
+        for k in self.addrs_of(cookie) {
+            let _ = self.pod_addrs.remove(&k);
+        }
+        let _ = self.counters.remove(&cookie);
+        let _ = self.pod_state.remove(&cookie);
+        let _ = self.pod_meta.remove(&cookie);
+    }
+
+    /// Every cookie with any entry in a per-pod map (for cleanup and checks).
+    pub fn cookies(&self) -> Vec<u64> {
+        let mut v: Vec<u64> = self
+            .pod_state
+            .keys()
+            .chain(self.pod_meta.keys())
+            .chain(self.counters.keys())
+            .filter_map(Result::ok)
+            .chain(self.pod_addrs.iter().filter_map(Result::ok).map(|(_, c)| c))
+            .chain(
+                self.listeners
+                    .keys()
+                    .filter_map(Result::ok)
+                    .map(|k| k.netns_cookie),
+            )
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    /// All enrolled pods, sorted by uid.
+    pub fn pods(&self) -> Vec<PodRecord> {
+        let mut pods: Vec<PodRecord> = self
+            .pod_state
+            .iter()
+            .filter_map(Result::ok)
+            .map(|(cookie, e)| {
+                let (uid, netns) = self.meta(cookie).unwrap_or_default();
+                let mut listeners: Vec<String> = self
+                    .listeners_of(cookie)
+                    .iter()
+                    .map(|k| {
+                        let role = match k.role {
+                            1 => "outbound",
+                            2 => "inbound",
+                            3 => "hbone",
+                            _ => "unknown",
+                        };
+                        let fam = if k.family == FAMILY_V4 {
+                            "ipv4"
+                        } else {
+                            "ipv6"
+                        };
+                        format!("{role}/{fam}")
+                    })
+                    .collect();
+                listeners.sort();
+                PodRecord {
+                    uid,
+                    netns,
+                    netns_cookie: cookie,
+                    state: e.state().map(PodState::as_str),
+                    generation: e.generation,
+                    enrolled_at_ns: e.enrolled_at_ns,
+                    changed_at_ns: e.changed_at_ns,
+                    listeners,
+                    counters: self.counters(cookie).into(),
+                }
+            })
+            .collect();
+        pods.sort_by(|a, b| a.uid.cmp(&b.uid));
+        pods
+    }
+}
+
+/// The map key of an address: raw network-order words, as the programs read them.
+pub fn addr_key(a: &IpAddr) -> AddrKey {
+    let words = |b: &[u8]| {
+        let mut w = [0u32; 4];
+        for (i, c) in b.chunks(4).enumerate() {
+            w[i] = u32::from_ne_bytes([c[0], c[1], c[2], c[3]]);
+        }
+        w
+    };
+    match a {
+        IpAddr::V4(v4) => AddrKey::new(FAMILY_V4, words(&v4.octets())),
+        IpAddr::V6(v6) => AddrKey::new(FAMILY_V6, words(&v6.octets())),
+    }
+}
+
+fn cstr(b: &[u8]) -> String {
+    let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
+    String::from_utf8_lossy(&b[..end]).into_owned()
+}
+
+/// CLOCK_BOOTTIME in ns: the clock the pod-state timestamps use (monotonic,
+/// survives agent restarts, same clock as bpf_ktime_get_boot_ns).
+pub fn boottime_ns() -> u64 {
+    let ts = nix::time::clock_gettime(nix::time::ClockId::CLOCK_BOOTTIME)
+        .expect("CLOCK_BOOTTIME is always available on Linux");
+    ts.tv_sec() as u64 * 1_000_000_000 + ts.tv_nsec() as u64
+}

@@ -1,0 +1,125 @@
+//! Everything that is not plain cargo: toolchain setup, the eBPF build, tests,
+//! the demo and benchmarks.
+
+mod setup;
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{bail, Context as _, Result};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "xtask")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install what building and testing need, only what is missing: nightly
+    /// rust-src, bpf-linker built against rustc's own LLVM, Debian packages.
+    Setup,
+    /// Build the eBPF object (release, bpfel-unknown-none).
+    BuildEbpf,
+    /// Setup, build, lint and run every test (root: the dataplane tests need it).
+    Test {
+        /// Extra arguments passed to `cargo test` after `--`.
+        #[arg(trailing_var_arg = true)]
+        args: Vec<String>,
+    },
+    /// Setup, build, and run the demo: enroll a pod netns and show captured traffic.
+    Demo,
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().cmd {
+        Cmd::Setup => setup::run(),
+        Cmd::BuildEbpf => build_ebpf(),
+        Cmd::Test { args } => test(&args),
+        Cmd::Demo => demo(),
+    }
+}
+
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_owned()
+}
+
+pub fn run(cmd: &mut Command) -> Result<()> {
+    let shown = format!("{cmd:?}");
+    let status = cmd.status().with_context(|| format!("running {shown}"))?;
+    if !status.success() {
+        bail!("{shown} failed: {status}");
+    }
+    Ok(())
+}
+
+fn build_ebpf() -> Result<()> {
+    if let Some(missing) = setup::missing_for_ebpf() {
+        bail!("cannot build the eBPF object: {missing}. Run `cargo xtask setup` (installs it).");
+    }
+    let rustflags = ["-Cdebuginfo=2", "-Clink-arg=--btf"].join("\x1f");
+    run(Command::new("cargo")
+        .current_dir(workspace_root())
+        .args([
+            "+nightly",
+            "build",
+            "--release",
+            "-p",
+            "sluice-ebpf",
+            "--target",
+            "bpfel-unknown-none",
+            "-Z",
+            "build-std=core",
+        ])
+        .env("CARGO_ENCODED_RUSTFLAGS", rustflags)
+        // bpf-linker is linked against the nightly sysroot's libLLVM.
+        .env("LD_LIBRARY_PATH", setup::nightly_sysroot()?.join("lib"))
+        .env_remove("RUSTC")
+        .env_remove("RUSTC_WRAPPER"))
+}
+
+fn cargo(args: &[&str]) -> Result<()> {
+    run(Command::new("cargo")
+        .current_dir(workspace_root())
+        .args(args))
+}
+
+fn test(extra: &[String]) -> Result<()> {
+    setup::run()?;
+    build_ebpf()?;
+    cargo(&["fmt", "--all", "--", "--check"])?;
+    cargo(&[
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ])?;
+    let mut args = vec!["test", "--workspace"];
+    if !extra.is_empty() {
+        args.push("--");
+        args.extend(extra.iter().map(String::as_str));
+    }
+    cargo(&args)
+}
+
+fn demo() -> Result<()> {
+    setup::run()?;
+    build_ebpf()?;
+    cargo(&[
+        "run",
+        "--quiet",
+        "-p",
+        "sluice-tests",
+        "--bin",
+        "sluice-demo",
+    ])
+}

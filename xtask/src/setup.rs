@@ -1,0 +1,148 @@
+//! Toolchain bootstrap, idempotent: each step checks first and installs only
+//! what is missing.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{bail, Context as _, Result};
+
+use crate::run as exec;
+
+/// Debian packages the tests and demo use: iproute2 (test topologies),
+/// iptables/nftables (the differential test applies Istio's real rules).
+const APT_PACKAGES: &[(&str, &str)] = &[
+    ("ip", "iproute2"),
+    ("iptables-restore", "iptables"),
+    ("nft", "nftables"),
+];
+
+const BPF_LINKER_VERSION: &str = "0.13.0";
+
+pub fn nightly_sysroot() -> Result<PathBuf> {
+    let out = Command::new("rustc")
+        .args(["+nightly", "--print", "sysroot"])
+        .output()
+        .context("running rustc +nightly (is the nightly toolchain installed?)")?;
+    if !out.status.success() {
+        bail!("rustc +nightly --print sysroot failed: install the nightly toolchain (rustup toolchain install nightly)");
+    }
+    Ok(PathBuf::from(String::from_utf8(out.stdout)?.trim()))
+}
+
+fn has_rust_src() -> bool {
+    nightly_sysroot()
+        .map(|s| s.join("lib/rustlib/src/rust/library/core").exists())
+        .unwrap_or(false)
+}
+
+fn bpf_linker_path() -> Option<PathBuf> {
+    let home = std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cargo")))?;
+    let p = home.join("bin/bpf-linker");
+    p.exists().then_some(p)
+}
+
+/// What the eBPF build lacks, if anything.
+pub fn missing_for_ebpf() -> Option<String> {
+    if !has_rust_src() {
+        return Some("the nightly rust-src component is missing".into());
+    }
+    if bpf_linker_path().is_none() {
+        return Some("bpf-linker is not installed".into());
+    }
+    None
+}
+
+fn which(bin: &str) -> bool {
+    std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join(bin).exists()))
+        .unwrap_or(false)
+        || ["/usr/sbin", "/sbin"]
+            .iter()
+            .any(|d| Path::new(d).join(bin).exists())
+}
+
+pub fn run() -> Result<()> {
+    if !has_rust_src() {
+        eprintln!("setup: installing nightly rust-src");
+        exec(Command::new("rustup").args([
+            "component",
+            "add",
+            "rust-src",
+            "--toolchain",
+            "nightly",
+        ]))?;
+    }
+    if bpf_linker_path().is_none() {
+        install_bpf_linker()?;
+    }
+    let missing: Vec<&str> = APT_PACKAGES
+        .iter()
+        .filter(|(bin, _)| !which(bin))
+        .map(|(_, pkg)| *pkg)
+        .collect();
+    if !missing.is_empty() {
+        eprintln!("setup: installing Debian packages {missing:?}");
+        exec(Command::new("apt-get").arg("update").arg("-qq"))?;
+        exec(
+            Command::new("apt-get")
+                .args(["install", "-y", "-qq", "--no-install-recommends"])
+                .args(&missing)
+                .env("DEBIAN_FRONTEND", "noninteractive"),
+        )?;
+    }
+    Ok(())
+}
+
+/// bpf-linker must use rustc's own LLVM: LLVM_PREFIX points at a directory
+/// whose lib/libLLVM.so links to the nightly sysroot's libLLVM.so.*.
+fn install_bpf_linker() -> Result<()> {
+    let sysroot = nightly_sysroot()?;
+    let lib = sysroot.join("lib");
+    let llvm = std::fs::read_dir(&lib)?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("libLLVM.so."))
+        })
+        .with_context(|| format!("no libLLVM.so.* in {}", lib.display()))?;
+    let major = llvm
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix("libLLVM.so."))
+        .and_then(|v| v.split('.').next())
+        .context("cannot read the LLVM version from the nightly sysroot")?
+        .to_owned();
+    let prefix = crate::workspace_root().join("target/llvm-prefix");
+    std::fs::create_dir_all(prefix.join("lib"))?;
+    let link = prefix.join("lib/libLLVM.so");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(&llvm, &link)?;
+    eprintln!(
+        "setup: building bpf-linker {BPF_LINKER_VERSION} against {} (LLVM {major})",
+        llvm.display()
+    );
+    exec(
+        Command::new("cargo")
+            .args([
+                "+nightly",
+                "install",
+                "--locked",
+                "bpf-linker",
+                "--version",
+                BPF_LINKER_VERSION,
+            ])
+            .args([
+                "--no-default-features",
+                "--features",
+                &format!("llvm-{major}"),
+            ])
+            .env("LLVM_PREFIX", &prefix)
+            .env("LD_LIBRARY_PATH", &lib),
+    )
+}
