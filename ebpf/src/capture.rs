@@ -29,8 +29,8 @@ use crate::{
     packet::{parse_tcp, Tcp},
 };
 
-const TC_OK: i32 = TC_ACT_OK as i32;
-const TC_SHOT: i32 = TC_ACT_SHOT as i32;
+const TC_OK: i32 = TC_ACT_OK;
+const TC_SHOT: i32 = TC_ACT_SHOT;
 const BPF_TCP_LISTEN: u32 = 10;
 
 #[inline(always)]
@@ -48,7 +48,7 @@ fn netns_cookie(ctx: &TcContext) -> u64 {
 /// The pod an incoming packet is addressed to, if it is one of a pod's addresses.
 #[inline(always)]
 fn pod_of(family: u8, daddr: &[u32; 4]) -> Option<u64> {
-    unsafe { POD_ADDRS.get(&AddrKey::new(family, *daddr)) }.copied()
+    unsafe { POD_ADDRS.get(AddrKey::new(family, *daddr)) }.copied()
 }
 
 /// Egress on the pod's interface: the app's outbound TCP.
@@ -67,7 +67,7 @@ pub fn egress(ctx: &TcContext) -> i32 {
     let cookie = netns_cookie(ctx);
     if t.is_syn() {
         // A new outbound connection (row O1): steer it to 15001 or fail closed (F1).
-        let Some(pod) = (unsafe { POD_STATE.get(&cookie) }) else {
+        let Some(pod) = (unsafe { POD_STATE.get(cookie) }) else {
             return TC_OK;
         };
         if !pod.is_enabled() {
@@ -111,7 +111,7 @@ pub fn ingress(ctx: &TcContext) -> i32 {
         count(cookie, |c: &mut Counters| &mut c.bypassed);
         return TC_OK; // row I3
     }
-    let Some(pod) = (unsafe { POD_STATE.get(&cookie) }) else {
+    let Some(pod) = (unsafe { POD_STATE.get(cookie) }) else {
         return TC_OK;
     };
     if !pod.is_enabled() {
@@ -161,7 +161,7 @@ fn put_hint(cookie: u64, t: &Tcp, verdict: HintVerdict) {
         netns_cookie: cookie,
         at_ns: unsafe { bpf_ktime_get_ns() },
     };
-    let _ = FLOW_HINTS.insert(&key, &hint, 0);
+    let _ = FLOW_HINTS.insert(key, hint, 0);
 }
 
 /// Re-injects the packet at the pod interface's ingress with the "deliver

@@ -43,12 +43,12 @@ pub static POD_META: HashMap<u64, PodMeta> = HashMap::pinned(MAX_PODS, 0);
 /// Adds one to a pod's counter, creating the entry on first use.
 #[inline(always)]
 pub fn count(cookie: u64, field: impl Fn(&mut Counters) -> &mut u64) {
-    if let Some(c) = COUNTERS.get_ptr_mut(&cookie) {
+    if let Some(c) = COUNTERS.get_ptr_mut(cookie) {
         // Per-CPU value: no other writer, a plain add is enough.
         unsafe { *field(&mut *c) += 1 };
     } else {
         let mut c = Counters::default();
         *field(&mut c) = 1;
-        let _ = COUNTERS.insert(&cookie, &c, 0);
+        let _ = COUNTERS.insert(cookie, c, 0);
     }
 }
