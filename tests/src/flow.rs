@@ -139,3 +139,38 @@ pub fn udp(ns: &str, dst: SocketAddr) -> Option<String> {
         Some(String::from_utf8_lossy(&buf[..n]).into_owned())
     })
 }
+
+/// A connection opened now and used later: for connections that must exist
+/// before capture is attached (row I5).
+pub struct Held {
+    reader: BufReader<TcpStream>,
+    writer: TcpStream,
+}
+
+impl Held {
+    /// Opens a connection from netns `ns` to `dst` and exchanges one line.
+    pub fn open(ns: &str, dst: SocketAddr) -> std::io::Result<Self> {
+        let s = run_in(ns, move || try_connect(dst, &Opts::default()))?;
+        let mut h = Self {
+            reader: BufReader::new(s.try_clone()?),
+            writer: s,
+        };
+        match h.exchange() {
+            Reached::Reply(_) => Ok(h),
+            other => Err(std::io::Error::other(format!("first exchange: {other:?}"))),
+        }
+    }
+
+    /// Sends a line and reads the answer.
+    pub fn exchange(&mut self) -> Reached {
+        if let Err(e) = writeln!(self.writer, "again") {
+            return Reached::Error(e.to_string());
+        }
+        let mut line = String::new();
+        match self.reader.read_line(&mut line) {
+            Ok(0) => Reached::Error("closed".into()),
+            Ok(_) => Reached::Reply(line.trim_end().to_owned()),
+            Err(e) => Reached::Error(e.to_string()),
+        }
+    }
+}

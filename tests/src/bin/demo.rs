@@ -21,7 +21,10 @@ fn show(what: &str, r: &Reached) {
 }
 
 fn main() -> anyhow::Result<()> {
-    ensure!(is_root(), "the demo needs root (network namespaces, eBPF): run it with sudo");
+    ensure!(
+        is_root(),
+        "the demo needs root (network namespaces, eBPF): run it with sudo"
+    );
     println!("sluice demo: a pod netns, a client netns, and a ztunnel stand-in in the pod\n");
     let f = Fixture::new("demo", Some(Bind::DualStack))?;
     println!(
@@ -41,26 +44,49 @@ fn main() -> anyhow::Result<()> {
     for fam in [Family::V4, Family::V6] {
         let app = SocketAddr::new(fam.pod(), APP_PORT);
         let remote = SocketAddr::new(fam.client(), REMOTE_PORT);
-        show(&format!("client → pod {app} (inbound)"), &connect(&f.topo.client, app, Opts::default()));
+        show(
+            &format!("client → pod {app} (inbound)"),
+            &connect(&f.topo.client, app, Opts::default()),
+        );
         let hbone = SocketAddr::new(fam.pod(), 15008);
-        show(&format!("client → pod {hbone} (HBONE)"), &connect(&f.topo.client, hbone, Opts::default()));
-        show(&format!("app → {remote} (outbound)"), &connect(&f.topo.pod, remote, Opts::default()));
+        show(
+            &format!("client → pod {hbone} (HBONE)"),
+            &connect(&f.topo.client, hbone, Opts::default()),
+        );
+        show(
+            &format!("app → {remote} (outbound)"),
+            &connect(&f.topo.pod, remote, Opts::default()),
+        );
         let probe = Opts {
             bind: Some(fam.probe()),
             ..Opts::default()
         };
-        show(&format!("kubelet probe → pod {app}"), &connect(&f.topo.client, app, probe));
+        show(
+            &format!("kubelet probe → pod {app}"),
+            &connect(&f.topo.client, app, probe),
+        );
         let marked = Opts {
             mark: Some(MARK_ZTUNNEL),
             ..Opts::default()
         };
-        show(&format!("mark 0x539 socket → {remote}"), &connect(&f.topo.pod, remote, marked));
+        show(
+            &format!("mark 0x539 socket → {remote}"),
+            &connect(&f.topo.pod, remote, marked),
+        );
     }
 
     println!("\nwhat ztunnel's listeners accepted (local address = original destination):");
-    println!("  {:<9} {:<28} {:<28}", "LISTENER", "LOCAL (ORIG DST)", "PEER");
+    println!(
+        "  {:<9} {:<28} {:<28}",
+        "LISTENER", "LOCAL (ORIG DST)", "PEER"
+    );
     for a in f.standin().accepted() {
-        println!("  {:<9} {:<28} {:<28}", a.role.as_str(), a.local.to_string(), a.peer.to_string());
+        println!(
+            "  {:<9} {:<28} {:<28}",
+            a.role.as_str(),
+            a.local.to_string(),
+            a.peer.to_string()
+        );
     }
 
     println!("\nsluice status:");

@@ -6,9 +6,9 @@ use anyhow::{ensure, Context as _};
 use libtest_mimic::Trial;
 use sluice_common::{PodState, Role, MARK_ZTUNNEL};
 use sluice_tests::{
-    flow::{connect, try_connect, udp, Opts, Reached},
+    flow::{connect, udp, Held, Opts, Reached},
     harness::{Fixture, APP_PORT, REMOTE_PORT, UDP_PORT},
-    ns::{run_in, spawn_in},
+    ns::run_in,
     standin::{Bind, StandIn},
     topology::Family,
 };
@@ -180,55 +180,27 @@ fn i4(fam: Family) -> TestResult {
 
 fn i5(fam: Family) -> TestResult {
     let f = Fixture::new("i5", Some(Bind::DualStack))?;
-    let inbound_dst = sa(fam.pod(), APP_PORT);
-    let outbound_dst = sa(fam.client(), REMOTE_PORT);
     // Long-lived connections in both directions, opened before enrollment.
-    let (tx, rx) = std::sync::mpsc::channel::<()>();
-    let (rtx, rrx) = std::sync::mpsc::channel();
-    let client_side = spawn_in(&f.topo.client, move || two_exchanges(inbound_dst, rx));
-    let (tx2, rx2) = std::sync::mpsc::channel::<()>();
-    let pod_side = spawn_in(&f.topo.pod, move || {
-        let r = two_exchanges(outbound_dst, rx2);
-        let _ = rtx.send(());
-        r
-    });
-    std::thread::sleep(Duration::from_millis(300));
+    let mut inbound = Held::open(&f.topo.client, sa(fam.pod(), APP_PORT))?;
+    let mut outbound = Held::open(&f.topo.pod, sa(fam.client(), REMOTE_PORT))?;
     ensure!(f.enroll()?.state == PodState::Enabled);
-    tx.send(()).ok();
-    tx2.send(()).ok();
-    let a = client_side.join().unwrap()?;
-    let b = pod_side.join().unwrap()?;
-    let _ = rrx.recv();
-    ensure!(
-        a.starts_with(&format!("app:{APP_PORT}")),
-        "inbound after enroll: {a}"
-    );
-    ensure!(
-        b.starts_with(&format!("app:{REMOTE_PORT}")),
-        "outbound after enroll: {b}"
-    );
+    expect_reply(
+        &inbound.exchange(),
+        &format!("app:{APP_PORT} peer={}", peer(fam.client())),
+    )?;
+    expect_reply(
+        &outbound.exchange(),
+        &format!("app:{REMOTE_PORT} peer={}", peer(fam.pod())),
+    )?;
     ensure!(
         f.standin().accepted().is_empty(),
         "pre-existing connection got captured"
     );
+    // New connections are captured meanwhile.
+    let r = connect(&f.topo.client, sa(fam.pod(), APP_PORT), Opts::default());
+    expect_reply(&r, &format!("app:{APP_PORT}"))?;
+    ensure!(f.standin().accepted().len() == 1);
     Ok(())
-}
-
-/// One line before `go`, one after; returns the second reply.
-fn two_exchanges(dst: SocketAddr, go: std::sync::mpsc::Receiver<()>) -> anyhow::Result<String> {
-    use std::io::{BufRead, BufReader, Write};
-    let s = try_connect(dst, &Opts::default())?;
-    let mut r = BufReader::new(s.try_clone()?);
-    let mut w = s;
-    let mut line = String::new();
-    writeln!(w, "one")?;
-    r.read_line(&mut line)?;
-    go.recv()?;
-    line.clear();
-    writeln!(w, "two")?;
-    r.read_line(&mut line)?;
-    ensure!(!line.is_empty(), "connection closed after enrollment");
-    Ok(line.trim_end().to_owned())
 }
 
 fn o1(fam: Family) -> TestResult {
