@@ -89,12 +89,20 @@ impl Fixture {
     }
 }
 
-/// The `sluice` binary built beside the test executable.
+/// The `sluice` binary built beside the test executable (`cargo xtask test`
+/// builds it first).
 pub fn sluice_bin() -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
     // target/<profile>/deps/<test> → target/<profile>/sluice
-    exe.parent()
+    let bin = exe
+        .parent()
         .and_then(|d| d.parent())
         .map(|d| d.join("sluice"))
-        .expect("target dir layout")
+        .expect("target dir layout");
+    assert!(
+        bin.exists(),
+        "{} is missing: build it with `cargo build -p sluice` (cargo xtask test does)",
+        bin.display()
+    );
+    bin
 }

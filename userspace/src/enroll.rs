@@ -289,25 +289,7 @@ fn teardown(
 ) -> Result<(), EnrollError> {
     // Fail closed while links go away one by one.
     maps.set_state(cookie, PodState::Draining, boottime_ns())?;
-    let dir = pins.pod(cookie);
-    if let Ok(entries) = fs::read_dir(&dir) {
-        for e in entries.flatten() {
-            match PinnedLink::from_pin(e.path()) {
-                // Unpinned and dropped: the last reference goes, the link detaches.
-                Ok(link) => drop(link.unpin()),
-                Err(_) => drop(fs::remove_file(e.path())),
-            }
-        }
-    }
-    match fs::remove_dir(&dir) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            return Err(EnrollError::Io {
-                what: format!("removing {}", dir.display()),
-                source: e,
-            })
-        }
-        _ => {}
-    }
+    remove_links(pins, cookie)?;
     if let Some(netns) = netns {
         netns.run(|| -> Result<(), EnrollError> {
             let ifaces: Vec<String> = interfaces()
@@ -322,29 +304,50 @@ fn teardown(
     Ok(())
 }
 
-/// Unenrolls every pod and removes the node-wide pins.
+/// Unpins (and so detaches) every link of a pod and removes its directory.
+fn remove_links(pins: &Pins, cookie: u64) -> Result<(), EnrollError> {
+    let dir = pins.pod(cookie);
+    if let Ok(entries) = fs::read_dir(&dir) {
+        for e in entries.flatten() {
+            match PinnedLink::from_pin(e.path()) {
+                // Unpinned and dropped: the last reference goes, the link detaches.
+                Ok(link) => drop(link.unpin()),
+                Err(_) => drop(fs::remove_file(e.path())),
+            }
+        }
+    }
+    match fs::remove_dir(&dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(EnrollError::Io {
+            what: format!("removing {}", dir.display()),
+            source: e,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Unenrolls every pod and removes the node-wide pins. Works from whatever is
+/// pinned, also when the maps cannot be opened (e.g. left by another version).
 pub fn uninstall(pins: &Pins) -> Result<usize, EnrollError> {
     if !pins.root().exists() {
         return Ok(0);
     }
     let mut n = 0;
-    if let Ok(mut maps) = Maps::open_pinned(&pins.maps()) {
+    let mut maps = Maps::open_pinned(&pins.maps()).ok();
+    if let Some(maps) = maps.as_mut() {
         for cookie in maps.cookies() {
             let path = maps.meta(cookie).map(|m| m.1).unwrap_or_default();
             let netns = Netns::open(Path::new(&path))
                 .ok()
                 .filter(|ns| ns.cookie().ok() == Some(cookie));
-            teardown(pins, &mut maps, netns.as_ref(), cookie)?;
+            teardown(pins, maps, netns.as_ref(), cookie)?;
             n += 1;
         }
     }
-    // Pod dirs without any map entry (interrupted enrolls).
+    // Pod directories with no map entry (interrupted enrolls, unreadable maps).
     if let Ok(entries) = fs::read_dir(pins.pods()) {
         for e in entries.flatten() {
             if let Some(cookie) = e.file_name().to_str().and_then(|s| s.parse().ok()) {
-                if let Ok(mut maps) = Maps::open_pinned(&pins.maps()) {
-                    teardown(pins, &mut maps, None, cookie)?;
-                }
+                remove_links(pins, cookie)?;
             }
         }
     }

@@ -19,7 +19,7 @@ pub enum NetnsError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("{0} is not a network namespace (not a file on nsfs)")]
+    #[error("{0} is not a network namespace")]
     NotNetns(PathBuf),
     #[error("netns {path}: setns: {source}")]
     Enter { path: PathBuf, source: nix::Error },

@@ -103,6 +103,8 @@ fn test(extra: &[String]) -> Result<()> {
         ]
         .concat(),
     )?;
+    // The lifecycle tests run the `sluice` binary itself.
+    cargo(&["build", "-p", "sluice", "--bins"])?;
     let mut args = [&["test"][..], &host].concat();
     if !extra.is_empty() {
         args.push("--");
