@@ -1,9 +1,16 @@
-//! Embeds the eBPF object built by `cargo xtask build-ebpf`, so `sluice` is one
-//! file to ship.
+//! Generates the ZDS messages and embeds the eBPF object built by
+//! `cargo xtask build-ebpf`, so `sluice` is one file to ship.
 
 use std::path::PathBuf;
 
 fn main() {
+    // ZDS messages, generated from the project's own .proto (no protoc needed).
+    println!("cargo:rerun-if-changed=proto/zds.proto");
+    let fds = protox::compile(["proto/zds.proto"], ["proto"]).expect("compiling proto/zds.proto");
+    prost_build::Config::new()
+        .compile_fds(fds)
+        .expect("generating ZDS messages");
+
     let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap());
     let target = std::env::var("CARGO_TARGET_DIR")
         .map(PathBuf::from)

@@ -64,10 +64,20 @@ pub fn egress(ctx: &TcContext) -> i32 {
     if is_probe(t.family, &t.daddr) || is_loopback(t.family, &t.daddr) {
         return TC_OK;
     }
-    let cookie = netns_cookie(ctx);
     if t.is_syn() {
         // A new outbound connection (row O1): steer it to 15001 or fail closed (F1).
-        let Some(pod) = (unsafe { POD_STATE.get(cookie) }) else {
+        // A SYN without a socket (crafted, odd paths) reads as the host netns:
+        // then the source address names the pod.
+        let mut cookie = netns_cookie(ctx);
+        let mut pod = unsafe { POD_STATE.get(cookie) };
+        if pod.is_none() {
+            let Some(c) = pod_of(t.family, &t.saddr) else {
+                return TC_OK;
+            };
+            cookie = c;
+            pod = unsafe { POD_STATE.get(cookie) };
+        }
+        let Some(pod) = pod else {
             return TC_OK;
         };
         if !pod.is_enabled() {

@@ -13,3 +13,4 @@ pub mod sockets;
 pub mod state;
 pub mod status;
 pub mod uid;
+pub mod zds;

@@ -1,0 +1,390 @@
+//! The ZDS server: accepts ztunnel's connections on a SOCK_SEQPACKET socket,
+//! and runs each one as a task that owns it, so requests on one connection are
+//! strictly serialised (send, await ack, next). Knows nothing of pod state: the
+//! [`Handler`] supplies the snapshot and hears about outcomes.
+//!
+//! Conversation per connection: ztunnel sends hello → we send `add` (or `keep`)
+//! for every pod, then `snapshot_sent` → afterwards `add`s for new pods go to the
+//! newest connection and `del`s to every live one.
+
+use std::{
+    os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd},
+    path::{Path, PathBuf},
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, Mutex,
+    },
+    time::Duration,
+};
+
+use tokio::{
+    io::unix::AsyncFd,
+    sync::{mpsc, oneshot, watch},
+};
+use tracing::{debug, info, info_span, warn, Instrument as _};
+
+use super::{
+    proto::{
+        self, workload_response, Version, WorkloadRequest, WorkloadResponse, ZdsHello, MAX_REQUEST,
+    },
+    wire::{self, Datagram, WireError},
+};
+
+/// Upstream uses 5 s for both the write and the ack.
+pub const DEADLINE: Duration = Duration::from_secs(5);
+/// Nack texts can exceed 1 KiB (ztunnel with backtraces on).
+const ACK_BUFFER: usize = 64 * 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ZdsError {
+    #[error("no ztunnel connected")]
+    NoConnection,
+    #[error("timed out after {0:?} waiting for ztunnel")]
+    Timeout(Duration),
+    #[error("connection lost")]
+    Closed,
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    #[error("request is {0} bytes, over the {MAX_REQUEST}-byte limit")]
+    TooLarge(usize),
+    #[error(transparent)]
+    Wire(#[from] WireError),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl ZdsError {
+    /// Whether the connection can no longer be trusted for lock-step.
+    fn is_fatal(&self) -> bool {
+        !matches!(self, ZdsError::TooLarge(_) | ZdsError::NoConnection)
+    }
+}
+
+/// ztunnel's answer to a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answer {
+    Ack,
+    Nack(String),
+}
+
+/// One entry of the snapshot sent on a new connection.
+pub enum SnapshotEntry {
+    /// `add` with the pod's netns fd.
+    Add {
+        uid: String,
+        workload: proto::Workload,
+        netns: OwnedFd,
+    },
+    /// `keep`: the pod exists but its netns cannot be opened any more.
+    Keep { uid: String },
+}
+
+/// What the agent provides to (and learns from) the server.
+pub trait Handler: Send + Sync + 'static {
+    /// The pods to hand to a newly connected ztunnel.
+    fn snapshot(&self) -> Vec<SnapshotEntry>;
+    /// ztunnel answered (or failed to answer) an `add` for `uid` on a
+    /// connection whose peer is `pid`.
+    fn add_outcome(&self, uid: &str, pid: Option<i32>, outcome: &Result<Answer, ZdsError>);
+    /// A connection finished its snapshot and is live.
+    fn connected(&self, id: u64, pid: Option<i32>);
+    /// A connection is gone.
+    fn disconnected(&self, id: u64);
+}
+
+struct Job {
+    req: WorkloadRequest,
+    fd: Option<OwnedFd>,
+    reply: oneshot::Sender<Result<Answer, ZdsError>>,
+}
+
+/// A live (post-snapshot) connection.
+pub struct Conn {
+    pub id: u64,
+    pub pid: Option<i32>,
+    tx: mpsc::Sender<Job>,
+}
+
+impl Conn {
+    /// Sends a request on this connection and waits for ztunnel's answer.
+    pub async fn request(
+        &self,
+        req: WorkloadRequest,
+        fd: Option<OwnedFd>,
+    ) -> Result<Answer, ZdsError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Job { req, fd, reply })
+            .await
+            .map_err(|_| ZdsError::Closed)?;
+        rx.await.map_err(|_| ZdsError::Closed)?
+    }
+}
+
+/// The live connections, oldest first.
+#[derive(Default)]
+pub struct Hub {
+    conns: Mutex<Vec<Arc<Conn>>>,
+    next_id: AtomicU64,
+}
+
+impl Hub {
+    pub fn newest(&self) -> Option<Arc<Conn>> {
+        self.conns.lock().unwrap().last().cloned()
+    }
+
+    pub fn all(&self) -> Vec<Arc<Conn>> {
+        self.conns.lock().unwrap().clone()
+    }
+
+    pub fn is_connected(&self) -> bool {
+        !self.conns.lock().unwrap().is_empty()
+    }
+
+    fn add(&self, c: Arc<Conn>) {
+        self.conns.lock().unwrap().push(c);
+    }
+
+    fn remove(&self, id: u64) {
+        self.conns.lock().unwrap().retain(|c| c.id != id);
+    }
+}
+
+/// Binds the ZDS socket (replacing a stale one) and listens.
+pub fn bind(path: &Path) -> std::io::Result<OwnedFd> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    use nix::sys::socket::{
+        bind, listen, socket, AddressFamily, Backlog, SockFlag, SockType, UnixAddr,
+    };
+    let fd = socket(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
+        None,
+    )?;
+    bind(fd.as_raw_fd(), &UnixAddr::new(path)?)?;
+    listen(&fd, Backlog::new(16).expect("valid backlog"))?;
+    Ok(fd)
+}
+
+/// Accepts connections until `shutdown` flips, each served by its own task.
+pub async fn serve(
+    listener: OwnedFd,
+    path: PathBuf,
+    hub: Arc<Hub>,
+    handler: Arc<dyn Handler>,
+    mut shutdown: watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    let listener = async_fd(listener)?;
+    info!(socket = %path.display(), "ZDS server listening");
+    loop {
+        tokio::select! {
+            _ = shutdown.changed() => break,
+            ready = listener.readable() => {
+                let mut guard = ready?;
+                match nix::sys::socket::accept4(
+                    listener.as_raw_fd(),
+                    nix::sys::socket::SockFlag::SOCK_CLOEXEC | nix::sys::socket::SockFlag::SOCK_NONBLOCK,
+                ) {
+                    Ok(raw) => {
+                        // SAFETY: accept4 returned a new fd that we now own.
+                        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+                        let id = hub.next_id.fetch_add(1, Ordering::Relaxed) + 1;
+                        let pid = peer_pid(&fd);
+                        let span = info_span!("zds", conn = id, pid = pid.unwrap_or(0));
+                        let (hub, handler) = (hub.clone(), handler.clone());
+                        tokio::spawn(
+                            async move {
+                                match async_fd(fd) {
+                                    Ok(fd) => connection(fd, id, pid, hub, handler).await,
+                                    Err(e) => warn!(error = %e, "ZDS connection setup failed"),
+                                }
+                            }
+                            .instrument(span),
+                        );
+                    }
+                    Err(nix::Error::EAGAIN) => guard.clear_ready(),
+                    Err(e) => warn!(error = %e, "accept on ZDS socket failed"),
+                }
+            }
+        }
+    }
+    let _ = std::fs::remove_file(&path);
+    Ok(())
+}
+
+fn async_fd(fd: OwnedFd) -> std::io::Result<AsyncFd<OwnedFd>> {
+    // SAFETY: the AsyncFd owns the fd, so it stays open while registered.
+    unsafe { AsyncFd::register(fd) }.map_err(std::io::Error::from)
+}
+
+fn peer_pid(fd: &OwnedFd) -> Option<i32> {
+    nix::sys::socket::getsockopt(fd, nix::sys::socket::sockopt::PeerCredentials)
+        .ok()
+        .map(|c| c.pid())
+        .filter(|p| *p > 0)
+}
+
+async fn recv(fd: &AsyncFd<OwnedFd>, max: usize) -> Result<Datagram, ZdsError> {
+    loop {
+        let mut guard = fd.readable().await?;
+        match wire::recv(fd.get_ref().as_fd(), max) {
+            Err(e) if e.would_block() => guard.clear_ready(),
+            other => return Ok(other?),
+        }
+    }
+}
+
+async fn send(fd: &AsyncFd<OwnedFd>, data: &[u8], netns: Option<&OwnedFd>) -> Result<(), ZdsError> {
+    loop {
+        let mut guard = fd.writable().await?;
+        match wire::send(fd.get_ref().as_fd(), data, netns.map(|f| f.as_fd())) {
+            Err(e) if e.would_block() => guard.clear_ready(),
+            other => return Ok(other?),
+        }
+    }
+}
+
+async fn deadline<T>(
+    f: impl std::future::Future<Output = Result<T, ZdsError>>,
+) -> Result<T, ZdsError> {
+    tokio::time::timeout(DEADLINE, f)
+        .await
+        .unwrap_or(Err(ZdsError::Timeout(DEADLINE)))
+}
+
+/// One request, lock-step: send (with the fd for `add`), then wait for the ack.
+async fn exchange(
+    fd: &AsyncFd<OwnedFd>,
+    req: &WorkloadRequest,
+    netns: Option<&OwnedFd>,
+) -> Result<Answer, ZdsError> {
+    let data = proto::encode(req);
+    if data.len() > MAX_REQUEST {
+        return Err(ZdsError::TooLarge(data.len()));
+    }
+    if req.carries_fd() != netns.is_some() {
+        return Err(ZdsError::Protocol(format!(
+            "{} must carry exactly the netns fd",
+            req.kind()
+        )));
+    }
+    deadline(send(fd, &data, netns)).await?;
+    let dg = deadline(recv(fd, ACK_BUFFER)).await?;
+    if !dg.fds.is_empty() {
+        return Err(ZdsError::Protocol(format!(
+            "ack came with {} fds",
+            dg.fds.len()
+        )));
+    }
+    let resp: WorkloadResponse =
+        proto::decode(&dg.data).map_err(|e| ZdsError::Protocol(format!("undecodable ack: {e}")))?;
+    match resp.payload {
+        Some(workload_response::Payload::Ack(a)) if a.error.is_empty() => Ok(Answer::Ack),
+        Some(workload_response::Payload::Ack(a)) => Ok(Answer::Nack(a.error)),
+        None => Err(ZdsError::Protocol("response without an ack".into())),
+    }
+}
+
+async fn connection(
+    fd: AsyncFd<OwnedFd>,
+    id: u64,
+    pid: Option<i32>,
+    hub: Arc<Hub>,
+    handler: Arc<dyn Handler>,
+) {
+    match run_connection(&fd, id, pid, &hub, &handler).await {
+        Ok(()) => info!("ztunnel disconnected"),
+        Err(e) => warn!(error = %e, "closing ZDS connection"),
+    }
+    hub.remove(id);
+    handler.disconnected(id);
+}
+
+async fn run_connection(
+    fd: &AsyncFd<OwnedFd>,
+    id: u64,
+    pid: Option<i32>,
+    hub: &Arc<Hub>,
+    handler: &Arc<dyn Handler>,
+) -> Result<(), ZdsError> {
+    // ztunnel speaks first.
+    let hello = deadline(recv(fd, MAX_REQUEST)).await?;
+    if !hello.fds.is_empty() {
+        return Err(ZdsError::Protocol(format!(
+            "hello came with {} fds",
+            hello.fds.len()
+        )));
+    }
+    let hello: ZdsHello = proto::decode(&hello.data)
+        .map_err(|e| ZdsError::Protocol(format!("undecodable hello: {e}")))?;
+    if hello.version != Version::V1 as i32 {
+        return Err(ZdsError::Protocol(format!(
+            "unsupported ZDS version {}",
+            hello.version
+        )));
+    }
+    info!("ztunnel connected; sending snapshot");
+
+    let entries = handler.snapshot();
+    let n = entries.len();
+    for e in entries {
+        match e {
+            SnapshotEntry::Add {
+                uid,
+                workload,
+                netns,
+            } => {
+                let out = exchange(fd, &WorkloadRequest::add(&uid, &workload), Some(&netns)).await;
+                handler.add_outcome(&uid, pid, &out);
+                if let Err(e) = out {
+                    if e.is_fatal() {
+                        return Err(e);
+                    }
+                }
+            }
+            SnapshotEntry::Keep { uid } => {
+                if let Answer::Nack(t) = exchange(fd, &WorkloadRequest::keep(&uid), None).await? {
+                    warn!(%uid, nack = %t, "ztunnel nacked keep");
+                }
+            }
+        }
+    }
+    if let Answer::Nack(t) = exchange(fd, &WorkloadRequest::snapshot_sent(), None).await? {
+        warn!(nack = %t, "ztunnel nacked snapshot_sent");
+    }
+    info!(pods = n, "snapshot sent");
+
+    let (tx, mut rx) = mpsc::channel::<Job>(64);
+    hub.add(Arc::new(Conn { id, pid, tx }));
+    handler.connected(id, pid);
+    loop {
+        tokio::select! {
+            job = rx.recv() => {
+                let Some(job) = job else { return Ok(()) };
+                debug!(kind = job.req.kind(), "request");
+                let out = exchange(fd, &job.req, job.fd.as_ref()).await;
+                let fatal = out.as_ref().err().filter(|e| e.is_fatal()).map(|e| e.to_string());
+                let _ = job.reply.send(out);
+                if let Some(e) = fatal {
+                    return Err(ZdsError::Protocol(format!("after a failed request: {e}")));
+                }
+            }
+            // Between requests ztunnel has nothing to say: data is a protocol
+            // error, EOF a disconnect.
+            got = recv(fd, ACK_BUFFER) => {
+                return match got {
+                    Err(ZdsError::Wire(WireError::Closed)) => Ok(()),
+                    Err(e) => Err(e),
+                    Ok(_) => Err(ZdsError::Protocol("unsolicited message".into())),
+                };
+            }
+        }
+    }
+}

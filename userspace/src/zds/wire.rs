@@ -1,0 +1,88 @@
+//! One ZDS message per SOCK_SEQPACKET datagram, the netns fd as SCM_RIGHTS.
+//! Blocking-agnostic: these work on any fd; `server` drives them from tokio.
+
+use std::{
+    io::{IoSlice, IoSliceMut},
+    os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd},
+};
+
+use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
+
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    #[error("peer closed the connection")]
+    Closed,
+    #[error("datagram truncated (larger than {0} bytes)")]
+    Truncated(usize),
+    #[error("control data truncated")]
+    ControlTruncated,
+    #[error("expected {expected} fds with this message, got {got}")]
+    FdCount { expected: usize, got: usize },
+    #[error("message too large: {0} bytes (limit {1})")]
+    TooLarge(usize, usize),
+    #[error("{0}")]
+    Io(#[from] nix::Error),
+}
+
+impl WireError {
+    pub fn would_block(&self) -> bool {
+        matches!(self, WireError::Io(nix::Error::EAGAIN))
+    }
+}
+
+/// A received datagram and the fds that came with it.
+pub struct Datagram {
+    pub data: Vec<u8>,
+    pub fds: Vec<OwnedFd>,
+}
+
+/// Receives one datagram into a buffer of `max` bytes; truncation is an error.
+pub fn recv(fd: BorrowedFd<'_>, max: usize) -> Result<Datagram, WireError> {
+    let mut buf = vec![0u8; max];
+    let mut cmsg = nix::cmsg_space!([RawFd; 4]);
+    let (bytes, flags, fds) = {
+        let mut iov = [IoSliceMut::new(&mut buf)];
+        let msg = recvmsg::<()>(
+            fd.as_raw_fd(),
+            &mut iov,
+            Some(&mut cmsg),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        )?;
+        let mut fds = Vec::new();
+        for c in msg.cmsgs().map_err(WireError::Io)? {
+            if let ControlMessageOwned::ScmRights(r) = c {
+                // SAFETY: the kernel just installed these fds for us.
+                fds.extend(r.into_iter().map(|f| unsafe { OwnedFd::from_raw_fd(f) }));
+            }
+        }
+        (msg.bytes, msg.flags, fds)
+    };
+    if flags.contains(MsgFlags::MSG_TRUNC) {
+        return Err(WireError::Truncated(max));
+    }
+    if flags.contains(MsgFlags::MSG_CTRUNC) {
+        return Err(WireError::ControlTruncated);
+    }
+    if bytes == 0 && fds.is_empty() {
+        return Err(WireError::Closed);
+    }
+    buf.truncate(bytes);
+    Ok(Datagram { data: buf, fds })
+}
+
+/// Sends one datagram, with `fd` as SCM_RIGHTS when given.
+pub fn send(
+    sock: BorrowedFd<'_>,
+    data: &[u8],
+    fd: Option<BorrowedFd<'_>>,
+) -> Result<(), WireError> {
+    let iov = [IoSlice::new(data)];
+    let raw = fd.map(|f| [f.as_raw_fd()]);
+    let cmsgs: Vec<ControlMessage<'_>> = raw
+        .as_ref()
+        .map(|r| ControlMessage::ScmRights(r))
+        .into_iter()
+        .collect();
+    sendmsg::<()>(sock.as_raw_fd(), &iov, &cmsgs, MsgFlags::MSG_NOSIGNAL, None)?;
+    Ok(())
+}
