@@ -280,6 +280,10 @@ pub struct FlowHint {
 pub const POD_UID_LEN: usize = 64;
 /// Length of the netns path field in [`PodMeta`].
 pub const NETNS_PATH_LEN: usize = 192;
+/// Kubernetes name lengths (DNS subdomain / label) plus the NUL terminator.
+pub const POD_NAME_LEN: usize = 254;
+pub const NAMESPACE_LEN: usize = 64;
+pub const SERVICE_ACCOUNT_LEN: usize = 254;
 
 /// Who a pod is, for user space only (the programs never read it). Kept in a
 /// pinned map beside the pod state so a new process can find every enrolled
@@ -291,6 +295,11 @@ pub struct PodMeta {
     pub uid: [u8; POD_UID_LEN],
     /// NUL-padded path of the netns the pod was enrolled with.
     pub netns_path: [u8; NETNS_PATH_LEN],
+    /// The workload identity ztunnel needs in every ZDS add (NUL-padded),
+    /// kept so that a restarted agent can send its snapshot.
+    pub name: [u8; POD_NAME_LEN],
+    pub namespace: [u8; NAMESPACE_LEN],
+    pub service_account: [u8; SERVICE_ACCOUNT_LEN],
 }
 
 #[cfg(feature = "user")]
@@ -319,7 +328,10 @@ mod tests {
         assert_eq!(size_of::<Counters>(), 48);
         assert_eq!(size_of::<FlowKey>(), 16 + 16 + 2 + 2 + 1 + 3);
         assert_eq!(size_of::<FlowHint>(), 24);
-        assert_eq!(size_of::<PodMeta>(), POD_UID_LEN + NETNS_PATH_LEN);
+        assert_eq!(
+            size_of::<PodMeta>(),
+            POD_UID_LEN + NETNS_PATH_LEN + POD_NAME_LEN + NAMESPACE_LEN + SERVICE_ACCOUNT_LEN
+        );
         assert_eq!(size_of::<AddrKey>(), 20);
     }
 

@@ -35,10 +35,13 @@ pub static COUNTERS: PerCpuHashMap<u64, Counters> = PerCpuHashMap::pinned(MAX_PO
 #[map(name = "flow_hints")]
 pub static FLOW_HINTS: LruHashMap<FlowKey, FlowHint> = LruHashMap::pinned(65536, 0);
 
-/// Who each pod is (uid, netns path). User space only; kept beside the state
-/// so that everything about enrollment lives in bpffs.
+/// Who each pod is (uid, netns path, workload identity). User space only;
+/// kept beside the state so that everything about enrollment lives in bpffs.
+/// Not preallocated: entries are large and few.
 #[map(name = "pod_meta")]
-pub static POD_META: HashMap<u64, PodMeta> = HashMap::pinned(MAX_PODS, 0);
+pub static POD_META: HashMap<u64, PodMeta> = HashMap::pinned(MAX_PODS, BPF_F_NO_PREALLOC);
+
+const BPF_F_NO_PREALLOC: u32 = 1;
 
 /// Adds one to a pod's counter, creating the entry on first use.
 #[inline(always)]

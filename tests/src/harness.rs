@@ -8,6 +8,7 @@ use sluice::{
     loader::Dataplane,
     state::{Maps, PodRecord},
     uid::PodUid,
+    workload::Workload,
 };
 
 use crate::{
@@ -38,7 +39,12 @@ pub struct Fixture {
 
 impl Fixture {
     pub fn new(tag: &str, standin: Option<Bind>) -> anyhow::Result<Self> {
-        let topo = Topology::new(tag)?;
+        Self::in_subnet(tag, standin, 0)
+    }
+
+    /// A fixture whose addresses are in subnet `n` (see [`Topology::with_subnet`]).
+    pub fn in_subnet(tag: &str, standin: Option<Bind>, n: u8) -> anyhow::Result<Self> {
+        let topo = Topology::with_subnet(tag, n)?;
         Ok(Self {
             uid: PodUid::new(&format!("pod-{tag}"))?,
             app: App::start(&topo.pod, APP_PORT),
@@ -62,7 +68,12 @@ impl Fixture {
             &mut dp,
             &self.topo.pod_netns_path(),
             &self.uid,
+            &self.workload(),
         )?)
+    }
+
+    pub fn workload(&self) -> Workload {
+        Workload::new(self.uid.as_str(), "default", "default").expect("valid workload")
     }
 
     pub fn register(&self) -> anyhow::Result<Enrolled> {
@@ -76,7 +87,12 @@ impl Fixture {
     }
 
     pub fn pod_record(&self) -> anyhow::Result<PodRecord> {
-        let pods = sluice::status::read(&self.topo.pins)?;
+        self.pod_record_in(&self.topo.pins)
+    }
+
+    /// This pod's record in the pins at `pins` (pods enrolled by a shared agent).
+    pub fn pod_record_in(&self, pins: &sluice::loader::Pins) -> anyhow::Result<PodRecord> {
+        let pods = sluice::status::read(pins)?;
         pods.into_iter()
             .find(|p| p.uid == self.uid.as_str())
             .ok_or_else(|| anyhow::anyhow!("pod {} not in status", self.uid))

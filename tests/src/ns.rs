@@ -1,6 +1,12 @@
-//! Running code inside a named network namespace on a dedicated thread.
+//! Running code inside a network namespace on a dedicated thread.
 
-use std::{fs::File, os::fd::AsFd, path::PathBuf, thread::JoinHandle};
+use std::{
+    fs::File,
+    os::fd::{AsFd, OwnedFd},
+    path::PathBuf,
+    sync::Arc,
+    thread::JoinHandle,
+};
 
 use nix::sched::{setns, CloneFlags};
 
@@ -12,6 +18,35 @@ pub fn netns_path(name: &str) -> PathBuf {
 pub fn enter(name: &str) -> std::io::Result<()> {
     let f = File::open(netns_path(name))?;
     setns(f.as_fd(), CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)
+}
+
+/// A network namespace to run threads in: by name, or by an fd we were handed
+/// (as ztunnel is, over ZDS).
+#[derive(Clone)]
+pub enum Ns {
+    Named(String),
+    Fd(Arc<OwnedFd>),
+}
+
+impl Ns {
+    pub fn enter(&self) -> std::io::Result<()> {
+        match self {
+            Ns::Named(n) => enter(n),
+            Ns::Fd(fd) => setns(fd.as_fd(), CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from),
+        }
+    }
+
+    /// Spawns a thread that lives in this netns.
+    pub fn spawn<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> JoinHandle<T> {
+        let ns = self.clone();
+        std::thread::spawn(move || {
+            ns.enter().expect("entering netns");
+            f()
+        })
+    }
 }
 
 /// Spawns a thread that lives in netns `name`.

@@ -18,7 +18,7 @@ use socket2::{Domain, Socket, Type};
 use crate::{
     app::canonical,
     flow::{self, Opts},
-    ns::spawn_in,
+    ns::Ns,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,6 +40,9 @@ pub struct Accepted {
     pub orig_dst: SocketAddr,
 }
 
+/// Called with every accepted connection (the ZDS peer prints them).
+pub type OnAccept = Arc<dyn Fn(&Accepted) + Send + Sync>;
+
 pub struct StandIn {
     pub accepted: Arc<Mutex<Vec<Accepted>>>,
     fds: Vec<i32>,
@@ -47,13 +50,19 @@ pub struct StandIn {
 
 impl StandIn {
     pub fn start(pod_ns: &str, bind: Bind) -> Self {
+        Self::start_in(Ns::Named(pod_ns.to_owned()), bind, None)
+    }
+
+    /// Opens the listeners in `ns` (named, or an fd as ztunnel gets over ZDS).
+    pub fn start_in(ns: Ns, bind: Bind, on_accept: Option<OnAccept>) -> Self {
         let accepted = Arc::new(Mutex::new(Vec::new()));
         let mut fds = Vec::new();
         for role in Role::ALL {
             let (tx, rx) = std::sync::mpsc::channel();
             let acc = accepted.clone();
-            let ns = pod_ns.to_owned();
-            spawn_in(pod_ns, move || {
+            let ns2 = ns.clone();
+            let on_accept = on_accept.clone();
+            ns.spawn(move || {
                 let l = listener(role.port(), bind).expect("stand-in listener");
                 tx.send(l.as_raw_fd()).unwrap();
                 for conn in l.incoming() {
@@ -66,7 +75,10 @@ impl StandIn {
                             .unwrap_or_else(|| canonical(c.local_addr().unwrap())),
                     };
                     acc.lock().unwrap().push(a.clone());
-                    spawn_in(&ns, move || proxy(c, a));
+                    if let Some(f) = &on_accept {
+                        f(&a);
+                    }
+                    ns2.spawn(move || proxy(c, a));
                 }
             });
             fds.push(rx.recv().unwrap());

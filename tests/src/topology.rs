@@ -69,6 +69,9 @@ pub struct Topology {
     pub client: String,
     pub pod: String,
     pub pins: Pins,
+    /// Third octet / group of this topology's addresses: pods on one node
+    /// (one bpffs root) need distinct addresses, as on a real node.
+    pub subnet: u8,
 }
 
 static SEQ: AtomicU32 = AtomicU32::new(0);
@@ -87,12 +90,18 @@ pub fn ip(args: &[&str]) -> anyhow::Result<()> {
 impl Topology {
     /// Creates the two namespaces and the veth. `tag` keeps names readable.
     pub fn new(tag: &str) -> anyhow::Result<Self> {
+        Self::with_subnet(tag, 0)
+    }
+
+    /// Same, with addresses 10.200.`subnet`.0/24 and fd00:200:`subnet`::/64.
+    pub fn with_subnet(tag: &str, subnet: u8) -> anyhow::Result<Self> {
         let n = SEQ.fetch_add(1, Ordering::Relaxed);
         let id = format!("{}-{n}", std::process::id());
         let t = Self {
             client: format!("slc-{tag}-{id}"),
             pod: format!("slp-{tag}-{id}"),
             pins: Pins::new(PathBuf::from(format!("/sys/fs/bpf/sluice-test-{id}"))),
+            subnet,
         };
         // From here on, Drop cleans up whatever was made.
         t.build()?;
@@ -110,28 +119,14 @@ impl Topology {
             ip(&["-n", ns, "link", "set", "lo", "up"])?;
             ip(&["-n", ns, "link", "set", dev, "up"])?;
         }
-        ip(&["-n", c, "addr", "add", "10.200.0.1/24", "dev", "veth-c"])?;
-        ip(&["-n", p, "addr", "add", "10.200.0.2/24", "dev", "eth0"])?;
-        ip(&[
-            "-n",
-            c,
-            "addr",
-            "add",
-            "fd00:200::1/64",
-            "dev",
-            "veth-c",
-            "nodad",
-        ])?;
-        ip(&[
-            "-n",
-            p,
-            "addr",
-            "add",
-            "fd00:200::2/64",
-            "dev",
-            "eth0",
-            "nodad",
-        ])?;
+        let v4 = |ip: IpAddr| format!("{ip}/24");
+        let v6 = |ip: IpAddr| format!("{ip}/64");
+        let (c4, p4) = (v4(self.client_ip(Family::V4)), v4(self.pod_ip(Family::V4)));
+        let (c6, p6) = (v6(self.client_ip(Family::V6)), v6(self.pod_ip(Family::V6)));
+        ip(&["-n", c, "addr", "add", &c4, "dev", "veth-c"])?;
+        ip(&["-n", p, "addr", "add", &p4, "dev", "eth0"])?;
+        ip(&["-n", c, "addr", "add", &c6, "dev", "veth-c", "nodad"])?;
+        ip(&["-n", p, "addr", "add", &p6, "dev", "eth0", "nodad"])?;
         // The kubelet probe source lives on the client side, as on a node.
         ip(&["-n", c, "addr", "add", "169.254.7.127/32", "dev", "veth-c"])?;
         ip(&[
@@ -155,6 +150,20 @@ impl Topology {
             "eth0",
         ])?;
         Ok(())
+    }
+
+    pub fn pod_ip(&self, fam: Family) -> IpAddr {
+        match fam {
+            Family::V4 => Ipv4Addr::new(10, 200, self.subnet, 2).into(),
+            Family::V6 => Ipv6Addr::new(0xfd00, 0x200, self.subnet.into(), 0, 0, 0, 0, 2).into(),
+        }
+    }
+
+    pub fn client_ip(&self, fam: Family) -> IpAddr {
+        match fam {
+            Family::V4 => Ipv4Addr::new(10, 200, self.subnet, 1).into(),
+            Family::V6 => Ipv6Addr::new(0xfd00, 0x200, self.subnet.into(), 0, 0, 0, 0, 1).into(),
+        }
     }
 
     pub fn pod_netns_path(&self) -> PathBuf {

@@ -18,6 +18,7 @@ use crate::{
     sockets::{self, SocketError},
     state::{boottime_ns, Maps, StateError},
     uid::PodUid,
+    workload::Workload,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -30,6 +31,8 @@ pub enum EnrollError {
     NetnsTaken { path: String, uid: String },
     #[error("no enrolled pod has uid {0}")]
     UnknownPod(PodUid),
+    #[error("netns {0} now belongs to another namespace than the enrolled pod's")]
+    NetnsReplaced(String),
     #[error("netns path {0:?} is too long (max {max} bytes) or not UTF-8", max = NETNS_PATH_LEN - 1)]
     BadPath(String),
     #[error("netns {0} has no interface besides lo: nothing to capture")]
@@ -60,14 +63,28 @@ pub struct Enrolled {
     pub roles: Vec<Role>,
 }
 
-/// Enrolls the pod whose netns is at `netns_path`. The pod is `Pending` (fail
-/// closed) from its first attached link; it becomes `Enabled` here only if
-/// ztunnel's listeners already exist in the netns.
+/// Enrolls the pod whose netns is at `netns_path` without an agent: attach
+/// capture, then register ztunnel's listeners if they already exist in the
+/// netns (`Enabled`); otherwise the pod stays `Pending` (fail closed).
 pub fn enroll(
     dp: &mut Dataplane,
     netns_path: &Path,
     uid: &PodUid,
+    workload: &Workload,
 ) -> Result<Enrolled, EnrollError> {
+    let (netns, cookie) = attach_pod(dp, netns_path, uid, workload)?;
+    register(&mut dp.maps, &netns, cookie, None)
+}
+
+/// Attaches capture to a pod netns and records the pod as `Pending`: from its
+/// first link on, its new connections fail closed until listeners are
+/// registered. Returns the open netns and its cookie.
+pub fn attach_pod(
+    dp: &mut Dataplane,
+    netns_path: &Path,
+    uid: &PodUid,
+    workload: &Workload,
+) -> Result<(Netns, u64), EnrollError> {
     let path = netns_path
         .to_str()
         .filter(|p| p.len() < NETNS_PATH_LEN)
@@ -82,17 +99,17 @@ pub fn enroll(
         });
     }
     if dp.maps.entry(cookie).is_some() {
-        let owner = dp.maps.meta(cookie).map(|m| m.0).unwrap_or_default();
+        let owner = dp.maps.meta(cookie).map(|m| m.uid).unwrap_or_default();
         return Err(EnrollError::NetnsTaken { path, uid: owner });
     }
     // Pins without state can only be the remains of an interrupted enroll.
     teardown(&dp.pins, &mut dp.maps, Some(&netns), cookie)?;
 
-    if let Err(e) = attach(dp, &netns, cookie, uid, &path) {
+    if let Err(e) = attach(dp, &netns, cookie, uid, &path, workload) {
         let _ = teardown(&dp.pins, &mut dp.maps, Some(&netns), cookie);
         return Err(e);
     }
-    register(&mut dp.maps, &netns, cookie, None)
+    Ok((netns, cookie))
 }
 
 fn attach(
@@ -101,9 +118,11 @@ fn attach(
     cookie: u64,
     uid: &PodUid,
     path: &str,
+    workload: &Workload,
 ) -> Result<(), EnrollError> {
     // State first: every program fails closed for this pod from its first link.
-    dp.maps.insert_pod(cookie, uid, path, boottime_ns())?;
+    dp.maps
+        .insert_pod(cookie, uid, path, workload, boottime_ns())?;
     refresh_addrs(&mut dp.maps, netns, cookie)?;
     let dir = dp.pins.pod(cookie);
     fs::create_dir_all(&dir).map_err(|source| EnrollError::Io {
@@ -217,15 +236,16 @@ fn refresh_addrs(maps: &mut Maps, netns: &Netns, cookie: u64) -> Result<(), Enro
 
 /// Registers the listeners ztunnel has opened in the pod netns (and the pod's
 /// current addresses), and moves the pod to `Enabled` once every role has a
-/// listener. `pid_hint` is where to look first.
+/// listener. With `pid`, only that process's sockets are taken (the ztunnel
+/// that just acked: during an upgrade the old one's are about to close).
 pub fn register(
     maps: &mut Maps,
     netns: &Netns,
     cookie: u64,
-    pid_hint: Option<i32>,
+    pid: Option<i32>,
 ) -> Result<Enrolled, EnrollError> {
     refresh_addrs(maps, netns, cookie)?;
-    for l in sockets::take_listeners(netns, cookie, pid_hint)? {
+    for l in sockets::take_listeners(netns, cookie, pid)? {
         for &family in &l.families {
             maps.insert_listener(ListenerKey::new(cookie, l.role, family), &l.fd)?;
         }
@@ -249,20 +269,23 @@ pub fn register(
     })
 }
 
+/// Opens an enrolled pod's netns again, checking it is still the same one.
+pub fn open_pod_netns(maps: &Maps, cookie: u64) -> Result<Netns, EnrollError> {
+    let path = maps.meta(cookie).map(|m| m.netns).unwrap_or_default();
+    let netns = Netns::open(Path::new(&path))?;
+    if netns.cookie()? != cookie {
+        return Err(EnrollError::NetnsReplaced(path));
+    }
+    Ok(netns)
+}
+
 /// Re-registers the listeners of an enrolled pod (after ztunnel (re)started).
 pub fn register_uid(dp: &mut Dataplane, uid: &PodUid) -> Result<Enrolled, EnrollError> {
     let cookie = dp
         .maps
         .find_uid(uid)
         .ok_or_else(|| EnrollError::UnknownPod(uid.clone()))?;
-    let (_, path) = dp.maps.meta(cookie).unwrap_or_default();
-    let netns = Netns::open(Path::new(&path))?;
-    if netns.cookie()? != cookie {
-        return Err(EnrollError::NetnsTaken {
-            path,
-            uid: "another netns now at that path".into(),
-        });
-    }
+    let netns = open_pod_netns(&dp.maps, cookie)?;
     register(&mut dp.maps, &netns, cookie, None)
 }
 
@@ -271,12 +294,9 @@ pub fn unenroll(pins: &Pins, maps: &mut Maps, uid: &PodUid) -> Result<(), Enroll
     let cookie = maps
         .find_uid(uid)
         .ok_or_else(|| EnrollError::UnknownPod(uid.clone()))?;
-    let (_, path) = maps.meta(cookie).unwrap_or_default();
     // The netns may be gone with the pod (its routes went with it), or its
     // path may now name another netns: only touch the one with our cookie.
-    let netns = Netns::open(Path::new(&path))
-        .ok()
-        .filter(|n| n.cookie().ok() == Some(cookie));
+    let netns = open_pod_netns(maps, cookie).ok();
     teardown(pins, maps, netns.as_ref(), cookie)
 }
 
@@ -335,10 +355,7 @@ pub fn uninstall(pins: &Pins) -> Result<usize, EnrollError> {
     let mut maps = Maps::open_pinned(&pins.maps()).ok();
     if let Some(maps) = maps.as_mut() {
         for cookie in maps.cookies() {
-            let path = maps.meta(cookie).map(|m| m.1).unwrap_or_default();
-            let netns = Netns::open(Path::new(&path))
-                .ok()
-                .filter(|ns| ns.cookie().ok() == Some(cookie));
+            let netns = open_pod_netns(maps, cookie).ok();
             teardown(pins, maps, netns.as_ref(), cookie)?;
             n += 1;
         }

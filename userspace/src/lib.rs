@@ -5,6 +5,7 @@
 //! (ztunnel's listeners into the socket map) → [`state`] (the pinned maps that
 //! `status` reads).
 
+pub mod agent;
 pub mod enroll;
 pub mod loader;
 pub mod netns;
@@ -13,4 +14,5 @@ pub mod sockets;
 pub mod state;
 pub mod status;
 pub mod uid;
+pub mod workload;
 pub mod zds;

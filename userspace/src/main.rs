@@ -5,11 +5,17 @@ use std::{path::PathBuf, process::ExitCode};
 use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
 use sluice::{
+    agent::{
+        self,
+        control::{self, Request, Response},
+        DEFAULT_CONTROL_SOCKET, DEFAULT_ZDS_SOCKET,
+    },
     enroll,
     loader::{Dataplane, Pins, DEFAULT_ROOT},
     state::Maps,
     status,
     uid::PodUid,
+    workload::Workload,
 };
 
 #[derive(Parser)]
@@ -22,6 +28,10 @@ struct Cli {
     /// bpffs directory holding sluice's programs, maps and per-pod links.
     #[arg(long, global = true, default_value = DEFAULT_ROOT, env = "SLUICE_BPF_ROOT")]
     bpf_root: PathBuf,
+    /// The agent's control socket: `enroll`/`unenroll` go through a running
+    /// agent (which also tells ztunnel), else work on the pins directly.
+    #[arg(long, global = true, default_value = DEFAULT_CONTROL_SOCKET, env = "SLUICE_CONTROL_SOCKET")]
+    control_socket: PathBuf,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -37,6 +47,15 @@ enum Cmd {
         /// Pod uid.
         #[arg(long)]
         uid: String,
+        /// Pod name, as ztunnel knows the workload (default: the uid).
+        #[arg(long)]
+        name: Option<String>,
+        /// Pod namespace.
+        #[arg(long, default_value = "default")]
+        namespace: String,
+        /// Pod service account.
+        #[arg(long, default_value = "default")]
+        service_account: String,
     },
     /// Register ztunnel's listeners for an enrolled pod (after ztunnel (re)started).
     Register {
@@ -55,6 +74,12 @@ enum Cmd {
     },
     /// Unenroll every pod and remove all of sluice's pins from this node.
     Uninstall,
+    /// Run the node agent: serve ZDS to ztunnel and enroll pods through it.
+    Agent {
+        /// Where ztunnel connects (its INPOD_UDS).
+        #[arg(long, default_value = DEFAULT_ZDS_SOCKET, env = "SLUICE_ZDS_SOCKET")]
+        zds_socket: PathBuf,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -91,10 +116,26 @@ fn one_line(e: &anyhow::Error) -> String {
 fn run(cli: Cli) -> anyhow::Result<()> {
     let pins = Pins::new(&cli.bpf_root);
     match cli.cmd {
-        Cmd::Enroll { netns, uid } => {
+        Cmd::Enroll {
+            netns,
+            uid,
+            name,
+            namespace,
+            service_account,
+        } => {
             let uid = PodUid::new(&uid)?;
+            let name = name.unwrap_or_else(|| uid.to_string());
+            let workload = Workload::new(&name, &namespace, &service_account)?;
+            let req = Request::Enroll {
+                netns: netns.clone(),
+                uid: uid.to_string(),
+                workload: workload.clone(),
+            };
+            if let Some(resp) = control::call(&cli.control_socket, &req)? {
+                return print_agent(resp);
+            }
             let mut dp = Dataplane::load_or_adopt(pins)?;
-            let e = enroll::enroll(&mut dp, &netns, &uid)?;
+            let e = enroll::enroll(&mut dp, &netns, &uid, &workload)?;
             println!(
                 "enrolled pod {uid} (netns {}, cookie {}): {}{}",
                 netns.display(),
@@ -119,6 +160,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Cmd::Unenroll { uid } => {
             let uid = PodUid::new(&uid)?;
+            let req = Request::Unenroll {
+                uid: uid.to_string(),
+            };
+            if let Some(resp) = control::call(&cli.control_socket, &req)? {
+                return print_agent(resp);
+            }
             anyhow::ensure!(
                 pins.is_loaded(),
                 "no enrolled pod has uid {uid} (sluice is not loaded on this node)"
@@ -134,10 +181,47 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 Output::Json => println!("{}", status::json(&pods)),
             }
         }
+        Cmd::Agent { zds_socket } => {
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_default_env()
+                        .unwrap_or_else(|_| "info".into()),
+                )
+                .with_writer(std::io::stderr)
+                .init();
+            agent::run(agent::Config {
+                pins,
+                zds_socket,
+                control_socket: cli.control_socket,
+            })?;
+        }
         Cmd::Uninstall => {
             let n = enroll::uninstall(&pins)?;
             println!("removed sluice from this node ({n} pods unenrolled)");
         }
     }
     Ok(())
+}
+
+/// Prints what the agent answered; its errors become ours.
+fn print_agent(resp: Response) -> anyhow::Result<()> {
+    match resp {
+        Response::Enrolled {
+            uid,
+            cookie,
+            state,
+            note,
+        } => {
+            println!("enrolled pod {uid} via the agent (netns cookie {cookie}): {state}");
+            if let Some(n) = note {
+                println!("  {n}");
+            }
+            Ok(())
+        }
+        Response::Unenrolled { uid } => {
+            println!("unenrolled pod {uid} via the agent");
+            Ok(())
+        }
+        Response::Error { message } => Err(anyhow::anyhow!(message)),
+    }
 }

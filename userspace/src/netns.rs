@@ -65,6 +65,11 @@ impl Netns {
         &self.path
     }
 
+    /// The namespace fd, e.g. to hand to ztunnel.
+    pub fn into_fd(self) -> OwnedFd {
+        self.file.into()
+    }
+
     /// Runs `f` on a new thread that has entered this netns.
     pub fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> Result<R, NetnsError> {
         std::thread::scope(|s| {

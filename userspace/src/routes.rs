@@ -1,8 +1,9 @@
 //! The pod-side routing that makes a redirected packet local: a policy rule
 //! `fwmark 0x111/0xfff lookup 100` and a route `local default dev lo table 100`
 //! (both families), plus `accept_local` on the pod's interfaces (the redirected
-//! packet's source is the pod's own address). Set over rtnetlink and sysctl
-//! files from inside the pod netns; no `ip` command.
+//! packet's source is the pod's own address) and `tcp_migrate_req` (lossless
+//! ztunnel upgrades). Set over rtnetlink and sysctl files from inside the pod
+//! netns; no `ip` command.
 
 use std::net::{Ipv4Addr, Ipv6Addr};
 
@@ -49,12 +50,21 @@ fn runtime() -> Result<tokio::runtime::Runtime, RouteError> {
         .map_err(io("tokio runtime"))
 }
 
+/// Requests queued on a closing listener move to another listener of its
+/// SO_REUSEPORT group instead of being reset: with it, a ztunnel upgrade (old
+/// and new listeners in one group, the old one closing) loses no connection.
+fn set_migrate_req(on: bool) -> Result<(), RouteError> {
+    let path = "/proc/sys/net/ipv4/tcp_migrate_req";
+    std::fs::write(path, if on { "1" } else { "0" }).map_err(io(path))
+}
+
 /// Installs the rule, routes and sysctls. Must run inside the pod netns.
 /// Idempotent: entries that already exist are left as they are.
 pub fn install(pod_ifaces: &[String]) -> Result<(), RouteError> {
     for i in pod_ifaces {
         set_accept_local(i, true)?;
     }
+    set_migrate_req(true)?;
     let v6 = ipv6_enabled();
     runtime()?.block_on(async {
         let (conn, handle, _) = rtnetlink::new_connection().map_err(io("rtnetlink socket"))?;
@@ -77,6 +87,7 @@ pub fn remove(pod_ifaces: &[String]) -> Result<(), RouteError> {
         // The interface may be gone with the pod; nothing to undo then.
         let _ = set_accept_local(i, false);
     }
+    let _ = set_migrate_req(false);
     let v6 = ipv6_enabled();
     runtime()?.block_on(async {
         let (conn, handle, _) = rtnetlink::new_connection().map_err(io("rtnetlink socket"))?;

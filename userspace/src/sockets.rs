@@ -134,24 +134,25 @@ fn dump_listeners(family: u8) -> Result<Vec<SeenListener>, SocketError> {
     }
 }
 
-/// Where to look for the processes holding the sockets: a known pid first
-/// (the ZDS peer, when there is one), then every process.
-fn candidate_pids(hint: Option<i32>) -> Vec<i32> {
-    let mut pids: Vec<i32> = hint.into_iter().collect();
-    if let Ok(rd) = fs::read_dir("/proc") {
-        pids.extend(
+/// Where to look for the processes holding the sockets: only `pid` when
+/// given (the ztunnel on the ZDS connection), else every process.
+fn candidate_pids(only: Option<i32>) -> Vec<i32> {
+    if let Some(pid) = only {
+        return vec![pid];
+    }
+    fs::read_dir("/proc")
+        .map(|rd| {
             rd.flatten()
                 .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-                .filter(|p| Some(*p) != hint),
-        );
-    }
-    pids
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// Maps socket inodes to (pid, fd) holders.
-fn find_holders(inodes: &[u32], pid_hint: Option<i32>) -> BTreeMap<u32, (i32, i32)> {
+fn find_holders(inodes: &[u32], only_pid: Option<i32>) -> BTreeMap<u32, (i32, i32)> {
     let mut found = BTreeMap::new();
-    for pid in candidate_pids(pid_hint) {
+    for pid in candidate_pids(only_pid) {
         let Ok(rd) = fs::read_dir(format!("/proc/{pid}/fd")) else {
             continue;
         };
@@ -211,18 +212,22 @@ fn local_port(fd: &OwnedFd) -> Option<u16> {
     Some(u16::from_be(sin.sin_port))
 }
 
-/// Duplicates ztunnel's listeners for this pod into our process, verified.
+/// Duplicates ztunnel's listeners for this pod into our process, verified;
+/// with `only_pid`, only that process's.
 /// Returns at most one socket per role and family (any member of a reuseport
 /// group will do: the kernel's reuseport selection runs after sk_lookup's
 /// assignment).
 pub fn take_listeners(
     netns: &Netns,
     cookie: u64,
-    pid_hint: Option<i32>,
+    only_pid: Option<i32>,
 ) -> Result<Vec<Listener>, SocketError> {
-    let seen = seen_listeners(netns)?;
+    let mut seen = seen_listeners(netns)?;
+    // Newest first (socket inodes grow with allocation): during an upgrade the
+    // new ztunnel's sockets are the ones to keep.
+    seen.sort_by_key(|s| std::cmp::Reverse(s.inode));
     let inodes: Vec<u32> = seen.iter().map(|s| s.inode).collect();
-    let holders = find_holders(&inodes, pid_hint);
+    let holders = find_holders(&inodes, only_pid);
     let mut out: Vec<Listener> = Vec::new();
     for s in &seen {
         let covered = |fam: u8| {

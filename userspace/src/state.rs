@@ -10,10 +10,19 @@ use std::net::IpAddr;
 
 use sluice_common::{
     AddrKey, Counters, FlowHint, FlowKey, ListenerKey, PodEntry, PodMeta, PodState, Role,
-    FAMILY_V4, FAMILY_V6, NETNS_PATH_LEN, POD_UID_LEN,
+    FAMILY_V4, FAMILY_V6, NAMESPACE_LEN, NETNS_PATH_LEN, POD_NAME_LEN, POD_UID_LEN,
+    SERVICE_ACCOUNT_LEN,
 };
 
-use crate::uid::PodUid;
+use crate::{uid::PodUid, workload::Workload};
+
+/// Who a pod is, as recorded in the pinned `pod_meta` map.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodIdentity {
+    pub uid: String,
+    pub netns: String,
+    pub workload: Workload,
+}
 
 /// Names of the maps in the eBPF object, which are also their pin names.
 pub const MAP_NAMES: [&str; 6] = [
@@ -54,6 +63,7 @@ pub struct Maps {
 pub struct PodRecord {
     pub uid: String,
     pub netns: String,
+    pub workload: Option<Workload>,
     pub netns_cookie: u64,
     /// `None` when the map holds a state this build does not know.
     pub state: Option<&'static str>,
@@ -125,11 +135,16 @@ impl Maps {
             .map(|(k, _)| k)
     }
 
-    pub fn meta(&self, cookie: u64) -> Option<(String, String)> {
-        self.pod_meta
-            .get(&cookie, 0)
-            .ok()
-            .map(|m| (cstr(&m.uid), cstr(&m.netns_path)))
+    pub fn meta(&self, cookie: u64) -> Option<PodIdentity> {
+        self.pod_meta.get(&cookie, 0).ok().map(|m| PodIdentity {
+            uid: cstr(&m.uid),
+            netns: cstr(&m.netns_path),
+            workload: Workload {
+                name: cstr(&m.name),
+                namespace: cstr(&m.namespace),
+                service_account: cstr(&m.service_account),
+            },
+        })
     }
 
     /// Records a new pod: identity first, then state (the programs read only
@@ -139,14 +154,22 @@ impl Maps {
         cookie: u64,
         uid: &PodUid,
         netns_path: &str,
+        workload: &Workload,
         now_ns: u64,
     ) -> Result<(), StateError> {
         let mut meta = PodMeta {
             uid: [0; POD_UID_LEN],
             netns_path: [0; NETNS_PATH_LEN],
+            name: [0; POD_NAME_LEN],
+            namespace: [0; NAMESPACE_LEN],
+            service_account: [0; SERVICE_ACCOUNT_LEN],
         };
-        meta.uid[..uid.as_str().len()].copy_from_slice(uid.as_str().as_bytes());
-        meta.netns_path[..netns_path.len()].copy_from_slice(netns_path.as_bytes());
+        // Lengths were validated by PodUid, Workload and the enroll path check.
+        fill(&mut meta.uid, uid.as_str());
+        fill(&mut meta.netns_path, netns_path);
+        fill(&mut meta.name, &workload.name);
+        fill(&mut meta.namespace, &workload.namespace);
+        fill(&mut meta.service_account, &workload.service_account);
         self.pod_meta
             .insert(cookie, meta, 0)
             .map_err(merr("pod_meta"))?;
@@ -287,7 +310,10 @@ impl Maps {
             .iter()
             .filter_map(Result::ok)
             .map(|(cookie, e)| {
-                let (uid, netns) = self.meta(cookie).unwrap_or_default();
+                let (uid, netns, workload) = self
+                    .meta(cookie)
+                    .map(|m| (m.uid, m.netns, Some(m.workload)))
+                    .unwrap_or_default();
                 let mut listeners: Vec<String> = self
                     .listeners_of(cookie)
                     .iter()
@@ -310,6 +336,7 @@ impl Maps {
                 PodRecord {
                     uid,
                     netns,
+                    workload,
                     netns_cookie: cookie,
                     state: e.state().map(PodState::as_str),
                     generation: e.generation,
@@ -338,6 +365,10 @@ pub fn addr_key(a: &IpAddr) -> AddrKey {
         IpAddr::V4(v4) => AddrKey::new(FAMILY_V4, words(&v4.octets())),
         IpAddr::V6(v6) => AddrKey::new(FAMILY_V6, words(&v6.octets())),
     }
+}
+
+fn fill(dst: &mut [u8], s: &str) {
+    dst[..s.len()].copy_from_slice(s.as_bytes());
 }
 
 fn cstr(b: &[u8]) -> String {

@@ -3,6 +3,7 @@
 //! Needs root: without it every test is reported as ignored (skipped), with
 //! the reason, never as passed.
 
+mod agent;
 mod contract_rows;
 mod differential;
 mod lifecycle;
@@ -28,5 +29,6 @@ fn main() {
     trials.extend(contract_rows::trials());
     trials.extend(differential::trials());
     trials.extend(lifecycle::trials());
+    trials.extend(agent::trials());
     libtest_mimic::run(&args, trials).exit();
 }

@@ -8,13 +8,7 @@ include!(concat!(env!("OUT_DIR"), "/istio.workload.zds.rs"));
 /// Both upstream sides read into a 1024-byte buffer and reject truncation.
 pub const MAX_REQUEST: usize = 1024;
 
-/// Identity ztunnel matches against its workload config; all three required.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct Workload {
-    pub name: String,
-    pub namespace: String,
-    pub service_account: String,
-}
+pub use crate::workload::Workload;
 
 impl WorkloadRequest {
     pub fn add(uid: &str, w: &Workload) -> Self {
@@ -123,11 +117,7 @@ mod tests {
 
     #[test]
     fn add_carries_workload_info_and_snapshot_sent_is_field_3() {
-        let w = Workload {
-            name: "n".into(),
-            namespace: "ns".into(),
-            service_account: "sa".into(),
-        };
+        let w = Workload::new("n", "ns", "sa").unwrap();
         let add = decode::<WorkloadRequest>(&encode(&WorkloadRequest::add("u", &w))).unwrap();
         match add.payload {
             Some(workload_request::Payload::Add(a)) => {

@@ -1,0 +1,225 @@
+//! Processes for the agent tests: `sluice agent`, and the ZDS peer standing in
+//! for ztunnel. Both are real processes (the peer must be one: ztunnel's
+//! sockets close when its process dies, and the agent finds them by pid).
+
+use std::{
+    io::{BufRead, BufReader},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::{
+        atomic::{AtomicU32, Ordering},
+        Arc, Mutex,
+    },
+    time::{Duration, Instant},
+};
+
+use anyhow::{ensure, Context as _};
+use sluice::loader::Pins;
+
+use crate::harness::sluice_bin;
+
+static SEQ: AtomicU32 = AtomicU32::new(0);
+
+/// Output of one `sluice` command.
+pub struct Out {
+    pub ok: bool,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+pub struct AgentProc {
+    child: Option<Child>,
+    pub dir: PathBuf,
+    pub zds: PathBuf,
+    pub control: PathBuf,
+    pub root: PathBuf,
+}
+
+impl AgentProc {
+    /// Starts `sluice agent` on the pins `pins`, with sockets in a fresh dir.
+    pub fn start(pins: &Pins) -> anyhow::Result<Self> {
+        let n = SEQ.fetch_add(1, Ordering::Relaxed);
+        let dir = PathBuf::from(format!("/tmp/sluice-agent-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let mut a = Self {
+            child: None,
+            zds: dir.join("ztunnel.sock"),
+            control: dir.join("agent.sock"),
+            root: pins.root().to_owned(),
+            dir,
+        };
+        a.spawn()?;
+        Ok(a)
+    }
+
+    fn spawn(&mut self) -> anyhow::Result<()> {
+        let log = std::fs::File::options()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("agent.log"))?;
+        let child = Command::new(sluice_bin())
+            .arg("--bpf-root")
+            .arg(&self.root)
+            .arg("--control-socket")
+            .arg(&self.control)
+            .arg("agent")
+            .arg("--zds-socket")
+            .arg(&self.zds)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .context("starting sluice agent")?;
+        self.child = Some(child);
+        let start = Instant::now();
+        while !(self.control.exists() && self.zds.exists()) {
+            ensure!(
+                start.elapsed() < Duration::from_secs(10),
+                "agent did not start: {}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("agent.log")).unwrap_or_default()
+    }
+
+    /// Runs the `sluice` CLI against this agent.
+    pub fn sluice(&self, args: &[&str]) -> anyhow::Result<Out> {
+        let out = Command::new(sluice_bin())
+            .arg("--bpf-root")
+            .arg(&self.root)
+            .arg("--control-socket")
+            .arg(&self.control)
+            .args(args)
+            .output()?;
+        Ok(Out {
+            ok: out.status.success(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        })
+    }
+
+    /// SIGTERM and wait; returns whether it exited cleanly.
+    pub fn terminate(&mut self) -> bool {
+        let Some(mut c) = self.child.take() else {
+            return true;
+        };
+        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        let start = Instant::now();
+        loop {
+            if let Ok(Some(st)) = c.try_wait() {
+                return st.success();
+            }
+            if start.elapsed() > Duration::from_secs(5) {
+                let _ = c.kill();
+                let _ = c.wait();
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Starts the agent again (after `terminate`).
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        self.terminate();
+        self.spawn()
+    }
+}
+
+impl Drop for AgentProc {
+    fn drop(&mut self) {
+        self.terminate();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The ZDS peer process (`sluice-zds-peer`) and the events it printed.
+pub struct PeerProc {
+    child: Option<Child>,
+    events: Arc<Mutex<Vec<serde_json::Value>>>,
+}
+
+impl PeerProc {
+    pub fn start(bin: &Path, zds: &Path, extra: &[&str]) -> anyhow::Result<Self> {
+        let mut child = Command::new(bin)
+            .arg("--socket")
+            .arg(zds)
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("starting the ZDS peer")?;
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let ev = events.clone();
+        let out = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                if let Ok(v) = serde_json::from_str(&line) {
+                    ev.lock().unwrap().push(v);
+                }
+            }
+        });
+        Ok(Self {
+            child: Some(child),
+            events,
+        })
+    }
+
+    pub fn events(&self) -> Vec<serde_json::Value> {
+        self.events.lock().unwrap().clone()
+    }
+
+    pub fn count(&self, event: &str) -> usize {
+        self.events().iter().filter(|e| e["event"] == event).count()
+    }
+
+    /// Waits until `pred` holds over the events, up to `timeout`.
+    pub fn wait_for(&self, timeout: Duration, pred: impl Fn(&[serde_json::Value]) -> bool) -> bool {
+        let start = Instant::now();
+        while start.elapsed() < timeout {
+            if pred(&self.events()) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// SIGKILL: a crash; its sockets close at once.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM: a draining exit, and wait for it.
+    pub fn terminate(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let _ = c.wait();
+        }
+    }
+
+    /// Whether the process is still running.
+    pub fn running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+}
+
+impl Drop for PeerProc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

@@ -1,0 +1,232 @@
+//! A ZDS peer that behaves like upstream ztunnel, for tests: connects to the
+//! agent's socket with backoff, says hello, requires exactly one fd with every
+//! add, opens the pod's listeners in the netns it was handed (the stand-in),
+//! acks with an empty Ack, and disconnects on protocol errors. Flags make it
+//! misbehave on purpose. Every event is printed to stdout as a JSON line.
+//!
+//! sluice-zds-peer --socket PATH [--nack TEXT] [--no-ack] [--v4-only]
+//!                 [--hello-version N] [--exit-on-protocol-error]
+
+use std::{
+    collections::HashMap,
+    io::Write,
+    os::fd::{AsFd, AsRawFd, OwnedFd},
+    path::PathBuf,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, UnixAddr};
+use sluice::zds::{
+    proto::{
+        self, workload_request::Payload, Version, WorkloadRequest, WorkloadResponse, ZdsHello,
+    },
+    wire,
+};
+use sluice_tests::{
+    ns::Ns,
+    standin::{Accepted, Bind, OnAccept, StandIn},
+};
+
+struct Opts {
+    socket: PathBuf,
+    nack: Option<String>,
+    no_ack: bool,
+    bind: Bind,
+    hello_version: i32,
+}
+
+fn opts() -> Opts {
+    let mut o = Opts {
+        socket: PathBuf::new(),
+        nack: None,
+        no_ack: false,
+        bind: Bind::DualStack,
+        hello_version: Version::V1 as i32,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--socket" => o.socket = args.next().expect("--socket PATH").into(),
+            "--nack" => o.nack = Some(args.next().expect("--nack TEXT")),
+            "--no-ack" => o.no_ack = true,
+            "--v4-only" => o.bind = Bind::V4Only,
+            "--hello-version" => o.hello_version = args.next().expect("N").parse().expect("number"),
+            other => panic!("unknown flag {other}"),
+        }
+    }
+    o
+}
+
+static OUT: Mutex<()> = Mutex::new(());
+
+fn emit(v: serde_json::Value) {
+    let _g = OUT.lock().unwrap();
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{v}");
+    let _ = out.flush();
+}
+
+fn connect_with_backoff(path: &PathBuf) -> OwnedFd {
+    let mut delay = Duration::from_millis(10);
+    loop {
+        let fd = socket(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .unwrap();
+        if connect(fd.as_raw_fd(), &UnixAddr::new(path).unwrap()).is_ok() {
+            return fd;
+        }
+        std::thread::sleep(delay);
+        delay = (delay * 2).min(Duration::from_secs(1));
+    }
+}
+
+/// A pod as this ztunnel holds it.
+struct Pod {
+    netns_ino: u64,
+    _listeners: StandIn,
+}
+
+static PODS: Mutex<Option<HashMap<String, Pod>>> = Mutex::new(None);
+
+fn main() {
+    let o = opts();
+    *PODS.lock().unwrap() = Some(HashMap::new());
+    on_sigterm_drain();
+    let on_accept: OnAccept = Arc::new(|a: &Accepted| {
+        emit(
+            serde_json::json!({"event": "accepted", "role": a.role.as_str(),
+            "local": a.local.to_string(), "peer": a.peer.to_string()}),
+        )
+    });
+    loop {
+        let fd = connect_with_backoff(&o.socket);
+        emit(serde_json::json!({"event": "connected"}));
+        let hello = proto::encode(&ZdsHello {
+            version: o.hello_version,
+        });
+        if wire::send(fd.as_fd(), &hello, None).is_err() {
+            continue;
+        }
+        match session(&fd, &o, &on_accept) {
+            Ok(()) => emit(serde_json::json!({"event": "disconnected"})),
+            Err(e) => {
+                // Upstream ztunnel exits the whole process on these.
+                emit(serde_json::json!({"event": "protocol_error", "error": e}));
+                std::process::exit(3);
+            }
+        }
+    }
+}
+
+/// One connection; Ok(()) when the agent closed it (reconnect), Err on a
+/// protocol error (exit).
+fn session(fd: &OwnedFd, o: &Opts, on_accept: &OnAccept) -> Result<(), String> {
+    let mut snapshot_done = false;
+    loop {
+        let dg = match wire::recv(fd.as_fd(), 1024) {
+            Ok(d) => d,
+            Err(wire::WireError::Closed) => return Ok(()),
+            Err(e) => return Err(e.to_string()),
+        };
+        let req: WorkloadRequest = proto::decode(&dg.data).map_err(|e| e.to_string())?;
+        let answer = match req.payload {
+            Some(Payload::Add(add)) => {
+                emit(
+                    serde_json::json!({"event": "add", "uid": add.uid, "fds": dg.fds.len(),
+                    "workload": add.workload_info.as_ref().map(|w| format!("{}/{}/{}", w.namespace, w.name, w.service_account))}),
+                );
+                if add.workload_info.is_none() {
+                    return Err("add without workload_info".into());
+                }
+                let mut fds = dg.fds;
+                if fds.len() != 1 {
+                    // Upstream nacks fd-count errors and reconnects.
+                    Some(WorkloadResponse::nack(&format!(
+                        "expected 1 fd, got {}",
+                        fds.len()
+                    )))
+                } else if o.no_ack {
+                    None
+                } else if let Some(t) = &o.nack {
+                    Some(WorkloadResponse::nack(t))
+                } else {
+                    let netns = fds.pop().unwrap();
+                    let ino = nix::sys::stat::fstat(netns.as_raw_fd())
+                        .map(|s| s.st_ino)
+                        .unwrap_or(0);
+                    let mut guard = PODS.lock().unwrap();
+                    let Some(pods) = guard.as_mut() else {
+                        return Ok(()); // draining
+                    };
+                    let same = pods.get(&add.uid).is_some_and(|p| p.netns_ino == ino);
+                    if !same {
+                        // New pod, or the same uid in a new netns: (re)start its proxy.
+                        pods.remove(&add.uid);
+                        let listeners = StandIn::start_in(
+                            Ns::Fd(Arc::new(netns)),
+                            o.bind,
+                            Some(on_accept.clone()),
+                        );
+                        pods.insert(
+                            add.uid.clone(),
+                            Pod {
+                                netns_ino: ino,
+                                _listeners: listeners,
+                            },
+                        );
+                    }
+                    Some(WorkloadResponse::ack())
+                }
+            }
+            Some(Payload::Del(del)) => {
+                emit(serde_json::json!({"event": "del", "uid": del.uid, "fds": dg.fds.len()}));
+                if let Some(p) = PODS.lock().unwrap().as_mut() {
+                    p.remove(&del.uid);
+                }
+                Some(WorkloadResponse::ack())
+            }
+            Some(Payload::Keep(k)) => {
+                emit(serde_json::json!({"event": "keep", "uid": k.uid}));
+                if snapshot_done {
+                    return Err("keep after snapshot_sent".into());
+                }
+                Some(WorkloadResponse::ack())
+            }
+            Some(Payload::SnapshotSent(_)) => {
+                emit(serde_json::json!({"event": "snapshot_sent"}));
+                if snapshot_done {
+                    return Err("second snapshot_sent".into());
+                }
+                snapshot_done = true;
+                Some(WorkloadResponse::ack())
+            }
+            None => return Err("empty request".into()),
+        };
+        if let Some(a) = answer {
+            wire::send(fd.as_fd(), &proto::encode(&a), None).map_err(|e| e.to_string())?;
+        }
+    }
+}
+
+/// On SIGTERM, drain as ztunnel does: close every listener (queued
+/// connections move to the new ztunnel's listeners in the same reuseport
+/// group), let in-flight relays finish, exit.
+fn on_sigterm_drain() {
+    use nix::sys::signal::{SigSet, Signal};
+    let mut set = SigSet::empty();
+    set.add(Signal::SIGTERM);
+    // Blocked here, before any other thread exists, so only the waiter sees it.
+    set.thread_block().expect("blocking SIGTERM");
+    std::thread::spawn(move || {
+        let _ = set.wait();
+        emit(serde_json::json!({"event": "terminating"}));
+        drop(PODS.lock().unwrap().take());
+        std::thread::sleep(Duration::from_millis(300));
+        std::process::exit(0);
+    });
+}

@@ -1,0 +1,549 @@
+//! The node agent and ZDS, with the agent and a ztunnel-like peer as real
+//! processes, pods in real namespaces, real unix sockets.
+
+use std::{
+    net::SocketAddr,
+    os::fd::{AsFd, AsRawFd, OwnedFd},
+    path::Path,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+use anyhow::{ensure, Context as _};
+use libtest_mimic::Trial;
+use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, UnixAddr};
+use sluice::zds::{proto, wire};
+use sluice_tests::{
+    agent::{AgentProc, Out, PeerProc},
+    app::App,
+    flow::{connect as tcp, Opts, Reached},
+    harness::{Fixture, APP_PORT, REMOTE_PORT},
+    ns::spawn_in,
+    topology::Family,
+};
+
+use crate::{trial, TestResult};
+
+const PEER: &str = env!("CARGO_BIN_EXE_sluice-zds-peer");
+
+pub fn trials() -> Vec<Trial> {
+    vec![
+        trial(
+            "agent::happy_path_enroll_through_agent_and_ztunnel",
+            happy_path,
+        ),
+        trial(
+            "agent::snapshot_on_reconnect_adds_every_pod_then_snapshot_sent",
+            snapshot,
+        ),
+        trial(
+            "agent::ztunnel_restart_under_traffic_fails_closed_then_recovers",
+            restart,
+        ),
+        trial("agent::ztunnel_upgrade_refuses_no_connection", upgrade),
+        trial("agent::port_hijack_after_ztunnel_died_gets_nothing", hijack),
+        trial("agent::bad_peers_leave_the_agent_serving", bad_peers),
+        trial(
+            "agent::peer_that_never_acks_or_nacks_keeps_pod_pending",
+            stubborn_peers,
+        ),
+        trial(
+            "agent::sigterm_leaves_capture_in_place_and_restart_adopts",
+            sigterm,
+        ),
+        trial("agent::unenroll_sends_del_and_removes_capture", unenroll),
+    ]
+}
+
+fn enroll(agent: &AgentProc, f: &Fixture) -> anyhow::Result<Out> {
+    let netns = f.topo.pod_netns_path();
+    agent.sluice(&[
+        "enroll",
+        "--netns",
+        netns.to_str().unwrap(),
+        "--uid",
+        f.uid.as_str(),
+        "--name",
+        f.uid.as_str(),
+        "--namespace",
+        "ambient",
+        "--service-account",
+        "app-sa",
+    ])
+}
+
+fn state(f: &Fixture) -> Option<&'static str> {
+    f.pod_record().ok().and_then(|r| r.state)
+}
+
+fn wait_state(f: &Fixture, want: &str, timeout: Duration) -> bool {
+    wait_state_in(f, &f.topo.pins, want, timeout)
+}
+
+/// Waits for `f`'s pod to reach `want` in the pins of the agent at `pins`.
+fn wait_state_in(f: &Fixture, pins: &sluice::loader::Pins, want: &str, timeout: Duration) -> bool {
+    let start = std::time::Instant::now();
+    while start.elapsed() < timeout {
+        if f.pod_record_in(pins).ok().and_then(|r| r.state) == Some(want) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
+}
+
+fn inbound(f: &Fixture) -> Reached {
+    tcp(
+        &f.topo.client,
+        SocketAddr::new(f.topo.pod_ip(Family::V4), APP_PORT),
+        Opts::default(),
+    )
+}
+
+fn happy_path() -> TestResult {
+    let f = Fixture::new("ag", None)?;
+    let agent = AgentProc::start(&f.topo.pins)?;
+    let peer = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    ensure!(peer.wait_for(Duration::from_secs(5), |e| e
+        .iter()
+        .any(|e| e["event"] == "snapshot_sent")));
+    let out = enroll(&agent, &f)?;
+    ensure!(
+        out.ok && out.stdout.contains("Enabled"),
+        "enroll: {} {}\n{}",
+        out.stdout,
+        out.stderr,
+        agent.log()
+    );
+    let add = peer
+        .events()
+        .into_iter()
+        .find(|e| e["event"] == "add")
+        .context("no add")?;
+    ensure!(
+        add["fds"] == 1 && add["workload"] == format!("ambient/{}/app-sa", f.uid),
+        "{add}"
+    );
+    ensure!(inbound(&f)
+        .reply()
+        .is_some_and(|l| l.starts_with("app:8080")));
+    let out_conn = tcp(
+        &f.topo.pod,
+        SocketAddr::new(f.topo.client_ip(Family::V4), REMOTE_PORT),
+        Opts::default(),
+    );
+    ensure!(
+        out_conn.reply().is_some_and(|l| l.starts_with("app:9090")),
+        "{out_conn:?}"
+    );
+    ensure!(peer.wait_for(Duration::from_secs(2), |e| {
+        let roles: Vec<_> = e
+            .iter()
+            .filter(|e| e["event"] == "accepted")
+            .map(|e| e["role"].clone())
+            .collect();
+        roles.contains(&"inbound".into()) && roles.contains(&"outbound".into())
+    }));
+    let status = agent.sluice(&["status"])?;
+    ensure!(status.stdout.contains("Enabled"), "{}", status.stdout);
+    Ok(())
+}
+
+fn snapshot() -> TestResult {
+    let a = Fixture::in_subnet("sa", None, 1)?;
+    let b = Fixture::in_subnet("sb", None, 2)?;
+    let agent = AgentProc::start(&a.topo.pins)?;
+    let mut p1 = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    for f in [&a, &b] {
+        let out = enroll(&agent, f)?;
+        ensure!(
+            out.ok && out.stdout.contains("Enabled"),
+            "{} {}",
+            out.stdout,
+            out.stderr
+        );
+    }
+    p1.kill();
+    let p2 = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    ensure!(
+        p2.wait_for(Duration::from_secs(5), |e| e
+            .iter()
+            .any(|e| e["event"] == "snapshot_sent")),
+        "no snapshot: {:?}",
+        p2.events()
+    );
+    let ev: Vec<String> = p2
+        .events()
+        .iter()
+        .filter(|e| e["event"] != "connected" && e["event"] != "accepted")
+        .map(|e| {
+            format!(
+                "{}:{}",
+                e["event"].as_str().unwrap(),
+                e["uid"].as_str().unwrap_or("")
+            )
+        })
+        .collect();
+    // One add per enrolled pod (any order), then snapshot_sent, nothing else.
+    ensure!(ev.len() == 3 && ev[2] == "snapshot_sent:", "{ev:?}");
+    let mut adds = ev[..2].to_vec();
+    adds.sort();
+    let mut want = vec![format!("add:{}", a.uid), format!("add:{}", b.uid)];
+    want.sort();
+    ensure!(adds == want, "{adds:?}");
+    ensure!(p2.count("protocol_error") == 0);
+    // Both pods are back to Enabled with the new peer's listeners.
+    ensure!(
+        wait_state(&a, "Enabled", Duration::from_secs(5))
+            && wait_state_in(&b, &a.topo.pins, "Enabled", Duration::from_secs(5)),
+        "pods not Enabled again:\n{}",
+        agent.log()
+    );
+    let (ra, rb) = (inbound(&a), inbound(&b));
+    ensure!(
+        ra.reply().is_some() && rb.reply().is_some(),
+        "{ra:?} {rb:?}\n{}",
+        agent.log()
+    );
+    Ok(())
+}
+
+/// A client loop into the pod: (ok, failed) counts, until `stop`.
+fn client_loop(f: &Fixture, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<(usize, usize)> {
+    let dst = SocketAddr::new(f.topo.pod_ip(Family::V4), APP_PORT);
+    spawn_in(&f.topo.client, move || {
+        let (mut ok, mut failed) = (0, 0);
+        while !stop.load(Ordering::Relaxed) {
+            let o = Opts {
+                timeout: Some(Duration::from_secs(4)),
+                ..Opts::default()
+            };
+            match sluice_tests::flow::connect_here(dst, &o) {
+                Reached::Reply(l) if l.starts_with("app:8080") => ok += 1,
+                _ => failed += 1,
+            }
+        }
+        (ok, failed)
+    })
+}
+
+fn inbound_accepts(p: &PeerProc) -> usize {
+    p.events()
+        .iter()
+        .filter(|e| e["event"] == "accepted" && e["role"] == "inbound")
+        .count()
+}
+
+fn restart() -> TestResult {
+    let f = Fixture::new("rs", None)?;
+    let agent = AgentProc::start(&f.topo.pins)?;
+    let mut p1 = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    let out = enroll(&agent, &f)?;
+    ensure!(
+        out.stdout.contains("Enabled"),
+        "{} {}\n{}",
+        out.stdout,
+        out.stderr,
+        agent.log()
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients = client_loop(&f, stop.clone());
+    std::thread::sleep(Duration::from_millis(300));
+    p1.kill(); // crash: listeners gone at once
+    ensure!(
+        wait_state(&f, "Pending", Duration::from_secs(2)),
+        "not Pending after ztunnel died"
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let p2 = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    ensure!(
+        wait_state(&f, "Enabled", Duration::from_secs(5)),
+        "not Enabled after ztunnel came back:\n{}",
+        agent.log()
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, Ordering::Relaxed);
+    let (ok, failed) = clients.join().unwrap();
+    let via_ztunnel = inbound_accepts(&p1) + inbound_accepts(&p2);
+    let at_app = f.app.peers().len();
+    println!(
+        "ztunnel restart: {ok} connections completed, {failed} failed; app accepted {at_app}, all through ztunnel ({via_ztunnel}); dropped-fail-closed {}, missing-socket {}",
+        f.pod_record()?.counters.dropped_fail_closed,
+        f.pod_record()?.counters.missing_socket
+    );
+    // A connection ztunnel accepted just before it died never reaches the app,
+    // so `<=`; more at the app than through ztunnel would mean a bypass.
+    ensure!(
+        at_app <= via_ztunnel,
+        "{at_app} app connections but only {via_ztunnel} via ztunnel: some bypassed it"
+    );
+    ensure!(
+        ok > 0 && inbound_accepts(&p2) > 0,
+        "no connection completed after the restart"
+    );
+    Ok(())
+}
+
+fn upgrade() -> TestResult {
+    let f = Fixture::new("up", None)?;
+    let agent = AgentProc::start(&f.topo.pins)?;
+    let mut old = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    ensure!(enroll(&agent, &f)?.stdout.contains("Enabled"));
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients = client_loop(&f, stop.clone());
+    std::thread::sleep(Duration::from_millis(300));
+    let new = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    ensure!(new.wait_for(Duration::from_secs(5), |e| e
+        .iter()
+        .any(|e| e["event"] == "snapshot_sent")));
+    // The agent registers the new ztunnel's listeners (by its pid).
+    std::thread::sleep(Duration::from_millis(300));
+    old.terminate();
+    std::thread::sleep(Duration::from_millis(700));
+    stop.store(true, Ordering::Relaxed);
+    let (ok, failed) = clients.join().unwrap();
+    println!(
+        "ztunnel upgrade: {ok} connections completed, {failed} failed; old accepted {}, new accepted {}",
+        inbound_accepts(&old),
+        inbound_accepts(&new)
+    );
+    ensure!(
+        failed == 0,
+        "{failed} connections failed during the upgrade\n{}",
+        agent.log()
+    );
+    ensure!(
+        inbound_accepts(&new) > 0,
+        "the new ztunnel took no connection"
+    );
+    ensure!(state(&f) == Some("Enabled"));
+    Ok(())
+}
+
+fn hijack() -> TestResult {
+    let f = Fixture::new("hj", None)?;
+    let agent = AgentProc::start(&f.topo.pins)?;
+    let mut p = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    let out = enroll(&agent, &f)?;
+    ensure!(
+        out.stdout.contains("Enabled"),
+        "{} {}\n{}",
+        out.stdout,
+        out.stderr,
+        agent.log()
+    );
+    p.kill();
+    ensure!(wait_state(&f, "Pending", Duration::from_secs(2)));
+    // An app in the pod binds ztunnel's inbound port (Istio #49078).
+    let squatter = App::start(&f.topo.pod, 15006);
+    let r = tcp(
+        &f.topo.client,
+        SocketAddr::new(f.topo.pod_ip(Family::V4), APP_PORT),
+        Opts {
+            timeout: Some(Duration::from_millis(1500)),
+            ..Opts::default()
+        },
+    );
+    ensure!(r == Reached::TimedOut, "{r:?}");
+    ensure!(
+        squatter.peers().is_empty(),
+        "captured traffic reached the squatter"
+    );
+    ensure!(f.app.peers().is_empty());
+    // Even after the agent looks again, only a mark-1337 socket would do.
+    std::thread::sleep(Duration::from_millis(600));
+    ensure!(state(&f) == Some("Pending"));
+    Ok(())
+}
+
+fn raw_client(zds: &Path) -> anyhow::Result<OwnedFd> {
+    let fd = socket(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
+    connect(fd.as_raw_fd(), &UnixAddr::new(zds)?)?;
+    Ok(fd)
+}
+
+/// Whether the agent closed this connection within a second.
+fn closed_by_agent(fd: &OwnedFd) -> bool {
+    let tv = nix::sys::time::TimeVal::new(1, 0);
+    let _ = nix::sys::socket::setsockopt(fd, nix::sys::socket::sockopt::ReceiveTimeout, &tv);
+    matches!(wire::recv(fd.as_fd(), 1024), Err(wire::WireError::Closed))
+}
+
+fn bad_peers() -> TestResult {
+    let f = Fixture::new("bp", None)?;
+    let agent = AgentProc::start(&f.topo.pins)?;
+    let hello = proto::encode(&proto::ZdsHello {
+        version: proto::Version::V1 as i32,
+    });
+    // Garbage, oversize, an fd where none belongs, an unknown version: each
+    // connection is closed by the agent.
+    type Send = Box<dyn Fn(&OwnedFd) -> anyhow::Result<()>>;
+    let cases: Vec<(&str, Send)> = vec![
+        (
+            "garbage datagram",
+            Box::new(|fd| Ok(wire::send(fd.as_fd(), &[0xff, 0xff, 0xff, 0x01], None)?)),
+        ),
+        (
+            "oversize datagram",
+            Box::new(|fd| Ok(wire::send(fd.as_fd(), &vec![0x08; 4096], None)?)),
+        ),
+        (
+            "hello with an fd",
+            Box::new(move |fd| {
+                let extra = std::fs::File::open("/dev/null")?;
+                Ok(wire::send(fd.as_fd(), &hello, Some(extra.as_fd()))?)
+            }),
+        ),
+        (
+            "unknown version",
+            Box::new(|fd| {
+                let v2 = proto::encode(&proto::ZdsHello { version: 2 });
+                Ok(wire::send(fd.as_fd(), &v2, None)?)
+            }),
+        ),
+    ];
+    for (name, send) in &cases {
+        let fd = raw_client(&agent.zds)?;
+        send(&fd)?;
+        ensure!(
+            closed_by_agent(&fd),
+            "{name}: the agent kept the connection"
+        );
+    }
+    // And then a good ztunnel is served as if nothing happened.
+    let _p = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    let out = enroll(&agent, &f)?;
+    ensure!(
+        out.ok && out.stdout.contains("Enabled"),
+        "{} {}\n{}",
+        out.stdout,
+        out.stderr,
+        agent.log()
+    );
+    ensure!(inbound(&f).reply().is_some());
+    Ok(())
+}
+
+fn stubborn_peers() -> TestResult {
+    let f = Fixture::new("st", None)?;
+    let agent = AgentProc::start(&f.topo.pins)?;
+    // Never acks: the add times out (5 s), the pod stays Pending, fails closed.
+    let mut silent = PeerProc::start(Path::new(PEER), &agent.zds, &["--no-ack"])?;
+    ensure!(silent.wait_for(Duration::from_secs(5), |e| e
+        .iter()
+        .any(|e| e["event"] == "snapshot_sent")));
+    let out = enroll(&agent, &f)?;
+    ensure!(
+        out.ok && out.stdout.contains("Pending") && out.stdout.contains("timed out"),
+        "{}{}",
+        out.stdout,
+        out.stderr
+    );
+    ensure!(state(&f) == Some("Pending"));
+    silent.kill();
+    // Nacks forever: Pending, the nack text reported, retried with backoff.
+    let mut nacker = PeerProc::start(
+        Path::new(PEER),
+        &agent.zds,
+        &["--nack", "no workload config for this pod"],
+    )?;
+    ensure!(
+        nacker.wait_for(Duration::from_secs(8), |e| e
+            .iter()
+            .filter(|e| e["event"] == "add")
+            .count()
+            >= 3),
+        "no retries: {:?}\n{}",
+        nacker.events(),
+        agent.log()
+    );
+    ensure!(state(&f) == Some("Pending"));
+    ensure!(
+        agent.log().contains("no workload config for this pod"),
+        "nack text not logged"
+    );
+    let r = tcp(
+        &f.topo.client,
+        SocketAddr::new(f.topo.pod_ip(Family::V4), APP_PORT),
+        Opts {
+            timeout: Some(Duration::from_millis(1200)),
+            ..Opts::default()
+        },
+    );
+    ensure!(
+        r == Reached::TimedOut && f.app.peers().is_empty(),
+        "Pending pod let traffic through: {r:?}"
+    );
+    nacker.kill();
+    // A ztunnel that works takes the pod from its snapshot.
+    let _good = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    ensure!(
+        wait_state(&f, "Enabled", Duration::from_secs(5)),
+        "{}",
+        agent.log()
+    );
+    Ok(())
+}
+
+fn sigterm() -> TestResult {
+    let f = Fixture::new("tm", None)?;
+    let mut agent = AgentProc::start(&f.topo.pins)?;
+    let p = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    ensure!(enroll(&agent, &f)?.stdout.contains("Enabled"));
+    ensure!(agent.terminate(), "agent did not exit cleanly on SIGTERM");
+    // Capture stays: pins, state, traffic through ztunnel.
+    ensure!(state(&f) == Some("Enabled"));
+    let before = inbound_accepts(&p);
+    ensure!(inbound(&f).reply().is_some());
+    ensure!(p.wait_for(Duration::from_secs(2), |_| inbound_accepts(&p)
+        == before + 1));
+    // A new agent adopts the pins; ztunnel reconnects and gets a snapshot.
+    agent.restart()?;
+    ensure!(p.wait_for(Duration::from_secs(5), |e| e
+        .iter()
+        .filter(|e| e["event"] == "snapshot_sent")
+        .count()
+        >= 2));
+    ensure!(wait_state(&f, "Enabled", Duration::from_secs(3)));
+    ensure!(p.count("protocol_error") == 0);
+    Ok(())
+}
+
+fn unenroll() -> TestResult {
+    let f = Fixture::new("ue", None)?;
+    let agent = AgentProc::start(&f.topo.pins)?;
+    let p = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    ensure!(enroll(&agent, &f)?.stdout.contains("Enabled"));
+    let out = agent.sluice(&["unenroll", "--uid", f.uid.as_str()])?;
+    ensure!(
+        out.ok && out.stdout.contains("via the agent"),
+        "{} {}",
+        out.stdout,
+        out.stderr
+    );
+    ensure!(p
+        .events()
+        .iter()
+        .any(|e| e["event"] == "del" && e["uid"] == f.uid.as_str() && e["fds"] == 0));
+    ensure!(f.pod_record().is_err(), "pod still in status");
+    let r = inbound(&f);
+    ensure!(
+        r.reply().is_some_and(|l| l.starts_with("app:8080")) && inbound_accepts(&p) == 0,
+        "{r:?}"
+    );
+    let out = agent.sluice(&["unenroll", "--uid", f.uid.as_str()])?;
+    ensure!(
+        !out.ok && out.stderr.contains("no enrolled pod"),
+        "{}",
+        out.stderr
+    );
+    Ok(())
+}

@@ -1,0 +1,79 @@
+//! `sluice agent`: the node agent. Owns enrollment on the node, serves ZDS to
+//! ztunnel, and keeps each pod's state in the pinned pod-state map (never only
+//! in memory). On SIGTERM it stops serving and leaves capture in place.
+
+pub mod control;
+pub mod node;
+
+use std::{path::PathBuf, sync::Arc};
+
+use anyhow::Context as _;
+use tokio::sync::watch;
+use tracing::info;
+
+use crate::{
+    loader::{Dataplane, Pins},
+    zds::server::{self, Hub},
+};
+
+pub const DEFAULT_ZDS_SOCKET: &str = "/var/run/ztunnel/ztunnel.sock";
+pub const DEFAULT_CONTROL_SOCKET: &str = "/run/sluice/agent.sock";
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub pins: Pins,
+    pub zds_socket: PathBuf,
+    pub control_socket: PathBuf,
+}
+
+pub fn run(cfg: Config) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    rt.block_on(serve(cfg))
+}
+
+async fn serve(cfg: Config) -> anyhow::Result<()> {
+    let dp = Dataplane::load_or_adopt(cfg.pins.clone()).context("loading the dataplane")?;
+    let hub = Arc::new(Hub::default());
+    let node = node::Node::new(dp, hub.clone());
+    let zds = server::bind(&cfg.zds_socket)
+        .with_context(|| format!("binding the ZDS socket {}", cfg.zds_socket.display()))?;
+    let control = control::bind(&cfg.control_socket).with_context(|| {
+        format!(
+            "binding the control socket {}",
+            cfg.control_socket.display()
+        )
+    })?;
+    let (stop_tx, stop) = watch::channel(false);
+
+    let zds_task = tokio::spawn(server::serve(
+        zds,
+        cfg.zds_socket.clone(),
+        hub,
+        node.clone() as Arc<dyn server::Handler>,
+        stop.clone(),
+    ));
+    let control_task = tokio::spawn(control::serve(
+        control,
+        cfg.control_socket.clone(),
+        node.clone(),
+        stop.clone(),
+    ));
+    let reconcile_task = tokio::spawn(node.clone().reconcile(stop.clone()));
+    info!(pods = node.pod_count(), "sluice agent running");
+
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = term.recv() => info!("SIGTERM"),
+        _ = tokio::signal::ctrl_c() => info!("SIGINT"),
+    }
+    let _ = stop_tx.send(true);
+    let _ = zds_task.await;
+    let _ = control_task.await;
+    let _ = reconcile_task.await;
+    info!("agent stopped; capture stays in place (pins kept)");
+    Ok(())
+}

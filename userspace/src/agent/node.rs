@@ -1,0 +1,433 @@
+//! The agent's view of its node: enrolls and unenrolls pods, hands them to
+//! ztunnel over ZDS, registers ztunnel's listeners after each ack, and keeps
+//! checking that Enabled pods still have them (ztunnel restarts close them).
+//!
+//! Pod state lives in the pinned pod-state map; what is kept here is only
+//! scheduling (when to retry a pod ztunnel has not taken yet).
+
+use std::{
+    collections::HashMap,
+    os::fd::OwnedFd,
+    path::PathBuf,
+    sync::{Arc, Mutex, Weak},
+    time::{Duration, Instant},
+};
+
+use sluice_common::{PodState, Role};
+use tokio::sync::{watch, Notify};
+use tracing::{info, info_span, warn, Instrument as _};
+
+use super::control::{Request, Response};
+use crate::{
+    enroll::{self, EnrollError},
+    loader::Dataplane,
+    state::boottime_ns,
+    uid::PodUid,
+    workload::Workload,
+    zds::{
+        proto::WorkloadRequest,
+        server::{Answer, Conn, Handler, Hub, SnapshotEntry, ZdsError},
+    },
+};
+
+/// How often Enabled pods are checked for their listeners, at most.
+const CHECK_EVERY: Duration = Duration::from_millis(200);
+/// ztunnel opens a pod's listeners around its ack: look for this long.
+const LISTENER_WAIT: Duration = Duration::from_secs(2);
+const RETRY_MIN: Duration = Duration::from_millis(500);
+const RETRY_MAX: Duration = Duration::from_secs(30);
+
+#[derive(Debug)]
+struct Retry {
+    due: Instant,
+    backoff: Duration,
+    in_flight: bool,
+}
+
+pub struct Node {
+    me: Weak<Node>,
+    dp: Mutex<Dataplane>,
+    hub: Arc<Hub>,
+    retries: Mutex<HashMap<String, Retry>>,
+    wake: Notify,
+}
+
+impl Node {
+    pub fn new(dp: Dataplane, hub: Arc<Hub>) -> Arc<Self> {
+        Arc::new_cyclic(|me| Self {
+            me: me.clone(),
+            dp: Mutex::new(dp),
+            hub,
+            retries: Mutex::new(HashMap::new()),
+            wake: Notify::new(),
+        })
+    }
+
+    fn self_arc(&self) -> Option<Arc<Self>> {
+        self.me.upgrade()
+    }
+
+    pub fn pod_count(&self) -> usize {
+        self.dp.lock().unwrap().maps.pods().len()
+    }
+
+    /// Serves one control request.
+    pub async fn handle(self: &Arc<Self>, req: Request) -> Response {
+        match req {
+            Request::Enroll {
+                netns,
+                uid,
+                workload,
+            } => {
+                let span = info_span!("pod", %uid, netns = %netns.display());
+                self.enroll(netns, &uid, workload)
+                    .instrument(span)
+                    .await
+                    .unwrap_or_else(|e| Response::Error {
+                        message: format!("{e:#}"),
+                    })
+            }
+            Request::Unenroll { uid } => {
+                let span = info_span!("pod", %uid);
+                match self.unenroll(&uid).instrument(span).await {
+                    Ok(()) => Response::Unenrolled { uid },
+                    Err(e) => Response::Error {
+                        message: format!("{e:#}"),
+                    },
+                }
+            }
+        }
+    }
+
+    async fn enroll(
+        self: &Arc<Self>,
+        netns: PathBuf,
+        uid: &str,
+        workload: Workload,
+    ) -> anyhow::Result<Response> {
+        let uid = PodUid::new(uid)?;
+        let workload = Workload::new(
+            &workload.name,
+            &workload.namespace,
+            &workload.service_account,
+        )?;
+        let this = self.clone();
+        let (w, u) = (workload.clone(), uid.clone());
+        let cookie = tokio::task::spawn_blocking(move || -> Result<u64, EnrollError> {
+            let mut dp = this.dp.lock().unwrap();
+            Ok(enroll::attach_pod(&mut dp, &netns, &u, &w)?.1)
+        })
+        .await??;
+        info!(cookie, "capture attached (Pending)");
+        let note = match self.hub.newest() {
+            None => {
+                self.schedule(uid.as_str(), Duration::ZERO);
+                Some(
+                    "no ztunnel connected: it gets this pod in its snapshot when it connects"
+                        .into(),
+                )
+            }
+            Some(conn) => self.add(&conn, cookie, uid.as_str(), &workload).await.err(),
+        };
+        let state = self.state_of(cookie);
+        Ok(Response::Enrolled {
+            uid: uid.to_string(),
+            cookie,
+            state: state.map(PodState::as_str).unwrap_or("Unknown").into(),
+            note: if state == Some(PodState::Enabled) {
+                None
+            } else {
+                note
+            },
+        })
+    }
+
+    async fn unenroll(self: &Arc<Self>, uid: &str) -> anyhow::Result<()> {
+        let uid = PodUid::new(uid)?;
+        {
+            let dp = self.dp.lock().unwrap();
+            dp.maps
+                .find_uid(&uid)
+                .ok_or_else(|| EnrollError::UnknownPod(uid.clone()))?;
+        }
+        self.retries.lock().unwrap().remove(uid.as_str());
+        // Every live ztunnel (two during an upgrade) lets go of the pod.
+        for conn in self.hub.all() {
+            match conn.request(WorkloadRequest::del(uid.as_str()), None).await {
+                Ok(Answer::Ack) => {}
+                Ok(Answer::Nack(t)) => warn!(conn = conn.id, nack = %t, "ztunnel nacked del"),
+                Err(e) => warn!(conn = conn.id, error = %e, "del failed"),
+            }
+        }
+        let this = self.clone();
+        tokio::task::spawn_blocking(move || -> Result<(), EnrollError> {
+            let mut guard = this.dp.lock().unwrap();
+            let dp = &mut *guard;
+            enroll::unenroll(&dp.pins, &mut dp.maps, &uid)
+        })
+        .await??;
+        info!("unenrolled");
+        Ok(())
+    }
+
+    fn state_of(&self, cookie: u64) -> Option<PodState> {
+        self.dp
+            .lock()
+            .unwrap()
+            .maps
+            .entry(cookie)
+            .and_then(|e| e.state())
+    }
+
+    fn netns_fd(&self, cookie: u64) -> Result<OwnedFd, EnrollError> {
+        let dp = self.dp.lock().unwrap();
+        let ns = enroll::open_pod_netns(&dp.maps, cookie)?;
+        Ok(ns.into_fd())
+    }
+
+    /// ZDS add on `conn`, then listener registration. Errors explain why the
+    /// pod stays Pending (it is retried).
+    async fn add(
+        self: &Arc<Self>,
+        conn: &Arc<Conn>,
+        cookie: u64,
+        uid: &str,
+        w: &Workload,
+    ) -> Result<(), String> {
+        let fd = self.netns_fd(cookie).map_err(|e| e.to_string())?;
+        let out = conn.request(WorkloadRequest::add(uid, w), Some(fd)).await;
+        self.after_add(uid, cookie, conn.pid, out).await
+    }
+
+    async fn after_add(
+        self: &Arc<Self>,
+        uid: &str,
+        cookie: u64,
+        pid: Option<i32>,
+        out: Result<Answer, ZdsError>,
+    ) -> Result<(), String> {
+        let why = match out {
+            Ok(Answer::Ack) => match self.register(uid, cookie, pid).await {
+                Ok(()) => {
+                    self.retries.lock().unwrap().remove(uid);
+                    return Ok(());
+                }
+                Err(e) => e,
+            },
+            Ok(Answer::Nack(t)) => {
+                warn!(%uid, nack = %t, "ztunnel nacked add");
+                format!("ztunnel nacked add: {t}")
+            }
+            Err(e) => {
+                warn!(%uid, error = %e, "add failed");
+                format!("add failed: {e}")
+            }
+        };
+        self.fail(uid);
+        Err(why)
+    }
+
+    /// Looks for the listeners of the ztunnel that just acked (`pid`) until
+    /// every role has one, then the pod is Enabled.
+    async fn register(
+        self: &Arc<Self>,
+        uid: &str,
+        cookie: u64,
+        pid: Option<i32>,
+    ) -> Result<(), String> {
+        let start = Instant::now();
+        loop {
+            let this = self.clone();
+            let got = tokio::task::spawn_blocking(move || -> Result<PodState, EnrollError> {
+                let mut guard = this.dp.lock().unwrap();
+                let dp = &mut *guard;
+                let ns = enroll::open_pod_netns(&dp.maps, cookie)?;
+                Ok(enroll::register(&mut dp.maps, &ns, cookie, pid)?.state)
+            })
+            .await
+            .map_err(|e| e.to_string())?;
+            match got {
+                Ok(PodState::Enabled) => {
+                    info!(%uid, pid = pid.unwrap_or(0), "ztunnel acked; listeners registered: Enabled");
+                    return Ok(());
+                }
+                Ok(_) if start.elapsed() < LISTENER_WAIT => {
+                    tokio::time::sleep(Duration::from_millis(50)).await
+                }
+                Ok(_) => {
+                    return Err(
+                        "ztunnel acked but its listeners did not appear in the pod netns".into(),
+                    )
+                }
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+    }
+
+    /// Schedules a retry with exponential backoff.
+    fn fail(&self, uid: &str) {
+        let mut r = self.retries.lock().unwrap();
+        let e = r.entry(uid.to_owned()).or_insert(Retry {
+            due: Instant::now(),
+            backoff: RETRY_MIN,
+            in_flight: false,
+        });
+        e.in_flight = false;
+        e.due = Instant::now() + e.backoff;
+        e.backoff = (e.backoff * 2).min(RETRY_MAX);
+    }
+
+    fn schedule(&self, uid: &str, after: Duration) {
+        let mut r = self.retries.lock().unwrap();
+        let e = r.entry(uid.to_owned()).or_insert(Retry {
+            due: Instant::now(),
+            backoff: RETRY_MIN,
+            in_flight: false,
+        });
+        e.due = Instant::now() + after;
+    }
+
+    /// Keeps the map's states true: Enabled pods whose listeners are gone
+    /// (ztunnel exited) go back to Pending; Pending pods are offered to the
+    /// newest ztunnel again, with backoff.
+    pub async fn reconcile(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+        loop {
+            tokio::select! {
+                _ = stop.changed() => return,
+                _ = self.wake.notified() => {},
+                _ = tokio::time::sleep(CHECK_EVERY) => {},
+            }
+            let due = self.check();
+            let Some(conn) = self.hub.newest() else {
+                continue;
+            };
+            for (cookie, uid, w) in due {
+                let this = self.clone();
+                let conn = conn.clone();
+                let span = info_span!("pod", %uid);
+                tokio::spawn(
+                    async move {
+                        if let Err(why) = this.add(&conn, cookie, &uid, &w).await {
+                            info!(%why, "pod stays Pending; will retry");
+                        }
+                    }
+                    .instrument(span),
+                );
+            }
+        }
+    }
+
+    /// One pass over the pods: demotes Enabled pods without listeners and
+    /// returns the Pending pods due for another add.
+    fn check(&self) -> Vec<(u64, String, Workload)> {
+        let mut due = Vec::new();
+        let mut dp = self.dp.lock().unwrap();
+        let mut retries = self.retries.lock().unwrap();
+        let now = Instant::now();
+        for p in dp.maps.pods() {
+            let complete = Role::ALL
+                .iter()
+                .all(|r| p.listeners.iter().any(|l| l.starts_with(r.as_str())));
+            match p.state {
+                Some("Enabled") if !complete => {
+                    warn!(uid = %p.uid, "ztunnel's listeners are gone (ztunnel restarting?): Pending, failing closed");
+                    let _ = dp
+                        .maps
+                        .set_state(p.netns_cookie, PodState::Pending, boottime_ns());
+                    retries.insert(
+                        p.uid.clone(),
+                        Retry {
+                            due: now,
+                            backoff: RETRY_MIN,
+                            in_flight: false,
+                        },
+                    );
+                }
+                Some("Pending") => {
+                    let r = retries.entry(p.uid.clone()).or_insert(Retry {
+                        due: now,
+                        backoff: RETRY_MIN,
+                        in_flight: false,
+                    });
+                    if !r.in_flight && r.due <= now && self.hub.is_connected() {
+                        if let Some(w) = p.workload.clone() {
+                            r.in_flight = true;
+                            due.push((p.netns_cookie, p.uid.clone(), w));
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        due
+    }
+}
+
+impl Handler for Node {
+    fn snapshot(&self) -> Vec<SnapshotEntry> {
+        let dp = self.dp.lock().unwrap();
+        let mut retries = self.retries.lock().unwrap();
+        let mut out = Vec::new();
+        for cookie in dp.maps.cookies() {
+            let Some(meta) = dp.maps.meta(cookie) else {
+                continue;
+            };
+            match enroll::open_pod_netns(&dp.maps, cookie) {
+                Ok(ns) => {
+                    // The snapshot's add is this pod's attempt now; a new
+                    // ztunnel starts the backoff afresh.
+                    retries.insert(
+                        meta.uid.clone(),
+                        Retry {
+                            due: Instant::now(),
+                            backoff: RETRY_MIN,
+                            in_flight: true,
+                        },
+                    );
+                    out.push(SnapshotEntry::Add {
+                        uid: meta.uid,
+                        workload: meta.workload,
+                        netns: ns.into_fd(),
+                    });
+                }
+                Err(e) => {
+                    warn!(uid = %meta.uid, error = %e, "pod netns unavailable: sending keep");
+                    out.push(SnapshotEntry::Keep { uid: meta.uid });
+                }
+            }
+        }
+        out
+    }
+
+    fn add_outcome(&self, uid: &str, pid: Option<i32>, outcome: &Result<Answer, ZdsError>) {
+        // Registration may take a while (listeners appear around the ack): off
+        // the connection's task, so the snapshot goes on.
+        let Some(this) = self.self_arc() else { return };
+        let Some(cookie) = PodUid::new(uid)
+            .ok()
+            .and_then(|u| self.dp.lock().unwrap().maps.find_uid(&u))
+        else {
+            return;
+        };
+        let uid = uid.to_owned();
+        let out = match outcome {
+            Ok(a) => Ok(a.clone()),
+            Err(e) => Err(ZdsError::Protocol(e.to_string())),
+        };
+        tokio::spawn(async move {
+            if let Err(why) = this.after_add(&uid, cookie, pid, out).await {
+                info!(%uid, %why, "pod stays Pending; will retry");
+            }
+        });
+    }
+
+    fn connected(&self, id: u64, pid: Option<i32>) {
+        info!(conn = id, pid = pid.unwrap_or(0), "ztunnel live");
+        self.wake.notify_one();
+    }
+
+    fn disconnected(&self, id: u64) {
+        info!(conn = id, "ztunnel connection gone");
+        self.wake.notify_one();
+    }
+}
