@@ -69,7 +69,7 @@ pub fn install(pod_ifaces: &[String]) -> Result<(), RouteError> {
     runtime()?.block_on(async {
         let (conn, handle, _) = rtnetlink::new_connection().map_err(io("rtnetlink socket"))?;
         tokio::spawn(conn);
-        let lo = lo_index(&handle).await?;
+        let lo = lo_index()?;
         ignore_exists(rule_v4(&handle).execute().await)?;
         ignore_exists(route_v4(&handle, lo).execute().await)?;
         if v6 {
@@ -92,7 +92,7 @@ pub fn remove(pod_ifaces: &[String]) -> Result<(), RouteError> {
     runtime()?.block_on(async {
         let (conn, handle, _) = rtnetlink::new_connection().map_err(io("rtnetlink socket"))?;
         tokio::spawn(conn);
-        let lo = lo_index(&handle).await?;
+        let lo = lo_index()?;
         let mut rules = vec![rule_v4(&handle).message_mut().clone()];
         let mut routes = vec![route_v4(&handle, lo).message_mut().clone()];
         if v6 {
@@ -131,15 +131,12 @@ pub fn rule_present() -> Result<bool, RouteError> {
     })
 }
 
-async fn lo_index(handle: &Handle) -> Result<u32, RouteError> {
-    let mut links = handle.link().get().match_name("lo".into()).execute();
-    match links.try_next().await? {
-        Some(l) => Ok(l.header.index),
-        None => Err(RouteError::Io {
-            what: "pod netns".into(),
-            source: std::io::Error::new(std::io::ErrorKind::NotFound, "no lo interface"),
-        }),
-    }
+/// Index of `lo` in the calling thread's netns.
+fn lo_index() -> Result<u32, RouteError> {
+    nix::net::if_::if_nametoindex("lo").map_err(|e| RouteError::Io {
+        what: "finding lo in the pod netns".into(),
+        source: e.into(),
+    })
 }
 
 fn rule_v4(h: &Handle) -> rtnetlink::RuleAddRequest<Ipv4Addr> {
