@@ -22,18 +22,20 @@ pub static LISTENERS: SockHash<ListenerKey> = SockHash::pinned(MAX_PODS * 6, 0);
 
 /// Every address of every enrolled pod → its netns cookie. Written by user
 /// space; read by the ingress programs, whose packets carry no socket to ask.
+/// Not preallocated: a pod has one or two addresses, the bound is generous.
 #[map(name = "pod_addrs")]
-pub static POD_ADDRS: HashMap<AddrKey, u64> = HashMap::pinned(MAX_PODS * 8, 0);
+pub static POD_ADDRS: HashMap<AddrKey, u64> = HashMap::pinned(MAX_PODS * 8, BPF_F_NO_PREALLOC);
 
 /// Per-pod counters. Per-CPU so the connection path never shares a cache line.
 #[map(name = "counters")]
 pub static COUNTERS: PerCpuHashMap<u64, Counters> = PerCpuHashMap::pinned(MAX_PODS, 0);
 
 /// Hints from tc programs to sk_lookup about a connection's first lookup.
-/// LRU: an entry lives microseconds (written and consumed on one SYN's path);
-/// the size only has to outlast a SYN burst.
+/// LRU: an entry lives microseconds (written and consumed on one SYN's path),
+/// so the size only has to cover SYNs in flight at once on the node. 8192
+/// costs ~1 MiB preallocated (65536 cost 8 MiB: `cargo xtask bench`, memory).
 #[map(name = "flow_hints")]
-pub static FLOW_HINTS: LruHashMap<FlowKey, FlowHint> = LruHashMap::pinned(65536, 0);
+pub static FLOW_HINTS: LruHashMap<FlowKey, FlowHint> = LruHashMap::pinned(8192, 0);
 
 /// Who each pod is (uid, netns path, workload identity). User space only;
 /// kept beside the state so that everything about enrollment lives in bpffs.

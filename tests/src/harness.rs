@@ -109,12 +109,12 @@ impl Fixture {
 /// builds it first).
 pub fn sluice_bin() -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
-    // target/<profile>/deps/<test> → target/<profile>/sluice
-    let bin = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .map(|d| d.join("sluice"))
-        .expect("target dir layout");
+    // target/<profile>/deps/<test> or target/<profile>/<bin> → target/<profile>/sluice
+    let mut dir = exe.parent().expect("target dir layout");
+    if dir.ends_with("deps") {
+        dir = dir.parent().expect("target dir layout");
+    }
+    let bin = dir.join("sluice");
     assert!(
         bin.exists(),
         "{} is missing: build it with `cargo build -p sluice` (cargo xtask test does)",

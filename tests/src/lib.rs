@@ -9,5 +9,6 @@ pub mod flow;
 pub mod harness;
 pub mod istio;
 pub mod ns;
+pub mod sink;
 pub mod standin;
 pub mod topology;

@@ -163,6 +163,9 @@ fn attach(
             return Err(EnrollError::NoInterface(path.to_owned()));
         }
         routes::install(&pod_ifaces)?;
+        // Each tcx attach swaps the device's program array and waits for an
+        // RCU grace period under RTNL (≈ 10–20 ms here): this loop is most of
+        // an enrollment's cost, and threads would not help (RTNL serialises).
         let mut links = Vec::new();
         for i in &pod_ifaces {
             // bpffs reserves '.' in names; interface names may contain it.

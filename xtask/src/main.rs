@@ -33,6 +33,8 @@ enum Cmd {
     },
     /// Setup, build, and run the demo: enroll a pod netns and show captured traffic.
     Demo,
+    /// Build in release and run the benchmarks (root): sluice vs Istio's rules vs none.
+    Bench,
 }
 
 fn main() -> Result<()> {
@@ -41,6 +43,7 @@ fn main() -> Result<()> {
         Cmd::BuildEbpf => build_ebpf(),
         Cmd::Test { args } => test(&args),
         Cmd::Demo => demo(),
+        Cmd::Bench => bench(),
     }
 }
 
@@ -123,5 +126,21 @@ fn demo() -> Result<()> {
         "sluice-tests",
         "--bin",
         "sluice-demo",
+    ])
+}
+
+fn bench() -> Result<()> {
+    setup::run()?;
+    build_ebpf()?;
+    // The memory scenario runs the release `sluice agent` beside the bench binary.
+    cargo(&["build", "--release", "-p", "sluice", "--bins"])?;
+    cargo(&[
+        "run",
+        "--release",
+        "--quiet",
+        "-p",
+        "sluice-tests",
+        "--bin",
+        "sluice-bench",
     ])
 }
