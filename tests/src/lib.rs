@@ -5,6 +5,7 @@
 
 pub mod agent;
 pub mod app;
+pub mod cni;
 pub mod flow;
 pub mod harness;
 pub mod istio;

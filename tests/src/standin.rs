@@ -45,6 +45,8 @@ pub type OnAccept = Arc<dyn Fn(&Accepted) + Send + Sync>;
 
 pub struct StandIn {
     pub accepted: Arc<Mutex<Vec<Accepted>>>,
+    /// Connections being proxied right now (a draining ztunnel waits for them).
+    pub active: Arc<std::sync::atomic::AtomicUsize>,
     fds: Vec<i32>,
 }
 
@@ -56,8 +58,10 @@ impl StandIn {
     /// Opens the listeners in `ns` (named, or an fd as ztunnel gets over ZDS).
     pub fn start_in(ns: Ns, bind: Bind, on_accept: Option<OnAccept>) -> Self {
         let accepted = Arc::new(Mutex::new(Vec::new()));
+        let active = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let mut fds = Vec::new();
         for role in Role::ALL {
+            let active = active.clone();
             let (tx, rx) = std::sync::mpsc::channel();
             let acc = accepted.clone();
             let ns2 = ns.clone();
@@ -78,12 +82,21 @@ impl StandIn {
                     if let Some(f) = &on_accept {
                         f(&a);
                     }
-                    ns2.spawn(move || proxy(c, a));
+                    active.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let active = active.clone();
+                    ns2.spawn(move || {
+                        proxy(c, a);
+                        active.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                    });
                 }
             });
             fds.push(rx.recv().unwrap());
         }
-        Self { accepted, fds }
+        Self {
+            accepted,
+            active,
+            fds,
+        }
     }
 
     pub fn accepted(&self) -> Vec<Accepted> {

@@ -6,6 +6,7 @@
 //! `status` reads).
 
 pub mod agent;
+pub mod cni;
 pub mod enroll;
 pub mod loader;
 pub mod netns;

@@ -222,6 +222,10 @@ fn print_agent(resp: Response) -> anyhow::Result<()> {
             println!("unenrolled pod {uid} via the agent");
             Ok(())
         }
+        Response::Skipped { reason } => {
+            println!("not enrolled: {reason}");
+            Ok(())
+        }
         Response::Error { message } => Err(anyhow::anyhow!(message)),
     }
 }

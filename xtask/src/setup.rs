@@ -10,12 +10,14 @@ use anyhow::{bail, Context as _, Result};
 
 use crate::run as exec;
 
-/// Debian packages the tests and demo use: iproute2 (test topologies),
-/// iptables/nftables (the differential test applies Istio's real rules).
+/// Debian packages the tests and demo use, by a file each installs: iproute2
+/// (test topologies), iptables/nftables (the differential test applies
+/// Istio's real rules), the reference CNI plugins (the CNI chain test).
 const APT_PACKAGES: &[(&str, &str)] = &[
     ("ip", "iproute2"),
     ("iptables-restore", "iptables"),
     ("nft", "nftables"),
+    ("/usr/lib/cni/ptp", "containernetworking-plugins"),
 ];
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
@@ -57,6 +59,9 @@ pub fn missing_for_ebpf() -> Option<String> {
 }
 
 fn which(bin: &str) -> bool {
+    if bin.starts_with('/') {
+        return Path::new(bin).exists();
+    }
     std::env::var_os("PATH")
         .map(|p| std::env::split_paths(&p).any(|d| d.join(bin).exists()))
         .unwrap_or(false)

@@ -215,7 +215,7 @@ fn session(fd: &OwnedFd, o: &Opts, on_accept: &OnAccept) -> Result<(), String> {
 
 /// On SIGTERM, drain as ztunnel does: close every listener (queued
 /// connections move to the new ztunnel's listeners in the same reuseport
-/// group), let in-flight relays finish, exit.
+/// group), let in-flight connections finish, exit.
 fn on_sigterm_drain() {
     use nix::sys::signal::{SigSet, Signal};
     let mut set = SigSet::empty();
@@ -225,8 +225,18 @@ fn on_sigterm_drain() {
     std::thread::spawn(move || {
         let _ = set.wait();
         emit(serde_json::json!({"event": "terminating"}));
-        drop(PODS.lock().unwrap().take());
-        std::thread::sleep(Duration::from_millis(300));
+        let pods = PODS.lock().unwrap().take().unwrap_or_default();
+        let active: Vec<_> = pods.values().map(|p| p._listeners.active.clone()).collect();
+        drop(pods);
+        // In-flight connections finish (bounded, as ztunnel's drain period is).
+        let start = std::time::Instant::now();
+        while active
+            .iter()
+            .any(|a| a.load(std::sync::atomic::Ordering::SeqCst) > 0)
+            && start.elapsed() < Duration::from_secs(5)
+        {
+            std::thread::sleep(Duration::from_millis(10));
+        }
         std::process::exit(0);
     });
 }

@@ -75,6 +75,40 @@ fn enroll(agent: &AgentProc, f: &Fixture) -> anyhow::Result<Out> {
     ])
 }
 
+/// Starts the ZDS peer and waits until it is connected and has its snapshot,
+/// as a ztunnel that is up when pods arrive.
+fn peer(agent: &AgentProc) -> anyhow::Result<PeerProc> {
+    let before = agent.log().matches("ztunnel live").count();
+    let p = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    ensure!(
+        p.wait_for(Duration::from_secs(5), |e| e
+            .iter()
+            .any(|e| e["event"] == "snapshot_sent")),
+        "peer got no snapshot"
+    );
+    // The agent makes the connection live right after the snapshot's ack.
+    let start = std::time::Instant::now();
+    while agent.log().matches("ztunnel live").count() <= before
+        && start.elapsed() < Duration::from_secs(5)
+    {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Ok(p)
+}
+
+/// Enrolls through the agent and requires Enabled, with the agent's log if not.
+fn enroll_enabled(agent: &AgentProc, f: &Fixture) -> TestResult {
+    let out = enroll(agent, f)?;
+    ensure!(
+        out.ok && out.stdout.contains("Enabled"),
+        "enroll: {} {}\n{}",
+        out.stdout,
+        out.stderr,
+        agent.log()
+    );
+    Ok(())
+}
+
 fn state(f: &Fixture) -> Option<&'static str> {
     f.pod_record().ok().and_then(|r| r.state)
 }
@@ -106,7 +140,7 @@ fn inbound(f: &Fixture) -> Reached {
 fn happy_path() -> TestResult {
     let f = Fixture::new("ag", None)?;
     let agent = AgentProc::start(&f.topo.pins)?;
-    let peer = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    let peer = peer(&agent)?;
     ensure!(peer.wait_for(Duration::from_secs(5), |e| e
         .iter()
         .any(|e| e["event"] == "snapshot_sent")));
@@ -156,7 +190,7 @@ fn snapshot() -> TestResult {
     let a = Fixture::in_subnet("sa", None, 1)?;
     let b = Fixture::in_subnet("sb", None, 2)?;
     let agent = AgentProc::start(&a.topo.pins)?;
-    let mut p1 = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    let mut p1 = peer(&agent)?;
     for f in [&a, &b] {
         let out = enroll(&agent, f)?;
         ensure!(
@@ -167,7 +201,7 @@ fn snapshot() -> TestResult {
         );
     }
     p1.kill();
-    let p2 = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    let p2 = peer(&agent)?;
     ensure!(
         p2.wait_for(Duration::from_secs(5), |e| e
             .iter()
@@ -240,7 +274,7 @@ fn inbound_accepts(p: &PeerProc) -> usize {
 fn restart() -> TestResult {
     let f = Fixture::new("rs", None)?;
     let agent = AgentProc::start(&f.topo.pins)?;
-    let mut p1 = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    let mut p1 = peer(&agent)?;
     let out = enroll(&agent, &f)?;
     ensure!(
         out.stdout.contains("Enabled"),
@@ -258,7 +292,7 @@ fn restart() -> TestResult {
         "not Pending after ztunnel died"
     );
     std::thread::sleep(Duration::from_millis(500));
-    let p2 = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    let p2 = peer(&agent)?;
     ensure!(
         wait_state(&f, "Enabled", Duration::from_secs(5)),
         "not Enabled after ztunnel came back:\n{}",
@@ -290,12 +324,12 @@ fn restart() -> TestResult {
 fn upgrade() -> TestResult {
     let f = Fixture::new("up", None)?;
     let agent = AgentProc::start(&f.topo.pins)?;
-    let mut old = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
-    ensure!(enroll(&agent, &f)?.stdout.contains("Enabled"));
+    let mut old = peer(&agent)?;
+    enroll_enabled(&agent, &f)?;
     let stop = Arc::new(AtomicBool::new(false));
     let clients = client_loop(&f, stop.clone());
     std::thread::sleep(Duration::from_millis(300));
-    let new = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    let new = peer(&agent)?;
     ensure!(new.wait_for(Duration::from_secs(5), |e| e
         .iter()
         .any(|e| e["event"] == "snapshot_sent")));
@@ -326,7 +360,7 @@ fn upgrade() -> TestResult {
 fn hijack() -> TestResult {
     let f = Fixture::new("hj", None)?;
     let agent = AgentProc::start(&f.topo.pins)?;
-    let mut p = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    let mut p = peer(&agent)?;
     let out = enroll(&agent, &f)?;
     ensure!(
         out.stdout.contains("Enabled"),
@@ -419,7 +453,7 @@ fn bad_peers() -> TestResult {
         );
     }
     // And then a good ztunnel is served as if nothing happened.
-    let _p = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    let _p = peer(&agent)?;
     let out = enroll(&agent, &f)?;
     ensure!(
         out.ok && out.stdout.contains("Enabled"),
@@ -484,7 +518,7 @@ fn stubborn_peers() -> TestResult {
     );
     nacker.kill();
     // A ztunnel that works takes the pod from its snapshot.
-    let _good = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    let _good = peer(&agent)?;
     ensure!(
         wait_state(&f, "Enabled", Duration::from_secs(5)),
         "{}",
@@ -496,8 +530,8 @@ fn stubborn_peers() -> TestResult {
 fn sigterm() -> TestResult {
     let f = Fixture::new("tm", None)?;
     let mut agent = AgentProc::start(&f.topo.pins)?;
-    let p = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
-    ensure!(enroll(&agent, &f)?.stdout.contains("Enabled"));
+    let p = peer(&agent)?;
+    enroll_enabled(&agent, &f)?;
     ensure!(agent.terminate(), "agent did not exit cleanly on SIGTERM");
     // Capture stays: pins, state, traffic through ztunnel.
     ensure!(state(&f) == Some("Enabled"));
@@ -520,8 +554,8 @@ fn sigterm() -> TestResult {
 fn unenroll() -> TestResult {
     let f = Fixture::new("ue", None)?;
     let agent = AgentProc::start(&f.topo.pins)?;
-    let p = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
-    ensure!(enroll(&agent, &f)?.stdout.contains("Enabled"));
+    let p = peer(&agent)?;
+    enroll_enabled(&agent, &f)?;
     let out = agent.sluice(&["unenroll", "--uid", f.uid.as_str()])?;
     ensure!(
         out.ok && out.stdout.contains("via the agent"),

@@ -4,6 +4,7 @@
 //! the reason, never as passed.
 
 mod agent;
+mod cni;
 mod contract_rows;
 mod differential;
 mod lifecycle;
@@ -30,5 +31,6 @@ fn main() {
     trials.extend(differential::trials());
     trials.extend(lifecycle::trials());
     trials.extend(agent::trials());
+    trials.extend(cni::trials());
     libtest_mimic::run(&args, trials).exit();
 }

@@ -19,7 +19,7 @@ use tokio::{
 use tracing::warn;
 
 use super::node::Node;
-use crate::workload::Workload;
+use crate::{cni::spec::PodRef, workload::Workload};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -31,6 +31,23 @@ pub enum Request {
     },
     Unenroll {
         uid: String,
+    },
+    /// From `sluice-cni` ADD: enroll the pod if it is ambient.
+    CniAdd {
+        container_id: String,
+        netns: PathBuf,
+        pod: PodRef,
+        /// The pod's IPs from prevResult.
+        ips: Vec<String>,
+    },
+    /// From `sluice-cni` DEL.
+    CniDel {
+        container_id: String,
+        pod: PodRef,
+    },
+    /// From `sluice-cni` CHECK.
+    CniCheck {
+        pod: PodRef,
     },
 }
 
@@ -46,6 +63,10 @@ pub enum Response {
     },
     Unenrolled {
         uid: String,
+    },
+    /// Not ours to capture (not ambient, hostNetwork, sidecar…).
+    Skipped {
+        reason: String,
     },
     Error {
         message: String,

@@ -96,7 +96,97 @@ impl Node {
                     },
                 }
             }
+            Request::CniAdd {
+                container_id,
+                netns,
+                pod,
+                ips,
+            } => {
+                let span = info_span!("cni_add", pod = %format!("{}/{}", pod.namespace, pod.name), container = %container_id);
+                async {
+                    info!(?ips, netns = %netns.display(), "CNI ADD");
+                    self.cni_add(netns, &pod).await
+                }
+                .instrument(span)
+                .await
+                .unwrap_or_else(|e| Response::Error {
+                    message: format!("{e:#}"),
+                })
+            }
+            Request::CniDel { container_id, pod } => {
+                let span = info_span!("cni_del", pod = %format!("{}/{}", pod.namespace, pod.name), container = %container_id);
+                async {
+                    let uid = cni_uid(&pod)?;
+                    if self.cookie_of(&uid).is_none() {
+                        return Ok(Response::Unenrolled {
+                            uid: uid.to_string(),
+                        });
+                    }
+                    self.unenroll(uid.as_str()).await?;
+                    Ok(Response::Unenrolled {
+                        uid: uid.to_string(),
+                    })
+                }
+                .instrument(span)
+                .await
+                .unwrap_or_else(|e: anyhow::Error| Response::Error {
+                    message: format!("{e:#}"),
+                })
+            }
+            Request::CniCheck { pod } => match cni_uid(&pod).map(|u| (self.cookie_of(&u), u)) {
+                Ok((Some(cookie), uid)) => Response::Enrolled {
+                    uid: uid.to_string(),
+                    cookie,
+                    state: self
+                        .state_of(cookie)
+                        .map(PodState::as_str)
+                        .unwrap_or("Unknown")
+                        .into(),
+                    note: None,
+                },
+                Ok((None, uid)) => Response::Error {
+                    message: format!("pod {}/{} ({uid}) is not enrolled", pod.namespace, pod.name),
+                },
+                Err(e) => Response::Error {
+                    message: format!("{e:#}"),
+                },
+            },
         }
+    }
+
+    fn cookie_of(&self, uid: &PodUid) -> Option<u64> {
+        self.dp.lock().unwrap().maps.find_uid(uid)
+    }
+
+    /// CNI ADD: capture the new pod before it starts. A retried ADD for the
+    /// same sandbox is a no-op; an ADD for a new sandbox of the same pod
+    /// replaces the old capture.
+    async fn cni_add(
+        self: &Arc<Self>,
+        netns: PathBuf,
+        pod: &crate::cni::spec::PodRef,
+    ) -> anyhow::Result<Response> {
+        let uid = cni_uid(pod)?;
+        if let Some(cookie) = self.cookie_of(&uid) {
+            let same = crate::netns::Netns::open(&netns)?.cookie()? == cookie;
+            if same {
+                return Ok(Response::Enrolled {
+                    uid: uid.to_string(),
+                    cookie,
+                    state: self
+                        .state_of(cookie)
+                        .map(PodState::as_str)
+                        .unwrap_or("Unknown")
+                        .into(),
+                    note: None,
+                });
+            }
+            info!(%uid, "new sandbox for an enrolled pod: replacing its capture");
+            self.unenroll(uid.as_str()).await?;
+        }
+        // Without a Kubernetes API to ask, the service account is unknown.
+        let workload = Workload::new(&pod.name, &pod.namespace, "default")?;
+        self.enroll(netns, uid.as_str(), workload).await
     }
 
     async fn enroll(
@@ -360,6 +450,15 @@ impl Node {
             }
         }
         due
+    }
+}
+
+/// The uid a CNI request names: K8S_POD_UID when the runtime passes it, else
+/// namespace.name (stable across ADD and DEL of one pod).
+fn cni_uid(pod: &crate::cni::spec::PodRef) -> anyhow::Result<PodUid> {
+    match &pod.uid {
+        Some(u) => Ok(PodUid::new(u)?),
+        None => Ok(PodUid::new(&format!("{}.{}", pod.namespace, pod.name))?),
     }
 }
 

@@ -1,0 +1,87 @@
+//! Running CNI plugins per the spec, as a container runtime does: config on
+//! stdin, `CNI_*` in the environment, inside a netns of the test's own that
+//! stands for the node (`ptp` puts the host end of its veth in the caller's
+//! netns).
+
+use std::{
+    fs::File,
+    io::Write,
+    os::{fd::AsRawFd, unix::process::CommandExt},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+};
+
+use crate::ns::netns_path;
+
+/// Debian's containernetworking-plugins.
+pub const REFERENCE_PLUGINS: &str = "/usr/lib/cni";
+
+pub struct Invocation {
+    pub ok: bool,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Invocation {
+    pub fn json(&self) -> anyhow::Result<serde_json::Value> {
+        Ok(serde_json::from_str(&self.stdout)?)
+    }
+}
+
+/// One plugin invocation from inside netns `node`.
+pub struct Exec<'a> {
+    pub node: &'a str,
+    pub plugin: &'a Path,
+    pub command: &'a str,
+    pub container_id: &'a str,
+    pub netns: Option<&'a Path>,
+    pub args: &'a str,
+    pub config: &'a serde_json::Value,
+}
+
+impl Exec<'_> {
+    pub fn run(&self) -> anyhow::Result<Invocation> {
+        let node = File::open(netns_path(self.node))?;
+        let fd = node.as_raw_fd();
+        let mut cmd = Command::new(self.plugin);
+        cmd.env_clear()
+            .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+            .env("CNI_COMMAND", self.command)
+            .env("CNI_CONTAINERID", self.container_id)
+            .env("CNI_IFNAME", "eth0")
+            .env("CNI_PATH", REFERENCE_PLUGINS)
+            .env("CNI_ARGS", self.args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Some(n) = self.netns {
+            cmd.env("CNI_NETNS", n);
+        }
+        // SAFETY: setns is async-signal-safe; the fd stays open until spawn returns.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn()?;
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(serde_json::to_string(self.config)?.as_bytes())?;
+        let out = child.wait_with_output()?;
+        drop(node);
+        Ok(Invocation {
+            ok: out.status.success(),
+            stdout: String::from_utf8_lossy(&out.stdout).trim().to_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        })
+    }
+}
+
+pub fn plugin(name: &str) -> PathBuf {
+    Path::new(REFERENCE_PLUGINS).join(name)
+}

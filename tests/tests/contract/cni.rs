@@ -1,0 +1,296 @@
+//! The chained CNI plugin against the real reference plugins (Debian's
+//! containernetworking-plugins): `ptp` + `host-local` make a real pod netns
+//! with a real address, then `sluice-cni` captures it through the agent.
+
+use std::{
+    net::{IpAddr, SocketAddr},
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use anyhow::{ensure, Context as _};
+use libtest_mimic::Trial;
+use serde_json::json;
+use sluice::loader::Pins;
+use sluice_tests::{
+    agent::{AgentProc, PeerProc},
+    app::App,
+    cni::{plugin, Exec},
+    flow::{connect, Opts},
+    harness::sluice_bin,
+    topology::ip,
+};
+
+use crate::{trial, TestResult};
+
+const PEER: &str = env!("CARGO_BIN_EXE_sluice-zds-peer");
+const ARGS: &str =
+    "IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=cart-7f9;K8S_POD_UID=5a1e-cart";
+
+pub fn trials() -> Vec<Trial> {
+    vec![
+        trial(
+            "cni::chain_with_reference_plugins_captures_and_cleans_up",
+            chain,
+        ),
+        trial("cni::errors_are_spec_shaped", errors),
+    ]
+}
+
+fn sluice_cni() -> PathBuf {
+    sluice_bin().with_file_name("sluice-cni")
+}
+
+/// A node netns, a pod netns, a bpffs root and a temp dir; all removed on drop.
+struct Node {
+    node: String,
+    pod: String,
+    pins: Pins,
+    dir: PathBuf,
+}
+
+impl Node {
+    fn new(tag: &str) -> anyhow::Result<Self> {
+        let id = format!("{}-{tag}", std::process::id());
+        let n = Self {
+            node: format!("slcn-{id}"),
+            pod: format!("slcp-{id}"),
+            pins: Pins::new(format!("/sys/fs/bpf/sluice-test-cni-{id}")),
+            dir: PathBuf::from(format!("/tmp/sluice-cni-{id}")),
+        };
+        std::fs::create_dir_all(&n.dir)?;
+        ip(&["netns", "add", &n.node])?;
+        ip(&["netns", "add", &n.pod])?;
+        ip(&["-n", &n.node, "link", "set", "lo", "up"])?;
+        ip(&["-n", &n.pod, "link", "set", "lo", "up"])?;
+        Ok(n)
+    }
+
+    fn pod_path(&self) -> PathBuf {
+        PathBuf::from(format!("/run/netns/{}", self.pod))
+    }
+
+    fn ptp_conf(&self) -> serde_json::Value {
+        json!({
+            "cniVersion": "1.0.0",
+            "name": "sluice-test",
+            "type": "ptp",
+            "ipMasq": false,
+            "ipam": {"type": "host-local", "subnet": "10.250.0.0/24", "dataDir": self.dir.join("ipam")},
+        })
+    }
+
+    fn exec<'a>(
+        &'a self,
+        plugin: &'a Path,
+        command: &'a str,
+        config: &'a serde_json::Value,
+        netns: Option<&'a Path>,
+    ) -> Exec<'a> {
+        Exec {
+            node: &self.node,
+            plugin,
+            command,
+            container_id: "c0ffee",
+            netns,
+            args: ARGS,
+            config,
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = sluice::enroll::uninstall(&self.pins);
+        let _ = ip(&["netns", "del", &self.pod]);
+        let _ = ip(&["netns", "del", &self.node]);
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn chain() -> TestResult {
+    let n = Node::new("chain")?;
+    let agent = AgentProc::start(&n.pins)?;
+    let peer = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    let app = App::start(&n.pod, 8080);
+    let pod_path = n.pod_path();
+
+    // The primary plugin, then ours with its result as prevResult.
+    let ptp_conf = n.ptp_conf();
+    let ptp = n
+        .exec(&plugin("ptp"), "ADD", &ptp_conf, Some(&pod_path))
+        .run()?;
+    ensure!(ptp.ok, "ptp ADD: {} {}", ptp.stdout, ptp.stderr);
+    let prev = ptp.json()?;
+    let conf = json!({
+        "cniVersion": "1.0.0", "name": "sluice-test", "type": "sluice-cni",
+        "agentSocket": agent.control, "prevResult": prev,
+    });
+    let cni = sluice_cni();
+    let add = n.exec(&cni, "ADD", &conf, Some(&pod_path)).run()?;
+    ensure!(
+        add.ok,
+        "sluice-cni ADD: {} {}\n{}",
+        add.stdout,
+        add.stderr,
+        agent.log()
+    );
+    ensure!(
+        add.json()? == prev,
+        "prevResult not passed through unchanged: {}",
+        add.stdout
+    );
+
+    let pods = sluice::status::read(&n.pins)?;
+    ensure!(
+        pods.len() == 1 && pods[0].uid == "5a1e-cart" && pods[0].state == Some("Enabled"),
+        "{pods:?}"
+    );
+    ensure!(
+        pods[0].netns == pod_path.to_str().unwrap(),
+        "CNI netns path not recorded: {}",
+        pods[0].netns
+    );
+    ensure!(peer
+        .events()
+        .iter()
+        .any(|e| e["event"] == "add" && e["workload"] == "shop/cart-7f9/default"));
+
+    // Rows I1 and O1 through the pod the CNI chain made.
+    let pod_ip: IpAddr = prev["ips"][0]["address"]
+        .as_str()
+        .context("no pod ip")?
+        .split('/')
+        .next()
+        .unwrap()
+        .parse()?;
+    let gw: IpAddr = prev["ips"][0]["gateway"]
+        .as_str()
+        .context("no gateway")?
+        .parse()?;
+    let r = connect(&n.node, SocketAddr::new(pod_ip, 8080), Opts::default());
+    ensure!(
+        r.reply().is_some_and(|l| l.starts_with("app:8080")),
+        "inbound: {r:?}"
+    );
+    let remote = App::start(&n.node, 9090);
+    let r = connect(&n.pod, SocketAddr::new(gw, 9090), Opts::default());
+    ensure!(
+        r.reply().is_some_and(|l| l.starts_with("app:9090")),
+        "outbound: {r:?}"
+    );
+    ensure!(
+        peer.wait_for(Duration::from_secs(2), |e| {
+            let roles: Vec<_> = e
+                .iter()
+                .filter(|e| e["event"] == "accepted")
+                .map(|e| e["role"].clone())
+                .collect();
+            roles.contains(&"inbound".into()) && roles.contains(&"outbound".into())
+        }),
+        "not captured: {:?}",
+        peer.events()
+    );
+    ensure!(app.peers().len() == 1 && remote.peers().len() == 1);
+
+    // CHECK: nothing printed, success. VERSION: the versions we speak.
+    let check = n.exec(&cni, "CHECK", &conf, Some(&pod_path)).run()?;
+    ensure!(
+        check.ok && check.stdout.is_empty(),
+        "CHECK: {} {}",
+        check.stdout,
+        check.stderr
+    );
+    let ver = n
+        .exec(&cni, "VERSION", &json!({"cniVersion": "1.0.0"}), None)
+        .run()?
+        .json()?;
+    for v in ["1.0.0", "0.4.0", "0.3.1"] {
+        ensure!(
+            ver["supportedVersions"]
+                .as_array()
+                .unwrap()
+                .contains(&v.into()),
+            "{ver}"
+        );
+    }
+
+    // DEL in reverse order: ours, then the primary's. Nothing of the pod stays.
+    let del = n.exec(&cni, "DEL", &conf, Some(&pod_path)).run()?;
+    ensure!(
+        del.ok && del.stdout.is_empty(),
+        "sluice-cni DEL: {} {}",
+        del.stdout,
+        del.stderr
+    );
+    let ptp_del = n
+        .exec(&plugin("ptp"), "DEL", &ptp_conf, Some(&pod_path))
+        .run()?;
+    ensure!(ptp_del.ok, "ptp DEL: {}", ptp_del.stderr);
+    ensure!(
+        sluice::status::read(&n.pins)?.is_empty(),
+        "pod still enrolled after DEL"
+    );
+    ensure!(
+        std::fs::read_dir(n.pins.pods())?.next().is_none(),
+        "pins left after DEL"
+    );
+    ensure!(peer
+        .events()
+        .iter()
+        .any(|e| e["event"] == "del" && e["uid"] == "5a1e-cart"));
+    // A second DEL (runtimes retry) is fine.
+    ensure!(n.exec(&cni, "DEL", &conf, Some(&pod_path)).run()?.ok);
+    Ok(())
+}
+
+fn errors() -> TestResult {
+    let n = Node::new("err")?;
+    let cni = sluice_cni();
+    let pod_path = n.pod_path();
+    let prev = json!({"cniVersion": "1.0.0", "ips": [{"address": "10.250.0.9/24"}]});
+    let conf = |sock: &str| json!({"cniVersion": "1.0.0", "name": "t", "type": "sluice-cni", "agentSocket": sock, "prevResult": prev});
+    let code = |inv: &sluice_tests::cni::Invocation| -> anyhow::Result<u64> {
+        ensure!(!inv.ok, "expected failure, got {}", inv.stdout);
+        let v = inv
+            .json()
+            .with_context(|| format!("error is not JSON: {:?}", inv.stdout))?;
+        ensure!(v["msg"].is_string() && v["cniVersion"].is_string(), "{v}");
+        v["code"].as_u64().context("no code")
+    };
+    // Bad stdin JSON → 6 (decode failure).
+    let bad = json!("{not json");
+    let inv = Exec {
+        node: &n.node,
+        plugin: &cni,
+        command: "ADD",
+        container_id: "c",
+        netns: Some(&pod_path),
+        args: ARGS,
+        config: &bad,
+    }
+    .run()?;
+    ensure!(code(&inv)? == 6, "{}", inv.stdout);
+    // Missing CNI_NETNS on ADD → 4 (invalid env).
+    let c = conf("/nonexistent/agent.sock");
+    let inv = Exec {
+        node: &n.node,
+        plugin: &cni,
+        command: "ADD",
+        container_id: "c",
+        netns: None,
+        args: ARGS,
+        config: &c,
+    }
+    .run()?;
+    ensure!(code(&inv)? == 4, "{}", inv.stdout);
+    // No agent → 11 (try again later): the pod must not start uncaptured.
+    let inv = n.exec(&cni, "ADD", &c, Some(&pod_path)).run()?;
+    ensure!(code(&inv)? == 11, "{}", inv.stdout);
+    ensure!(
+        inv.stdout.contains("not started uncaptured"),
+        "{}",
+        inv.stdout
+    );
+    Ok(())
+}
