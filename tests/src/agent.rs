@@ -29,6 +29,7 @@ pub struct Out {
 
 pub struct AgentProc {
     child: Option<Child>,
+    extra: Vec<String>,
     pub dir: PathBuf,
     pub zds: PathBuf,
     pub control: PathBuf,
@@ -38,11 +39,17 @@ pub struct AgentProc {
 impl AgentProc {
     /// Starts `sluice agent` on the pins `pins`, with sockets in a fresh dir.
     pub fn start(pins: &Pins) -> anyhow::Result<Self> {
+        Self::start_with(pins, &[])
+    }
+
+    /// Same, with extra `sluice agent` flags.
+    pub fn start_with(pins: &Pins, extra: &[&str]) -> anyhow::Result<Self> {
         let n = SEQ.fetch_add(1, Ordering::Relaxed);
         let dir = PathBuf::from(format!("/tmp/sluice-agent-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir)?;
         let mut a = Self {
             child: None,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
             zds: dir.join("ztunnel.sock"),
             control: dir.join("agent.sock"),
             root: pins.root().to_owned(),
@@ -65,6 +72,7 @@ impl AgentProc {
             .arg("agent")
             .arg("--zds-socket")
             .arg(&self.zds)
+            .args(&self.extra)
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
             .stderr(log)

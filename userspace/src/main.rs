@@ -10,6 +10,7 @@ use sluice::{
         control::{self, Request, Response},
         DEFAULT_CONTROL_SOCKET, DEFAULT_ZDS_SOCKET,
     },
+    cni::install,
     enroll,
     loader::{Dataplane, Pins, DEFAULT_ROOT},
     state::Maps,
@@ -79,7 +80,40 @@ enum Cmd {
         /// Where ztunnel connects (its INPOD_UDS).
         #[arg(long, default_value = DEFAULT_ZDS_SOCKET, env = "SLUICE_ZDS_SOCKET")]
         zds_socket: PathBuf,
+        /// Keep sluice-cni installed in the node's primary CNI conflist.
+        #[arg(long)]
+        install_cni: bool,
+        #[command(flatten)]
+        cni: CniDirs,
     },
+    /// Remove sluice-cni from the node's CNI config and bin dir (when sluice
+    /// is being removed from the node, not on an agent restart).
+    UninstallCni {
+        #[command(flatten)]
+        cni: CniDirs,
+    },
+}
+
+#[derive(clap::Args)]
+struct CniDirs {
+    /// The node's CNI config directory.
+    #[arg(long, default_value = install::DEFAULT_CONF_DIR, env = "SLUICE_CNI_CONF_DIR")]
+    cni_conf_dir: PathBuf,
+    /// The node's CNI plugin directory.
+    #[arg(long, default_value = install::DEFAULT_BIN_DIR, env = "SLUICE_CNI_BIN_DIR")]
+    cni_bin_dir: PathBuf,
+}
+
+impl CniDirs {
+    fn install(self, agent_socket: &std::path::Path) -> anyhow::Result<install::CniInstall> {
+        let exe = std::env::current_exe().context("locating the sluice binary")?;
+        Ok(install::CniInstall {
+            conf_dir: self.cni_conf_dir,
+            bin_dir: self.cni_bin_dir,
+            plugin: exe.with_file_name(install::PLUGIN_TYPE),
+            agent_socket: agent_socket.to_owned(),
+        })
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -181,7 +215,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 Output::Json => println!("{}", status::json(&pods)),
             }
         }
-        Cmd::Agent { zds_socket } => {
+        Cmd::UninstallCni { cni } => {
+            cni.install(&cli.control_socket)?.uninstall()?;
+            println!("removed sluice-cni from the node's CNI config");
+        }
+        Cmd::Agent {
+            zds_socket,
+            install_cni,
+            cni,
+        } => {
             tracing_subscriber::fmt()
                 .with_env_filter(
                     tracing_subscriber::EnvFilter::try_from_default_env()
@@ -189,10 +231,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 )
                 .with_writer(std::io::stderr)
                 .init();
+            let cni = if install_cni {
+                Some(cni.install(&cli.control_socket)?)
+            } else {
+                None
+            };
             agent::run(agent::Config {
                 pins,
                 zds_socket,
                 control_socket: cli.control_socket,
+                cni,
             })?;
         }
         Cmd::Uninstall => {

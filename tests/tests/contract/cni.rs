@@ -34,6 +34,7 @@ pub fn trials() -> Vec<Trial> {
             chain,
         ),
         trial("cni::errors_are_spec_shaped", errors),
+        trial("cni::agent_keeps_the_plugin_in_the_conflist", conflist),
     ]
 }
 
@@ -292,5 +293,74 @@ fn errors() -> TestResult {
         "{}",
         inv.stdout
     );
+    Ok(())
+}
+
+fn wait(what: &str, f: impl Fn() -> bool) -> TestResult {
+    let start = std::time::Instant::now();
+    while !f() {
+        ensure!(
+            start.elapsed() < Duration::from_secs(5),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
+fn conflist() -> TestResult {
+    let n = Node::new("conf")?;
+    let (conf_dir, bin_dir) = (n.dir.join("net.d"), n.dir.join("bin"));
+    std::fs::create_dir_all(&conf_dir)?;
+    let primary = conf_dir.join("10-ptp.conflist");
+    let original = json!({"cniVersion": "1.0.0", "name": "k8s", "plugins": [n.ptp_conf()]});
+    std::fs::write(&primary, original.to_string())?;
+    let read = || -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(&primary).unwrap_or_default()).unwrap_or_default()
+    };
+    let ours = |v: &serde_json::Value| {
+        v["plugins"]
+            .as_array()
+            .and_then(|p| p.last())
+            .is_some_and(|p| p["type"] == "sluice-cni")
+    };
+    let flags = [
+        "--install-cni",
+        "--cni-conf-dir",
+        conf_dir.to_str().unwrap(),
+        "--cni-bin-dir",
+        bin_dir.to_str().unwrap(),
+    ];
+    let mut agent = AgentProc::start_with(&n.pins, &flags)?;
+    wait("the plugin in the conflist", || ours(&read()))?;
+    ensure!(
+        bin_dir.join("sluice-cni").exists(),
+        "plugin binary not copied"
+    );
+    // The primary CNI rewrites its file without us: we come back.
+    std::fs::write(&primary, original.to_string())?;
+    wait("re-insertion after the primary CNI's rewrite", || {
+        ours(&read())
+    })?;
+    // An agent restart leaves the plugin in place (pods keep going through it).
+    ensure!(agent.terminate());
+    ensure!(ours(&read()) && bin_dir.join("sluice-cni").exists());
+    // Uninstall removes exactly what was added.
+    let out = std::process::Command::new(sluice_bin())
+        .args([
+            "uninstall-cni",
+            "--cni-conf-dir",
+            conf_dir.to_str().unwrap(),
+            "--cni-bin-dir",
+            bin_dir.to_str().unwrap(),
+        ])
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(read() == original, "conflist not restored: {}", read());
+    ensure!(!bin_dir.join("sluice-cni").exists());
     Ok(())
 }

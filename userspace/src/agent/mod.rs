@@ -12,6 +12,7 @@ use tokio::sync::watch;
 use tracing::info;
 
 use crate::{
+    cni::install::CniInstall,
     loader::{Dataplane, Pins},
     zds::server::{self, Hub},
 };
@@ -24,6 +25,8 @@ pub struct Config {
     pub pins: Pins,
     pub zds_socket: PathBuf,
     pub control_socket: PathBuf,
+    /// Keep `sluice-cni` in the node's CNI config (DaemonSet mode).
+    pub cni: Option<CniInstall>,
 }
 
 pub fn run(cfg: Config) -> anyhow::Result<()> {
@@ -63,6 +66,12 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         stop.clone(),
     ));
     let reconcile_task = tokio::spawn(node.clone().reconcile(stop.clone()));
+    // Removing the plugin is not part of stopping: pods must keep going
+    // through it while the agent restarts (see `sluice uninstall-cni`).
+    let cni_task = cfg
+        .cni
+        .clone()
+        .map(|c| tokio::spawn(c.keep_installed(stop.clone())));
     info!(pods = node.pod_count(), "sluice agent running");
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
@@ -74,6 +83,9 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     let _ = zds_task.await;
     let _ = control_task.await;
     let _ = reconcile_task.await;
+    if let Some(t) = cni_task {
+        let _ = t.await;
+    }
     info!("agent stopped; capture stays in place (pins kept)");
     Ok(())
 }

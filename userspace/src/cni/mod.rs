@@ -4,5 +4,6 @@
 //! ADD/DEL/CHECK/VERSION logic (the agent behind a trait, for tests), `install`
 //! the agent's management of the node's CNI config.
 
+pub mod install;
 pub mod plugin;
 pub mod spec;
