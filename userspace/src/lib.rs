@@ -8,6 +8,7 @@
 pub mod agent;
 pub mod cni;
 pub mod enroll;
+pub mod kube;
 pub mod loader;
 pub mod netns;
 pub mod routes;
@@ -17,3 +18,17 @@ pub mod status;
 pub mod uid;
 pub mod workload;
 pub mod zds;
+
+/// An error and its causes on one line, without repeating a cause that a
+/// message already quotes (typed errors here often embed their source).
+pub fn one_line(e: &anyhow::Error) -> String {
+    let mut msg = e.to_string();
+    for cause in e.chain().skip(1) {
+        let c = cause.to_string();
+        if !msg.contains(&c) {
+            msg.push_str(": ");
+            msg.push_str(&c);
+        }
+    }
+    msg.replace('\n', " ")
+}

@@ -127,24 +127,10 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("sluice: {}", one_line(&e));
+            eprintln!("sluice: {}", sluice::one_line(&e));
             ExitCode::FAILURE
         }
     }
-}
-
-/// The error and its causes on one line, without repeating a cause that a
-/// message already quotes.
-fn one_line(e: &anyhow::Error) -> String {
-    let mut msg = e.to_string();
-    for cause in e.chain().skip(1) {
-        let c = cause.to_string();
-        if !msg.contains(&c) {
-            msg.push_str(": ");
-            msg.push_str(&c);
-        }
-    }
-    msg.replace('\n', " ")
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {

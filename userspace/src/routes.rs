@@ -70,6 +70,9 @@ pub fn install(pod_ifaces: &[String]) -> Result<(), RouteError> {
         let (conn, handle, _) = rtnetlink::new_connection().map_err(io("rtnetlink socket"))?;
         tokio::spawn(conn);
         let lo = lo_index()?;
+        // The local route needs lo up; the runtime's loopback plugin may not
+        // have run yet when we are called from CNI ADD.
+        handle.link().set(lo).up().execute().await?;
         ignore_exists(rule_v4(&handle).execute().await)?;
         ignore_exists(route_v4(&handle, lo).execute().await)?;
         if v6 {

@@ -35,6 +35,10 @@ pub fn trials() -> Vec<Trial> {
         ),
         trial("cni::errors_are_spec_shaped", errors),
         trial("cni::agent_keeps_the_plugin_in_the_conflist", conflist),
+        trial(
+            "cni::del_of_an_old_sandbox_keeps_the_new_capture",
+            sandbox_swap,
+        ),
     ]
 }
 
@@ -363,4 +367,79 @@ fn conflist() -> TestResult {
     ensure!(read() == original, "conflist not restored: {}", read());
     ensure!(!bin_dir.join("sluice-cni").exists());
     Ok(())
+}
+
+fn sandbox_swap() -> TestResult {
+    let n = Node::new("swap")?;
+    let second = format!("{}-b", n.pod);
+    ip(&["netns", "add", &second])?;
+    let result = (|| -> TestResult {
+        let agent = AgentProc::start(&n.pins)?;
+        let (a, b) = (n.pod_path(), PathBuf::from(format!("/run/netns/{second}")));
+        // Each sandbox gets its own address from the primary CNI.
+        let ptp_conf = n.ptp_conf();
+        let add = |netns: &Path, id: &'static str| -> anyhow::Result<serde_json::Value> {
+            let prev = Exec {
+                container_id: id,
+                ..n.exec(&plugin("ptp"), "ADD", &ptp_conf, Some(netns))
+            }
+            .run()?
+            .json()?;
+            let conf = json!({"cniVersion": "1.0.0", "name": "sluice-test", "type": "sluice-cni", "agentSocket": agent.control, "prevResult": prev});
+            let cni = sluice_cni();
+            let out = Exec {
+                container_id: id,
+                ..n.exec(&cni, "ADD", &conf, Some(netns))
+            }
+            .run()?;
+            ensure!(out.ok, "ADD {id}: {}", out.stdout);
+            Ok(conf)
+        };
+        let conf_a = add(&a, "sandbox-a")?;
+        let cookie_a = sluice::status::read(&n.pins)?[0].netns_cookie;
+        // The runtime makes a new sandbox for the same pod: ADD moves capture…
+        let conf_b = add(&b, "sandbox-b")?;
+        let pods = sluice::status::read(&n.pins)?;
+        ensure!(
+            pods.len() == 1
+                && pods[0].netns_cookie != cookie_a
+                && pods[0].netns == b.to_str().unwrap(),
+            "{pods:?}"
+        );
+        // … and the late DEL of the old sandbox must not remove it.
+        let cni = sluice_cni();
+        ensure!(
+            Exec {
+                container_id: "sandbox-a",
+                ..n.exec(&cni, "DEL", &conf_a, Some(&a))
+            }
+            .run()?
+            .ok
+        );
+        let pods = sluice::status::read(&n.pins)?;
+        ensure!(
+            pods.len() == 1 && pods[0].netns == b.to_str().unwrap(),
+            "capture of the new sandbox lost: {pods:?}\n{}",
+            agent.log()
+        );
+        ensure!(
+            Exec {
+                container_id: "sandbox-b",
+                ..n.exec(&cni, "DEL", &conf_b, Some(&b))
+            }
+            .run()?
+            .ok
+        );
+        ensure!(sluice::status::read(&n.pins)?.is_empty());
+        for (id, ns) in [("sandbox-a", &a), ("sandbox-b", &b)] {
+            let _ = Exec {
+                container_id: id,
+                ..n.exec(&plugin("ptp"), "DEL", &ptp_conf, Some(ns))
+            }
+            .run();
+        }
+        Ok(())
+    })();
+    let _ = ip(&["netns", "del", &second]);
+    result
 }

@@ -41,8 +41,10 @@ pub enum Request {
         ips: Vec<String>,
     },
     /// From `sluice-cni` DEL.
+    /// `netns` is empty when the runtime no longer has it.
     CniDel {
         container_id: String,
+        netns: PathBuf,
         pod: PodRef,
     },
     /// From `sluice-cni` CHECK.

@@ -84,7 +84,7 @@ impl Node {
                     .instrument(span)
                     .await
                     .unwrap_or_else(|e| Response::Error {
-                        message: format!("{e:#}"),
+                        message: crate::one_line(&e),
                     })
             }
             Request::Unenroll { uid } => {
@@ -92,7 +92,7 @@ impl Node {
                 match self.unenroll(&uid).instrument(span).await {
                     Ok(()) => Response::Unenrolled { uid },
                     Err(e) => Response::Error {
-                        message: format!("{e:#}"),
+                        message: crate::one_line(&e),
                     },
                 }
             }
@@ -110,14 +110,26 @@ impl Node {
                 .instrument(span)
                 .await
                 .unwrap_or_else(|e| Response::Error {
-                    message: format!("{e:#}"),
+                    message: crate::one_line(&e),
                 })
             }
-            Request::CniDel { container_id, pod } => {
+            Request::CniDel {
+                container_id,
+                netns,
+                pod,
+            } => {
                 let span = info_span!("cni_del", pod = %format!("{}/{}", pod.namespace, pod.name), container = %container_id);
                 async {
                     let uid = cni_uid(&pod)?;
-                    if self.cookie_of(&uid).is_none() {
+                    let Some(cookie) = self.cookie_of(&uid) else {
+                        return Ok(Response::Unenrolled {
+                            uid: uid.to_string(),
+                        });
+                    };
+                    if !self.del_names_enrolled_sandbox(cookie, &netns) {
+                        // A DEL for an older sandbox of this pod (the runtime
+                        // made a new one, which ADD already captured): not ours.
+                        info!(%uid, "CNI DEL for another sandbox of the pod: capture kept");
                         return Ok(Response::Unenrolled {
                             uid: uid.to_string(),
                         });
@@ -130,7 +142,7 @@ impl Node {
                 .instrument(span)
                 .await
                 .unwrap_or_else(|e: anyhow::Error| Response::Error {
-                    message: format!("{e:#}"),
+                    message: crate::one_line(&e),
                 })
             }
             Request::CniCheck { pod } => match cni_uid(&pod).map(|u| (self.cookie_of(&u), u)) {
@@ -148,9 +160,24 @@ impl Node {
                     message: format!("pod {}/{} ({uid}) is not enrolled", pod.namespace, pod.name),
                 },
                 Err(e) => Response::Error {
-                    message: format!("{e:#}"),
+                    message: crate::one_line(&e),
                 },
             },
+        }
+    }
+
+    /// Whether a DEL (with the runtime's netns path, maybe empty) is about the
+    /// sandbox we captured: its netns is ours, or ours is gone as well.
+    fn del_names_enrolled_sandbox(&self, cookie: u64, netns: &std::path::Path) -> bool {
+        let named = crate::netns::Netns::open(netns)
+            .ok()
+            .and_then(|n| n.cookie().ok());
+        match named {
+            Some(c) => c == cookie,
+            None => {
+                let dp = self.dp.lock().unwrap();
+                enroll::open_pod_netns(&dp.maps, cookie).is_err()
+            }
         }
     }
 

@@ -65,6 +65,7 @@ pub fn run(env: &Env, stdin: &[u8], call: &Call<'_>) -> Result<Option<String>, C
             let Some(pod) = pod else { return Ok(None) };
             let req = Request::CniDel {
                 container_id: env.container_id.clone(),
+                netns: env.netns.clone().into(),
                 pod: pod.clone(),
             };
             match call(&socket, &req) {

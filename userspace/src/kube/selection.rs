@@ -1,0 +1,214 @@
+//! Istio ambient's pod selection, exactly: a pod is in the mesh when the pod or
+//! its namespace is labelled `istio.io/dataplane-mode=ambient`, unless the pod
+//! says `istio.io/dataplane-mode=none`; host-network pods and pods with an
+//! Istio sidecar never are. Only pods on this node are ours.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::Pod;
+
+pub const DATAPLANE_MODE: &str = "istio.io/dataplane-mode";
+pub const AMBIENT: &str = "ambient";
+pub const NONE: &str = "none";
+/// Set by Istio's sidecar injector on injected pods.
+pub const SIDECAR_STATUS: &str = "sidecar.istio.io/status";
+pub const SIDECAR_CONTAINER: &str = "istio-proxy";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Enroll,
+    Skip(Skip),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Skip {
+    OtherNode,
+    HostNetwork,
+    Sidecar,
+    /// Succeeded or Failed: its sandbox is gone or going.
+    Terminated,
+    /// `istio.io/dataplane-mode=none` on the pod.
+    OptedOut,
+    /// Neither the pod nor its namespace asks for ambient.
+    NotAmbient,
+}
+
+impl Skip {
+    pub fn reason(self) -> &'static str {
+        match self {
+            Skip::OtherNode => "pod is scheduled on another node",
+            Skip::HostNetwork => "pod uses the host network",
+            Skip::Sidecar => "pod has an Istio sidecar",
+            Skip::Terminated => "pod has terminated",
+            Skip::OptedOut => "pod is labelled istio.io/dataplane-mode=none",
+            Skip::NotAmbient => {
+                "neither the pod nor its namespace is labelled istio.io/dataplane-mode=ambient"
+            }
+        }
+    }
+}
+
+pub fn select(
+    pod: &Pod,
+    namespace_labels: Option<&BTreeMap<String, String>>,
+    node: &str,
+) -> Verdict {
+    let spec = pod.spec.as_ref();
+    if spec
+        .and_then(|s| s.node_name.as_deref())
+        .is_some_and(|n| n != node)
+    {
+        return Verdict::Skip(Skip::OtherNode);
+    }
+    if spec.and_then(|s| s.host_network).unwrap_or(false) {
+        return Verdict::Skip(Skip::HostNetwork);
+    }
+    let has_sidecar_annotation = pod
+        .metadata
+        .annotations
+        .as_ref()
+        .is_some_and(|a| a.contains_key(SIDECAR_STATUS));
+    let has_proxy_container = spec.is_some_and(|s| {
+        s.containers
+            .iter()
+            .chain(s.init_containers.iter().flatten())
+            .any(|c| c.name == SIDECAR_CONTAINER)
+    });
+    if has_sidecar_annotation || has_proxy_container {
+        return Verdict::Skip(Skip::Sidecar);
+    }
+    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    if matches!(phase, Some("Succeeded" | "Failed")) {
+        return Verdict::Skip(Skip::Terminated);
+    }
+    fn label(labels: Option<&BTreeMap<String, String>>) -> Option<&str> {
+        labels
+            .and_then(|l| l.get(DATAPLANE_MODE))
+            .map(String::as_str)
+    }
+    match label(pod.metadata.labels.as_ref()) {
+        Some(NONE) => Verdict::Skip(Skip::OptedOut),
+        Some(AMBIENT) => Verdict::Enroll,
+        _ if label(namespace_labels) == Some(AMBIENT) => Verdict::Enroll,
+        _ => Verdict::Skip(Skip::NotAmbient),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn pod(v: serde_json::Value) -> Pod {
+        let mut base = json!({
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u"},
+            "spec": {"nodeName": "node-a", "containers": [{"name": "app"}]},
+            "status": {"phase": "Running"},
+        });
+        merge(&mut base, v);
+        serde_json::from_value(base).unwrap()
+    }
+
+    fn merge(a: &mut serde_json::Value, b: serde_json::Value) {
+        match (a, b) {
+            (serde_json::Value::Object(a), serde_json::Value::Object(b)) => {
+                for (k, v) in b {
+                    merge(a.entry(k).or_insert(serde_json::Value::Null), v);
+                }
+            }
+            (a, b) => *a = b,
+        }
+    }
+
+    fn ns(mode: Option<&str>) -> BTreeMap<String, String> {
+        mode.map(|m| [(DATAPLANE_MODE.to_string(), m.to_string())].into())
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn selection_table() {
+        use Skip::*;
+        let ambient = json!({"metadata": {"labels": {DATAPLANE_MODE: AMBIENT}}});
+        let none = json!({"metadata": {"labels": {DATAPLANE_MODE: NONE}}});
+        let rows: Vec<(&str, serde_json::Value, Option<&str>, Verdict)> = vec![
+            (
+                "namespace ambient",
+                json!({}),
+                Some(AMBIENT),
+                Verdict::Enroll,
+            ),
+            (
+                "pod ambient, namespace unlabelled",
+                ambient.clone(),
+                None,
+                Verdict::Enroll,
+            ),
+            (
+                "pod ambient, namespace none",
+                ambient.clone(),
+                Some(NONE),
+                Verdict::Enroll,
+            ),
+            (
+                "pod none in an ambient namespace",
+                none.clone(),
+                Some(AMBIENT),
+                Verdict::Skip(OptedOut),
+            ),
+            (
+                "nothing labelled",
+                json!({}),
+                None,
+                Verdict::Skip(NotAmbient),
+            ),
+            (
+                "other label value",
+                json!({"metadata": {"labels": {DATAPLANE_MODE: "sidecar"}}}),
+                None,
+                Verdict::Skip(NotAmbient),
+            ),
+            (
+                "host network",
+                json!({"spec": {"hostNetwork": true}}),
+                Some(AMBIENT),
+                Verdict::Skip(HostNetwork),
+            ),
+            (
+                "sidecar annotation",
+                json!({"metadata": {"annotations": {SIDECAR_STATUS: "{}"}}}),
+                Some(AMBIENT),
+                Verdict::Skip(Sidecar),
+            ),
+            (
+                "istio-proxy container",
+                json!({"spec": {"containers": [{"name": "app"}, {"name": SIDECAR_CONTAINER}]}}),
+                Some(AMBIENT),
+                Verdict::Skip(Sidecar),
+            ),
+            (
+                "native sidecar (init container)",
+                json!({"spec": {"initContainers": [{"name": SIDECAR_CONTAINER}]}}),
+                Some(AMBIENT),
+                Verdict::Skip(Sidecar),
+            ),
+            (
+                "another node",
+                json!({"spec": {"nodeName": "node-b"}}),
+                Some(AMBIENT),
+                Verdict::Skip(OtherNode),
+            ),
+            (
+                "succeeded",
+                json!({"status": {"phase": "Succeeded"}}),
+                Some(AMBIENT),
+                Verdict::Skip(Terminated),
+            ),
+        ];
+        for (name, patch, ns_mode, want) in rows {
+            let p = pod(patch);
+            let labels = ns(ns_mode);
+            assert_eq!(select(&p, Some(&labels), "node-a"), want, "{name}");
+        }
+    }
+}
