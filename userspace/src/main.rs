@@ -83,6 +83,10 @@ enum Cmd {
         /// Keep sluice-cni installed in the node's primary CNI conflist.
         #[arg(long)]
         install_cni: bool,
+        /// This node's name: the agent then uses the Kubernetes API (in-cluster
+        /// config or KUBECONFIG) to admit CNI requests and annotate pods.
+        #[arg(long, env = "NODE_NAME")]
+        node_name: Option<String>,
         #[command(flatten)]
         cni: CniDirs,
     },
@@ -208,6 +212,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Agent {
             zds_socket,
             install_cni,
+            node_name,
             cni,
         } => {
             tracing_subscriber::fmt()
@@ -227,6 +232,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 zds_socket,
                 control_socket: cli.control_socket,
                 cni,
+                node_name,
             })?;
         }
         Cmd::Uninstall => {

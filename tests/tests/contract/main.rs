@@ -7,6 +7,7 @@ mod agent;
 mod cni;
 mod contract_rows;
 mod differential;
+mod kube;
 mod lifecycle;
 
 use libtest_mimic::{Arguments, Failed, Trial};
@@ -32,5 +33,6 @@ fn main() {
     trials.extend(lifecycle::trials());
     trials.extend(agent::trials());
     trials.extend(cni::trials());
+    trials.extend(kube::trials());
     libtest_mimic::run(&args, trials).exit();
 }

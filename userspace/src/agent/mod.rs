@@ -3,6 +3,7 @@
 //! in memory). On SIGTERM it stops serving and leaves capture in place.
 
 pub mod control;
+pub mod kube;
 pub mod node;
 
 use std::{path::PathBuf, sync::Arc};
@@ -27,6 +28,9 @@ pub struct Config {
     pub control_socket: PathBuf,
     /// Keep `sluice-cni` in the node's CNI config (DaemonSet mode).
     pub cni: Option<CniInstall>,
+    /// The node this agent runs on, when it runs in a cluster: CNI requests
+    /// are then admitted against the API and pods annotated.
+    pub node_name: Option<String>,
 }
 
 pub fn run(cfg: Config) -> anyhow::Result<()> {
@@ -41,7 +45,16 @@ pub fn run(cfg: Config) -> anyhow::Result<()> {
 async fn serve(cfg: Config) -> anyhow::Result<()> {
     let dp = Dataplane::load_or_adopt(cfg.pins.clone()).context("loading the dataplane")?;
     let hub = Arc::new(Hub::default());
-    let node = node::Node::new(dp, hub.clone());
+    let kube = match &cfg.node_name {
+        Some(node) => Some(kube::KubeCtx {
+            client: ::kube::Client::try_default()
+                .await
+                .context("connecting to the Kubernetes API (in-cluster config or KUBECONFIG)")?,
+            node: node.clone(),
+        }),
+        None => None,
+    };
+    let node = node::Node::new(dp, hub.clone(), kube);
     let zds = server::bind(&cfg.zds_socket)
         .with_context(|| format!("binding the ZDS socket {}", cfg.zds_socket.display()))?;
     let control = control::bind(&cfg.control_socket).with_context(|| {

@@ -17,7 +17,10 @@ use sluice_common::{PodState, Role};
 use tokio::sync::{watch, Notify};
 use tracing::{info, info_span, warn, Instrument as _};
 
-use super::control::{Request, Response};
+use super::{
+    control::{Request, Response},
+    kube::{Admission, KubeCtx},
+};
 use crate::{
     enroll::{self, EnrollError},
     loader::Dataplane,
@@ -46,6 +49,8 @@ struct Retry {
 
 pub struct Node {
     me: Weak<Node>,
+    /// Present when the agent runs in a cluster.
+    kube: Option<KubeCtx>,
     dp: Mutex<Dataplane>,
     hub: Arc<Hub>,
     retries: Mutex<HashMap<String, Retry>>,
@@ -53,9 +58,10 @@ pub struct Node {
 }
 
 impl Node {
-    pub fn new(dp: Dataplane, hub: Arc<Hub>) -> Arc<Self> {
+    pub fn new(dp: Dataplane, hub: Arc<Hub>, kube: Option<KubeCtx>) -> Arc<Self> {
         Arc::new_cyclic(|me| Self {
             me: me.clone(),
+            kube,
             dp: Mutex::new(dp),
             hub,
             retries: Mutex::new(HashMap::new()),
@@ -126,6 +132,13 @@ impl Node {
                             uid: uid.to_string(),
                         });
                     };
+                    if let Some(k) = &self.kube {
+                        let alive = {
+                            let dp = self.dp.lock().unwrap();
+                            enroll::open_pod_netns(&dp.maps, cookie).is_ok()
+                        };
+                        k.admit_del(&pod, alive).await?;
+                    }
                     if !self.del_names_enrolled_sandbox(cookie, &netns) {
                         // A DEL for an older sandbox of this pod (the runtime
                         // made a new one, which ADD already captured): not ours.
@@ -193,7 +206,20 @@ impl Node {
         netns: PathBuf,
         pod: &crate::cni::spec::PodRef,
     ) -> anyhow::Result<Response> {
-        let uid = cni_uid(pod)?;
+        let (uid, workload) = match &self.kube {
+            // Without a Kubernetes API to ask, the service account is unknown.
+            None => (
+                cni_uid(pod)?,
+                Workload::new(&pod.name, &pod.namespace, "default")?,
+            ),
+            Some(k) => match k.admit_add(pod).await? {
+                Admission::Skip(reason) => {
+                    info!(%reason, "not capturing");
+                    return Ok(Response::Skipped { reason });
+                }
+                Admission::Enroll { uid, workload } => (uid, workload),
+            },
+        };
         if let Some(cookie) = self.cookie_of(&uid) {
             let same = crate::netns::Netns::open(&netns)?.cookie()? == cookie;
             if same {
@@ -211,8 +237,6 @@ impl Node {
             info!(%uid, "new sandbox for an enrolled pod: replacing its capture");
             self.unenroll(uid.as_str()).await?;
         }
-        // Without a Kubernetes API to ask, the service account is unknown.
-        let workload = Workload::new(&pod.name, &pod.namespace, "default")?;
         self.enroll(netns, uid.as_str(), workload).await
     }
 
@@ -247,6 +271,7 @@ impl Node {
             Some(conn) => self.add(&conn, cookie, uid.as_str(), &workload).await.err(),
         };
         let state = self.state_of(cookie);
+        self.announce(cookie, state);
         Ok(Response::Enrolled {
             uid: uid.to_string(),
             cookie,
@@ -268,6 +293,10 @@ impl Node {
                 .ok_or_else(|| EnrollError::UnknownPod(uid.clone()))?;
         }
         self.retries.lock().unwrap().remove(uid.as_str());
+        let identity = {
+            let dp = self.dp.lock().unwrap();
+            dp.maps.find_uid(&uid).and_then(|c| dp.maps.meta(c))
+        };
         // Every live ztunnel (two during an upgrade) lets go of the pod.
         for conn in self.hub.all() {
             match conn.request(WorkloadRequest::del(uid.as_str()), None).await {
@@ -283,8 +312,20 @@ impl Node {
             enroll::unenroll(&dp.pins, &mut dp.maps, &uid)
         })
         .await??;
+        if let (Some(k), Some(id)) = (&self.kube, identity) {
+            k.announce(&id.workload.namespace, &id.workload.name, None);
+        }
         info!("unenrolled");
         Ok(())
+    }
+
+    /// Tells Kubernetes (the pod annotation) about a pod's state, if in a cluster.
+    fn announce(&self, cookie: u64, state: Option<PodState>) {
+        let Some(k) = &self.kube else { return };
+        let meta = self.dp.lock().unwrap().maps.meta(cookie);
+        if let Some(m) = meta {
+            k.announce(&m.workload.namespace, &m.workload.name, state);
+        }
     }
 
     fn state_of(&self, cookie: u64) -> Option<PodState> {
@@ -327,6 +368,7 @@ impl Node {
             Ok(Answer::Ack) => match self.register(uid, cookie, pid).await {
                 Ok(()) => {
                     self.retries.lock().unwrap().remove(uid);
+                    self.announce(cookie, Some(PodState::Enabled));
                     return Ok(());
                 }
                 Err(e) => e,
@@ -451,6 +493,9 @@ impl Node {
                     let _ = dp
                         .maps
                         .set_state(p.netns_cookie, PodState::Pending, boottime_ns());
+                    if let (Some(k), Some(w)) = (&self.kube, &p.workload) {
+                        k.announce(&w.namespace, &w.name, Some(PodState::Pending));
+                    }
                     retries.insert(
                         p.uid.clone(),
                         Retry {

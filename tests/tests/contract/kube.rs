@@ -1,0 +1,143 @@
+//! The agent in cluster mode, in-process, against kube-rs' mock service: CNI
+//! requests admitted by the API's view of the pod, annotations written.
+
+use std::sync::{Arc, Mutex};
+
+use anyhow::ensure;
+use http::{Method, Request, Response};
+use kube::client::Body;
+use libtest_mimic::Trial;
+use serde_json::{json, Value};
+use sluice::{
+    agent::{control, kube::KubeCtx, node::Node},
+    cni::spec::PodRef,
+    zds::server::Hub,
+};
+use sluice_tests::harness::Fixture;
+
+use crate::{trial, TestResult};
+
+pub fn trials() -> Vec<Trial> {
+    vec![trial(
+        "kube::cni_requests_are_admitted_against_the_api",
+        admitted,
+    )]
+}
+
+/// A tiny API server: answers pod and namespace GETs from fixed objects and
+/// records every status patch body.
+fn api(deleting: Arc<Mutex<bool>>, patches: Arc<Mutex<Vec<(String, Value)>>>) -> kube::Client {
+    let (svc, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    tokio::spawn(async move {
+        while let Some((req, send)) = handle.next_request().await {
+            let (method, path) = (req.method().clone(), req.uri().path().to_owned());
+            let body = req.into_body().collect_bytes().await.unwrap_or_default();
+            let pod = |name: &str, ns: &str, labels: Value| {
+                let mut p = json!({"apiVersion": "v1", "kind": "Pod",
+                    "metadata": {"name": name, "namespace": ns, "uid": format!("u-{name}"), "labels": labels},
+                    "spec": {"nodeName": "node-a", "serviceAccountName": format!("{name}-sa"), "containers": [{"name": "app"}]},
+                    "status": {"phase": "Running"}});
+                if *deleting.lock().unwrap() {
+                    p["metadata"]["deletionTimestamp"] = json!("2026-11-22T00:00:00Z");
+                }
+                p
+            };
+            let reply = match (method, path.as_str()) {
+                (Method::GET, "/api/v1/namespaces/shop/pods/cart") => {
+                    pod("cart", "shop", json!({}))
+                }
+                (Method::GET, "/api/v1/namespaces/other/pods/plain") => {
+                    pod("plain", "other", json!({}))
+                }
+                (Method::GET, "/api/v1/namespaces/shop") => {
+                    json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "shop", "labels": {"istio.io/dataplane-mode": "ambient"}}})
+                }
+                (Method::GET, "/api/v1/namespaces/other") => {
+                    json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "other"}})
+                }
+                (Method::PATCH, p) if p.ends_with("/status") => {
+                    patches
+                        .lock()
+                        .unwrap()
+                        .push((p.to_owned(), serde_json::from_slice(&body).unwrap()));
+                    pod("cart", "shop", json!({}))
+                }
+                (m, p) => panic!("unexpected request {m} {p}"),
+            };
+            send.send_response(
+                Response::builder()
+                    .body(Body::from(serde_json::to_vec(&reply).unwrap()))
+                    .unwrap(),
+            );
+        }
+    });
+    kube::Client::new(svc, "default")
+}
+
+fn admitted() -> TestResult {
+    let f = Fixture::new("kube", None)?;
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async {
+        let deleting = Arc::new(Mutex::new(false));
+        let patches = Arc::new(Mutex::new(Vec::new()));
+        let client = api(deleting.clone(), patches.clone());
+        let node = Node::new(
+            f.dataplane()?,
+            Arc::new(Hub::default()),
+            Some(KubeCtx { client, node: "node-a".into() }),
+        );
+        let cart = PodRef { name: "cart".into(), namespace: "shop".into(), uid: Some("u-cart".into()) };
+        let netns = f.topo.pod_netns_path();
+
+        // Ambient namespace: enrolled (Pending: no ztunnel), with the pod's
+        // real uid and service account, and annotated `pending`.
+        let r = node
+            .handle(control::Request::CniAdd { container_id: "c1".into(), netns: netns.clone(), pod: cart.clone(), ips: vec![] })
+            .await;
+        ensure!(matches!(&r, control::Response::Enrolled { uid, state, .. } if uid == "u-cart" && state == "Pending"), "{r:?}");
+        let pods = sluice::status::read(&f.topo.pins)?;
+        let rec = pods.first().ok_or_else(|| anyhow::anyhow!("no pod enrolled"))?;
+        ensure!(rec.workload.as_ref().is_some_and(|w| w.service_account == "cart-sa"), "{rec:?}");
+        wait_patch(&patches, 1).await?;
+        ensure!(
+            patches.lock().unwrap()[0] == ("/api/v1/namespaces/shop/pods/cart/status".into(), json!({"metadata": {"annotations": {"ambient.istio.io/redirection": "pending"}}})),
+            "{:?}",
+            patches.lock().unwrap()
+        );
+
+        // Not ambient: passed through, nothing enrolled.
+        let plain = PodRef { name: "plain".into(), namespace: "other".into(), uid: Some("u-plain".into()) };
+        let r = node
+            .handle(control::Request::CniAdd { container_id: "c2".into(), netns: netns.clone(), pod: plain, ips: vec![] })
+            .await;
+        ensure!(matches!(&r, control::Response::Skipped { reason } if reason.contains("neither the pod nor its namespace")), "{r:?}");
+
+        // A forged DEL for the running pod (its sandbox alive) is refused.
+        let del = control::Request::CniDel { container_id: "c1".into(), netns: netns.clone(), pod: cart.clone() };
+        let r = node.handle(del.clone()).await;
+        ensure!(matches!(&r, control::Response::Error { message } if message.contains("refusing DEL")), "{r:?}");
+        ensure!(sluice::status::read(&f.topo.pins)?.len() == 1, "forged DEL removed capture");
+
+        // The pod is being deleted: DEL goes through and the annotation goes.
+        *deleting.lock().unwrap() = true;
+        let r = node.handle(del).await;
+        ensure!(matches!(&r, control::Response::Unenrolled { .. }), "{r:?}");
+        ensure!(sluice::status::read(&f.topo.pins)?.is_empty());
+        wait_patch(&patches, 2).await?;
+        ensure!(patches.lock().unwrap()[1].1 == json!({"metadata": {"annotations": {"ambient.istio.io/redirection": null}}}));
+        Ok(())
+    })
+}
+
+async fn wait_patch(patches: &Arc<Mutex<Vec<(String, Value)>>>, n: usize) -> TestResult {
+    for _ in 0..100 {
+        if patches.lock().unwrap().len() >= n {
+            return Ok(());
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    anyhow::bail!(
+        "expected {n} status patches, got {:?}",
+        patches.lock().unwrap()
+    )
+}

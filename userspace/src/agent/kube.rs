@@ -1,0 +1,94 @@
+//! The agent's Kubernetes side, when it runs on a node (`--node-name`): CNI
+//! requests are admitted against the API (selection, forged-DEL check) and the
+//! pods' `ambient.istio.io/redirection` annotation follows their state.
+
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::Api;
+use sluice_common::PodState;
+use tracing::warn;
+
+use crate::{
+    cni::spec::PodRef,
+    kube::{
+        annotate,
+        selection::{self, Verdict},
+        verify::{self, Found},
+    },
+    uid::PodUid,
+    workload::Workload,
+};
+
+#[derive(Clone)]
+pub struct KubeCtx {
+    pub client: kube::Client,
+    pub node: String,
+}
+
+/// What to do with a pod a CNI ADD names.
+pub enum Admission {
+    Enroll { uid: PodUid, workload: Workload },
+    Skip(String),
+}
+
+impl KubeCtx {
+    /// CNI ADD: the pod must exist on this node; it is enrolled when Istio's
+    /// selection says ambient, with its real service account.
+    pub async fn admit_add(&self, pod: &PodRef) -> anyhow::Result<Admission> {
+        let found = verify::fetch(self.client.clone(), &pod.namespace, &pod.name)
+            .await?
+            .ok_or_else(|| {
+                anyhow::anyhow!("pod {}/{} is not in the API (yet)", pod.namespace, pod.name)
+            })?;
+        match verify::classify(Some(&found), pod.uid.as_deref(), &self.node) {
+            Found::Live => {}
+            Found::OtherNode(n) => anyhow::bail!(
+                "pod {}/{} is scheduled on {n}, not {}",
+                pod.namespace,
+                pod.name,
+                self.node
+            ),
+            other => return Ok(Admission::Skip(format!("pod is {other:?}"))),
+        }
+        let ns = Api::<Namespace>::all(self.client.clone())
+            .get(&pod.namespace)
+            .await?;
+        match selection::select(&found, ns.metadata.labels.as_ref(), &self.node) {
+            Verdict::Skip(s) => Ok(Admission::Skip(s.reason().into())),
+            Verdict::Enroll => {
+                let uid = found
+                    .metadata
+                    .uid
+                    .as_deref()
+                    .ok_or_else(|| anyhow::anyhow!("pod has no uid"))?;
+                let sa = found
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.service_account_name.clone())
+                    .unwrap_or_else(|| "default".into());
+                Ok(Admission::Enroll {
+                    uid: PodUid::new(uid)?,
+                    workload: Workload::new(&pod.name, &pod.namespace, &sa)?,
+                })
+            }
+        }
+    }
+
+    /// CNI DEL: refused for a running pod whose captured sandbox is alive.
+    pub async fn admit_del(&self, pod: &PodRef, sandbox_alive: bool) -> anyhow::Result<()> {
+        let found = verify::fetch(self.client.clone(), &pod.namespace, &pod.name).await?;
+        let what = verify::classify(found.as_ref(), pod.uid.as_deref(), &self.node);
+        verify::del_allowed(&what, sandbox_alive)
+            .map_err(|e| anyhow::anyhow!("pod {}/{}: {e}", pod.namespace, pod.name))
+    }
+
+    /// Sets the pod's redirection annotation for `state` (None removes it),
+    /// in the background: failures are logged, the next change retries.
+    pub fn announce(&self, namespace: &str, name: &str, state: Option<PodState>) {
+        let (client, ns, name) = (self.client.clone(), namespace.to_owned(), name.to_owned());
+        tokio::spawn(async move {
+            if let Err(e) = annotate::write(client, &ns, &name, state).await {
+                warn!(pod = %format!("{ns}/{name}"), error = %e, "could not update the redirection annotation");
+            }
+        });
+    }
+}
