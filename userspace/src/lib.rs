@@ -11,6 +11,7 @@ pub mod enroll;
 pub mod kube;
 pub mod loader;
 pub mod netns;
+pub mod podns;
 pub mod routes;
 pub mod sockets;
 pub mod state;

@@ -18,10 +18,13 @@ use sluice_tests::harness::Fixture;
 use crate::{trial, TestResult};
 
 pub fn trials() -> Vec<Trial> {
-    vec![trial(
-        "kube::cni_requests_are_admitted_against_the_api",
-        admitted,
-    )]
+    vec![
+        trial("kube::cni_requests_are_admitted_against_the_api", admitted),
+        trial(
+            "kube::existing_pod_netns_found_by_cgroup",
+            existing_pod_netns_found_by_cgroup,
+        ),
+    ]
 }
 
 /// A tiny API server: answers pod and namespace GETs from fixed objects and
@@ -140,4 +143,57 @@ async fn wait_patch(patches: &Arc<Mutex<Vec<(String, Value)>>>, n: usize) -> Tes
         "expected {n} status patches, got {:?}",
         patches.lock().unwrap()
     )
+}
+
+/// The cgroup v2 mount (hybrid hosts have it at /sys/fs/cgroup/unified).
+fn cgroup2_mount() -> Option<std::path::PathBuf> {
+    std::fs::read_to_string("/proc/mounts")
+        .ok()?
+        .lines()
+        .find(|l| l.split_whitespace().nth(2) == Some("cgroup2"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .map(std::path::PathBuf::from)
+}
+
+fn existing_pod_netns_found_by_cgroup() -> TestResult {
+    use std::os::{fd::AsRawFd, unix::process::CommandExt};
+    let f = Fixture::new("podns", None)?;
+    let root = cgroup2_mount().ok_or_else(|| anyhow::anyhow!("no cgroup2 mount on this host"))?;
+    let uid = format!(
+        "7e57{:04x}-0000-4000-8000-000000000001",
+        std::process::id() & 0xffff
+    );
+    let base = root.join(format!("sluice-test-{}", std::process::id()));
+    let pod_cg = base.join(format!("kubepods-pod{}.slice", uid.replace('-', "_")));
+    std::fs::create_dir_all(&pod_cg)?;
+    // A container process of the pod: in its cgroup and its netns.
+    let ns = std::fs::File::open(f.topo.pod_netns_path())?;
+    let fd = ns.as_raw_fd();
+    let mut cmd = std::process::Command::new("sleep");
+    cmd.arg("30");
+    // SAFETY: setns is async-signal-safe; the fd outlives spawn.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn()?;
+    let result = (|| -> TestResult {
+        std::fs::write(pod_cg.join("cgroup.procs"), child.id().to_string())?;
+        let found = sluice::podns::find(&uid);
+        ensure!(
+            found.as_deref() == Some(f.topo.pod_netns_path().as_path()),
+            "found {found:?}"
+        );
+        ensure!(sluice::podns::find("00000000-0000-4000-8000-00000000dead").is_none());
+        Ok(())
+    })();
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = std::fs::remove_dir(&pod_cg);
+    let _ = std::fs::remove_dir(&base);
+    result
 }

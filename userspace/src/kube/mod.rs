@@ -4,5 +4,6 @@
 //! Decisions are pure functions over API objects; the writers are thin.
 
 pub mod annotate;
+pub mod reconcile;
 pub mod selection;
 pub mod verify;
