@@ -24,6 +24,10 @@ pub fn trials() -> Vec<Trial> {
             "kube::existing_pod_netns_found_by_cgroup",
             existing_pod_netns_found_by_cgroup,
         ),
+        trial(
+            "kube::relist_captures_running_ambient_pods_and_releases_gone_ones",
+            relist,
+        ),
     ]
 }
 
@@ -155,45 +159,132 @@ fn cgroup2_mount() -> Option<std::path::PathBuf> {
         .map(std::path::PathBuf::from)
 }
 
+/// A container process of a pod: `sleep` in the pod's netns and in a cgroup
+/// named the way the kubelet names pod cgroups. Removed on drop.
+struct PodProcess {
+    child: std::process::Child,
+    cgroups: [std::path::PathBuf; 2],
+}
+
+impl PodProcess {
+    fn spawn(netns: &std::path::Path, uid: &str) -> anyhow::Result<Self> {
+        use std::os::{fd::AsRawFd, unix::process::CommandExt};
+        let root =
+            cgroup2_mount().ok_or_else(|| anyhow::anyhow!("no cgroup2 mount on this host"))?;
+        let base = root.join(format!("sluice-test-{}-{uid}", std::process::id()));
+        let pod_cg = base.join(format!("kubepods-pod{}.slice", uid.replace('-', "_")));
+        std::fs::create_dir_all(&pod_cg)?;
+        let ns = std::fs::File::open(netns)?;
+        let fd = ns.as_raw_fd();
+        let mut cmd = std::process::Command::new("sleep");
+        cmd.arg("60");
+        // SAFETY: setns is async-signal-safe; the fd outlives spawn.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = cmd.spawn()?;
+        let p = Self {
+            child,
+            cgroups: [pod_cg.clone(), base],
+        };
+        std::fs::write(pod_cg.join("cgroup.procs"), p.child.id().to_string())?;
+        Ok(p)
+    }
+}
+
+impl Drop for PodProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        for c in &self.cgroups {
+            let _ = std::fs::remove_dir(c);
+        }
+    }
+}
+
 fn existing_pod_netns_found_by_cgroup() -> TestResult {
-    use std::os::{fd::AsRawFd, unix::process::CommandExt};
     let f = Fixture::new("podns", None)?;
-    let root = cgroup2_mount().ok_or_else(|| anyhow::anyhow!("no cgroup2 mount on this host"))?;
     let uid = format!(
         "7e57{:04x}-0000-4000-8000-000000000001",
         std::process::id() & 0xffff
     );
-    let base = root.join(format!("sluice-test-{}", std::process::id()));
-    let pod_cg = base.join(format!("kubepods-pod{}.slice", uid.replace('-', "_")));
-    std::fs::create_dir_all(&pod_cg)?;
-    // A container process of the pod: in its cgroup and its netns.
-    let ns = std::fs::File::open(f.topo.pod_netns_path())?;
-    let fd = ns.as_raw_fd();
-    let mut cmd = std::process::Command::new("sleep");
-    cmd.arg("30");
-    // SAFETY: setns is async-signal-safe; the fd outlives spawn.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
+    let _p = PodProcess::spawn(&f.topo.pod_netns_path(), &uid)?;
+    let found = sluice::podns::find(&uid);
+    ensure!(
+        found.as_deref() == Some(f.topo.pod_netns_path().as_path()),
+        "found {found:?}"
+    );
+    ensure!(sluice::podns::find("00000000-0000-4000-8000-00000000dead").is_none());
+    Ok(())
+}
+
+fn relist() -> TestResult {
+    let f = Fixture::new("relist", None)?;
+    let stale = Fixture::in_subnet("stale", None, 1)?;
+    let uid = format!(
+        "7e57{:04x}-0000-4000-8000-000000000002",
+        std::process::id() & 0xffff
+    );
+    let _p = PodProcess::spawn(&f.topo.pod_netns_path(), &uid)?;
+    // A pod captured earlier that the API no longer has.
+    {
+        let mut dp = f.dataplane()?;
+        let w = sluice::workload::Workload::new("stale", "mesh", "default")?;
+        sluice::enroll::attach_pod(
+            &mut dp,
+            &stale.topo.pod_netns_path(),
+            &sluice::uid::PodUid::new("stale-uid")?,
+            &w,
+        )?;
     }
-    let mut child = cmd.spawn()?;
-    let result = (|| -> TestResult {
-        std::fs::write(pod_cg.join("cgroup.procs"), child.id().to_string())?;
-        let found = sluice::podns::find(&uid);
-        ensure!(
-            found.as_deref() == Some(f.topo.pod_netns_path().as_path()),
-            "found {found:?}"
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async {
+        let (svc, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let patches = Arc::new(Mutex::new(Vec::new()));
+        let (p2, u2) = (patches.clone(), uid.clone());
+        tokio::spawn(async move {
+            while let Some((req, send)) = handle.next_request().await {
+                let (method, path, query) = (req.method().clone(), req.uri().path().to_owned(), req.uri().query().unwrap_or("").to_owned());
+                let body = req.into_body().collect_bytes().await.unwrap_or_default();
+                let reply = match (method, path.as_str()) {
+                    (Method::GET, "/api/v1/pods") => {
+                        assert!(query.contains("fieldSelector=spec.nodeName%3Dnode-a"), "{query}");
+                        json!({"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": [{
+                            "metadata": {"name": "web", "namespace": "mesh", "uid": u2},
+                            "spec": {"nodeName": "node-a", "serviceAccountName": "web-sa", "containers": [{"name": "app"}]},
+                            "status": {"phase": "Running"}}]})
+                    }
+                    (Method::GET, "/api/v1/namespaces") => json!({"apiVersion": "v1", "kind": "NamespaceList", "metadata": {}, "items": [
+                        {"metadata": {"name": "mesh", "labels": {"istio.io/dataplane-mode": "ambient"}}}]}),
+                    (Method::PATCH, p) if p.ends_with("/status") => {
+                        p2.lock().unwrap().push((p.to_owned(), serde_json::from_slice::<Value>(&body).unwrap()));
+                        json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"}})
+                    }
+                    (m, p) => panic!("unexpected request {m} {p}"),
+                };
+                send.send_response(Response::builder().body(Body::from(serde_json::to_vec(&reply).unwrap())).unwrap());
+            }
+        });
+        let node = Node::new(
+            f.dataplane()?,
+            Arc::new(Hub::default()),
+            Some(KubeCtx { client: kube::Client::new(svc, "default"), node: "node-a".into() }),
         );
-        ensure!(sluice::podns::find("00000000-0000-4000-8000-00000000dead").is_none());
+        node.reconcile_once(std::time::Duration::ZERO).await?;
+        let pods = sluice::status::read(&f.topo.pins)?;
+        ensure!(pods.len() == 1 && pods[0].uid == uid, "{pods:?}");
+        ensure!(pods[0].netns == f.topo.pod_netns_path().to_str().unwrap());
+        ensure!(pods[0].workload.as_ref().is_some_and(|w| w.service_account == "web-sa"));
+        wait_patch(&patches, 1).await?;
+        ensure!(patches.lock().unwrap()[0].0 == "/api/v1/namespaces/mesh/pods/web/status");
+        // A second pass has nothing to do.
+        node.reconcile_once(std::time::Duration::ZERO).await?;
+        ensure!(sluice::status::read(&f.topo.pins)?.len() == 1);
         Ok(())
-    })();
-    let _ = child.kill();
-    let _ = child.wait();
-    let _ = std::fs::remove_dir(&pod_cg);
-    let _ = std::fs::remove_dir(&base);
-    result
+    })
 }

@@ -2,8 +2,10 @@
 //! requests are admitted against the API (selection, forged-DEL check) and the
 //! pods' `ambient.istio.io/redirection` annotation follows their state.
 
-use k8s_openapi::api::core::v1::Namespace;
-use kube::api::Api;
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use kube::api::{Api, ListParams};
 use sluice_common::PodState;
 use tracing::warn;
 
@@ -30,7 +32,27 @@ pub enum Admission {
     Skip(String),
 }
 
+/// Namespace labels by namespace name.
+pub type NamespaceLabels = BTreeMap<String, BTreeMap<String, String>>;
+
 impl KubeCtx {
+    /// The pods scheduled on this node and every namespace's labels.
+    pub async fn observe(&self) -> anyhow::Result<(Vec<Pod>, NamespaceLabels)> {
+        let on_node = ListParams::default().fields(&format!("spec.nodeName={}", self.node));
+        let pods = Api::<Pod>::all(self.client.clone())
+            .list(&on_node)
+            .await?
+            .items;
+        let namespaces = Api::<Namespace>::all(self.client.clone())
+            .list(&ListParams::default())
+            .await?
+            .items
+            .into_iter()
+            .filter_map(|n| Some((n.metadata.name?, n.metadata.labels.unwrap_or_default())))
+            .collect();
+        Ok((pods, namespaces))
+    }
+
     /// CNI ADD: the pod must exist on this node; it is enrolled when Istio's
     /// selection says ambient, with its real service account.
     pub async fn admit_add(&self, pod: &PodRef) -> anyhow::Result<Admission> {

@@ -79,6 +79,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         stop.clone(),
     ));
     let reconcile_task = tokio::spawn(node.clone().reconcile(stop.clone()));
+    let api_task = tokio::spawn(node.clone().reconcile_with_api(stop.clone()));
     // Removing the plugin is not part of stopping: pods must keep going
     // through it while the agent restarts (see `sluice uninstall-cni`).
     let cni_task = cfg
@@ -96,6 +97,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     let _ = zds_task.await;
     let _ = control_task.await;
     let _ = reconcile_task.await;
+    let _ = api_task.await;
     if let Some(t) = cni_task {
         let _ = t.await;
     }

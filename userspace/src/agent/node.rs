@@ -23,6 +23,7 @@ use super::{
 };
 use crate::{
     enroll::{self, EnrollError},
+    kube::reconcile::{plan, Action, Enrolled},
     loader::Dataplane,
     state::boottime_ns,
     uid::PodUid,
@@ -39,6 +40,10 @@ const CHECK_EVERY: Duration = Duration::from_millis(200);
 const LISTENER_WAIT: Duration = Duration::from_secs(2);
 const RETRY_MIN: Duration = Duration::from_millis(500);
 const RETRY_MAX: Duration = Duration::from_secs(30);
+/// How often the agent relists this node's pods from the API.
+const RESYNC: Duration = Duration::from_secs(10);
+/// Pods captured this recently are never released by a relist.
+const RECENT: Duration = Duration::from_secs(30);
 
 #[derive(Debug)]
 struct Retry {
@@ -531,6 +536,80 @@ fn cni_uid(pod: &crate::cni::spec::PodRef) -> anyhow::Result<PodUid> {
     match &pod.uid {
         Some(u) => Ok(PodUid::new(u)?),
         None => Ok(PodUid::new(&format!("{}.{}", pod.namespace, pod.name))?),
+    }
+}
+
+impl Node {
+    /// Keeps the enrolled pods equal to the ambient pods of this node (pods
+    /// that became ambient after they started, pods that existed before the
+    /// agent, pods gone while it was away), relisting every `RESYNC`.
+    pub async fn reconcile_with_api(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+        loop {
+            if let Err(e) = self.reconcile_once(RECENT).await {
+                warn!(error = %crate::one_line(&e), "reconciling with the API failed; will retry");
+            }
+            tokio::select! {
+                _ = stop.changed() => return,
+                _ = tokio::time::sleep(RESYNC) => {}
+            }
+        }
+    }
+
+    /// One pass: list, plan, apply. Pods enrolled less than `min_age` ago are
+    /// not removed (the API may not show a pod its CNI ADD just captured).
+    pub async fn reconcile_once(self: &Arc<Self>, min_age: Duration) -> anyhow::Result<()> {
+        let Some(k) = self.kube.clone() else {
+            return Ok(());
+        };
+        let (pods, namespaces) = k.observe().await?;
+        let now = boottime_ns();
+        let records = self.dp.lock().unwrap().maps.pods();
+        let enrolled: Vec<Enrolled> = records
+            .iter()
+            .map(|r| Enrolled { uid: r.uid.clone() })
+            .collect();
+        for action in plan(&pods, &namespaces, &k.node, &enrolled) {
+            match action {
+                Action::Enroll {
+                    uid,
+                    name,
+                    namespace,
+                    service_account,
+                } => {
+                    let span = info_span!("pod", %uid, pod = %format!("{namespace}/{name}"));
+                    async {
+                        let Some(netns) = crate::podns::find(&uid) else {
+                            warn!("ambient pod without capture, but none of its processes runs here yet");
+                            return;
+                        };
+                        info!(netns = %netns.display(), "capturing a running ambient pod");
+                        let w = match Workload::new(&name, &namespace, &service_account) {
+                            Ok(w) => w,
+                            Err(e) => return warn!(error = %e, "bad workload identity"),
+                        };
+                        if let Err(e) = self.enroll(netns, &uid, w).await {
+                            warn!(error = %crate::one_line(&e), "enrolling failed; will retry");
+                        }
+                    }
+                    .instrument(span)
+                    .await
+                }
+                Action::Unenroll { uid, reason } => {
+                    let young = records.iter().any(|r| {
+                        r.uid == uid
+                            && now.saturating_sub(r.enrolled_at_ns) < min_age.as_nanos() as u64
+                    });
+                    if young {
+                        continue;
+                    }
+                    info!(%uid, %reason, "releasing pod");
+                    if let Err(e) = self.unenroll(&uid).await {
+                        warn!(%uid, error = %crate::one_line(&e), "unenrolling failed; will retry");
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 }
 
