@@ -182,6 +182,15 @@ impl PeerProc {
         self.events.lock().unwrap().clone()
     }
 
+    /// Whether ztunnel's listeners accepted connections in every given role.
+    pub fn accepted_roles(&self, roles: &[&str]) -> bool {
+        let ev = self.events();
+        roles.iter().all(|r| {
+            ev.iter()
+                .any(|e| e["event"] == "accepted" && e["role"] == *r)
+        })
+    }
+
     pub fn count(&self, event: &str) -> usize {
         self.events().iter().filter(|e| e["event"] == event).count()
     }

@@ -173,14 +173,8 @@ fn happy_path() -> TestResult {
         out_conn.reply().is_some_and(|l| l.starts_with("app:9090")),
         "{out_conn:?}"
     );
-    ensure!(peer.wait_for(Duration::from_secs(2), |e| {
-        let roles: Vec<_> = e
-            .iter()
-            .filter(|e| e["event"] == "accepted")
-            .map(|e| e["role"].clone())
-            .collect();
-        roles.contains(&"inbound".into()) && roles.contains(&"outbound".into())
-    }));
+    ensure!(peer.wait_for(Duration::from_secs(2), |_| peer
+        .accepted_roles(&["inbound", "outbound"])));
     let status = agent.sluice(&["status"])?;
     ensure!(status.stdout.contains("Enabled"), "{}", status.stdout);
     Ok(())
@@ -275,14 +269,7 @@ fn restart() -> TestResult {
     let f = Fixture::new("rs", None)?;
     let agent = AgentProc::start(&f.topo.pins)?;
     let mut p1 = peer(&agent)?;
-    let out = enroll(&agent, &f)?;
-    ensure!(
-        out.stdout.contains("Enabled"),
-        "{} {}\n{}",
-        out.stdout,
-        out.stderr,
-        agent.log()
-    );
+    enroll_enabled(&agent, &f)?;
     let stop = Arc::new(AtomicBool::new(false));
     let clients = client_loop(&f, stop.clone());
     std::thread::sleep(Duration::from_millis(300));
@@ -361,14 +348,7 @@ fn hijack() -> TestResult {
     let f = Fixture::new("hj", None)?;
     let agent = AgentProc::start(&f.topo.pins)?;
     let mut p = peer(&agent)?;
-    let out = enroll(&agent, &f)?;
-    ensure!(
-        out.stdout.contains("Enabled"),
-        "{} {}\n{}",
-        out.stdout,
-        out.stderr,
-        agent.log()
-    );
+    enroll_enabled(&agent, &f)?;
     p.kill();
     ensure!(wait_state(&f, "Pending", Duration::from_secs(2)));
     // An app in the pod binds ztunnel's inbound port (Istio #49078).

@@ -185,14 +185,8 @@ fn chain() -> TestResult {
         "outbound: {r:?}"
     );
     ensure!(
-        peer.wait_for(Duration::from_secs(2), |e| {
-            let roles: Vec<_> = e
-                .iter()
-                .filter(|e| e["event"] == "accepted")
-                .map(|e| e["role"].clone())
-                .collect();
-            roles.contains(&"inbound".into()) && roles.contains(&"outbound".into())
-        }),
+        peer.wait_for(Duration::from_secs(2), |_| peer
+            .accepted_roles(&["inbound", "outbound"])),
         "not captured: {:?}",
         peer.events()
     );

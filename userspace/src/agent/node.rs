@@ -164,16 +164,7 @@ impl Node {
                 })
             }
             Request::CniCheck { pod } => match cni_uid(&pod).map(|u| (self.cookie_of(&u), u)) {
-                Ok((Some(cookie), uid)) => Response::Enrolled {
-                    uid: uid.to_string(),
-                    cookie,
-                    state: self
-                        .state_of(cookie)
-                        .map(PodState::as_str)
-                        .unwrap_or("Unknown")
-                        .into(),
-                    note: None,
-                },
+                Ok((Some(cookie), uid)) => self.enrolled(&uid, cookie),
                 Ok((None, uid)) => Response::Error {
                     message: format!("pod {}/{} ({uid}) is not enrolled", pod.namespace, pod.name),
                 },
@@ -196,6 +187,20 @@ impl Node {
                 let dp = self.dp.lock().unwrap();
                 enroll::open_pod_netns(&dp.maps, cookie).is_err()
             }
+        }
+    }
+
+    /// The answer for a pod that is enrolled, with its current state.
+    fn enrolled(&self, uid: &PodUid, cookie: u64) -> Response {
+        Response::Enrolled {
+            uid: uid.to_string(),
+            cookie,
+            state: self
+                .state_of(cookie)
+                .map(PodState::as_str)
+                .unwrap_or("Unknown")
+                .into(),
+            note: None,
         }
     }
 
@@ -228,16 +233,7 @@ impl Node {
         if let Some(cookie) = self.cookie_of(&uid) {
             let same = crate::netns::Netns::open(&netns)?.cookie()? == cookie;
             if same {
-                return Ok(Response::Enrolled {
-                    uid: uid.to_string(),
-                    cookie,
-                    state: self
-                        .state_of(cookie)
-                        .map(PodState::as_str)
-                        .unwrap_or("Unknown")
-                        .into(),
-                    note: None,
-                });
+                return Ok(self.enrolled(&uid, cookie));
             }
             info!(%uid, "new sandbox for an enrolled pod: replacing its capture");
             self.unenroll(uid.as_str()).await?;
