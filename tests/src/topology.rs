@@ -76,6 +76,19 @@ pub struct Topology {
 
 static SEQ: AtomicU32 = AtomicU32::new(0);
 
+/// Whether netns `ns` has the "deliver locally" policy rule (fwmark 0x111
+/// lookup 100), as `ip rule` shows it.
+pub fn has_redirect_rule(ns: &str) -> anyhow::Result<bool> {
+    let out = Command::new("ip")
+        .args(["-n", ns, "rule", "show"])
+        .output()?;
+    anyhow::ensure!(out.status.success(), "ip rule show failed");
+    let text = String::from_utf8_lossy(&out.stdout);
+    Ok(text
+        .lines()
+        .any(|l| l.contains("fwmark 0x111/0xfff") && l.contains("lookup 100")))
+}
+
 pub fn ip(args: &[&str]) -> anyhow::Result<()> {
     let out = Command::new("ip").args(args).output()?;
     anyhow::ensure!(

@@ -47,6 +47,8 @@ pub enum EnrollError {
     State(#[from] StateError),
     #[error("finding ztunnel's listeners: {0}")]
     Sockets(#[from] SocketError),
+    #[error("taking over from istio-cni: {0}")]
+    Migrate(#[from] crate::migrate::MigrateError),
     #[error("{what}: {source}")]
     Io {
         what: String,
@@ -108,6 +110,21 @@ pub fn attach_pod(
     if let Err(e) = attach(dp, &netns, cookie, uid, &path, workload) {
         let _ = teardown(&dp.pins, &mut dp.maps, Some(&netns), cookie);
         return Err(e);
+    }
+    // A pod istio-cni captured before: sluice's capture is in place now, so
+    // Istio's rules can go without a moment uncaptured.
+    let takeover = crate::migrate::istio_rules(&netns).and_then(|tools| {
+        if !tools.is_empty() {
+            crate::migrate::remove_istio_rules(&netns, &tools)?;
+            tracing::info!(%uid, ?tools, "took the pod over from istio-cni: its in-pod iptables rules are removed");
+        }
+        Ok(())
+    });
+    if let Err(e) = takeover {
+        // Both rule sets at once would misroute outbound traffic: back out
+        // and leave the pod to Istio's rules, with the reason.
+        let _ = teardown(&dp.pins, &mut dp.maps, Some(&netns), cookie);
+        return Err(e.into());
     }
     Ok((netns, cookie))
 }

@@ -10,6 +10,7 @@ pub mod cni;
 pub mod enroll;
 pub mod kube;
 pub mod loader;
+pub mod migrate;
 pub mod netns;
 pub mod podns;
 pub mod routes;

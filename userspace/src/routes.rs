@@ -7,7 +7,6 @@
 
 use std::net::{Ipv4Addr, Ipv6Addr};
 
-use futures::TryStreamExt;
 use netlink_packet_route::{
     route::{RouteMessage, RouteType},
     rule::{RuleAction, RuleAttribute, RuleMessage},
@@ -109,28 +108,6 @@ pub fn remove(pod_ifaces: &[String]) -> Result<(), RouteError> {
             ignore_missing(handle.route().del(r).execute().await)?;
         }
         Ok(())
-    })
-}
-
-/// Whether our rule is present (IPv4), for tests and status checks.
-pub fn rule_present() -> Result<bool, RouteError> {
-    runtime()?.block_on(async {
-        let (conn, handle, _) = rtnetlink::new_connection().map_err(io("rtnetlink socket"))?;
-        tokio::spawn(conn);
-        let mut rules = handle.rule().get(rtnetlink::IpVersion::V4).execute();
-        while let Some(r) = rules.try_next().await? {
-            let is_ours = r
-                .attributes
-                .iter()
-                .any(|a| matches!(a, RuleAttribute::FwMark(m) if *m == MARK_REDIRECT))
-                && r.attributes
-                    .iter()
-                    .any(|a| matches!(a, RuleAttribute::Table(t) if *t == ROUTE_TABLE));
-            if is_ours {
-                return Ok(true);
-            }
-        }
-        Ok(false)
     })
 }
 

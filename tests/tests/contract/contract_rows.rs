@@ -8,7 +8,6 @@ use sluice_common::{PodState, Role, MARK_ZTUNNEL};
 use sluice_tests::{
     flow::{connect, udp, Held, Opts, Reached},
     harness::{Fixture, APP_PORT, REMOTE_PORT, UDP_PORT},
-    ns::run_in,
     standin::{Bind, StandIn},
     topology::Family,
 };
@@ -366,6 +365,10 @@ fn f1(fam: Family) -> TestResult {
 fn f2(fam: Family) -> TestResult {
     let f = enabled("f2", Bind::DualStack)?;
     let cookie = f.pod_record()?.netns_cookie;
+    ensure!(
+        sluice_tests::topology::has_redirect_rule(&f.topo.pod)?,
+        "no policy rule while enrolled"
+    );
     f.unenroll()?;
     let r = connect(&f.topo.client, sa(fam.pod(), APP_PORT), Opts::default());
     expect_reply(&r, &format!("app:{APP_PORT} peer={}", peer(fam.client())))?;
@@ -375,7 +378,7 @@ fn f2(fam: Family) -> TestResult {
     ensure!(!f.topo.pins.pod(cookie).exists(), "pod pins remain");
     let maps = sluice::state::Maps::open_pinned(&f.topo.pins.maps())?;
     ensure!(!maps.cookies().contains(&cookie), "map entries remain");
-    let rule = run_in(&f.topo.pod, sluice::routes::rule_present)?;
+    let rule = sluice_tests::topology::has_redirect_rule(&f.topo.pod)?;
     ensure!(!rule, "policy rule remains");
     ensure!(sluice::status::read(&f.topo.pins)?.is_empty());
     Ok(())

@@ -9,7 +9,6 @@ use libtest_mimic::Trial;
 use sluice_tests::{
     flow::{connect, Opts},
     harness::{sluice_bin, Fixture, APP_PORT},
-    ns::run_in,
     standin::Bind,
     topology::{ip, Family},
 };
@@ -18,6 +17,10 @@ use crate::{trial, TestResult};
 
 pub fn trials() -> Vec<Trial> {
     vec![
+        trial(
+            "lifecycle::takeover_from_istio_cni",
+            takeover_from_istio_cni,
+        ),
         trial(
             "lifecycle::capture_outlives_the_enrolling_process",
             outlives_process,
@@ -218,7 +221,7 @@ fn failed_enroll_rolls_back() -> TestResult {
         );
         let name = lonely.clone();
         ensure!(
-            !run_in(&name, sluice::routes::rule_present)?,
+            !sluice_tests::topology::has_redirect_rule(&name)?,
             "policy rule left behind"
         );
         Ok(())
@@ -238,5 +241,50 @@ fn unenroll_after_netns_gone() -> TestResult {
     ensure!(!f.topo.pins.pod(cookie).exists(), "pins left behind");
     let maps = sluice::state::Maps::open_pinned(&f.topo.pins.maps())?;
     ensure!(maps.cookies().is_empty());
+    Ok(())
+}
+
+/// A pod istio-cni captured (Istio's real rules in its netns) is taken over:
+/// sluice's capture first, then Istio's chains go; traffic is then captured
+/// by sluice (the 15001 listener sees the original destination as its local
+/// address — with Istio's REDIRECT it would be 127.0.0.1:15001).
+fn takeover_from_istio_cni() -> TestResult {
+    let f = Fixture::new("mig", Some(sluice_tests::standin::Bind::DualStack))?;
+    sluice_tests::istio::apply(&f.topo.pod)?;
+    let netns = f.topo.pod_netns_path();
+    let ns = sluice::netns::Netns::open(&netns)?;
+    ensure!(
+        sluice::migrate::istio_rules(&ns)? == ["iptables", "ip6tables"],
+        "Istio's rules not detected"
+    );
+    ensure!(f.enroll()?.state == sluice_common::PodState::Enabled);
+    ensure!(
+        sluice::migrate::istio_rules(&ns)?.is_empty(),
+        "Istio's chains remain"
+    );
+    for fam in [Family::V4, Family::V6] {
+        let remote = SocketAddr::new(fam.client(), sluice_tests::harness::REMOTE_PORT);
+        let r = connect(&f.topo.pod, remote, Opts::default());
+        ensure!(r.reply().is_some(), "{r:?}");
+        let acc = f.standin().accepted();
+        let last = acc.last().context("not captured")?;
+        ensure!(
+            last.local == remote,
+            "captured by Istio's REDIRECT, not sluice: {last:?}"
+        );
+        let r = connect(
+            &f.topo.client,
+            SocketAddr::new(fam.pod(), APP_PORT),
+            Opts::default(),
+        );
+        ensure!(
+            r.reply().is_some_and(|l| l.starts_with("app:8080")),
+            "{r:?}"
+        );
+    }
+    ensure!(f.pod_record()?.counters.captured_outbound == 2);
+    // Unenrolling leaves the pod with neither rule set.
+    f.unenroll()?;
+    ensure!(!sluice_tests::topology::has_redirect_rule(&f.topo.pod)?);
     Ok(())
 }
