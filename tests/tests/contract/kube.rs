@@ -28,6 +28,10 @@ pub fn trials() -> Vec<Trial> {
             "kube::relist_captures_running_ambient_pods_and_releases_gone_ones",
             relist,
         ),
+        trial(
+            "kube::pod_watch_event_triggers_capture",
+            watch_triggers_capture,
+        ),
     ]
 }
 
@@ -285,6 +289,80 @@ fn relist() -> TestResult {
         // A second pass has nothing to do.
         node.reconcile_once(std::time::Duration::ZERO).await?;
         ensure!(sluice::status::read(&f.topo.pins)?.len() == 1);
+        Ok(())
+    })
+}
+
+/// A pod labelled ambient after it started is captured when the pod watch
+/// reports it — long before the periodic relist would.
+fn watch_triggers_capture() -> TestResult {
+    let f = Fixture::new("watch", None)?;
+    let uid = format!(
+        "7e57{:04x}-0000-4000-8000-000000000003",
+        std::process::id() & 0xffff
+    );
+    let _p = PodProcess::spawn(&f.topo.pod_netns_path(), &uid)?;
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async {
+        let labelled = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (svc, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let (l2, u2) = (labelled.clone(), uid.clone());
+        tokio::spawn(async move {
+            while let Some((req, send)) = handle.next_request().await {
+                let (path, query) = (req.uri().path().to_owned(), req.uri().query().unwrap_or("").to_owned());
+                let u3 = u2.clone();
+                let pod = move |ambient: bool| {
+                    let labels = if ambient { json!({"istio.io/dataplane-mode": "ambient"}) } else { json!({}) };
+                    json!({"apiVersion": "v1", "kind": "Pod",
+                        "metadata": {"name": "web", "namespace": "plain", "uid": u3, "labels": labels, "resourceVersion": "2"},
+                        "spec": {"nodeName": "node-a", "containers": [{"name": "app"}]}, "status": {"phase": "Running"}})
+                };
+                let l3 = l2.clone();
+                tokio::spawn(async move {
+                    let body = if query.contains("watch=true") {
+                        // Hold the watch until the label appears, then report it.
+                        while !l3.load(std::sync::atomic::Ordering::SeqCst) {
+                            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                        }
+                        if path == "/api/v1/pods" {
+                            format!("{}\n", json!({"type": "MODIFIED", "object": pod(true)}))
+                        } else {
+                            // Namespaces: nothing to report; keep the watch open.
+                            std::future::pending::<()>().await;
+                            unreachable!()
+                        }
+                    } else if path == "/api/v1/pods" {
+                        let ambient = l3.load(std::sync::atomic::Ordering::SeqCst);
+                        json!({"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "1"}, "items": [pod(ambient)]}).to_string()
+                    } else if path == "/api/v1/namespaces" {
+                        json!({"apiVersion": "v1", "kind": "NamespaceList", "metadata": {"resourceVersion": "1"}, "items": [{"metadata": {"name": "plain"}}]}).to_string()
+                    } else {
+                        json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "web"}}).to_string()
+                    };
+                    send.send_response(Response::builder().body(Body::from(body.into_bytes())).unwrap());
+                });
+            }
+        });
+        let node = Node::new(
+            f.dataplane()?,
+            Arc::new(Hub::default()),
+            Some(KubeCtx { client: kube::Client::new(svc, "default"), node: "node-a".into() }),
+        );
+        let (_stop_tx, stop) = tokio::sync::watch::channel(false);
+        let task = tokio::spawn(node.clone().reconcile_with_api(stop));
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        ensure!(sluice::status::read(&f.topo.pins)?.is_empty(), "captured before it was ambient");
+        labelled.store(true, std::sync::atomic::Ordering::SeqCst);
+        let mut enrolled = false;
+        for _ in 0..100 {
+            if sluice::status::read(&f.topo.pins)?.iter().any(|p| p.uid == uid) {
+                enrolled = true;
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        task.abort();
+        ensure!(enrolled, "the watch event did not lead to capture within 5 s (the relist is every 60 s)");
         Ok(())
     })
 }

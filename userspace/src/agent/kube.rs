@@ -95,6 +95,32 @@ impl KubeCtx {
         }
     }
 
+    /// Resolves when pods on this node or any namespace change (a pod watch
+    /// with a node-scoped field selector, and a namespace watch); the caller
+    /// then reconciles. Watch errors are retried by kube-rs with backoff.
+    pub async fn changed(&self, events: tokio::sync::mpsc::Sender<()>) {
+        use futures::StreamExt as _;
+        use kube::runtime::{watcher, WatchStreamExt as _};
+        let pods = watcher(
+            Api::<Pod>::all(self.client.clone()),
+            watcher::Config::default().fields(&format!("spec.nodeName={}", self.node)),
+        )
+        .default_backoff()
+        .map(|_| ());
+        let namespaces = watcher(
+            Api::<Namespace>::all(self.client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .map(|_| ());
+        let mut all = std::pin::pin!(futures::stream::select(pods, namespaces));
+        while all.next().await.is_some() {
+            if events.try_send(()).is_err() && events.is_closed() {
+                return;
+            }
+        }
+    }
+
     /// CNI DEL: refused for a running pod whose captured sandbox is alive.
     pub async fn admit_del(&self, pod: &PodRef, sandbox_alive: bool) -> anyhow::Result<()> {
         let found = verify::fetch(self.client.clone(), &pod.namespace, &pod.name).await?;

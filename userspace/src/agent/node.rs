@@ -40,8 +40,9 @@ const CHECK_EVERY: Duration = Duration::from_millis(200);
 const LISTENER_WAIT: Duration = Duration::from_secs(2);
 const RETRY_MIN: Duration = Duration::from_millis(500);
 const RETRY_MAX: Duration = Duration::from_secs(30);
-/// How often the agent relists this node's pods from the API.
-const RESYNC: Duration = Duration::from_secs(10);
+/// How often the agent relists this node's pods from the API even when the
+/// watch reports nothing.
+const RESYNC: Duration = Duration::from_secs(60);
 /// Pods captured this recently are never released by a relist.
 const RECENT: Duration = Duration::from_secs(30);
 
@@ -538,17 +539,28 @@ fn cni_uid(pod: &crate::cni::spec::PodRef) -> anyhow::Result<PodUid> {
 impl Node {
     /// Keeps the enrolled pods equal to the ambient pods of this node (pods
     /// that became ambient after they started, pods that existed before the
-    /// agent, pods gone while it was away), relisting every `RESYNC`.
+    /// agent, pods gone while it was away): a pass at start, on every pod or
+    /// namespace change the watch reports, and every `RESYNC`.
     pub async fn reconcile_with_api(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+        let Some(k) = self.kube.clone() else { return };
+        // Watch events wake the loop at once; the timer is a safety net.
+        let (tx, mut changes) = tokio::sync::mpsc::channel(1);
+        let watching = tokio::spawn(async move { k.changed(tx).await });
         loop {
             if let Err(e) = self.reconcile_once(RECENT).await {
                 warn!(error = %crate::one_line(&e), "reconciling with the API failed; will retry");
             }
             tokio::select! {
-                _ = stop.changed() => return,
+                _ = stop.changed() => break,
+                _ = changes.recv() => {
+                    // Let a burst of events settle into one pass.
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    while changes.try_recv().is_ok() {}
+                }
                 _ = tokio::time::sleep(RESYNC) => {}
             }
         }
+        watching.abort();
     }
 
     /// One pass: list, plan, apply. Pods enrolled less than `min_age` ago are
