@@ -87,6 +87,14 @@ fn api(deleting: Arc<Mutex<bool>>, patches: Arc<Mutex<Vec<(String, Value)>>>) ->
 
 fn admitted() -> TestResult {
     let f = Fixture::new("kube", None)?;
+    let records = std::env::temp_dir().join(format!("sluice-cni-records-{}", std::process::id()));
+    let result = admitted_with(&f, &records);
+    let _ = std::fs::remove_dir_all(&records);
+    result
+}
+
+fn admitted_with(f: &Fixture, records: &std::path::Path) -> TestResult {
+    let records = records.to_owned();
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async {
         let deleting = Arc::new(Mutex::new(false));
@@ -95,7 +103,7 @@ fn admitted() -> TestResult {
         let node = Node::new(
             f.dataplane()?,
             Arc::new(Hub::default()),
-            Some(KubeCtx { client, node: "node-a".into() }),
+            Some(KubeCtx { client, node: "node-a".into(), cni_records: Some(records.clone()) }),
         );
         let cart = PodRef { name: "cart".into(), namespace: "shop".into(), uid: Some("u-cart".into()) };
         let netns = f.topo.pod_netns_path();
@@ -122,6 +130,9 @@ fn admitted() -> TestResult {
             .handle(control::Request::CniAdd { container_id: "c2".into(), netns: netns.clone(), pod: plain, ips: vec![] })
             .await;
         ensure!(matches!(&r, control::Response::Skipped { reason } if reason.contains("neither the pod nor its namespace")), "{r:?}");
+        // Its netns is remembered, for when it becomes ambient later.
+        let recorded = std::fs::read_to_string(records.join("u-plain"))?;
+        ensure!(recorded == netns.to_str().unwrap(), "recorded {recorded:?}");
 
         // A forged DEL for the running pod (its sandbox alive) is refused.
         let del = control::Request::CniDel { container_id: "c1".into(), netns: netns.clone(), pod: cart.clone() };
@@ -277,7 +288,7 @@ fn relist() -> TestResult {
         let node = Node::new(
             f.dataplane()?,
             Arc::new(Hub::default()),
-            Some(KubeCtx { client: kube::Client::new(svc, "default"), node: "node-a".into() }),
+            Some(KubeCtx { client: kube::Client::new(svc, "default"), node: "node-a".into(), cni_records: None }),
         );
         node.reconcile_once(std::time::Duration::ZERO).await?;
         let pods = sluice::status::read(&f.topo.pins)?;
@@ -346,7 +357,7 @@ fn watch_triggers_capture() -> TestResult {
         let node = Node::new(
             f.dataplane()?,
             Arc::new(Hub::default()),
-            Some(KubeCtx { client: kube::Client::new(svc, "default"), node: "node-a".into() }),
+            Some(KubeCtx { client: kube::Client::new(svc, "default"), node: "node-a".into(), cni_records: None }),
         );
         let (_stop_tx, stop) = tokio::sync::watch::channel(false);
         let task = tokio::spawn(node.clone().reconcile_with_api(stop));

@@ -24,12 +24,49 @@ use crate::{
 pub struct KubeCtx {
     pub client: kube::Client,
     pub node: String,
+    /// Where the netns paths of pods that came through CNI but were not
+    /// ambient then are kept (one file per pod uid), so the pod can be
+    /// captured later — also after an agent restart, and for runtimes with no
+    /// process left in the pod. `None`: not recorded.
+    pub cni_records: Option<std::path::PathBuf>,
 }
 
 /// What to do with a pod a CNI ADD names.
 pub enum Admission {
     Enroll { uid: PodUid, workload: Workload },
     Skip(String),
+}
+
+impl KubeCtx {
+    /// Remembers the netns the runtime gave a pod we did not capture.
+    pub fn record_netns(&self, uid: &str, netns: &std::path::Path) {
+        let Some(dir) = &self.cni_records else { return };
+        let write = std::fs::create_dir_all(dir)
+            .and_then(|_| std::fs::write(dir.join(uid), netns.as_os_str().as_encoded_bytes()));
+        if let Err(e) = write {
+            warn!(%uid, error = %e, "could not record the pod's netns path");
+        }
+    }
+
+    /// The recorded netns path of pod `uid`, if it still names a netns.
+    pub fn recorded_netns(&self, uid: &str) -> Option<std::path::PathBuf> {
+        let p = std::fs::read_to_string(self.cni_records.as_ref()?.join(uid)).ok()?;
+        let path = std::path::PathBuf::from(p);
+        crate::netns::Netns::open(&path).is_ok().then_some(path)
+    }
+
+    /// Forgets the records of pods that are not on this node any more.
+    pub fn prune_records(&self, live: &std::collections::BTreeSet<String>) {
+        let Some(dir) = &self.cni_records else { return };
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            if !live.contains(&*e.file_name().to_string_lossy()) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
 }
 
 /// Namespace labels by namespace name.

@@ -51,6 +51,8 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
                 .await
                 .context("connecting to the Kubernetes API (in-cluster config or KUBECONFIG)")?,
             node: node.clone(),
+            // Beside the control socket: host tmpfs, survives agent restarts.
+            cni_records: cfg.control_socket.parent().map(|d| d.join("cni-pods")),
         }),
         None => None,
     };

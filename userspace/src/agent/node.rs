@@ -226,6 +226,9 @@ impl Node {
             Some(k) => match k.admit_add(pod).await? {
                 Admission::Skip(reason) => {
                     info!(%reason, "not capturing");
+                    if let Some(uid) = &pod.uid {
+                        k.record_netns(uid, &netns);
+                    }
                     return Ok(Response::Skipped { reason });
                 }
                 Admission::Enroll { uid, workload } => (uid, workload),
@@ -570,6 +573,7 @@ impl Node {
             return Ok(());
         };
         let (pods, namespaces) = k.observe().await?;
+        k.prune_records(&pods.iter().filter_map(|p| p.metadata.uid.clone()).collect());
         let now = boottime_ns();
         let records = self.dp.lock().unwrap().maps.pods();
         let enrolled: Vec<Enrolled> = records
@@ -586,7 +590,8 @@ impl Node {
                 } => {
                     let span = info_span!("pod", %uid, pod = %format!("{namespace}/{name}"));
                     async {
-                        let Some(netns) = crate::podns::find(&uid) else {
+                        let found = k.recorded_netns(&uid).or_else(|| crate::podns::find(&uid));
+                        let Some(netns) = found else {
                             warn!("ambient pod without capture, but none of its processes runs here yet");
                             return;
                         };
