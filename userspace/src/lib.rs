@@ -13,6 +13,7 @@ pub mod loader;
 pub mod migrate;
 pub mod netns;
 pub mod podns;
+pub mod readiness;
 pub mod routes;
 pub mod sockets;
 pub mod state;

@@ -1,0 +1,194 @@
+//! Whether this node can enroll pods, as a node condition: a pure function of
+//! what the pinned maps say about the pods and the agent's own checks. The
+//! writer that puts it on the Node object is separate (not built yet).
+
+use std::time::Duration;
+
+use sluice_common::PodState;
+
+/// The condition's default type (positive polarity: True = ready).
+pub const DEFAULT_CONDITION_TYPE: &str = "sluice.dev/RedirectionReady";
+/// How long a pod may stay Pending before the node is reported not ready.
+pub const DEFAULT_PENDING_GRACE: Duration = Duration::from_secs(10);
+/// How many pending pods the message names.
+const NAMED: usize = 5;
+
+/// One enrolled pod, as the condition needs it.
+#[derive(Debug, Clone)]
+pub struct PodView {
+    /// `namespace/name` (or the uid when the identity is unknown).
+    pub name: String,
+    pub state: Option<PodState>,
+    /// CLOCK_BOOTTIME ns of the last state change.
+    pub changed_at_ns: u64,
+}
+
+/// Everything the condition is computed from.
+#[derive(Debug, Clone)]
+pub struct Inputs {
+    pub programs_loaded: bool,
+    pub cni_installed: bool,
+    /// ztunnel connected and acked its snapshot.
+    pub ztunnel_connected: bool,
+    pub pods: Vec<PodView>,
+    pub now_ns: u64,
+    pub pending_grace: Duration,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    Ready,
+    ProgramsNotLoaded,
+    CniPluginMissing,
+    ZtunnelDisconnected,
+    PodsPendingEnrollment,
+}
+
+impl Reason {
+    /// The `reason` field, as written on the Node.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Ready => "RedirectionReady",
+            Reason::ProgramsNotLoaded => "ProgramsNotLoaded",
+            Reason::CniPluginMissing => "CNIPluginMissing",
+            Reason::ZtunnelDisconnected => "ZtunnelDisconnected",
+            Reason::PodsPendingEnrollment => "PodsPendingEnrollment",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Condition {
+    pub ready: bool,
+    pub reason: Reason,
+    pub message: String,
+}
+
+/// The first failing check decides the reason, in this order: programs, CNI
+/// plugin, ztunnel, pods pending longer than the grace period.
+pub fn compute(i: &Inputs) -> Condition {
+    let not_ready = |reason, message: String| Condition {
+        ready: false,
+        reason,
+        message,
+    };
+    let total = i.pods.len();
+    if !i.programs_loaded {
+        return not_ready(
+            Reason::ProgramsNotLoaded,
+            "sluice's eBPF programs are not loaded and pinned on this node".into(),
+        );
+    }
+    if !i.cni_installed {
+        return not_ready(
+            Reason::CniPluginMissing,
+            "sluice-cni is not in the node's primary CNI config: new pods would start uncaptured"
+                .into(),
+        );
+    }
+    if !i.ztunnel_connected {
+        return not_ready(
+            Reason::ZtunnelDisconnected,
+            format!("ztunnel is not connected; {total} ambient pods enrolled"),
+        );
+    }
+    let grace = i.pending_grace.as_nanos() as u64;
+    let mut late: Vec<&str> = i
+        .pods
+        .iter()
+        .filter(|p| p.state != Some(PodState::Enabled))
+        .filter(|p| i.now_ns.saturating_sub(p.changed_at_ns) > grace)
+        .map(|p| p.name.as_str())
+        .collect();
+    if !late.is_empty() {
+        late.sort_unstable();
+        let n = late.len();
+        let mut names = late[..n.min(NAMED)].join(", ");
+        if n > NAMED {
+            names.push_str(", …");
+        }
+        return not_ready(
+            Reason::PodsPendingEnrollment,
+            format!(
+                "{n} of {total} ambient pods pending for >{}s: {names}",
+                i.pending_grace.as_secs()
+            ),
+        );
+    }
+    Condition {
+        ready: true,
+        reason: Reason::Ready,
+        message: format!("{total} ambient pods enrolled"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: u64 = 1_000_000_000;
+
+    fn pod(name: &str, state: PodState, changed_s: u64) -> PodView {
+        PodView {
+            name: name.into(),
+            state: Some(state),
+            changed_at_ns: changed_s * S,
+        }
+    }
+
+    fn inputs(pods: Vec<PodView>) -> Inputs {
+        Inputs {
+            programs_loaded: true,
+            cni_installed: true,
+            ztunnel_connected: true,
+            pods,
+            now_ns: 100 * S,
+            pending_grace: DEFAULT_PENDING_GRACE,
+        }
+    }
+
+    #[test]
+    fn every_reason_is_reachable_in_priority_order() {
+        let ok = inputs(vec![pod("ns/a", PodState::Enabled, 1)]);
+        assert_eq!(compute(&ok).reason, Reason::Ready);
+        assert!(compute(&ok).ready);
+        let mut i = ok.clone();
+        i.pods.push(pod("ns/b", PodState::Pending, 50));
+        assert_eq!(compute(&i).reason, Reason::PodsPendingEnrollment);
+        i.ztunnel_connected = false;
+        assert_eq!(compute(&i).reason, Reason::ZtunnelDisconnected);
+        i.cni_installed = false;
+        assert_eq!(compute(&i).reason, Reason::CniPluginMissing);
+        i.programs_loaded = false;
+        let c = compute(&i);
+        assert_eq!((c.ready, c.reason.as_str()), (false, "ProgramsNotLoaded"));
+    }
+
+    #[test]
+    fn pending_pods_count_only_after_the_grace_period() {
+        // Pending for 5 s of a 10 s grace: still ready.
+        let fresh = inputs(vec![pod("ns/a", PodState::Pending, 95)]);
+        assert!(compute(&fresh).ready);
+        // Exactly at the grace: still ready; past it: not.
+        let edge = inputs(vec![pod("ns/a", PodState::Pending, 90)]);
+        assert!(compute(&edge).ready);
+        let late = inputs(vec![pod("ns/a", PodState::Pending, 89)]);
+        assert!(!compute(&late).ready);
+        // Draining counts as not enrolled too.
+        let draining = inputs(vec![pod("ns/a", PodState::Draining, 10)]);
+        assert_eq!(compute(&draining).reason, Reason::PodsPendingEnrollment);
+    }
+
+    #[test]
+    fn the_message_counts_and_names_the_late_pods() {
+        let mut pods: Vec<PodView> = (0..7)
+            .map(|n| pod(&format!("ns/p{n}"), PodState::Pending, 1))
+            .collect();
+        pods.extend((0..34).map(|n| pod(&format!("ns/ok{n}"), PodState::Enabled, 1)));
+        let c = compute(&inputs(pods));
+        assert_eq!(
+            c.message,
+            "7 of 41 ambient pods pending for >10s: ns/p0, ns/p1, ns/p2, ns/p3, ns/p4, …"
+        );
+    }
+}
