@@ -104,8 +104,11 @@ pub fn attach_pod(
         let owner = dp.maps.meta(cookie).map(|m| m.uid).unwrap_or_default();
         return Err(EnrollError::NetnsTaken { path, uid: owner });
     }
-    // Pins without state can only be the remains of an interrupted enroll.
-    teardown(&dp.pins, &mut dp.maps, Some(&netns), cookie)?;
+    // Pins without state can only be the remains of an interrupted enroll;
+    // a fresh pod has none, and skips the teardown's netlink round trips.
+    if dp.pins.pod(cookie).exists() {
+        teardown(&dp.pins, &mut dp.maps, Some(&netns), cookie)?;
+    }
 
     if let Err(e) = attach(dp, &netns, cookie, uid, &path, workload) {
         let _ = teardown(&dp.pins, &mut dp.maps, Some(&netns), cookie);

@@ -8,7 +8,7 @@
 use std::net::{Ipv4Addr, Ipv6Addr};
 
 use netlink_packet_route::{
-    route::{RouteMessage, RouteType},
+    route::RouteType,
     rule::{RuleAction, RuleAttribute, RuleMessage},
 };
 use rtnetlink::Handle;
@@ -159,13 +159,10 @@ fn route_v6(h: &Handle, lo: u32) -> rtnetlink::RouteAddRequest<Ipv6Addr> {
 }
 
 fn local_route<T>(r: rtnetlink::RouteAddRequest<T>, lo: u32) -> rtnetlink::RouteAddRequest<T> {
-    let mut r = r
-        .table_id(ROUTE_TABLE)
+    r.table_id(ROUTE_TABLE)
         .output_interface(lo)
         .kind(RouteType::Local)
-        .scope(netlink_packet_route::route::RouteScope::Host);
-    let _: &mut RouteMessage = r.message_mut();
-    r
+        .scope(netlink_packet_route::route::RouteScope::Host)
 }
 
 fn errno(e: &rtnetlink::Error) -> Option<i32> {

@@ -24,16 +24,6 @@ pub struct PodIdentity {
     pub workload: Workload,
 }
 
-/// Names of the maps in the eBPF object, which are also their pin names.
-pub const MAP_NAMES: [&str; 6] = [
-    "pod_state",
-    "pod_meta",
-    "pod_addrs",
-    "listeners",
-    "counters",
-    "flow_hints",
-];
-
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {
     #[error("map {name}: {source}")]
