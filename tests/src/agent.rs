@@ -72,6 +72,13 @@ impl AgentProc {
             .arg("agent")
             .arg("--zds-socket")
             .arg(&self.zds)
+            // Tests run side by side: the admin listener only where asked for.
+            .args(
+                (!self.extra.iter().any(|a| a == "--metrics-addr"))
+                    .then_some(["--metrics-addr", "off"])
+                    .into_iter()
+                    .flatten(),
+            )
             .args(&self.extra)
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
@@ -239,4 +246,31 @@ impl Drop for PeerProc {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// A free loopback port (for an agent's --metrics-addr).
+pub fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// A plain HTTP/1.1 GET on loopback: status code and body.
+pub fn http_get(port: u16, path: &str) -> anyhow::Result<(u16, String)> {
+    use std::io::{Read as _, Write as _};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut resp = String::new();
+    s.read_to_string(&mut resp)?;
+    let (head, body) = resp.split_once("\r\n\r\n").context("no end of headers")?;
+    let code = head
+        .split_whitespace()
+        .nth(1)
+        .context("no status line")?
+        .parse()?;
+    Ok((code, body.to_owned()))
 }

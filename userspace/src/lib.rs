@@ -10,6 +10,7 @@ pub mod cni;
 pub mod enroll;
 pub mod kube;
 pub mod loader;
+pub mod metrics;
 pub mod migrate;
 pub mod netns;
 pub mod podns;
@@ -19,6 +20,7 @@ pub mod sockets;
 pub mod state;
 pub mod status;
 pub mod uid;
+pub mod watchdog;
 pub mod workload;
 pub mod zds;
 

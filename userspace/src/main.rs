@@ -1,6 +1,6 @@
 //! The `sluice` command.
 
-use std::{path::PathBuf, process::ExitCode};
+use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
@@ -8,14 +8,18 @@ use sluice::{
     agent::{
         self,
         control::{self, Request, Response},
-        DEFAULT_CONTROL_SOCKET, DEFAULT_ZDS_SOCKET,
+        report::ReportConfig,
+        DEFAULT_CONTROL_SOCKET, DEFAULT_METRICS_ADDR, DEFAULT_ZDS_SOCKET,
     },
     cni::install,
     enroll,
+    kube::condition::{ConditionWriter, DEFAULT_HEARTBEAT},
     loader::{Dataplane, Pins, DEFAULT_ROOT},
+    readiness::DEFAULT_CONDITION_TYPE,
     state::Maps,
     status,
     uid::PodUid,
+    watchdog,
     workload::Workload,
 };
 
@@ -68,7 +72,8 @@ enum Cmd {
         #[arg(long)]
         uid: String,
     },
-    /// Show enrolled pods from the pinned maps (no daemon needed).
+    /// Show the node (condition, ztunnel; from the agent if one runs) and the
+    /// enrolled pods (from the pinned maps; no daemon needed).
     Status {
         #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table)]
         output: Output,
@@ -89,6 +94,39 @@ enum Cmd {
         node_name: Option<String>,
         #[command(flatten)]
         cni: CniDirs,
+        #[command(flatten)]
+        readiness: ReadinessArgs,
+        /// Where /metrics, /healthz and /readyz are served ("off": nowhere).
+        #[arg(long, default_value = DEFAULT_METRICS_ADDR, env = "SLUICE_METRICS_ADDR")]
+        metrics_addr: String,
+        /// Remove this taint from the node once the condition is True (for
+        /// clusters without node-readiness-controller; repeatable). Never adds taints.
+        #[arg(long = "untaint", value_name = "KEY")]
+        untaint: Vec<String>,
+        /// How long a pod may stay Pending before the node is reported not ready.
+        #[arg(long, default_value = "10s", value_parser = parse_duration)]
+        pending_grace: Duration,
+        /// Rewrite an unchanged node condition this often.
+        #[arg(long, default_value = "60s", value_parser = parse_duration)]
+        heartbeat: Duration,
+    },
+    /// Mark the node condition False (AgentNotRunning) when the agent stops
+    /// answering /readyz: covers agent crashes. Runs beside the agent.
+    Watchdog {
+        /// This node's name.
+        #[arg(long, env = "NODE_NAME")]
+        node_name: String,
+        /// The agent's --metrics-addr.
+        #[arg(long, default_value = DEFAULT_METRICS_ADDR)]
+        agent_addr: SocketAddr,
+        #[command(flatten)]
+        readiness: ReadinessArgs,
+        /// Probe period (also each probe's timeout).
+        #[arg(long, default_value = "2s", value_parser = parse_duration)]
+        interval: Duration,
+        /// Probes in a row without an answer before the node is marked.
+        #[arg(long, default_value_t = watchdog::DEFAULT_FAILURES)]
+        failures: u32,
     },
     /// Remove sluice-cni from the node's CNI config and bin dir (when sluice
     /// is being removed from the node, not on an agent restart).
@@ -118,6 +156,39 @@ impl CniDirs {
             agent_socket: agent_socket.to_owned(),
         })
     }
+}
+
+#[derive(clap::Args)]
+struct ReadinessArgs {
+    /// The node condition's type (True = this node can enroll pods).
+    #[arg(long, default_value = DEFAULT_CONDITION_TYPE, env = "SLUICE_CONDITION_TYPE")]
+    condition_type: String,
+}
+
+/// "500ms", "10s", "2m".
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let (num, unit) = s
+        .find(|c: char| !c.is_ascii_digit())
+        .map(|i| s.split_at(i))
+        .ok_or_else(|| format!("{s:?}: add a unit (ms, s, m)"))?;
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?}: expected a number and a unit, e.g. 10s"))?;
+    match unit {
+        "ms" => Ok(Duration::from_millis(n)),
+        "s" => Ok(Duration::from_secs(n)),
+        "m" => Ok(Duration::from_secs(n * 60)),
+        _ => Err(format!("{s:?}: unit must be ms, s or m")),
+    }
+}
+
+fn init_tracing() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -200,9 +271,19 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Cmd::Status { output } => {
             let pods = status::read(&pins)?;
+            let agent = match control::call(&cli.control_socket, &Request::Status)? {
+                None => None,
+                Some(Response::Node(n)) => Some(n),
+                Some(Response::Error { message }) => anyhow::bail!(message),
+                Some(other) => anyhow::bail!("unexpected answer from the agent: {other:?}"),
+            };
+            let node = status::NodeView {
+                programs_loaded: pins.is_loaded(),
+                agent,
+            };
             match output {
-                Output::Table => print!("{}", status::table(&pods)),
-                Output::Json => println!("{}", status::json(&pods)),
+                Output::Table => print!("{}\n{}", status::node_lines(&node), status::table(&pods)),
+                Output::Json => println!("{}", status::json(&node, &pods)),
             }
         }
         Cmd::UninstallCni { cni } => {
@@ -214,14 +295,23 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             install_cni,
             node_name,
             cni,
+            readiness,
+            metrics_addr,
+            untaint,
+            pending_grace,
+            heartbeat,
         } => {
-            tracing_subscriber::fmt()
-                .with_env_filter(
-                    tracing_subscriber::EnvFilter::try_from_default_env()
-                        .unwrap_or_else(|_| "info".into()),
-                )
-                .with_writer(std::io::stderr)
-                .init();
+            init_tracing();
+            anyhow::ensure!(
+                untaint.is_empty() || node_name.is_some(),
+                "--untaint needs --node-name (the taint is removed from this node's Node object)"
+            );
+            let metrics_addr = match metrics_addr.as_str() {
+                "off" => None,
+                a => Some(a.parse::<SocketAddr>().with_context(|| {
+                    format!("--metrics-addr {a:?}: expected IP:PORT (e.g. {DEFAULT_METRICS_ADDR}) or off")
+                })?),
+            };
             let cni = if install_cni {
                 Some(cni.install(&cli.control_socket)?)
             } else {
@@ -233,6 +323,53 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 control_socket: cli.control_socket,
                 cni,
                 node_name,
+                report: ReportConfig {
+                    condition_type: readiness.condition_type,
+                    pending_grace,
+                    heartbeat,
+                    untaint,
+                },
+                metrics_addr,
+            })?;
+        }
+        Cmd::Watchdog {
+            node_name,
+            agent_addr,
+            readiness,
+            interval,
+            failures,
+        } => {
+            init_tracing();
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .context("starting the tokio runtime")?;
+            rt.block_on(async {
+                let client = kube::Client::try_default().await.context(
+                    "connecting to the Kubernetes API (in-cluster config or KUBECONFIG)",
+                )?;
+                let writer = ConditionWriter::new(
+                    client,
+                    &node_name,
+                    &readiness.condition_type,
+                    DEFAULT_HEARTBEAT,
+                );
+                let (stop_tx, stop) = tokio::sync::watch::channel(false);
+                let cfg = watchdog::Config {
+                    agent_addr,
+                    interval,
+                    failures,
+                };
+                let task = tokio::spawn(watchdog::run(cfg, writer, stop));
+                let mut term =
+                    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+                let _ = stop_tx.send(true);
+                let _ = task.await;
+                anyhow::Ok(())
             })?;
         }
         Cmd::Uninstall => {
@@ -267,5 +404,6 @@ fn print_agent(resp: Response) -> anyhow::Result<()> {
             Ok(())
         }
         Response::Error { message } => Err(anyhow::anyhow!(message)),
+        Response::Node(n) => Err(anyhow::anyhow!("unexpected answer from the agent: {n:?}")),
     }
 }

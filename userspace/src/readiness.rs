@@ -1,6 +1,6 @@
 //! Whether this node can enroll pods, as a node condition: a pure function of
 //! what the pinned maps say about the pods and the agent's own checks. The
-//! writer that puts it on the Node object is separate (not built yet).
+//! writer that puts it on the Node object is `kube::condition`.
 
 use std::time::Duration;
 
@@ -42,6 +42,10 @@ pub enum Reason {
     CniPluginMissing,
     ZtunnelDisconnected,
     PodsPendingEnrollment,
+    /// Written by the agent itself as it stops (SIGTERM).
+    AgentStopped,
+    /// Written by the watchdog when the agent stops answering.
+    AgentNotRunning,
 }
 
 impl Reason {
@@ -53,15 +57,90 @@ impl Reason {
             Reason::CniPluginMissing => "CNIPluginMissing",
             Reason::ZtunnelDisconnected => "ZtunnelDisconnected",
             Reason::PodsPendingEnrollment => "PodsPendingEnrollment",
+            Reason::AgentStopped => "AgentStopped",
+            Reason::AgentNotRunning => "AgentNotRunning",
         }
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+const ALL: [Reason; 7] = [
+    Reason::Ready,
+    Reason::ProgramsNotLoaded,
+    Reason::CniPluginMissing,
+    Reason::ZtunnelDisconnected,
+    Reason::PodsPendingEnrollment,
+    Reason::AgentStopped,
+    Reason::AgentNotRunning,
+];
+
+impl Reason {
+    /// Every reason, for metrics that show each.
+    pub const ALL: [Reason; 7] = ALL;
+}
+
+impl serde::Serialize for Reason {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Reason {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        ALL.into_iter()
+            .find(|r| r.as_str() == s)
+            .ok_or_else(|| serde::de::Error::custom(format!("unknown reason {s:?}")))
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Condition {
     pub ready: bool,
     pub reason: Reason,
     pub message: String,
+}
+
+impl Condition {
+    /// What the agent writes as it exits: capture stays, but nobody enrolls
+    /// new pods or re-registers listeners until it is back.
+    pub fn agent_stopped() -> Self {
+        Self {
+            ready: false,
+            reason: Reason::AgentStopped,
+            message: "the sluice agent stopped; capture stays in place, new pods wait for it"
+                .into(),
+        }
+    }
+
+    /// What the watchdog writes when the agent has not answered for `silent`.
+    pub fn agent_not_running(silent: std::time::Duration) -> Self {
+        Self {
+            ready: false,
+            reason: Reason::AgentNotRunning,
+            message: format!(
+                "the sluice agent has not answered its readiness check for {}",
+                human(silent)
+            ),
+        }
+    }
+
+    /// The condition's `status` field.
+    pub fn status(&self) -> &'static str {
+        if self.ready {
+            "True"
+        } else {
+            "False"
+        }
+    }
+}
+
+/// A duration as "150ms" or "6s".
+fn human(d: std::time::Duration) -> String {
+    if d < std::time::Duration::from_secs(1) {
+        format!("{}ms", d.as_millis())
+    } else {
+        format!("{}s", d.as_secs())
+    }
 }
 
 /// The first failing check decides the reason, in this order: programs, CNI

@@ -116,6 +116,11 @@ impl Maps {
         self.pod_state.get(&cookie, 0).ok()
     }
 
+    /// Every pod's state entry, by netns cookie (cheap: one map walk).
+    pub fn states(&self) -> Vec<(u64, PodEntry)> {
+        self.pod_state.iter().filter_map(Result::ok).collect()
+    }
+
     /// Netns cookie of the pod with this uid, if enrolled.
     pub fn find_uid(&self, uid: &PodUid) -> Option<u64> {
         self.pod_meta

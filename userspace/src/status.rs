@@ -1,12 +1,74 @@
 //! `sluice status`: what the pinned maps say, as a table or JSON. Needs no
-//! running daemon: a fresh process opens the pins and reads.
+//! running daemon: a fresh process opens the pins and reads. The node-level
+//! lines (condition, ztunnel) come from the agent when one runs.
 
 use std::fmt::Write as _;
 
+use serde::Serialize;
+
 use crate::{
+    agent::control::NodeStatus,
     loader::Pins,
     state::{boottime_ns, Maps, PodRecord},
 };
+
+/// The node as `status` shows it: `agent` is `None` when no agent answered.
+#[derive(Debug, Clone, Serialize)]
+pub struct NodeView {
+    pub programs_loaded: bool,
+    pub agent: Option<NodeStatus>,
+}
+
+/// Everything `status -o json` prints.
+#[derive(Debug, Serialize)]
+pub struct Status<'a> {
+    pub node: &'a NodeView,
+    pub pods: &'a [PodRecord],
+}
+
+/// The lines above the pod table.
+pub fn node_lines(n: &NodeView) -> String {
+    let mut out = String::new();
+    let loaded = if n.programs_loaded {
+        "loaded"
+    } else {
+        "not loaded"
+    };
+    let _ = writeln!(out, "programs:   {loaded}");
+    match &n.agent {
+        None => {
+            let _ = writeln!(
+                out,
+                "agent:      not running (no node condition; ztunnel connection unknown)"
+            );
+        }
+        Some(a) => {
+            let _ = writeln!(out, "agent:      running");
+            let zt = if a.ztunnel_connected {
+                "connected"
+            } else {
+                "not connected"
+            };
+            let _ = writeln!(out, "ztunnel:    {zt}");
+            match &a.condition {
+                Some(c) => {
+                    let _ = writeln!(
+                        out,
+                        "condition:  {}={} reason={}: {}",
+                        a.condition_type,
+                        c.status(),
+                        c.reason.as_str(),
+                        c.message
+                    );
+                }
+                None => {
+                    let _ = writeln!(out, "condition:  {} not computed yet", a.condition_type);
+                }
+            }
+        }
+    }
+    out
+}
 
 /// Reads every enrolled pod from the pins; no pins means no pods.
 pub fn read(pins: &Pins) -> Result<Vec<PodRecord>, crate::state::StateError> {
@@ -75,7 +137,7 @@ pub fn table(pods: &[PodRecord]) -> String {
     out
 }
 
-/// The JSON form: an array of pods.
-pub fn json(pods: &[PodRecord]) -> String {
-    serde_json::to_string_pretty(pods).expect("status records always serialise")
+/// The JSON form: `{"node": {...}, "pods": [...]}`.
+pub fn json(node: &NodeView, pods: &[PodRecord]) -> String {
+    serde_json::to_string_pretty(&Status { node, pods }).expect("status records always serialise")
 }

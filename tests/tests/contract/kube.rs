@@ -104,6 +104,7 @@ fn admitted_with(f: &Fixture, records: &std::path::Path) -> TestResult {
             f.dataplane()?,
             Arc::new(Hub::default()),
             Some(KubeCtx { client, node: "node-a".into(), cni_records: Some(records.clone()) }),
+            sluice::readiness::DEFAULT_CONDITION_TYPE,
         );
         let cart = PodRef { name: "cart".into(), namespace: "shop".into(), uid: Some("u-cart".into()) };
         let netns = f.topo.pod_netns_path();
@@ -280,6 +281,15 @@ fn relist() -> TestResult {
                         p2.lock().unwrap().push((p.to_owned(), serde_json::from_slice::<Value>(&body).unwrap()));
                         json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"}})
                     }
+                    // The readiness-gate check reads the pod (it has no gate).
+                    (Method::GET, "/api/v1/namespaces/mesh/pods/web") => json!({"apiVersion": "v1", "kind": "Pod",
+                        "metadata": {"name": "web", "namespace": "mesh"}, "spec": {"containers": [{"name": "app"}]}}),
+                    // The released pod is gone from the API.
+                    (Method::GET, "/api/v1/namespaces/mesh/pods/stale") => {
+                        let gone = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404});
+                        send.send_response(Response::builder().status(404).body(Body::from(serde_json::to_vec(&gone).unwrap())).unwrap());
+                        continue;
+                    }
                     (m, p) => panic!("unexpected request {m} {p}"),
                 };
                 send.send_response(Response::builder().body(Body::from(serde_json::to_vec(&reply).unwrap())).unwrap());
@@ -289,6 +299,7 @@ fn relist() -> TestResult {
             f.dataplane()?,
             Arc::new(Hub::default()),
             Some(KubeCtx { client: kube::Client::new(svc, "default"), node: "node-a".into(), cni_records: None }),
+            sluice::readiness::DEFAULT_CONDITION_TYPE,
         );
         node.reconcile_once(std::time::Duration::ZERO).await?;
         let pods = sluice::status::read(&f.topo.pins)?;
@@ -358,6 +369,7 @@ fn watch_triggers_capture() -> TestResult {
             f.dataplane()?,
             Arc::new(Hub::default()),
             Some(KubeCtx { client: kube::Client::new(svc, "default"), node: "node-a".into(), cni_records: None }),
+            sluice::readiness::DEFAULT_CONDITION_TYPE,
         );
         let (_stop_tx, stop) = tokio::sync::watch::channel(false);
         let task = tokio::spawn(node.clone().reconcile_with_api(stop));

@@ -93,7 +93,11 @@ fn outlives_process() -> TestResult {
     let out = sluice(&f, &["status", "-o", "json"])?;
     ensure!(out.ok, "status failed: {}", out.stderr);
     let v: serde_json::Value = serde_json::from_str(&out.stdout)?;
-    let pod = &v[0];
+    ensure!(
+        v["node"]["programs_loaded"] == true && v["node"]["agent"].is_null(),
+        "{v}"
+    );
+    let pod = &v["pods"][0];
     ensure!(pod["uid"] == f.uid.as_str(), "{v}");
     ensure!(pod["state"] == "Enabled", "{v}");
     ensure!(pod["netns"] == netns.to_str().unwrap(), "{v}");
@@ -107,7 +111,9 @@ fn outlives_process() -> TestResult {
     );
     let out = sluice(&f, &["unenroll", "--uid", f.uid.as_str()])?;
     ensure!(out.ok, "unenroll failed: {}", out.stderr);
-    ensure!(sluice(&f, &["status", "-o", "json"])?.stdout.trim() == "[]");
+    let after: serde_json::Value =
+        serde_json::from_str(&sluice(&f, &["status", "-o", "json"])?.stdout)?;
+    ensure!(after["pods"] == serde_json::json!([]), "{after}");
     Ok(())
 }
 

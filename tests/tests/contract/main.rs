@@ -9,6 +9,7 @@ mod contract_rows;
 mod differential;
 mod kube;
 mod lifecycle;
+mod readiness;
 
 use libtest_mimic::{Arguments, Failed, Trial};
 use sluice_tests::harness::is_root;
@@ -34,5 +35,6 @@ fn main() {
     trials.extend(agent::trials());
     trials.extend(cni::trials());
     trials.extend(kube::trials());
+    trials.extend(readiness::trials());
     libtest_mimic::run(&args, trials).exit();
 }

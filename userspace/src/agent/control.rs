@@ -19,7 +19,7 @@ use tokio::{
 use tracing::warn;
 
 use super::node::Node;
-use crate::{cni::spec::PodRef, workload::Workload};
+use crate::{cni::spec::PodRef, readiness::Condition, workload::Workload};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -51,6 +51,8 @@ pub enum Request {
     CniCheck {
         pod: PodRef,
     },
+    /// The node-level state, for `sluice status`.
+    Status,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -73,6 +75,16 @@ pub enum Response {
     Error {
         message: String,
     },
+    Node(NodeStatus),
+}
+
+/// What the agent reports about its node.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NodeStatus {
+    pub condition_type: String,
+    /// `None` before the agent's first readiness pass.
+    pub condition: Option<Condition>,
+    pub ztunnel_connected: bool,
 }
 
 pub fn bind(path: &Path) -> std::io::Result<std::os::unix::net::UnixListener> {

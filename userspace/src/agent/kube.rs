@@ -12,7 +12,7 @@ use tracing::warn;
 use crate::{
     cni::spec::PodRef,
     kube::{
-        annotate,
+        annotate, gate,
         selection::{self, Verdict},
         verify::{self, Found},
     },
@@ -166,13 +166,18 @@ impl KubeCtx {
             .map_err(|e| anyhow::anyhow!("pod {}/{}: {e}", pod.namespace, pod.name))
     }
 
-    /// Sets the pod's redirection annotation for `state` (None removes it),
-    /// in the background: failures are logged, the next change retries.
+    /// Sets the pod's redirection annotation for `state` (None removes it)
+    /// and, for pods with the `sluice.dev/redirected` readiness gate, that
+    /// condition; in the background: failures are logged, the next change
+    /// retries.
     pub fn announce(&self, namespace: &str, name: &str, state: Option<PodState>) {
         let (client, ns, name) = (self.client.clone(), namespace.to_owned(), name.to_owned());
         tokio::spawn(async move {
-            if let Err(e) = annotate::write(client, &ns, &name, state).await {
+            if let Err(e) = annotate::write(client.clone(), &ns, &name, state).await {
                 warn!(pod = %format!("{ns}/{name}"), error = %e, "could not update the redirection annotation");
+            }
+            if let Err(e) = gate::write(client, &ns, &name, state).await {
+                warn!(pod = %format!("{ns}/{name}"), error = %e, "could not update the readiness-gate condition");
             }
         });
     }

@@ -1,12 +1,16 @@
 //! `sluice agent`: the node agent. Owns enrollment on the node, serves ZDS to
 //! ztunnel, and keeps each pod's state in the pinned pod-state map (never only
-//! in memory). On SIGTERM it stops serving and leaves capture in place.
+//! in memory). It reports the node's readiness (`report`) and serves
+//! metrics (`admin`). On SIGTERM it marks the node not ready, stops serving
+//! and leaves capture in place.
 
+pub mod admin;
 pub mod control;
 pub mod kube;
 pub mod node;
+pub mod report;
 
-use std::{path::PathBuf, sync::Arc};
+use std::{net::SocketAddr, path::PathBuf, sync::Arc};
 
 use anyhow::Context as _;
 use tokio::sync::watch;
@@ -20,6 +24,7 @@ use crate::{
 
 pub const DEFAULT_ZDS_SOCKET: &str = "/var/run/ztunnel/ztunnel.sock";
 pub const DEFAULT_CONTROL_SOCKET: &str = "/run/sluice/agent.sock";
+pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:15030";
 
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -31,6 +36,10 @@ pub struct Config {
     /// The node this agent runs on, when it runs in a cluster: CNI requests
     /// are then admitted against the API and pods annotated.
     pub node_name: Option<String>,
+    /// The node condition's type, grace and heartbeat, and startup taints.
+    pub report: report::ReportConfig,
+    /// Where /metrics, /healthz and /readyz are served (`None`: not served).
+    pub metrics_addr: Option<SocketAddr>,
 }
 
 pub fn run(cfg: Config) -> anyhow::Result<()> {
@@ -56,7 +65,19 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         }),
         None => None,
     };
-    let node = node::Node::new(dp, hub.clone(), kube);
+    let api = kube.as_ref().map(|k| report::NodeApi {
+        client: k.client.clone(),
+        node: k.node.clone(),
+    });
+    let node = node::Node::new(dp, hub.clone(), kube, &cfg.report.condition_type);
+    let admin = match cfg.metrics_addr {
+        Some(a) => Some(
+            admin::bind(a)
+                .await
+                .with_context(|| format!("binding the metrics address {a}"))?,
+        ),
+        None => None,
+    };
     let zds = server::bind(&cfg.zds_socket)
         .with_context(|| format!("binding the ZDS socket {}", cfg.zds_socket.display()))?;
     let control = control::bind(&cfg.control_socket).with_context(|| {
@@ -81,6 +102,16 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         stop.clone(),
     ));
     let reconcile_task = tokio::spawn(node.clone().reconcile(stop.clone()));
+    let report_task = tokio::spawn(report::run(
+        node.report().clone(),
+        node.clone(),
+        cfg.cni.clone(),
+        cfg.report.clone(),
+        api,
+        stop.clone(),
+    ));
+    let admin_task =
+        admin.map(|l| tokio::spawn(admin::serve(l, node.report().clone(), stop.clone())));
     let api_task = tokio::spawn(node.clone().reconcile_with_api(stop.clone()));
     // Removing the plugin is not part of stopping: pods must keep going
     // through it while the agent restarts (see `sluice uninstall-cni`).
@@ -96,11 +127,16 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         _ = tokio::signal::ctrl_c() => info!("SIGINT"),
     }
     let _ = stop_tx.send(true);
+    // First: the node is marked not ready before anything else stops.
+    let _ = report_task.await;
     let _ = zds_task.await;
     let _ = control_task.await;
     let _ = reconcile_task.await;
     let _ = api_task.await;
     if let Some(t) = cni_task {
+        let _ = t.await;
+    }
+    if let Some(t) = admin_task {
         let _ = t.await;
     }
     info!("agent stopped; capture stays in place (pins kept)");

@@ -13,19 +13,23 @@ use std::{
     time::{Duration, Instant},
 };
 
-use sluice_common::{PodState, Role};
+use sluice_common::{Counters, PodState, Role};
 use tokio::sync::{watch, Notify};
 use tracing::{info, info_span, warn, Instrument as _};
 
 use super::{
-    control::{Request, Response},
+    control::{NodeStatus, Request, Response},
     kube::{Admission, KubeCtx},
+    report::Report,
 };
 use crate::{
+    cni::install::CniInstall,
     enroll::{self, EnrollError},
     kube::reconcile::{plan, Action, Enrolled},
     loader::Dataplane,
-    state::boottime_ns,
+    metrics::{self, Failure, Metrics},
+    readiness::{self, PodView},
+    state::{boottime_ns, CounterView},
     uid::PodUid,
     workload::Workload,
     zds::{
@@ -61,10 +65,51 @@ pub struct Node {
     hub: Arc<Hub>,
     retries: Mutex<HashMap<String, Retry>>,
     wake: Notify,
+    /// The node condition and metrics, as last computed.
+    report: Arc<Report>,
+    /// Kernel counters of pods since unenrolled, so the metrics' totals
+    /// never go backwards while the agent runs.
+    retired: Mutex<Counters>,
+}
+
+/// The metrics' view of the maps, through the node (which owns them).
+struct MapSource(Weak<Node>);
+
+impl metrics::Source for MapSource {
+    fn sample(&self) -> metrics::Sample {
+        let Some(node) = self.0.upgrade() else {
+            return metrics::Sample::default();
+        };
+        let dp = node.dp.lock().unwrap();
+        let mut pods = vec![
+            ("Pending", 0),
+            ("Enabled", 0),
+            ("Draining", 0),
+            ("Unknown", 0),
+        ];
+        let mut kernel = *node.retired.lock().unwrap();
+        for (cookie, e) in dp.maps.states() {
+            let state = e.state().map(PodState::as_str).unwrap_or("Unknown");
+            if let Some(p) = pods.iter_mut().find(|(s, _)| *s == state) {
+                p.1 += 1;
+            }
+            kernel.add(&dp.maps.counters(cookie));
+        }
+        metrics::Sample {
+            pods,
+            kernel: CounterView::from(kernel),
+        }
+    }
 }
 
 impl Node {
-    pub fn new(dp: Dataplane, hub: Arc<Hub>, kube: Option<KubeCtx>) -> Arc<Self> {
+    /// `condition_type`: the node condition's type, as `status` reports it.
+    pub fn new(
+        dp: Dataplane,
+        hub: Arc<Hub>,
+        kube: Option<KubeCtx>,
+        condition_type: &str,
+    ) -> Arc<Self> {
         Arc::new_cyclic(|me| Self {
             me: me.clone(),
             kube,
@@ -72,7 +117,58 @@ impl Node {
             hub,
             retries: Mutex::new(HashMap::new()),
             wake: Notify::new(),
+            report: Arc::new(Report::new(
+                Arc::new(Metrics::new(Arc::new(MapSource(me.clone())))),
+                condition_type,
+            )),
+            retired: Mutex::new(Counters::default()),
         })
+    }
+
+    pub fn report(&self) -> &Arc<Report> {
+        &self.report
+    }
+
+    fn metrics(&self) -> &Metrics {
+        &self.report.metrics
+    }
+
+    pub fn ztunnel_connected(&self) -> bool {
+        self.hub.is_connected()
+    }
+
+    /// The node condition's inputs: the pods as the pinned state map has
+    /// them, the pins, the CNI config and the ZDS connection.
+    pub fn readiness_inputs(
+        &self,
+        cni: Option<&CniInstall>,
+        pending_grace: Duration,
+    ) -> readiness::Inputs {
+        let dp = self.dp.lock().unwrap();
+        let pods = dp
+            .maps
+            .states()
+            .into_iter()
+            .map(|(cookie, e)| PodView {
+                name: dp
+                    .maps
+                    .meta(cookie)
+                    .map(|m| format!("{}/{}", m.workload.namespace, m.workload.name))
+                    .unwrap_or_else(|| format!("netns:{cookie}")),
+                state: e.state(),
+                changed_at_ns: e.changed_at_ns,
+            })
+            .collect();
+        readiness::Inputs {
+            programs_loaded: dp.pins.is_loaded(),
+            // Not managing the CNI config (a dev or hand-run agent): whoever
+            // runs it vouches for it.
+            cni_installed: cni.is_none_or(CniInstall::is_installed),
+            ztunnel_connected: self.hub.is_connected(),
+            pods,
+            now_ns: boottime_ns(),
+            pending_grace,
+        }
     }
 
     fn self_arc(&self) -> Option<Arc<Self>> {
@@ -164,6 +260,11 @@ impl Node {
                     message: crate::one_line(&e),
                 })
             }
+            Request::Status => Response::Node(NodeStatus {
+                condition_type: self.report.condition_type.clone(),
+                condition: self.report.condition(),
+                ztunnel_connected: self.hub.is_connected(),
+            }),
             Request::CniCheck { pod } => match cni_uid(&pod).map(|u| (self.cookie_of(&u), u)) {
                 Ok((Some(cookie), uid)) => self.enrolled(&uid, cookie),
                 Ok((None, uid)) => Response::Error {
@@ -259,11 +360,20 @@ impl Node {
         )?;
         let this = self.clone();
         let (w, u) = (workload.clone(), uid.clone());
-        let cookie = tokio::task::spawn_blocking(move || -> Result<u64, EnrollError> {
+        let started = Instant::now();
+        let attached = tokio::task::spawn_blocking(move || -> Result<u64, EnrollError> {
             let mut dp = this.dp.lock().unwrap();
             Ok(enroll::attach_pod(&mut dp, &netns, &u, &w)?.1)
         })
-        .await??;
+        .await?;
+        let cookie = match attached {
+            Ok(c) => c,
+            Err(e) => {
+                self.metrics().failed(Failure::Attach);
+                return Err(e.into());
+            }
+        };
+        self.metrics().enrolled(started.elapsed());
         info!(cookie, "capture attached (Pending)");
         let note = match self.hub.newest() {
             None => {
@@ -305,8 +415,11 @@ impl Node {
         // Every live ztunnel (two during an upgrade) lets go of the pod.
         for conn in self.hub.all() {
             match conn.request(WorkloadRequest::del(uid.as_str()), None).await {
-                Ok(Answer::Ack) => {}
-                Ok(Answer::Nack(t)) => warn!(conn = conn.id, nack = %t, "ztunnel nacked del"),
+                Ok(Answer::Ack) => self.metrics().zds_answer(true),
+                Ok(Answer::Nack(t)) => {
+                    self.metrics().zds_answer(false);
+                    warn!(conn = conn.id, nack = %t, "ztunnel nacked del")
+                }
                 Err(e) => warn!(conn = conn.id, error = %e, "del failed"),
             }
         }
@@ -314,7 +427,12 @@ impl Node {
         tokio::task::spawn_blocking(move || -> Result<(), EnrollError> {
             let mut guard = this.dp.lock().unwrap();
             let dp = &mut *guard;
-            enroll::unenroll(&dp.pins, &mut dp.maps, &uid)
+            let last = dp.maps.find_uid(&uid).map(|c| dp.maps.counters(c));
+            enroll::unenroll(&dp.pins, &mut dp.maps, &uid)?;
+            if let Some(c) = last {
+                this.retired.lock().unwrap().add(&c);
+            }
+            Ok(())
         })
         .await??;
         if let (Some(k), Some(id)) = (&self.kube, identity) {
@@ -370,20 +488,29 @@ impl Node {
         out: Result<Answer, ZdsError>,
     ) -> Result<(), String> {
         let why = match out {
-            Ok(Answer::Ack) => match self.register(uid, cookie, pid).await {
-                Ok(()) => {
-                    self.retries.lock().unwrap().remove(uid);
-                    self.announce(cookie, Some(PodState::Enabled));
-                    return Ok(());
+            Ok(Answer::Ack) => {
+                self.metrics().zds_answer(true);
+                match self.register(uid, cookie, pid).await {
+                    Ok(()) => {
+                        self.retries.lock().unwrap().remove(uid);
+                        self.announce(cookie, Some(PodState::Enabled));
+                        return Ok(());
+                    }
+                    Err(e) => {
+                        self.metrics().failed(Failure::NoListeners);
+                        e
+                    }
                 }
-                Err(e) => e,
-            },
+            }
             Ok(Answer::Nack(t)) => {
                 warn!(%uid, nack = %t, "ztunnel nacked add");
+                self.metrics().zds_answer(false);
+                self.metrics().failed(Failure::Nack);
                 format!("ztunnel nacked add: {t}")
             }
             Err(e) => {
                 warn!(%uid, error = %e, "add failed");
+                self.metrics().failed(Failure::Zds);
                 format!("add failed: {e}")
             }
         };

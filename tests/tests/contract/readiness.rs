@@ -1,0 +1,303 @@
+//! The node condition, /readyz and the metrics, computed from the pinned maps
+//! the dataplane writes: a real agent process, a ztunnel-like peer, a pod in
+//! a real netns. And the stopping agent's last word on the Node (mock API).
+
+use std::{
+    path::Path,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use anyhow::{ensure, Context as _};
+use http::{Method, Request, Response};
+use kube::client::Body;
+use libtest_mimic::Trial;
+use serde_json::{json, Value};
+use sluice::{
+    agent::{
+        node::Node,
+        report::{self, NodeApi, ReportConfig},
+    },
+    readiness::DEFAULT_CONDITION_TYPE,
+    zds::server::Hub,
+};
+use sluice_tests::{
+    agent::{free_port, http_get, AgentProc, PeerProc},
+    flow::{connect as tcp, Opts},
+    harness::{Fixture, APP_PORT},
+    topology::Family,
+};
+
+use crate::{trial, TestResult};
+
+const PEER: &str = env!("CARGO_BIN_EXE_sluice-zds-peer");
+
+pub fn trials() -> Vec<Trial> {
+    vec![
+        trial(
+            "readiness::pending_past_grace_then_ready_when_ztunnel_acks",
+            pending_then_ready,
+        ),
+        trial(
+            "readiness::stopping_agent_marks_the_node_not_ready",
+            stop_marks_node,
+        ),
+    ]
+}
+
+/// The node part of `sluice status -o json`.
+fn node_status(agent: &AgentProc) -> anyhow::Result<Value> {
+    let out = agent.sluice(&["status", "-o", "json"])?;
+    ensure!(out.ok, "status: {}", out.stderr);
+    let v: Value = serde_json::from_str(&out.stdout)?;
+    Ok(v["node"].clone())
+}
+
+fn wait_reason(agent: &AgentProc, want: &str, timeout: Duration) -> anyhow::Result<Value> {
+    let start = Instant::now();
+    loop {
+        let n = node_status(agent)?;
+        if n["agent"]["condition"]["reason"] == want {
+            return Ok(n);
+        }
+        ensure!(
+            start.elapsed() < timeout,
+            "condition never became {want}: {n}\n{}",
+            agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The value of one sample, parsed by a Prometheus text parser.
+fn sample(
+    scrape: &prometheus_parse::Scrape,
+    name: &str,
+    label: Option<(&str, &str)>,
+) -> Option<f64> {
+    scrape
+        .samples
+        .iter()
+        .find(|s| s.metric == name && label.is_none_or(|(k, v)| s.labels.get(k) == Some(v)))
+        .map(|s| match s.value {
+            prometheus_parse::Value::Counter(v)
+            | prometheus_parse::Value::Gauge(v)
+            | prometheus_parse::Value::Untyped(v) => v,
+            _ => f64::NAN,
+        })
+}
+
+fn pending_then_ready() -> TestResult {
+    let f = Fixture::new("rd", None)?;
+    let port = free_port()?;
+    let addr = format!("127.0.0.1:{port}");
+    let agent = AgentProc::start_with(
+        &f.topo.pins,
+        &["--metrics-addr", &addr, "--pending-grace", "1s"],
+    )?;
+
+    // No ztunnel yet.
+    wait_reason(&agent, "ZtunnelDisconnected", Duration::from_secs(5))?;
+    let (code, body) = http_get(port, "/readyz")?;
+    ensure!(
+        code == 503 && body.contains("ZtunnelDisconnected"),
+        "{code} {body}"
+    );
+    ensure!(http_get(port, "/healthz")?.0 == 200);
+
+    // A ztunnel that refuses the pod: it stays Pending; after the grace the
+    // node is not ready, naming the pod.
+    let mut refusing = PeerProc::start(Path::new(PEER), &agent.zds, &["--nack", "not today"])?;
+    let start = Instant::now();
+    while !agent.log().contains("ztunnel live") {
+        ensure!(start.elapsed() < Duration::from_secs(5), "peer never live");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let netns = f.topo.pod_netns_path();
+    let out = agent.sluice(&[
+        "enroll",
+        "--netns",
+        netns.to_str().unwrap(),
+        "--uid",
+        f.uid.as_str(),
+        "--name",
+        "cart",
+        "--namespace",
+        "shop",
+    ])?;
+    ensure!(
+        out.ok && out.stdout.contains("Pending"),
+        "{} {}",
+        out.stdout,
+        out.stderr
+    );
+    let n = wait_reason(&agent, "PodsPendingEnrollment", Duration::from_secs(10))?;
+    let msg = n["agent"]["condition"]["message"]
+        .as_str()
+        .unwrap_or_default();
+    ensure!(
+        msg == "1 of 1 ambient pods pending for >1s: shop/cart",
+        "{msg}"
+    );
+    ensure!(n["agent"]["condition"]["ready"] == false && n["agent"]["ztunnel_connected"] == true);
+    let (code, body) = http_get(port, "/readyz")?;
+    ensure!(
+        code == 503 && body.contains("PodsPendingEnrollment"),
+        "{code} {body}"
+    );
+
+    // A ztunnel that takes it: its snapshot's add is acked, the pod Enabled,
+    // the node ready.
+    refusing.kill();
+    let _taking = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    let n = wait_reason(&agent, "RedirectionReady", Duration::from_secs(10))?;
+    ensure!(n["agent"]["condition"]["ready"] == true, "{n}");
+    ensure!(n["agent"]["condition_type"] == DEFAULT_CONDITION_TYPE);
+    let (code, body) = http_get(port, "/readyz")?;
+    ensure!(code == 200, "{code} {body}");
+    let table = agent.sluice(&["status"])?.stdout;
+    ensure!(
+        table.contains("condition:  sluice.dev/RedirectionReady=True reason=RedirectionReady")
+            && table.contains("ztunnel:    connected"),
+        "{table}"
+    );
+
+    // Captured traffic shows in the kernel counters the metrics sum.
+    let r = tcp(
+        &f.topo.client,
+        std::net::SocketAddr::new(f.topo.pod_ip(Family::V4), APP_PORT),
+        Opts::default(),
+    );
+    ensure!(r.reply().is_some(), "{r:?}");
+    let (code, text) = http_get(port, "/metrics")?;
+    ensure!(code == 200);
+    let scrape = prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_owned())))
+        .context("parsing /metrics")?;
+    let want = [
+        ("sluice_pods", Some(("state", "Enabled")), 1.0),
+        ("sluice_pods", Some(("state", "Pending")), 0.0),
+        ("sluice_ztunnel_connected", None, 1.0),
+        ("sluice_node_ready", None, 1.0),
+        (
+            "sluice_node_condition_reason",
+            Some(("reason", "RedirectionReady")),
+            1.0,
+        ),
+        ("sluice_enrollments_total", None, 1.0),
+        (
+            "sluice_captured_connections_total",
+            Some(("listener", "inbound")),
+            1.0,
+        ),
+    ];
+    for (name, label, v) in want {
+        let got = sample(&scrape, name, label);
+        ensure!(
+            got == Some(v),
+            "{name} {label:?}: {got:?}, want {v}\n{text}"
+        );
+    }
+    for (name, label) in [
+        ("sluice_zds_answers_total", ("answer", "nack")),
+        ("sluice_zds_answers_total", ("answer", "ack")),
+        (
+            "sluice_enrollment_failures_total",
+            ("reason", "ztunnel_nack"),
+        ),
+    ] {
+        let got = sample(&scrape, name, Some(label)).unwrap_or(0.0);
+        ensure!(got >= 1.0, "{name} {label:?}: {got}\n{text}");
+    }
+    Ok(())
+}
+
+/// A mock API server for one Node: answers GETs with the node (carrying the
+/// last patched condition) and records every status patch.
+fn node_api(patches: Arc<Mutex<Vec<Value>>>) -> kube::Client {
+    let (svc, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    tokio::spawn(async move {
+        while let Some((req, send)) = handle.next_request().await {
+            let (method, path) = (req.method().clone(), req.uri().path().to_owned());
+            assert_eq!(path, "/api/v1/nodes/node-a/status", "{method} {path}");
+            let body = req.into_body().collect_bytes().await.unwrap_or_default();
+            if method == Method::PATCH {
+                patches
+                    .lock()
+                    .unwrap()
+                    .push(serde_json::from_slice(&body).unwrap());
+            }
+            let conditions: Vec<Value> = patches
+                .lock()
+                .unwrap()
+                .last()
+                .map(|p| p["status"]["conditions"].as_array().unwrap().clone())
+                .unwrap_or_default();
+            let node = json!({"apiVersion": "v1", "kind": "Node",
+                "metadata": {"name": "node-a", "resourceVersion": "1"},
+                "status": {"conditions": conditions}});
+            send.send_response(
+                Response::builder()
+                    .body(Body::from(serde_json::to_vec(&node).unwrap()))
+                    .unwrap(),
+            );
+        }
+    });
+    kube::Client::new(svc, "default")
+}
+
+fn stop_marks_node() -> TestResult {
+    let f = Fixture::new("rs", None)?;
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async {
+        let patches = Arc::new(Mutex::new(Vec::new()));
+        let client = node_api(patches.clone());
+        let node = Node::new(
+            f.dataplane()?,
+            Arc::new(Hub::default()),
+            None,
+            DEFAULT_CONDITION_TYPE,
+        );
+        let (stop_tx, stop) = tokio::sync::watch::channel(false);
+        let api = NodeApi {
+            client,
+            node: "node-a".into(),
+        };
+        let task = tokio::spawn(report::run(
+            node.report().clone(),
+            node.clone(),
+            None,
+            ReportConfig::default(),
+            Some(api),
+            stop,
+        ));
+        let start = Instant::now();
+        while patches.lock().unwrap().is_empty() {
+            ensure!(
+                start.elapsed() < Duration::from_secs(5),
+                "no condition written"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let first = patches.lock().unwrap()[0]["status"]["conditions"][0].clone();
+        ensure!(
+            first["status"] == "False" && first["reason"] == "ZtunnelDisconnected",
+            "{first}"
+        );
+        stop_tx.send(true)?;
+        task.await?;
+        let all = patches.lock().unwrap().clone();
+        ensure!(
+            all.len() == 2,
+            "one write while running (unchanged), one on stop: {all:?}"
+        );
+        let last = &all[1]["status"]["conditions"][0];
+        ensure!(
+            last["status"] == "False"
+                && last["reason"] == "AgentStopped"
+                && last["lastTransitionTime"] == first["lastTransitionTime"],
+            "{last}"
+        );
+        ensure!(node.report().condition().is_some_and(|c| !c.ready));
+        Ok(())
+    })
+}

@@ -1,0 +1,337 @@
+//! The node condition on `nodes/<name>/status`: written when its status or
+//! reason changes, else once per heartbeat (message-only changes, such as a
+//! pod count, wait for it). `lastTransitionTime` moves only when the status
+//! flips. Each write is a strategic merge patch of this one condition (the
+//! kubelet's own conditions are untouched) carrying the resourceVersion it was
+//! computed from, so a concurrent writer makes it fail with 409 and it is
+//! recomputed and retried.
+
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Node, NodeCondition};
+use kube::api::{Api, Patch, PatchParams};
+use serde_json::{json, Value};
+
+use crate::readiness::Condition;
+
+/// The default heartbeat: an unchanged condition is rewritten this often.
+pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(60);
+/// Attempts per write when the Node keeps changing under us.
+const CONFLICT_ATTEMPTS: usize = 5;
+
+/// Now, as Kubernetes writes times (RFC 3339, seconds, UTC).
+pub fn now_rfc3339() -> String {
+    let now = k8s_openapi::jiff::Timestamp::now();
+    now.strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
+}
+
+/// The condition of type `kind` on `node`, if it has one.
+pub fn current<'a>(node: &'a Node, kind: &str) -> Option<&'a NodeCondition> {
+    node.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == kind)
+}
+
+/// The patch that sets condition `kind` to `desired` at time `now`, given what
+/// the Node shows now: the transition time is kept unless the status flips.
+pub fn patch_body(
+    kind: &str,
+    desired: &Condition,
+    current: Option<&NodeCondition>,
+    now: &str,
+    resource_version: Option<&str>,
+) -> Value {
+    let transition = match current {
+        Some(c) if c.status == desired.status() => c
+            .last_transition_time
+            .as_ref()
+            .and_then(|t| serde_json::to_value(t).ok())
+            .unwrap_or_else(|| json!(now)),
+        _ => json!(now),
+    };
+    let mut body = json!({
+        "status": {
+            "conditions": [{
+                "type": kind,
+                "status": desired.status(),
+                "reason": desired.reason.as_str(),
+                "message": desired.message,
+                "lastHeartbeatTime": now,
+                "lastTransitionTime": transition,
+            }]
+        }
+    });
+    if let Some(rv) = resource_version {
+        body["metadata"] = json!({ "resourceVersion": rv });
+    }
+    body
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Same status and reason as the last write, within the heartbeat.
+    Unchanged,
+    Written,
+}
+
+/// Writes one node's condition; remembers its last write (so a restart
+/// always writes once, from what the Node shows).
+pub struct ConditionWriter {
+    api: Api<Node>,
+    node: String,
+    kind: String,
+    heartbeat: Duration,
+    last: Option<(Condition, Instant)>,
+}
+
+impl ConditionWriter {
+    pub fn new(client: kube::Client, node: &str, kind: &str, heartbeat: Duration) -> Self {
+        Self {
+            api: Api::all(client),
+            node: node.to_owned(),
+            kind: kind.to_owned(),
+            heartbeat,
+            last: None,
+        }
+    }
+
+    /// Puts `desired` on the Node if it changed or the heartbeat is due.
+    pub async fn update(&mut self, desired: &Condition) -> kube::Result<Outcome> {
+        if let Some((last, at)) = &self.last {
+            let same = last.ready == desired.ready && last.reason == desired.reason;
+            if same && at.elapsed() < self.heartbeat {
+                return Ok(Outcome::Unchanged);
+            }
+        }
+        self.write(desired).await?;
+        self.last = Some((desired.clone(), Instant::now()));
+        Ok(Outcome::Written)
+    }
+
+    /// Writes `desired` now, whatever was written before.
+    pub async fn write(&self, desired: &Condition) -> kube::Result<()> {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let node = self.api.get_status(&self.node).await?;
+            let body = patch_body(
+                &self.kind,
+                desired,
+                current(&node, &self.kind),
+                &now_rfc3339(),
+                node.metadata.resource_version.as_deref(),
+            );
+            match self
+                .api
+                .patch_status(&self.node, &PatchParams::default(), &Patch::Strategic(body))
+                .await
+            {
+                Err(kube::Error::Api(e)) if e.code == 409 && attempt < CONFLICT_ATTEMPTS => {
+                    continue
+                }
+                r => return r.map(drop),
+            }
+        }
+    }
+
+    /// What the Node shows for this condition now (for the watchdog).
+    pub async fn read(&self) -> kube::Result<Option<NodeCondition>> {
+        let node = self.api.get_status(&self.node).await?;
+        Ok(current(&node, &self.kind).cloned())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http::{Method, Request, Response};
+    use kube::client::Body;
+    use tower_test::mock::Handle;
+
+    use super::*;
+    use crate::readiness::Reason;
+
+    const KIND: &str = "sluice.dev/RedirectionReady";
+
+    fn ready() -> Condition {
+        Condition {
+            ready: true,
+            reason: Reason::Ready,
+            message: "2 ambient pods enrolled".into(),
+        }
+    }
+
+    fn pending() -> Condition {
+        Condition {
+            ready: false,
+            reason: Reason::PodsPendingEnrollment,
+            message: "1 of 2 ambient pods pending for >10s: shop/cart".into(),
+        }
+    }
+
+    fn node(rv: &str, cond: Option<Value>) -> Value {
+        let mut conditions = vec![json!({"type": "Ready", "status": "True"})];
+        conditions.extend(cond);
+        json!({"apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": "node-a", "resourceVersion": rv},
+            "status": {"conditions": conditions}})
+    }
+
+    fn respond(send: tower_test::mock::SendResponse<Response<Body>>, code: u16, body: Value) {
+        send.send_response(
+            Response::builder()
+                .status(code)
+                .body(Body::from(serde_json::to_vec(&body).unwrap()))
+                .unwrap(),
+        );
+    }
+
+    /// Expects a GET of the node's status and answers with `node`.
+    async fn serve_get(h: &mut Handle<Request<Body>, Response<Body>>, node: Value) {
+        let (req, send) = h.next_request().await.expect("a GET");
+        assert_eq!(req.method(), Method::GET);
+        assert_eq!(req.uri().path(), "/api/v1/nodes/node-a/status");
+        respond(send, 200, node);
+    }
+
+    /// Expects the status PATCH; returns its body, answering with `code`.
+    async fn serve_patch(h: &mut Handle<Request<Body>, Response<Body>>, code: u16) -> Value {
+        let (req, send) = h.next_request().await.expect("a PATCH");
+        assert_eq!(req.method(), Method::PATCH);
+        assert_eq!(req.uri().path(), "/api/v1/nodes/node-a/status");
+        assert_eq!(
+            req.headers()["content-type"],
+            "application/strategic-merge-patch+json"
+        );
+        let body: Value =
+            serde_json::from_slice(&req.into_body().collect_bytes().await.unwrap()).unwrap();
+        if code == 409 {
+            let status = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                "message": "the object has been modified", "reason": "Conflict", "code": 409});
+            respond(send, 409, status);
+        } else {
+            respond(send, code, node("2", None));
+        }
+        body
+    }
+
+    fn strip_times(mut body: Value) -> (Value, String, String) {
+        let c = &mut body["status"]["conditions"][0];
+        let hb = c["lastHeartbeatTime"].take().as_str().unwrap().to_owned();
+        let tr = c["lastTransitionTime"].take().as_str().unwrap().to_owned();
+        (body, hb, tr)
+    }
+
+    #[test]
+    fn transition_time_moves_only_when_the_status_flips() {
+        let was_false = serde_json::from_value::<NodeCondition>(json!({
+            "type": KIND, "status": "False", "reason": "ZtunnelDisconnected",
+            "lastTransitionTime": "2026-11-01T00:00:00Z"}))
+        .unwrap();
+        let now = "2026-11-22T03:00:00Z";
+        // False → False with another reason: transition time kept.
+        let b = patch_body(KIND, &pending(), Some(&was_false), now, Some("7"));
+        assert_eq!(
+            b,
+            json!({"metadata": {"resourceVersion": "7"}, "status": {"conditions": [{
+                "type": KIND, "status": "False", "reason": "PodsPendingEnrollment",
+                "message": "1 of 2 ambient pods pending for >10s: shop/cart",
+                "lastHeartbeatTime": now, "lastTransitionTime": "2026-11-01T00:00:00Z"}]}})
+        );
+        // False → True: now.
+        let b = patch_body(KIND, &ready(), Some(&was_false), now, None);
+        assert_eq!(
+            b["status"]["conditions"][0]["lastTransitionTime"],
+            json!(now)
+        );
+        assert!(b.get("metadata").is_none());
+        // No condition yet: now.
+        let b = patch_body(KIND, &ready(), None, now, None);
+        assert_eq!(
+            b["status"]["conditions"][0]["lastTransitionTime"],
+            json!(now)
+        );
+    }
+
+    #[tokio::test]
+    async fn writes_on_change_and_heartbeat_only() {
+        let (svc, mut h) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let mut w = ConditionWriter::new(
+            kube::Client::new(svc, "default"),
+            "node-a",
+            KIND,
+            Duration::from_millis(300),
+        );
+        // First write: the Node has no such condition.
+        let server = tokio::spawn(async move {
+            serve_get(&mut h, node("1", None)).await;
+            let (body, hb, tr) = strip_times(serve_patch(&mut h, 200).await);
+            assert_eq!(hb, tr, "a new condition starts its transition now");
+            assert_eq!(
+                body,
+                json!({"metadata": {"resourceVersion": "1"}, "status": {"conditions": [{
+                    "type": KIND, "status": "True", "reason": "RedirectionReady",
+                    "message": "2 ambient pods enrolled",
+                    "lastHeartbeatTime": null, "lastTransitionTime": null}]}})
+            );
+            h
+        });
+        assert_eq!(w.update(&ready()).await.unwrap(), Outcome::Written);
+        let mut h = server.await.unwrap();
+
+        // Same status and reason, new message, within the heartbeat: nothing sent.
+        let mut recount = ready();
+        recount.message = "3 ambient pods enrolled".into();
+        assert_eq!(w.update(&recount).await.unwrap(), Outcome::Unchanged);
+        assert!(
+            h.poll_request().is_pending(),
+            "no request within the heartbeat"
+        );
+
+        // After the heartbeat: rewritten, the transition time kept from the Node.
+        tokio::time::sleep(Duration::from_millis(350)).await;
+        let server = tokio::spawn(async move {
+            let on_node = json!({"type": KIND, "status": "True", "reason": "RedirectionReady",
+                "lastTransitionTime": "2026-11-22T01:00:00Z"});
+            serve_get(&mut h, node("5", Some(on_node))).await;
+            let body = serve_patch(&mut h, 200).await;
+            let c = &body["status"]["conditions"][0];
+            assert_eq!(c["lastTransitionTime"], "2026-11-22T01:00:00Z");
+            assert_eq!(c["message"], "3 ambient pods enrolled");
+            assert_eq!(body["metadata"]["resourceVersion"], "5");
+            h
+        });
+        assert_eq!(w.update(&recount).await.unwrap(), Outcome::Written);
+        server.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_conflict_is_recomputed_and_retried() {
+        let (svc, mut h) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let mut w = ConditionWriter::new(
+            kube::Client::new(svc, "default"),
+            "node-a",
+            KIND,
+            DEFAULT_HEARTBEAT,
+        );
+        let server = tokio::spawn(async move {
+            serve_get(&mut h, node("1", None)).await;
+            let first = serve_patch(&mut h, 409).await;
+            assert_eq!(first["metadata"]["resourceVersion"], "1");
+            // Someone else wrote the condition (False) meanwhile.
+            let theirs = json!({"type": KIND, "status": "False", "reason": "AgentNotRunning",
+                "lastTransitionTime": "2026-11-22T02:00:00Z"});
+            serve_get(&mut h, node("2", Some(theirs))).await;
+            let second = serve_patch(&mut h, 200).await;
+            assert_eq!(second["metadata"]["resourceVersion"], "2");
+            let c = &second["status"]["conditions"][0];
+            assert_eq!(c["status"], "False");
+            assert_eq!(c["reason"], "PodsPendingEnrollment");
+            assert_eq!(c["lastTransitionTime"], "2026-11-22T02:00:00Z");
+        });
+        assert_eq!(w.update(&pending()).await.unwrap(), Outcome::Written);
+        server.await.unwrap();
+    }
+}

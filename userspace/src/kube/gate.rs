@@ -1,0 +1,185 @@
+//! The pod readiness gate `sluice.dev/redirected`: pods that list it in
+//! `spec.readinessGates` become Ready only once sluice has them fully enrolled
+//! (Enabled), so Services send traffic only to pods the mesh reaches. Pods
+//! without the gate are left alone. Written as a strategic merge patch of this
+//! one condition on the pod's status (the kubelet's conditions are untouched).
+
+use k8s_openapi::api::core::v1::{Pod, PodCondition};
+use kube::api::{Api, Patch, PatchParams};
+use serde_json::{json, Value};
+use sluice_common::PodState;
+
+pub const GATE: &str = "sluice.dev/redirected";
+
+/// Whether the pod asks for the gate.
+pub fn has_gate(pod: &Pod) -> bool {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.readiness_gates.as_ref())
+        .is_some_and(|g| g.iter().any(|g| g.condition_type == GATE))
+}
+
+/// status, reason, message for a pod state (`None`: not enrolled).
+pub fn condition_for(state: Option<PodState>) -> (&'static str, &'static str, &'static str) {
+    match state {
+        Some(PodState::Enabled) => (
+            "True",
+            "Enabled",
+            "captured; ztunnel has the pod and its listeners",
+        ),
+        Some(PodState::Pending) => (
+            "False",
+            "Pending",
+            "captured, waiting for ztunnel: connections are held back (fail closed)",
+        ),
+        Some(PodState::Draining) => ("False", "Draining", "capture is being removed"),
+        None => ("False", "NotEnrolled", "sluice does not capture this pod"),
+    }
+}
+
+/// The patch for `state` given the pod's current gate condition.
+pub fn patch_body(state: Option<PodState>, current: Option<&PodCondition>, now: &str) -> Value {
+    let (status, reason, message) = condition_for(state);
+    let transition = match current {
+        Some(c) if c.status == status => c
+            .last_transition_time
+            .as_ref()
+            .and_then(|t| serde_json::to_value(t).ok())
+            .unwrap_or_else(|| json!(now)),
+        _ => json!(now),
+    };
+    json!({ "status": { "conditions": [{
+        "type": GATE,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": transition,
+    }]}})
+}
+
+/// Sets the gate condition of pod `namespace/name` for `state`, if the pod
+/// has the gate. `Ok(false)`: it has none (nothing written).
+pub async fn write(
+    client: kube::Client,
+    namespace: &str,
+    name: &str,
+    state: Option<PodState>,
+) -> kube::Result<bool> {
+    let api: Api<Pod> = Api::namespaced(client, namespace);
+    let pod = api.get(name).await?;
+    if !has_gate(&pod) {
+        return Ok(false);
+    }
+    let current = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.type_ == GATE));
+    let body = patch_body(state, current, &super::condition::now_rfc3339());
+    api.patch_status(name, &PatchParams::default(), &Patch::Strategic(body))
+        .await?;
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use http::{Method, Request, Response};
+    use kube::client::Body;
+
+    use super::*;
+
+    fn pod(gated: bool, cond: Option<Value>) -> Value {
+        let mut p = json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "cart", "namespace": "shop"},
+            "spec": {"containers": [{"name": "app"}]},
+            "status": {"conditions": [{"type": "Ready", "status": "False"}]}});
+        if gated {
+            p["spec"]["readinessGates"] = json!([{"conditionType": GATE}]);
+        }
+        if let Some(c) = cond {
+            p["status"]["conditions"].as_array_mut().unwrap().push(c);
+        }
+        p
+    }
+
+    fn reply(send: tower_test::mock::SendResponse<Response<Body>>, body: Value) {
+        send.send_response(
+            Response::builder()
+                .body(Body::from(serde_json::to_vec(&body).unwrap()))
+                .unwrap(),
+        );
+    }
+
+    #[tokio::test]
+    async fn gated_pod_gets_true_when_enabled() {
+        let (svc, mut h) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let client = kube::Client::new(svc, "default");
+        let server = tokio::spawn(async move {
+            let (req, send) = h.next_request().await.unwrap();
+            assert_eq!(
+                (req.method(), req.uri().path()),
+                (&Method::GET, "/api/v1/namespaces/shop/pods/cart")
+            );
+            let was = json!({"type": GATE, "status": "False", "reason": "Pending",
+                "lastTransitionTime": "2026-11-22T01:00:00Z"});
+            reply(send, pod(true, Some(was)));
+            let (req, send) = h.next_request().await.unwrap();
+            assert_eq!(
+                (req.method(), req.uri().path()),
+                (&Method::PATCH, "/api/v1/namespaces/shop/pods/cart/status")
+            );
+            assert_eq!(
+                req.headers()["content-type"],
+                "application/strategic-merge-patch+json"
+            );
+            let mut body: Value =
+                serde_json::from_slice(&req.into_body().collect_bytes().await.unwrap()).unwrap();
+            let c = &mut body["status"]["conditions"][0];
+            assert_ne!(c["lastTransitionTime"].take(), "2026-11-22T01:00:00Z");
+            assert_eq!(
+                body,
+                json!({"status": {"conditions": [{"type": GATE, "status": "True",
+                    "reason": "Enabled", "message": "captured; ztunnel has the pod and its listeners",
+                    "lastTransitionTime": null}]}})
+            );
+            reply(send, pod(true, None));
+        });
+        assert!(write(client, "shop", "cart", Some(PodState::Enabled))
+            .await
+            .unwrap());
+        server.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn ungated_pod_is_left_alone() {
+        let (svc, mut h) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let client = kube::Client::new(svc, "default");
+        let server = tokio::spawn(async move {
+            let (_, send) = h.next_request().await.unwrap();
+            reply(send, pod(false, None));
+            h
+        });
+        assert!(!write(client, "shop", "cart", Some(PodState::Enabled))
+            .await
+            .unwrap());
+        let mut h = server.await.unwrap();
+        assert!(
+            h.poll_request().is_pending(),
+            "no PATCH for a pod without the gate"
+        );
+    }
+
+    #[test]
+    fn pending_is_false_and_keeps_its_transition_time() {
+        let was = serde_json::from_value::<PodCondition>(json!({"type": GATE, "status": "False",
+            "reason": "NotEnrolled", "lastTransitionTime": "2026-11-22T01:00:00Z"}))
+        .unwrap();
+        let b = patch_body(Some(PodState::Pending), Some(&was), "2026-11-22T03:00:00Z");
+        let c = &b["status"]["conditions"][0];
+        assert_eq!(
+            (c["status"].as_str(), c["reason"].as_str()),
+            (Some("False"), Some("Pending"))
+        );
+        assert_eq!(c["lastTransitionTime"], "2026-11-22T01:00:00Z");
+    }
+}

@@ -1,0 +1,283 @@
+//! The agent's Prometheus metrics (text format, `sluice_` prefix). Event
+//! counts (enrollments, ZDS answers) are counted as they happen; pod states
+//! and the kernel's per-pod counters are read from the pinned maps at each
+//! scrape, so they say what the dataplane says, not what the agent believes.
+
+use std::{fmt, sync::Arc};
+
+use prometheus_client::{
+    collector::Collector,
+    encoding::{text::encode, DescriptorEncoder, EncodeMetric},
+    metrics::{
+        counter::{ConstCounter, Counter},
+        family::Family,
+        gauge::{ConstGauge, Gauge},
+        histogram::{exponential_buckets, Histogram},
+    },
+    registry::{Registry, Unit},
+};
+
+use crate::{readiness::Reason, state::CounterView};
+
+type Labels = Vec<(&'static str, &'static str)>;
+
+/// What the maps say at scrape time.
+#[derive(Debug, Clone, Default)]
+pub struct Sample {
+    /// Pods by state name (Pending, Enabled, Draining, Unknown).
+    pub pods: Vec<(&'static str, u64)>,
+    /// The kernel counters of enrolled pods plus those of pods since removed.
+    pub kernel: CounterView,
+}
+
+/// Where samples come from (the agent's node view).
+pub trait Source: Send + Sync + 'static {
+    fn sample(&self) -> Sample;
+}
+
+/// Why an enrollment attempt failed, as a label.
+#[derive(Debug, Clone, Copy)]
+pub enum Failure {
+    /// Attaching capture (netns, links, routes, takeover) failed.
+    Attach,
+    /// ztunnel refused the pod.
+    Nack,
+    /// The ZDS exchange failed (timeout, connection closed).
+    Zds,
+    /// ztunnel acked but its listeners did not appear.
+    NoListeners,
+}
+
+impl Failure {
+    fn label(self) -> &'static str {
+        match self {
+            Failure::Attach => "attach",
+            Failure::Nack => "ztunnel_nack",
+            Failure::Zds => "zds_error",
+            Failure::NoListeners => "no_listeners",
+        }
+    }
+}
+
+pub struct Metrics {
+    registry: Registry,
+    enrollments: Counter,
+    failures: Family<Labels, Counter>,
+    attach_seconds: Histogram,
+    zds_answers: Family<Labels, Counter>,
+    ztunnel_connected: Gauge,
+    node_ready: Gauge,
+    node_reason: Family<Labels, Gauge>,
+}
+
+impl Metrics {
+    pub fn new(source: Arc<dyn Source>) -> Self {
+        let mut registry = Registry::with_prefix("sluice");
+        let m = Self {
+            enrollments: Counter::default(),
+            failures: Family::default(),
+            attach_seconds: Histogram::new(exponential_buckets(0.005, 2.0, 10)),
+            zds_answers: Family::default(),
+            ztunnel_connected: Gauge::default(),
+            node_ready: Gauge::default(),
+            node_reason: Family::default(),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "enrollments",
+            "Pods whose capture was attached",
+            m.enrollments.clone(),
+        );
+        registry.register(
+            "enrollment_failures",
+            "Failed enrollment attempts, by reason (attach, ztunnel_nack, zds_error, no_listeners)",
+            m.failures.clone(),
+        );
+        registry.register_with_unit(
+            "enrollment_attach",
+            "Time to attach a pod's capture (programs, routes, state)",
+            Unit::Seconds,
+            m.attach_seconds.clone(),
+        );
+        registry.register(
+            "zds_answers",
+            "ztunnel's answers to add/del requests, by answer (ack, nack)",
+            m.zds_answers.clone(),
+        );
+        registry.register(
+            "ztunnel_connected",
+            "1 when a ztunnel is connected and acked its snapshot",
+            m.ztunnel_connected.clone(),
+        );
+        registry.register(
+            "node_ready",
+            "1 when the node condition is True",
+            m.node_ready.clone(),
+        );
+        registry.register(
+            "node_condition_reason",
+            "1 for the node condition's current reason, 0 for the others",
+            m.node_reason.clone(),
+        );
+        registry.register_collector(Box::new(MapCollector(source)));
+        Self { registry, ..m }
+    }
+
+    pub fn enrolled(&self, attach: std::time::Duration) {
+        self.enrollments.inc();
+        self.attach_seconds.observe(attach.as_secs_f64());
+    }
+
+    pub fn failed(&self, why: Failure) {
+        self.failures
+            .get_or_create(&vec![("reason", why.label())])
+            .inc();
+    }
+
+    pub fn zds_answer(&self, ack: bool) {
+        let answer = if ack { "ack" } else { "nack" };
+        self.zds_answers
+            .get_or_create(&vec![("answer", answer)])
+            .inc();
+    }
+
+    pub fn set_ztunnel_connected(&self, up: bool) {
+        self.ztunnel_connected.set(up.into());
+    }
+
+    pub fn set_condition(&self, ready: bool, reason: Reason) {
+        self.node_ready.set(ready.into());
+        for r in Reason::ALL {
+            self.node_reason
+                .get_or_create(&vec![("reason", r.as_str())])
+                .set((r == reason).into());
+        }
+    }
+
+    /// The exposition text.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        encode(&mut out, &self.registry).expect("encoding to a String cannot fail");
+        out
+    }
+}
+
+/// Pod states and kernel counters, read at each scrape.
+struct MapCollector(Arc<dyn Source>);
+
+impl fmt::Debug for MapCollector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("MapCollector")
+    }
+}
+
+impl Collector for MapCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), fmt::Error> {
+        let s = self.0.sample();
+        let pods = ConstGauge::new(0i64);
+        let mut m = enc.encode_descriptor(
+            "pods",
+            "Enrolled pods by state, from the pinned pod-state map",
+            None,
+            pods.metric_type(),
+        )?;
+        for (state, n) in &s.pods {
+            let labels = [("state", *state)];
+            ConstGauge::new(*n as i64).encode(m.encode_family(&labels)?)?;
+        }
+        let k = &s.kernel;
+        let captured = [
+            ("inbound", k.captured_inbound),
+            ("hbone", k.captured_hbone),
+            ("outbound", k.captured_outbound),
+        ];
+        counters(
+            &mut enc,
+            "captured_connections",
+            "Connections the kernel steered to ztunnel, by listener",
+            "listener",
+            &captured,
+        )?;
+        counters(
+            &mut enc,
+            "bypassed_connections",
+            "Connections deliberately not captured (probes, in-pod loopback)",
+            "reason",
+            &[("probe_or_local", k.bypassed)],
+        )?;
+        counters(
+            &mut enc,
+            "dropped_syns",
+            "SYNs dropped to fail closed: pod not Enabled, or Enabled with ztunnel's listener gone",
+            "reason",
+            &[
+                ("not_enabled", k.dropped_fail_closed),
+                ("no_listener", k.missing_socket),
+            ],
+        )?;
+        Ok(())
+    }
+}
+
+fn counters(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    label: &'static str,
+    values: &[(&'static str, u64)],
+) -> Result<(), fmt::Error> {
+    let proto = ConstCounter::new(0u64);
+    let mut m = enc.encode_descriptor(name, help, None, proto.metric_type())?;
+    for (v, n) in values {
+        let labels = [(label, *v)];
+        ConstCounter::new(*n).encode(m.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Fixed;
+    impl Source for Fixed {
+        fn sample(&self) -> Sample {
+            Sample {
+                pods: vec![("Enabled", 2), ("Pending", 1)],
+                kernel: CounterView {
+                    captured_inbound: 7,
+                    dropped_fail_closed: 3,
+                    ..Default::default()
+                },
+            }
+        }
+    }
+
+    #[test]
+    fn renders_prefixed_names_with_units_and_labels() {
+        let m = Metrics::new(Arc::new(Fixed));
+        m.enrolled(std::time::Duration::from_millis(40));
+        m.failed(Failure::Nack);
+        m.zds_answer(true);
+        m.set_condition(false, Reason::ZtunnelDisconnected);
+        let text = m.render();
+        for line in [
+            "sluice_enrollments_total 1",
+            "sluice_enrollment_failures_total{reason=\"ztunnel_nack\"} 1",
+            "sluice_enrollment_attach_seconds_count 1",
+            "sluice_zds_answers_total{answer=\"ack\"} 1",
+            "sluice_node_ready 0",
+            "sluice_node_condition_reason{reason=\"ZtunnelDisconnected\"} 1",
+            "sluice_node_condition_reason{reason=\"RedirectionReady\"} 0",
+            "sluice_pods{state=\"Enabled\"} 2",
+            "sluice_captured_connections_total{listener=\"inbound\"} 7",
+            "sluice_dropped_syns_total{reason=\"not_enabled\"} 3",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
+        }
+        assert!(text.ends_with("# EOF\n"));
+    }
+}
