@@ -117,6 +117,7 @@ fn test(extra: &[String]) -> Result<()> {
         ]
         .concat(),
     )?;
+    deploy::check()?;
     // The lifecycle tests run the `sluice` binary itself.
     cargo(&["build", "-p", "sluice", "--bins"])?;
     let mut args = [&["test"][..], &host].concat();
