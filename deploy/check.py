@@ -5,7 +5,8 @@ Run by `cargo xtask check-deploy` (and `cargo xtask test`) from a venv that
 holds helm-python-sdk (Helm's own Go library: lint and template without a
 helm binary) and kubernetes-validate (Kubernetes' OpenAPI schemas).
 
-  1. every plain manifest under deploy/ (not the chart) is schema-valid;
+  1. every plain manifest under deploy/ (not the chart) and tests/kind/ is
+     schema-valid;
   2. the chart lints clean (strict) and renders with default values, with a
      set exercising every option and with a minimal set; every rendered
      object is schema-valid; bad values are refused;
@@ -115,7 +116,19 @@ def check_kustomization(what, obj, base):
     ok(f"{what} (Kustomization: resources exist)")
 
 
-CUSTOM = {"NodeReadinessRule": check_node_readiness_rule}
+def check_kind_cluster(what, obj):
+    """The kind config of tests/kind (kind.x-k8s.io/v1alpha4 Cluster)."""
+    nodes = obj.get("nodes") or []
+    good = (obj.get("apiVersion") == "kind.x-k8s.io/v1alpha4"
+            and all(n.get("role") in ("control-plane", "worker") for n in nodes)
+            and sum(n.get("role") == "control-plane" for n in nodes) >= 1)
+    if good:
+        ok(f"{what} (kind Cluster config)")
+    else:
+        fail(what, "not a kind v1alpha4 Cluster with a control-plane node")
+
+
+CUSTOM = {"NodeReadinessRule": check_node_readiness_rule, "Cluster": check_kind_cluster}
 
 
 def validate(what, obj):
@@ -139,15 +152,15 @@ def docs(text):
 
 # --- plain manifests ------------------------------------------------------------
 
-def plain_manifests(deploy):
-    found = {}
+def plain_manifests(deploy, root, found=None):
+    found = {} if found is None else found
     for top, dirs, files in os.walk(deploy):
         dirs[:] = sorted(d for d in dirs if os.path.join(top, d) != os.path.join(deploy, "helm"))
         for f in sorted(files):
             if not f.endswith((".yaml", ".yml")):
                 continue
             path = os.path.join(top, f)
-            rel = os.path.relpath(path, os.path.dirname(deploy))
+            rel = os.path.relpath(path, root)
             with open(path) as fh:
                 objs = docs(fh.read())
             for i, obj in enumerate(objs):
@@ -433,7 +446,9 @@ def check_shell(root):
 def main():
     root = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), ".."))
     deploy = os.path.join(root, "deploy")
-    plain = plain_manifests(deploy)
+    plain = plain_manifests(deploy, root)
+    # The kind suite's cluster config and workloads (not compared with the chart).
+    plain_manifests(os.path.join(root, "tests", "kind"), root, {})
     check_chart(os.path.join(deploy, "helm", "sluice"), plain)
     check_shell(root)
     if errors:
