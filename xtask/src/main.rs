@@ -1,6 +1,7 @@
 //! Everything that is not plain cargo: toolchain setup, the eBPF build, tests,
-//! the demo and benchmarks.
+//! the demo, benchmarks, the container image and the deploy/ checks.
 
+mod deploy;
 mod setup;
 
 use std::{
@@ -35,6 +36,14 @@ enum Cmd {
     Demo,
     /// Build in release and run the benchmarks (root): sluice vs Istio's rules vs none.
     Bench,
+    /// Build the container image (needs a Docker engine).
+    Image {
+        /// Image reference to tag the build with.
+        #[arg(long, default_value = deploy::DEFAULT_TAG)]
+        tag: String,
+    },
+    /// Render, lint and validate deploy/ (manifests, Helm chart); shellcheck scripts.
+    CheckDeploy,
 }
 
 fn main() -> Result<()> {
@@ -44,6 +53,8 @@ fn main() -> Result<()> {
         Cmd::Test { args } => test(&args),
         Cmd::Demo => demo(),
         Cmd::Bench => bench(),
+        Cmd::Image { tag } => deploy::image(&tag),
+        Cmd::CheckDeploy => deploy::check(),
     }
 }
 
@@ -106,6 +117,7 @@ fn test(extra: &[String]) -> Result<()> {
         ]
         .concat(),
     )?;
+    deploy::check()?;
     // The lifecycle tests run the `sluice` binary itself.
     cargo(&["build", "-p", "sluice", "--bins"])?;
     let mut args = [&["test"][..], &host].concat();

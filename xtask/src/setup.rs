@@ -12,13 +12,24 @@ use crate::run as exec;
 
 /// Debian packages the tests and demo use, by a file each installs: iproute2
 /// (test topologies), iptables/nftables (the differential test applies
-/// Istio's real rules), the reference CNI plugins (the CNI chain test).
+/// Istio's real rules), the reference CNI plugins (the CNI chain test),
+/// shellcheck (`check-deploy` lints the shell scripts).
 const APT_PACKAGES: &[(&str, &str)] = &[
     ("ip", "iproute2"),
     ("iptables-restore", "iptables"),
     ("nft", "nftables"),
     ("/usr/lib/cni/ptp", "containernetworking-plugins"),
+    ("shellcheck", "shellcheck"),
 ];
+
+/// `check-deploy` runs its tools from a Python venv; Debian's python3 can
+/// create one only with python3-venv (ensurepip) installed.
+fn has_python_venv() -> bool {
+    Command::new("python3")
+        .args(["-c", "import venv, ensurepip"])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
@@ -84,11 +95,14 @@ pub fn run() -> Result<()> {
     if bpf_linker_path().is_none() {
         install_bpf_linker()?;
     }
-    let missing: Vec<&str> = APT_PACKAGES
+    let mut missing: Vec<&str> = APT_PACKAGES
         .iter()
         .filter(|(bin, _)| !which(bin))
         .map(|(_, pkg)| *pkg)
         .collect();
+    if !has_python_venv() {
+        missing.push("python3-venv");
+    }
     if !missing.is_empty() {
         eprintln!("setup: installing Debian packages {missing:?}");
         exec(Command::new("apt-get").arg("update").arg("-qq"))?;

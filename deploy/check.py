@@ -1,0 +1,461 @@
+#!/usr/bin/env python3
+"""Offline checks of deploy/ and of the repository's shell scripts.
+
+Run by `cargo xtask check-deploy` (and `cargo xtask test`) from a venv that
+holds helm-python-sdk (Helm's own Go library: lint and template without a
+helm binary) and kubernetes-validate (Kubernetes' OpenAPI schemas).
+
+  1. every plain manifest under deploy/ (not the chart) and tests/kind/ is
+     schema-valid;
+  2. the chart lints clean (strict) and renders with default values, with a
+     set exercising every option and with a minimal set; every rendered
+     object is schema-valid; bad values are refused;
+  3. custom resources (NodeReadinessRule) are checked field by field against
+     the node-readiness-controller v1alpha1 API, which has no bundled schema;
+  4. the chart's defaults render the same DaemonSet and RBAC rules as the
+     plain manifests;
+  5. shellcheck passes on every shell script.
+"""
+
+import copy
+import os
+import subprocess
+import sys
+
+import helm_python as helm
+import kubernetes_validate
+import yaml
+
+K8S_VERSION = "1.32.0"
+NAMESPACE = "istio-system"
+RELEASE = "sluice"
+
+errors = []
+
+
+def fail(what, msg):
+    errors.append(f"{what}: {msg}")
+    print(f"FAIL {what}: {msg}")
+
+
+def ok(what):
+    print(f"ok   {what}")
+
+
+# --- custom resources ---------------------------------------------------------
+
+NRR_SPEC = {"conditions", "enforcementMode", "taint", "nodeSelector", "dryRun"}
+
+
+def check_node_readiness_rule(what, obj):
+    """readiness.node.x-k8s.io/v1alpha1 NodeReadinessRule (cluster-scoped)."""
+    problems = []
+    if obj.get("apiVersion") != "readiness.node.x-k8s.io/v1alpha1":
+        problems.append(f"apiVersion {obj.get('apiVersion')!r}")
+    meta = obj.get("metadata") or {}
+    if not isinstance(meta.get("name"), str) or not meta["name"]:
+        problems.append("metadata.name missing")
+    if "namespace" in meta:
+        problems.append("metadata.namespace set on a cluster-scoped object")
+    unknown = set(obj) - {"apiVersion", "kind", "metadata", "spec"}
+    if unknown:
+        problems.append(f"unknown top-level fields {sorted(unknown)}")
+    spec = obj.get("spec")
+    if not isinstance(spec, dict):
+        problems.append("spec missing")
+        spec = {}
+    if set(spec) - NRR_SPEC:
+        problems.append(f"unknown spec fields {sorted(set(spec) - NRR_SPEC)}")
+    conds = spec.get("conditions")
+    if not isinstance(conds, list) or not 1 <= len(conds) <= 32:
+        problems.append("spec.conditions must list 1..32 conditions")
+        conds = []
+    types = []
+    for c in conds:
+        if not isinstance(c, dict) or set(c) - {"type", "requiredStatus"}:
+            problems.append(f"condition {c!r}: only type and requiredStatus")
+            continue
+        if not isinstance(c.get("type"), str) or not 1 <= len(c["type"]) <= 316:
+            problems.append(f"condition {c!r}: type")
+        if c.get("requiredStatus") not in ("True", "False", "Unknown"):
+            problems.append(f"condition {c!r}: requiredStatus must be True, False or Unknown")
+        types.append(c.get("type"))
+    if len(types) != len(set(types)):
+        problems.append("spec.conditions: duplicate type")
+    taint = spec.get("taint")
+    if not isinstance(taint, dict):
+        problems.append("spec.taint missing")
+    else:
+        if set(taint) - {"key", "value", "effect"}:
+            problems.append(f"spec.taint: unknown fields {sorted(set(taint) - {'key', 'value', 'effect'})}")
+        if not isinstance(taint.get("key"), str) or not taint["key"]:
+            problems.append("spec.taint.key missing")
+        if taint.get("effect") not in ("NoSchedule", "PreferNoSchedule", "NoExecute"):
+            problems.append(f"spec.taint.effect {taint.get('effect')!r}")
+        if "value" in taint and not isinstance(taint["value"], str):
+            problems.append("spec.taint.value must be a string")
+    if spec.get("enforcementMode", "bootstrap-only") not in ("bootstrap-only", "continuous"):
+        problems.append(f"spec.enforcementMode {spec.get('enforcementMode')!r}")
+    sel = spec.get("nodeSelector")
+    if not isinstance(sel, dict) or set(sel) - {"matchLabels", "matchExpressions"}:
+        problems.append("spec.nodeSelector must be a label selector")
+    elif not all(isinstance(k, str) and isinstance(v, str) for k, v in (sel.get("matchLabels") or {}).items()):
+        problems.append("spec.nodeSelector.matchLabels: string keys and values")
+    if "dryRun" in spec and not isinstance(spec["dryRun"], bool):
+        problems.append("spec.dryRun must be a boolean")
+    for p in problems:
+        fail(what, p)
+    if not problems:
+        ok(f"{what} (NodeReadinessRule, checked field by field)")
+
+
+def check_kustomization(what, obj, base):
+    for res in obj.get("resources", []):
+        if not os.path.exists(os.path.join(base, res)):
+            fail(what, f"resource {res} does not exist")
+    ok(f"{what} (Kustomization: resources exist)")
+
+
+def check_kind_cluster(what, obj):
+    """The kind config of tests/kind (kind.x-k8s.io/v1alpha4 Cluster)."""
+    nodes = obj.get("nodes") or []
+    good = (obj.get("apiVersion") == "kind.x-k8s.io/v1alpha4"
+            and all(n.get("role") in ("control-plane", "worker") for n in nodes)
+            and sum(n.get("role") == "control-plane" for n in nodes) >= 1)
+    if good:
+        ok(f"{what} (kind Cluster config)")
+    else:
+        fail(what, "not a kind v1alpha4 Cluster with a control-plane node")
+
+
+CUSTOM = {"NodeReadinessRule": check_node_readiness_rule, "Cluster": check_kind_cluster}
+
+
+def validate(what, obj):
+    kind = obj.get("kind")
+    if kind in CUSTOM:
+        CUSTOM[kind](what, obj)
+        return
+    try:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        ok(f"{what} ({kind}, Kubernetes {K8S_VERSION} schema, strict)")
+    except kubernetes_validate.ValidationError as e:
+        path = "/".join(str(p) for p in e.path)
+        fail(what, f"{kind}: {e.message} (at {path or 'top level'})")
+    except kubernetes_validate.SchemaNotFoundError as e:
+        fail(what, f"no schema: {e}")
+
+
+def docs(text):
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+# --- plain manifests ------------------------------------------------------------
+
+def plain_manifests(deploy, root, found=None):
+    found = {} if found is None else found
+    for top, dirs, files in os.walk(deploy):
+        dirs[:] = sorted(d for d in dirs if os.path.join(top, d) != os.path.join(deploy, "helm"))
+        for f in sorted(files):
+            if not f.endswith((".yaml", ".yml")):
+                continue
+            path = os.path.join(top, f)
+            rel = os.path.relpath(path, root)
+            with open(path) as fh:
+                objs = docs(fh.read())
+            for i, obj in enumerate(objs):
+                what = f"{rel}[{i}] {obj.get('kind')}/{(obj.get('metadata') or {}).get('name', '')}"
+                if obj.get("kind") == "Kustomization":
+                    check_kustomization(what, obj, top)
+                else:
+                    validate(what, obj)
+                found.setdefault(obj.get("kind"), []).append(obj)
+    return found
+
+
+# --- the chart ------------------------------------------------------------------
+
+FULL = {
+    "image": {"repository": "registry.example/sluice", "tag": "1.2.3", "pullPolicy": "Always"},
+    "imagePullSecrets": [{"name": "pull"}],
+    "bpfRoot": "/sys/fs/bpf/sluice-test",
+    "controlSocket": "/run/sluice-test/agent.sock",
+    "zdsSocket": "/var/run/ztunnel-test/ztunnel.sock",
+    "cni": {"install": True, "confDir": "/etc/cni/net.d.test", "binDir": "/home/kubernetes/bin"},
+    "readiness": {
+        "conditionType": "example.com/Redirection",
+        "pendingGrace": "30s",
+        "heartbeat": "2m",
+        "untaint": ["cni.istio.io/not-ready", "example.com/startup"],
+    },
+    "metrics": {"port": 15031, "address": "127.0.0.1"},
+    "logLevel": "debug,kube=info",
+    "agent": {
+        "privileged": False,
+        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
+        "extraArgs": ["--some-flag=x"],
+    },
+    "watchdog": {"enabled": True, "interval": "5s", "failures": 4,
+                 "resources": {"requests": {"cpu": "10m"}}},
+    "nodeSelector": {"kubernetes.io/os": "linux", "pool": "mesh"},
+    "tolerations": [{"key": "example.com/x", "operator": "Exists", "effect": "NoSchedule"}],
+    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [
+            {"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}]}]}}},
+    "priorityClassName": "system-cluster-critical",
+    "terminationGracePeriodSeconds": 45,
+    "updateStrategy": {"type": "OnDelete"},
+    "rbac": {"create": True},
+    "serviceAccount": {"create": True, "name": "sluice-sa", "annotations": {"a": "b"}},
+    "podAnnotations": {"prometheus.io/scrape": "false"},
+    "podLabels": {"team": "mesh"},
+    "nodeReadinessRule": {
+        "enabled": True,
+        "name": "sluice-ready",
+        "taint": {"key": "readiness.k8s.io/sluice-not-ready", "value": "pending", "effect": "NoExecute"},
+        "enforcementMode": "bootstrap-only",
+        "nodeSelector": {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["mesh"]}]},
+        "dryRun": True,
+    },
+}
+
+MINIMAL = {
+    "cni": {"install": False},
+    "watchdog": {"enabled": False},
+    "rbac": {"create": False},
+    "serviceAccount": {"create": False, "name": "existing"},
+    "podAnnotations": {},
+    "tolerations": [],
+    "nodeSelector": {},
+    "priorityClassName": "",
+    "imagePullSecrets": [],
+}
+
+BAD = {
+    "bpfRoot outside /sys/fs/bpf": {"bpfRoot": "/tmp/bpf"},
+    "unknown enforcementMode": {"nodeReadinessRule": {"enabled": True, "enforcementMode": "sometimes"}},
+}
+
+
+def lint(chart, label, values):
+    report = helm.lint(chart, values, strict=True, namespace=NAMESPACE, kube_version=f"v{K8S_VERSION}")
+    bad = [m for m in report["messages"] if m["severity"] >= 2] + [{"error": e} for e in report["errors"]]
+    for m in bad:
+        fail(f"helm lint ({label})", f"{m.get('path', '')} {m['error']}")
+    if not bad:
+        ok(f"helm lint --strict ({label})")
+
+
+def render(chart, label, values):
+    try:
+        out = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    except helm.HelmError as e:
+        fail(f"helm template ({label})", str(e))
+        return {}
+    objs = {}
+    for path, text in sorted(out.items()):
+        if path.endswith("NOTES.txt"):
+            if not text.strip():
+                fail(f"{path} ({label})", "empty")
+            continue
+        for obj in docs(text):
+            what = f"{path} ({label}) {obj.get('kind')}/{obj['metadata'].get('name')}"
+            validate(what, obj)
+            objs.setdefault(obj["kind"], []).append(obj)
+    return objs
+
+
+def container(ds, name):
+    spec = ds["spec"]["template"]["spec"]
+    for c in spec.get("containers", []) + spec.get("initContainers", []):
+        if c["name"] == name:
+            return c
+    return None
+
+
+def args_of(ds, name):
+    c = container(ds, name)
+    return c["args"] if c else []
+
+
+def expect(label, cond, msg):
+    if not cond:
+        fail(f"chart ({label})", msg)
+
+
+def check_full(objs):
+    ds = objs["DaemonSet"][0]
+    pod = ds["spec"]["template"]["spec"]
+    a = args_of(ds, "agent")
+    v = FULL
+    for flag in [
+        f"--bpf-root={v['bpfRoot']}",
+        f"--control-socket={v['controlSocket']}",
+        f"--zds-socket={v['zdsSocket']}",
+        "--install-cni",
+        f"--cni-conf-dir={v['cni']['confDir']}",
+        f"--cni-bin-dir={v['cni']['binDir']}",
+        f"--condition-type={v['readiness']['conditionType']}",
+        f"--pending-grace={v['readiness']['pendingGrace']}",
+        f"--heartbeat={v['readiness']['heartbeat']}",
+        "--untaint=cni.istio.io/not-ready",
+        "--untaint=example.com/startup",
+        "--metrics-addr=127.0.0.1:15031",
+        "--some-flag=x",
+    ]:
+        expect("full", flag in a, f"agent args lack {flag}: {a}")
+    w = args_of(ds, "watchdog")
+    for flag in ["--agent-addr=127.0.0.1:15031", "--interval=5s", "--failures=4",
+                 f"--condition-type={v['readiness']['conditionType']}"]:
+        expect("full", flag in w, f"watchdog args lack {flag}: {w}")
+    agent = container(ds, "agent")
+    expect("full", agent["image"] == "registry.example/sluice:1.2.3", f"image {agent['image']}")
+    expect("full", agent["readinessProbe"]["httpGet"].get("host") == "127.0.0.1", "probe host")
+    expect("full", agent["securityContext"]["privileged"] is False, "agent.privileged")
+    vols = {x["name"]: x["hostPath"]["path"] for x in pod["volumes"]}
+    expect("full", vols["ztunnel"] == "/var/run/ztunnel-test" and vols["run"] == "/run/sluice-test"
+           and vols["cni-bin"] == "/home/kubernetes/bin", f"volumes {vols}")
+    expect("full", pod["serviceAccountName"] == "sluice-sa", "serviceAccountName")
+    expect("full", pod["priorityClassName"] == "system-cluster-critical", "priorityClassName")
+    nrr = objs.get("NodeReadinessRule", [])
+    expect("full", len(nrr) == 1 and nrr[0]["spec"]["enforcementMode"] == "bootstrap-only"
+           and nrr[0]["spec"]["conditions"][0]["type"] == v["readiness"]["conditionType"],
+           "NodeReadinessRule")
+    ok("chart (full): every value reaches the rendered objects")
+
+
+def check_minimal(objs):
+    ds = objs["DaemonSet"][0]
+    pod = ds["spec"]["template"]["spec"]
+    expect("minimal", container(ds, "watchdog") is None, "watchdog rendered although disabled")
+    expect("minimal", "--install-cni" not in args_of(ds, "agent"), "--install-cni despite cni.install=false")
+    expect("minimal", not ({"ServiceAccount", "ClusterRole", "ClusterRoleBinding"} & set(objs)),
+           f"RBAC rendered although disabled: {sorted(objs)}")
+    expect("minimal", pod["serviceAccountName"] == "existing", "serviceAccountName")
+    expect("minimal", "NodeReadinessRule" not in objs, "NodeReadinessRule rendered by default")
+    ok("chart (minimal): optional parts are left out")
+
+
+def check_rule_defaults(objs):
+    nrr = objs.get("NodeReadinessRule", [])
+    want = {
+        "conditions": [{"type": "sluice.dev/RedirectionReady", "requiredStatus": "True"}],
+        "taint": {"key": "readiness.k8s.io/sluice-not-ready", "value": "pending", "effect": "NoSchedule"},
+        "enforcementMode": "continuous",
+        "nodeSelector": {"matchLabels": {"kubernetes.io/os": "linux"}},
+    }
+    expect("NodeReadinessRule defaults", len(nrr) == 1 and nrr[0]["spec"] == want,
+           f"rendered {nrr}")
+    ok("chart (NodeReadinessRule defaults): taint kept until the condition is True, continuous")
+
+
+# What must agree between the plain DaemonSet and the chart's default render.
+POD_FIELDS = ["hostNetwork", "hostPID", "dnsPolicy", "priorityClassName", "tolerations",
+              "nodeSelector", "terminationGracePeriodSeconds", "volumes"]
+CONTAINER_FIELDS = ["image", "command", "args", "env", "ports", "readinessProbe", "livenessProbe",
+                    "securityContext", "resources", "volumeMounts", "lifecycle"]
+
+
+def check_agreement(plain, rendered):
+    pds = plain.get("DaemonSet", [])
+    rds = rendered.get("DaemonSet", [])
+    if len(pds) != 1 or len(rds) != 1:
+        fail("plain vs chart", f"expected one DaemonSet each, got {len(pds)} and {len(rds)}")
+        return
+    p, r = pds[0]["spec"]["template"], rds[0]["spec"]["template"]
+    for f in POD_FIELDS:
+        if p["spec"].get(f) != r["spec"].get(f):
+            fail("plain vs chart", f"pod {f} differs:\n  plain {p['spec'].get(f)}\n  chart {r['spec'].get(f)}")
+    if p["metadata"].get("annotations") != r["metadata"].get("annotations"):
+        fail("plain vs chart", "pod annotations differ")
+    for kind in ("containers", "initContainers"):
+        pn = [c["name"] for c in p["spec"].get(kind, [])]
+        rn = [c["name"] for c in r["spec"].get(kind, [])]
+        if pn != rn:
+            fail("plain vs chart", f"{kind} {pn} vs {rn}")
+            continue
+        for pc, rc in zip(p["spec"][kind], r["spec"][kind]):
+            for f in CONTAINER_FIELDS:
+                if pc.get(f) != rc.get(f):
+                    fail("plain vs chart", f"{kind} {pc['name']}: {f} differs:\n  plain {pc.get(f)}\n  chart {rc.get(f)}")
+    prules = [cr["rules"] for cr in plain.get("ClusterRole", [])]
+    rrules = [cr["rules"] for cr in rendered.get("ClusterRole", [])]
+    if prules != rrules:
+        fail("plain vs chart", f"ClusterRole rules differ:\n  plain {prules}\n  chart {rrules}")
+    ok("plain vs chart: same pod, containers (args, capabilities, mounts, probes) and RBAC rules")
+
+
+def check_chart(chart_dir, plain):
+    chart = helm.Chart.load(chart_dir)
+    defaults = copy.deepcopy(chart.values)
+    for label, values in [("default values", None), ("every option", FULL), ("minimal", MINIMAL)]:
+        lint(chart_dir, label, values)
+    base = render(chart, "default values", None)
+    full = render(chart, "every option", FULL)
+    minimal = render(chart, "minimal", MINIMAL)
+    rule = render(chart, "NodeReadinessRule defaults", {"nodeReadinessRule": {"enabled": True}})
+    if base:
+        check_agreement(plain, base)
+    if full:
+        check_full(full)
+    if minimal:
+        check_minimal(minimal)
+    if rule:
+        check_rule_defaults(rule)
+    for label, values in BAD.items():
+        try:
+            chart.render(values, name=RELEASE, namespace=NAMESPACE)
+            fail(f"helm template ({label})", "rendered, expected a refusal")
+        except helm.HelmError:
+            ok(f"helm template refuses {label}")
+    if chart.values != defaults:
+        fail("chart", "rendering changed the default values")
+
+
+# --- shell scripts ---------------------------------------------------------------
+
+def shell_scripts(root):
+    skip = {".git", "target", "node_modules"}
+    for top, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in skip)
+        for f in sorted(files):
+            path = os.path.join(top, f)
+            if f.endswith(".sh"):
+                yield path
+                continue
+            try:
+                with open(path, "rb") as fh:
+                    first = fh.readline(200)
+            except OSError:
+                continue
+            if first.startswith(b"#!") and first.rstrip().split(b"/")[-1].split(b" ")[-1] in (b"sh", b"bash"):
+                yield path
+
+
+def check_shell(root):
+    scripts = list(shell_scripts(root))
+    for s in scripts:
+        rel = os.path.relpath(s, root)
+        r = subprocess.run(["shellcheck", "--external-sources", s], capture_output=True, text=True)
+        if r.returncode != 0:
+            fail(f"shellcheck {rel}", "\n" + r.stdout + r.stderr)
+        else:
+            ok(f"shellcheck {rel}")
+
+
+def main():
+    root = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), ".."))
+    deploy = os.path.join(root, "deploy")
+    plain = plain_manifests(deploy, root)
+    # The kind suite's cluster config and workloads (not compared with the chart).
+    plain_manifests(os.path.join(root, "tests", "kind"), root, {})
+    check_chart(os.path.join(deploy, "helm", "sluice"), plain)
+    check_shell(root)
+    if errors:
+        print(f"\ncheck-deploy: {len(errors)} problem(s)")
+        sys.exit(1)
+    print("\ncheck-deploy: all checks passed")
+
+
+if __name__ == "__main__":
+    main()
