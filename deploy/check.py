@@ -191,7 +191,7 @@ FULL = {
     "metrics": {"port": 15031, "address": "127.0.0.1"},
     "logLevel": "debug,kube=info",
     "agent": {
-        "privileged": False,
+        "privileged": True,
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
         "extraArgs": ["--some-flag=x"],
     },
@@ -311,7 +311,7 @@ def check_full(objs):
     agent = container(ds, "agent")
     expect("full", agent["image"] == "registry.example/sluice:1.2.3", f"image {agent['image']}")
     expect("full", agent["readinessProbe"]["httpGet"].get("host") == "127.0.0.1", "probe host")
-    expect("full", agent["securityContext"]["privileged"] is False, "agent.privileged")
+    expect("full", agent["securityContext"]["privileged"] is True, "agent.privileged")
     vols = {x["name"]: x["hostPath"]["path"] for x in pod["volumes"]}
     expect("full", vols["ztunnel"] == "/var/run/ztunnel-test" and vols["run"] == "/run/sluice-test"
            and vols["cni-bin"] == "/home/kubernetes/bin", f"volumes {vols}")

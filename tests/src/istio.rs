@@ -47,12 +47,30 @@ fn restore(bin: &str, ns: &str, rules: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The iptables backend istio-cni used on a node.
+#[derive(Debug, Clone, Copy)]
+pub enum Backend {
+    /// The host's default `iptables-restore` (nf_tables here).
+    Default,
+    /// `iptables-legacy-restore` (x_tables), for hosts still on legacy.
+    Legacy,
+}
+
 /// Applies Istio's rules and policy routing in netns `ns`, as istio-cni does.
 pub fn apply(ns: &str) -> anyhow::Result<()> {
+    apply_with(ns, Backend::Default)
+}
+
+/// Same, with the given iptables backend.
+pub fn apply_with(ns: &str, backend: Backend) -> anyhow::Result<()> {
     ensure!(netns_path(ns).exists(), "no netns {ns}");
     let (v4, v6) = rules()?;
-    restore("iptables-restore", ns, &v4)?;
-    restore("ip6tables-restore", ns, &v6)?;
+    let (r4, r6) = match backend {
+        Backend::Default => ("iptables-restore", "ip6tables-restore"),
+        Backend::Legacy => ("iptables-legacy-restore", "ip6tables-legacy-restore"),
+    };
+    restore(r4, ns, &v4)?;
+    restore(r6, ns, &v6)?;
     ip(&[
         "-n",
         ns,

@@ -19,6 +19,7 @@ pub mod routes;
 pub mod sockets;
 pub mod state;
 pub mod status;
+pub mod sysctl;
 pub mod uid;
 pub mod watchdog;
 pub mod workload;

@@ -37,6 +37,11 @@ struct Cli {
     /// agent (which also tells ztunnel), else work on the pins directly.
     #[arg(long, global = true, default_value = DEFAULT_CONTROL_SOCKET, env = "SLUICE_CONTROL_SOCKET")]
     control_socket: PathBuf,
+    /// The procfs mount used to set pod sysctls (accept_local,
+    /// tcp_migrate_req). In a non-privileged container /proc/sys is
+    /// read-only: mount the host's /proc (e.g. at /host/proc) and name it here.
+    #[arg(long, global = true, default_value = "/proc", env = "SLUICE_PROC_DIR")]
+    proc_dir: PathBuf,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -210,6 +215,7 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     let pins = Pins::new(&cli.bpf_root);
+    sluice::sysctl::use_proc_dir(&cli.proc_dir);
     match cli.cmd {
         Cmd::Enroll {
             netns,

@@ -58,15 +58,45 @@ fn run(
     }
 }
 
-/// The iptables tools (IPv4, IPv6) whose rule set holds Istio's chains.
+/// Per family: the nf_tables and legacy tools (istio-cni uses whichever its
+/// host uses, and our image's default may be the other), the kernel file that
+/// exists only when legacy tables are in use anywhere on the node, and the
+/// plain tools for hosts that ship no variants.
+const TOOLS: [(&str, &str, &str, &str, &str); 2] = [
+    (
+        "iptables-nft",
+        "iptables-legacy",
+        "/proc/net/ip_tables_names",
+        "iptables",
+        "-save",
+    ),
+    (
+        "ip6tables-nft",
+        "ip6tables-legacy",
+        "/proc/net/ip6_tables_names",
+        "ip6tables",
+        "-save",
+    ),
+];
+
+/// The iptables tools whose rule set holds Istio's chains.
 pub fn istio_rules(netns: &Netns) -> Result<Vec<&'static str>, MigrateError> {
     let mut found = Vec::new();
-    for (save, tool) in [
-        ("iptables-save", "iptables"),
-        ("ip6tables-save", "ip6tables"),
-    ] {
-        if let Some((true, out, _)) = run(netns, save, &[])? {
-            if out.contains(":ISTIO_PRERT") || out.contains(":ISTIO_OUTPUT") {
+    for (nft, legacy, legacy_in_use, plain, save) in TOOLS {
+        let mut tools = vec![nft];
+        if std::path::Path::new(legacy_in_use).exists() {
+            tools.push(legacy);
+        }
+        let mut ran = false;
+        for tool in tools.into_iter().chain(std::iter::once(plain)) {
+            if ran && tool == plain {
+                break;
+            }
+            let Some((ok, out, _)) = run(netns, &format!("{tool}{save}"), &[])? else {
+                continue;
+            };
+            ran = true;
+            if ok && (out.contains(":ISTIO_PRERT") || out.contains(":ISTIO_OUTPUT")) {
                 found.push(tool);
             }
         }

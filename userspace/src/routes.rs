@@ -2,8 +2,8 @@
 //! `fwmark 0x111/0xfff lookup 100` and a route `local default dev lo table 100`
 //! (both families), plus `accept_local` on the pod's interfaces (the redirected
 //! packet's source is the pod's own address) and `tcp_migrate_req` (lossless
-//! ztunnel upgrades). Set over rtnetlink and sysctl files from inside the pod
-//! netns; no `ip` command.
+//! ztunnel upgrades). Set over rtnetlink and sysctl files (`sysctl`) from
+//! inside the pod netns; no `ip` command.
 
 use std::net::{Ipv4Addr, Ipv6Addr};
 
@@ -13,6 +13,8 @@ use netlink_packet_route::{
 };
 use rtnetlink::Handle;
 use sluice_common::{MARK_MASK, MARK_REDIRECT, ROUTE_TABLE, RULE_PRIORITY};
+
+use crate::sysctl;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RouteError {
@@ -32,14 +34,16 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> RouteError {
 
 /// Whether IPv6 is usable in the calling thread's netns.
 fn ipv6_enabled() -> bool {
-    std::fs::read_to_string("/proc/sys/net/ipv6/conf/all/disable_ipv6")
-        .map(|v| v.trim() == "0")
-        .unwrap_or(false)
+    sysctl::read("net/ipv6/conf/all/disable_ipv6").is_ok_and(|v| v == "0")
+}
+
+fn set_sysctl(name: &str, on: bool) -> Result<(), RouteError> {
+    sysctl::write(name, if on { "1" } else { "0" })
+        .map_err(|(path, source)| io(path.display().to_string())(source))
 }
 
 fn set_accept_local(iface: &str, on: bool) -> Result<(), RouteError> {
-    let path = format!("/proc/sys/net/ipv4/conf/{iface}/accept_local");
-    std::fs::write(&path, if on { "1" } else { "0" }).map_err(io(path))
+    set_sysctl(&format!("net/ipv4/conf/{iface}/accept_local"), on)
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime, RouteError> {
@@ -53,8 +57,7 @@ fn runtime() -> Result<tokio::runtime::Runtime, RouteError> {
 /// SO_REUSEPORT group instead of being reset: with it, a ztunnel upgrade (old
 /// and new listeners in one group, the old one closing) loses no connection.
 fn set_migrate_req(on: bool) -> Result<(), RouteError> {
-    let path = "/proc/sys/net/ipv4/tcp_migrate_req";
-    std::fs::write(path, if on { "1" } else { "0" }).map_err(io(path))
+    set_sysctl("net/ipv4/tcp_migrate_req", on)
 }
 
 /// Installs the rule, routes and sysctls. Must run inside the pod netns.

@@ -2,7 +2,7 @@
 //! capture outlives the process that set it up, a new process reports it, and
 //! every bad input gets one clear error line and leaves nothing behind.
 
-use std::{net::SocketAddr, process::Command};
+use std::{net::SocketAddr, path::Path, process::Command};
 
 use anyhow::{ensure, Context as _};
 use libtest_mimic::Trial;
@@ -14,13 +14,20 @@ use sluice_tests::{
 };
 
 use crate::{trial, TestResult};
+use sluice_tests::istio::Backend;
 
 pub fn trials() -> Vec<Trial> {
     vec![
+        trial("lifecycle::takeover_from_istio_cni", || {
+            takeover_from_istio_cni(Backend::Default, ["iptables-nft", "ip6tables-nft"])
+        }),
         trial(
-            "lifecycle::takeover_from_istio_cni",
-            takeover_from_istio_cni,
+            "lifecycle::pod_sysctls_through_a_host_procfs_when_proc_sys_is_read_only",
+            sysctls_with_read_only_proc_sys,
         ),
+        trial("lifecycle::takeover_from_istio_cni_legacy_iptables", || {
+            takeover_from_istio_cni(Backend::Legacy, ["iptables-legacy", "ip6tables-legacy"])
+        }),
         trial(
             "lifecycle::capture_outlives_the_enrolling_process",
             outlives_process,
@@ -254,15 +261,13 @@ fn unenroll_after_netns_gone() -> TestResult {
 /// sluice's capture first, then Istio's chains go; traffic is then captured
 /// by sluice (the 15001 listener sees the original destination as its local
 /// address — with Istio's REDIRECT it would be 127.0.0.1:15001).
-fn takeover_from_istio_cni() -> TestResult {
+fn takeover_from_istio_cni(backend: Backend, tools: [&str; 2]) -> TestResult {
     let f = Fixture::new("mig", Some(sluice_tests::standin::Bind::DualStack))?;
-    sluice_tests::istio::apply(&f.topo.pod)?;
+    sluice_tests::istio::apply_with(&f.topo.pod, backend)?;
     let netns = f.topo.pod_netns_path();
     let ns = sluice::netns::Netns::open(&netns)?;
-    ensure!(
-        sluice::migrate::istio_rules(&ns)? == ["iptables", "ip6tables"],
-        "Istio's rules not detected"
-    );
+    let found = sluice::migrate::istio_rules(&ns)?;
+    ensure!(found == tools, "Istio's rules not detected: {found:?}");
     ensure!(f.enroll()?.state == sluice_common::PodState::Enabled);
     ensure!(
         sluice::migrate::istio_rules(&ns)?.is_empty(),
@@ -293,4 +298,77 @@ fn takeover_from_istio_cni() -> TestResult {
     f.unenroll()?;
     ensure!(!sluice_tests::topology::has_redirect_rule(&f.topo.pod)?);
     Ok(())
+}
+
+/// As in a non-privileged container: /proc/sys is read-only, so enrolling
+/// fails cleanly (nothing left attached) — unless `--proc-dir` names a
+/// writable procfs mount (the DaemonSet's hostPath of the host's /proc), whose
+/// net sysctls answer for the pod netns all the same.
+fn sysctls_with_read_only_proc_sys() -> TestResult {
+    let f = Fixture::new("ro", Some(Bind::DualStack))?;
+    let netns = f.topo.pod_netns_path();
+    let host_proc = std::env::temp_dir().join(format!("sluice-hostproc-{}", std::process::id()));
+    std::fs::create_dir_all(&host_proc)?;
+    // The mounts live in a private mount namespace that ends with the command.
+    let enroll = |proc_dir: Option<&Path>| -> anyhow::Result<Out> {
+        let mut script = format!(
+            "mount --bind /proc/sys /proc/sys && mount -o remount,bind,ro /proc/sys && \
+             mount --bind /proc {hp} && exec {bin} --bpf-root {root} --control-socket /nonexistent/sock",
+            hp = host_proc.display(),
+            bin = sluice_bin().display(),
+            root = f.topo.pins.root().display(),
+        );
+        if let Some(p) = proc_dir {
+            script.push_str(&format!(" --proc-dir {}", p.display()));
+        }
+        script.push_str(&format!(
+            " enroll --netns {} --uid {}",
+            netns.display(),
+            f.uid
+        ));
+        let out = Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "sh", "-c", &script])
+            .output()?;
+        Ok(Out {
+            ok: out.status.success(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        })
+    };
+    let result = (|| -> TestResult {
+        let out = enroll(None)?;
+        ensure!(!out.ok, "enrolled with a read-only /proc/sys?");
+        ensure!(
+            out.stderr.contains("accept_local") && out.stderr.contains("Read-only file system"),
+            "{}",
+            out.stderr
+        );
+        ensure!(
+            f.pod_record().is_err(),
+            "a failed enroll left the pod enrolled"
+        );
+        let out = enroll(Some(&host_proc))?;
+        ensure!(out.ok, "{} {}", out.stdout, out.stderr);
+        let sysctl = |name: &str| -> anyhow::Result<String> {
+            let o = Command::new("ip")
+                .args(["netns", "exec", &f.topo.pod, "cat"])
+                .arg(format!("/proc/sys/{name}"))
+                .output()?;
+            Ok(String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        };
+        ensure!(sysctl("net/ipv4/tcp_migrate_req")? == "1");
+        ensure!(sysctl("net/ipv4/conf/eth0/accept_local")? == "1");
+        // The host's own value was not touched.
+        ensure!(std::fs::read_to_string("/proc/sys/net/ipv4/tcp_migrate_req")?.trim() == "0");
+        let pod = SocketAddr::new(Family::V4.pod(), APP_PORT);
+        let r = connect(&f.topo.client, pod, Opts::default());
+        ensure!(
+            r.reply().is_some_and(|l| l.starts_with("app:8080")),
+            "{r:?}"
+        );
+        ensure!(f.standin().accepted().len() == 1, "not captured");
+        Ok(())
+    })();
+    let _ = std::fs::remove_dir(&host_proc);
+    result
 }
