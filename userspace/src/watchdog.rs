@@ -147,9 +147,10 @@ mod tests {
 
     #[tokio::test]
     async fn marks_the_node_when_the_agent_stops_answering() {
-        use http::{Method, Request, Response};
-        use kube::client::Body;
-        use serde_json::{json, Value};
+        use http::Method;
+        use serde_json::json;
+
+        use crate::kube::mock;
 
         // A stand-in agent that answers 503 twice, then goes away.
         let agent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -164,9 +165,9 @@ mod tests {
                     .await;
             }
         });
-        let (svc, mut h) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let (client, mut h) = mock::client();
         let writer = ConditionWriter::new(
-            kube::Client::new(svc, "default"),
+            client,
             "node-a",
             "sluice.dev/RedirectionReady",
             Duration::from_secs(60),
@@ -179,26 +180,18 @@ mod tests {
         };
         let task = tokio::spawn(run(cfg, writer, stop));
         serving.await.unwrap();
-        let reply = |send: tower_test::mock::SendResponse<Response<Body>>, v: Value| {
-            send.send_response(
-                Response::builder()
-                    .body(Body::from(serde_json::to_vec(&v).unwrap()))
-                    .unwrap(),
-            )
-        };
         let node = json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a", "resourceVersion": "4"},
             "status": {"conditions": [{"type": "sluice.dev/RedirectionReady", "status": "True",
                 "reason": "RedirectionReady", "lastTransitionTime": "2026-11-22T01:00:00Z"}]}});
         let (req, send) = h.next_request().await.unwrap();
         assert_eq!(req.method(), Method::GET);
-        reply(send, node.clone());
+        mock::reply(send, 200, &node);
         let (req, send) = h.next_request().await.unwrap();
         assert_eq!(
             (req.method(), req.uri().path()),
             (&Method::PATCH, "/api/v1/nodes/node-a/status")
         );
-        let body: Value =
-            serde_json::from_slice(&req.into_body().collect_bytes().await.unwrap()).unwrap();
+        let body = mock::body(req).await;
         let c = &body["status"]["conditions"][0];
         assert_eq!(
             (c["status"].as_str(), c["reason"].as_str()),
@@ -208,7 +201,7 @@ mod tests {
             c["message"],
             "the sluice agent has not answered its readiness check for 150ms"
         );
-        reply(send, node);
+        mock::reply(send, 200, &node);
         // Once per outage: more silent probes, no more writes.
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert!(h.poll_request().is_pending(), "one write per outage");

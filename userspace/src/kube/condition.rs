@@ -146,11 +146,10 @@ impl ConditionWriter {
 
 #[cfg(test)]
 mod tests {
-    use http::{Method, Request, Response};
-    use kube::client::Body;
-    use tower_test::mock::Handle;
+    use http::Method;
 
     use super::*;
+    use crate::kube::mock::{self, reply, Handle};
     use crate::readiness::Reason;
 
     const KIND: &str = "sluice.dev/RedirectionReady";
@@ -179,25 +178,16 @@ mod tests {
             "status": {"conditions": conditions}})
     }
 
-    fn respond(send: tower_test::mock::SendResponse<Response<Body>>, code: u16, body: Value) {
-        send.send_response(
-            Response::builder()
-                .status(code)
-                .body(Body::from(serde_json::to_vec(&body).unwrap()))
-                .unwrap(),
-        );
-    }
-
     /// Expects a GET of the node's status and answers with `node`.
-    async fn serve_get(h: &mut Handle<Request<Body>, Response<Body>>, node: Value) {
+    async fn serve_get(h: &mut Handle, node: Value) {
         let (req, send) = h.next_request().await.expect("a GET");
         assert_eq!(req.method(), Method::GET);
         assert_eq!(req.uri().path(), "/api/v1/nodes/node-a/status");
-        respond(send, 200, node);
+        reply(send, 200, &node);
     }
 
     /// Expects the status PATCH; returns its body, answering with `code`.
-    async fn serve_patch(h: &mut Handle<Request<Body>, Response<Body>>, code: u16) -> Value {
+    async fn serve_patch(h: &mut Handle, code: u16) -> Value {
         let (req, send) = h.next_request().await.expect("a PATCH");
         assert_eq!(req.method(), Method::PATCH);
         assert_eq!(req.uri().path(), "/api/v1/nodes/node-a/status");
@@ -205,14 +195,11 @@ mod tests {
             req.headers()["content-type"],
             "application/strategic-merge-patch+json"
         );
-        let body: Value =
-            serde_json::from_slice(&req.into_body().collect_bytes().await.unwrap()).unwrap();
+        let body = mock::body(req).await;
         if code == 409 {
-            let status = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                "message": "the object has been modified", "reason": "Conflict", "code": 409});
-            respond(send, 409, status);
+            mock::conflict(send);
         } else {
-            respond(send, code, node("2", None));
+            reply(send, code, &node("2", None));
         }
         body
     }
@@ -257,13 +244,8 @@ mod tests {
 
     #[tokio::test]
     async fn writes_on_change_and_heartbeat_only() {
-        let (svc, mut h) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-        let mut w = ConditionWriter::new(
-            kube::Client::new(svc, "default"),
-            "node-a",
-            KIND,
-            Duration::from_millis(300),
-        );
+        let (client, mut h) = mock::client();
+        let mut w = ConditionWriter::new(client, "node-a", KIND, Duration::from_millis(300));
         // First write: the Node has no such condition.
         let server = tokio::spawn(async move {
             serve_get(&mut h, node("1", None)).await;
@@ -309,13 +291,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_conflict_is_recomputed_and_retried() {
-        let (svc, mut h) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-        let mut w = ConditionWriter::new(
-            kube::Client::new(svc, "default"),
-            "node-a",
-            KIND,
-            DEFAULT_HEARTBEAT,
-        );
+        let (client, mut h) = mock::client();
+        let mut w = ConditionWriter::new(client, "node-a", KIND, DEFAULT_HEARTBEAT);
         let server = tokio::spawn(async move {
             serve_get(&mut h, node("1", None)).await;
             let first = serve_patch(&mut h, 409).await;

@@ -83,10 +83,10 @@ pub async fn write(
 
 #[cfg(test)]
 mod tests {
-    use http::{Method, Request, Response};
-    use kube::client::Body;
+    use http::Method;
 
     use super::*;
+    use crate::kube::mock::{self, reply};
 
     fn pod(gated: bool, cond: Option<Value>) -> Value {
         let mut p = json!({"apiVersion": "v1", "kind": "Pod",
@@ -102,18 +102,9 @@ mod tests {
         p
     }
 
-    fn reply(send: tower_test::mock::SendResponse<Response<Body>>, body: Value) {
-        send.send_response(
-            Response::builder()
-                .body(Body::from(serde_json::to_vec(&body).unwrap()))
-                .unwrap(),
-        );
-    }
-
     #[tokio::test]
     async fn gated_pod_gets_true_when_enabled() {
-        let (svc, mut h) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-        let client = kube::Client::new(svc, "default");
+        let (client, mut h) = mock::client();
         let server = tokio::spawn(async move {
             let (req, send) = h.next_request().await.unwrap();
             assert_eq!(
@@ -122,7 +113,7 @@ mod tests {
             );
             let was = json!({"type": GATE, "status": "False", "reason": "Pending",
                 "lastTransitionTime": "2026-11-22T01:00:00Z"});
-            reply(send, pod(true, Some(was)));
+            reply(send, 200, &pod(true, Some(was)));
             let (req, send) = h.next_request().await.unwrap();
             assert_eq!(
                 (req.method(), req.uri().path()),
@@ -132,8 +123,7 @@ mod tests {
                 req.headers()["content-type"],
                 "application/strategic-merge-patch+json"
             );
-            let mut body: Value =
-                serde_json::from_slice(&req.into_body().collect_bytes().await.unwrap()).unwrap();
+            let mut body = mock::body(req).await;
             let c = &mut body["status"]["conditions"][0];
             assert_ne!(c["lastTransitionTime"].take(), "2026-11-22T01:00:00Z");
             assert_eq!(
@@ -142,7 +132,7 @@ mod tests {
                     "reason": "Enabled", "message": "captured; ztunnel has the pod and its listeners",
                     "lastTransitionTime": null}]}})
             );
-            reply(send, pod(true, None));
+            reply(send, 200, &pod(true, None));
         });
         assert!(write(client, "shop", "cart", Some(PodState::Enabled))
             .await
@@ -152,11 +142,10 @@ mod tests {
 
     #[tokio::test]
     async fn ungated_pod_is_left_alone() {
-        let (svc, mut h) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-        let client = kube::Client::new(svc, "default");
+        let (client, mut h) = mock::client();
         let server = tokio::spawn(async move {
             let (_, send) = h.next_request().await.unwrap();
-            reply(send, pod(false, None));
+            reply(send, 200, &pod(false, None));
             h
         });
         assert!(!write(client, "shop", "cart", Some(PodState::Enabled))

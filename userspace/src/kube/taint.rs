@@ -52,10 +52,10 @@ pub async fn remove(client: kube::Client, node: &str, key: &str) -> kube::Result
 
 #[cfg(test)]
 mod tests {
-    use http::{Method, Request, Response};
-    use kube::client::Body;
+    use http::Method;
 
     use super::*;
+    use crate::kube::mock::{self, reply};
 
     const KEY: &str = "cni.istio.io/not-ready";
 
@@ -65,19 +65,9 @@ mod tests {
             "spec": {"taints": taints}})
     }
 
-    fn reply(send: tower_test::mock::SendResponse<Response<Body>>, code: u16, body: Value) {
-        send.send_response(
-            Response::builder()
-                .status(code)
-                .body(Body::from(serde_json::to_vec(&body).unwrap()))
-                .unwrap(),
-        );
-    }
-
     #[tokio::test]
     async fn removes_only_that_taint_and_retries_a_conflict() {
-        let (svc, mut h) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-        let client = kube::Client::new(svc, "default");
+        let (client, mut h) = mock::client();
         let server = tokio::spawn(async move {
             let ours = json!({"key": KEY, "effect": "NoSchedule"});
             let other = json!({"key": "dedicated", "value": "gpu", "effect": "NoSchedule"});
@@ -87,7 +77,7 @@ mod tests {
                 (req.method(), req.uri().path()),
                 (&Method::GET, "/api/v1/nodes/node-a")
             );
-            reply(send, 200, node("10", json!([ours, other])));
+            reply(send, 200, &node("10", json!([ours, other])));
             let (req, send) = h.next_request().await.unwrap();
             assert_eq!(
                 (req.method(), req.uri().path()),
@@ -97,28 +87,22 @@ mod tests {
                 req.headers()["content-type"],
                 "application/merge-patch+json"
             );
-            let body: Value =
-                serde_json::from_slice(&req.into_body().collect_bytes().await.unwrap()).unwrap();
+            let body = mock::body(req).await;
             assert_eq!(
                 body,
                 json!({"metadata": {"resourceVersion": "10"}, "spec": {"taints": [other]}})
             );
-            reply(
-                send,
-                409,
-                json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Conflict", "code": 409}),
-            );
+            mock::conflict(send);
             // The node controller added a taint meanwhile: it must survive.
             let (_, send) = h.next_request().await.unwrap();
-            reply(send, 200, node("11", json!([ours, other, late])));
+            reply(send, 200, &node("11", json!([ours, other, late])));
             let (req, send) = h.next_request().await.unwrap();
-            let body: Value =
-                serde_json::from_slice(&req.into_body().collect_bytes().await.unwrap()).unwrap();
+            let body = mock::body(req).await;
             assert_eq!(
                 body,
                 json!({"metadata": {"resourceVersion": "11"}, "spec": {"taints": [other, late]}})
             );
-            reply(send, 200, node("12", json!([other, late])));
+            reply(send, 200, &node("12", json!([other, late])));
         });
         assert!(remove(client, "node-a", KEY).await.unwrap());
         server.await.unwrap();
@@ -126,14 +110,13 @@ mod tests {
 
     #[tokio::test]
     async fn never_writes_when_the_taint_is_absent() {
-        let (svc, mut h) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-        let client = kube::Client::new(svc, "default");
+        let (client, mut h) = mock::client();
         let server = tokio::spawn(async move {
             let (_, send) = h.next_request().await.unwrap();
             reply(
                 send,
                 200,
-                node("3", json!([{"key": "dedicated", "effect": "NoSchedule"}])),
+                &node("3", json!([{"key": "dedicated", "effect": "NoSchedule"}])),
             );
             h
         });
