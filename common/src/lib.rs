@@ -73,6 +73,13 @@ impl PodState {
             Self::Draining => "Draining",
         }
     }
+
+    /// The state [`as_str`](Self::as_str) names.
+    pub fn from_name(name: &str) -> Option<Self> {
+        [Self::Pending, Self::Enabled, Self::Draining]
+            .into_iter()
+            .find(|s| s.as_str() == name)
+    }
 }
 
 /// Value of the shared pod-state map (key: the pod netns cookie).

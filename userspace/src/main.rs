@@ -130,7 +130,8 @@ enum Cmd {
         #[arg(long, default_value = "2s", value_parser = parse_duration)]
         interval: Duration,
         /// Probes in a row without an answer before the node is marked.
-        #[arg(long, default_value_t = watchdog::DEFAULT_FAILURES)]
+        #[arg(long, default_value_t = watchdog::DEFAULT_FAILURES,
+              value_parser = clap::value_parser!(u32).range(1..))]
         failures: u32,
     },
     /// Remove sluice-cni from the node's CNI config and bin dir (when sluice
@@ -277,15 +278,23 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Cmd::Status { output } => {
             let pods = status::read(&pins)?;
-            let agent = match control::call(&cli.control_socket, &Request::Status)? {
-                None => None,
-                Some(Response::Node(n)) => Some(n),
-                Some(Response::Error { message }) => anyhow::bail!(message),
-                Some(other) => anyhow::bail!("unexpected answer from the agent: {other:?}"),
+            // The pods come from the pins whatever the agent says.
+            let asked = control::call_within(
+                &cli.control_socket,
+                &Request::Status,
+                Duration::from_secs(3),
+            );
+            let (agent, agent_error) = match asked {
+                Ok(None) => (None, None),
+                Ok(Some(Response::Node(n))) => (Some(n), None),
+                Ok(Some(Response::Error { message })) => (None, Some(message)),
+                Ok(Some(other)) => (None, Some(format!("unexpected answer: {other:?}"))),
+                Err(e) => (None, Some(sluice::one_line(&e))),
             };
             let node = status::NodeView {
                 programs_loaded: pins.is_loaded(),
                 agent,
+                agent_error,
             };
             match output {
                 Output::Table => print!("{}\n{}", status::node_lines(&node), status::table(&pods)),

@@ -12,11 +12,14 @@ use crate::{
     state::{boottime_ns, Maps, PodRecord},
 };
 
-/// The node as `status` shows it: `agent` is `None` when no agent answered.
+/// The node as `status` shows it: `agent` is `None` when no agent answered,
+/// and `agent_error` says why when one listens but did not answer.
 #[derive(Debug, Clone, Serialize)]
 pub struct NodeView {
     pub programs_loaded: bool,
     pub agent: Option<NodeStatus>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agent_error: Option<String>,
 }
 
 /// Everything `status -o json` prints.
@@ -35,14 +38,17 @@ pub fn node_lines(n: &NodeView) -> String {
         "not loaded"
     };
     let _ = writeln!(out, "programs:   {loaded}");
-    match &n.agent {
-        None => {
+    match (&n.agent, &n.agent_error) {
+        (None, Some(e)) => {
+            let _ = writeln!(out, "agent:      not answering ({e})");
+        }
+        (None, None) => {
             let _ = writeln!(
                 out,
                 "agent:      not running (no node condition; ztunnel connection unknown)"
             );
         }
-        Some(a) => {
+        (Some(a), _) => {
             let _ = writeln!(out, "agent:      running");
             let zt = if a.ztunnel_connected {
                 "connected"

@@ -20,6 +20,8 @@ use crate::{kube::condition::ConditionWriter, readiness::Condition};
 
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(2);
 pub const DEFAULT_FAILURES: u32 = 3;
+/// Budget for the write (the client has no read timeout of its own).
+const API_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// One probe of the agent.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -121,22 +123,34 @@ pub struct Config {
 pub async fn run(cfg: Config, writer: ConditionWriter, mut stop: watch::Receiver<bool>) {
     let mut tracker = Tracker::new(cfg.failures);
     info!(agent = %cfg.agent_addr, interval_ms = cfg.interval.as_millis() as u64, failures = cfg.failures, "watching the agent");
+    // Probes start every `interval` (each times out within it), so an agent
+    // that stops answering is marked within (failures + 1) × interval.
+    let mut ticks = tokio::time::interval(cfg.interval);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = ticks.tick() => {}
+        }
         let p = probe(cfg.agent_addr, cfg.interval).await;
         match tracker.observe(&p) {
             Verdict::Alive | Verdict::Waiting => {}
             Verdict::Gone => {
-                let silent = cfg.interval * cfg.failures;
+                let silent = cfg.interval * tracker.needed;
                 warn!(?p, "the agent is not answering: marking the node not ready");
-                if let Err(e) = writer.write(&Condition::agent_not_running(silent)).await {
-                    warn!(error = %e, "could not write the node condition; will retry");
-                    tracker.unmark();
+                let gone = Condition::agent_not_running(silent);
+                match tokio::time::timeout(API_TIMEOUT, writer.write(&gone)).await {
+                    Ok(Ok(())) => info!("node condition set to AgentNotRunning"),
+                    Ok(Err(e)) => {
+                        warn!(error = %e, "could not write the node condition; will retry");
+                        tracker.unmark();
+                    }
+                    Err(_) => {
+                        warn!("the API server did not answer; will retry");
+                        tracker.unmark();
+                    }
                 }
             }
-        }
-        tokio::select! {
-            _ = stop.changed() => return,
-            _ = tokio::time::sleep(cfg.interval) => {}
         }
     }
 }

@@ -106,6 +106,8 @@ fn admitted_with(f: &Fixture, records: &std::path::Path) -> TestResult {
             Some(KubeCtx { client, node: "node-a".into(), cni_records: Some(records.clone()) }),
             sluice::readiness::DEFAULT_CONDITION_TYPE,
         );
+        let (_announcing, stop) = tokio::sync::watch::channel(false);
+        tokio::spawn(node.clone().announcer(stop));
         let cart = PodRef { name: "cart".into(), namespace: "shop".into(), uid: Some("u-cart".into()) };
         let netns = f.topo.pod_netns_path();
 
@@ -301,6 +303,8 @@ fn relist() -> TestResult {
             Some(KubeCtx { client: kube::Client::new(svc, "default"), node: "node-a".into(), cni_records: None }),
             sluice::readiness::DEFAULT_CONDITION_TYPE,
         );
+        let (_announcing, stop) = tokio::sync::watch::channel(false);
+        tokio::spawn(node.clone().announcer(stop));
         node.reconcile_once(std::time::Duration::ZERO).await?;
         let pods = sluice::status::read(&f.topo.pins)?;
         ensure!(pods.len() == 1 && pods[0].uid == uid, "{pods:?}");
@@ -371,6 +375,8 @@ fn watch_triggers_capture() -> TestResult {
             Some(KubeCtx { client: kube::Client::new(svc, "default"), node: "node-a".into(), cni_records: None }),
             sluice::readiness::DEFAULT_CONDITION_TYPE,
         );
+        let (_announcing, stop) = tokio::sync::watch::channel(false);
+        tokio::spawn(node.clone().announcer(stop));
         let (_stop_tx, stop) = tokio::sync::watch::channel(false);
         let task = tokio::spawn(node.clone().reconcile_with_api(stop));
         tokio::time::sleep(std::time::Duration::from_millis(300)).await;

@@ -1,17 +1,30 @@
 //! The admin listener (`--metrics-addr`): `/metrics` (Prometheus text),
-//! `/healthz` (the agent serves) and `/readyz` (the node condition is True;
-//! 503 with the reason otherwise). Plain HTTP/1.1, GET only.
+//! `/healthz` (the agent serves and its readiness loop runs) and `/readyz`
+//! (the node condition is True and fresh; 503 with the reason otherwise).
+//! Plain HTTP/1.1, GET only. It may listen on the node's IP (the kubelet
+//! probes it there), so it says no pod names, bounds its connections and
+//! drops clients that do not send their request.
 
-use std::{convert::Infallible, net::SocketAddr, sync::Arc};
+use std::{convert::Infallible, net::SocketAddr, sync::Arc, time::Duration};
 
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::{body::Incoming, service::service_fn};
-use hyper_util::rt::TokioIo;
-use tokio::{net::TcpListener, sync::watch};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::{
+    net::TcpListener,
+    sync::{watch, Semaphore},
+};
 use tracing::{info, warn};
 
-use super::report::Report;
+use super::report::{Report, STALE};
+
+/// Connections served at once; more wait in the listen backlog.
+const MAX_CONNECTIONS: usize = 32;
+const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
+/// `/healthz` fails when the readiness loop has not run for this long (the
+/// kubelet then restarts the agent).
+const STUCK: Duration = Duration::from_secs(60);
 
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
@@ -23,13 +36,20 @@ pub async fn serve(listener: TcpListener, report: Arc<Report>, mut stop: watch::
     if let Ok(a) = listener.local_addr() {
         info!(addr = %a, "admin listener: /metrics /healthz /readyz");
     }
+    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
+        let permit = tokio::select! {
+            _ = stop.changed() => return,
+            p = slots.clone().acquire_owned() => p.expect("the semaphore is never closed"),
+        };
         let (stream, _) = tokio::select! {
             _ = stop.changed() => return,
             r = listener.accept() => match r {
                 Ok(s) => s,
                 Err(e) => {
+                    // Out of fds, usually: do not spin.
                     warn!(error = %e, "admin accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
                     continue;
                 }
             },
@@ -38,16 +58,20 @@ pub async fn serve(listener: TcpListener, report: Arc<Report>, mut stop: watch::
         tokio::spawn(async move {
             let svc = service_fn(move |req| {
                 let report = report.clone();
-                async move { Ok::<_, Infallible>(answer(&report, &req)) }
+                async move { Ok::<_, Infallible>(answer(report, req).await) }
             });
             let _ = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_TIMEOUT)
+                .keep_alive(false)
                 .serve_connection(TokioIo::new(stream), svc)
                 .await;
+            drop(permit);
         });
     }
 }
 
-fn answer(report: &Report, req: &Request<Incoming>) -> Response<Full<bytes::Bytes>> {
+async fn answer(report: Arc<Report>, req: Request<Incoming>) -> Response<Full<bytes::Bytes>> {
     let reply = |code: StatusCode, ctype: &str, body: String| {
         Response::builder()
             .status(code)
@@ -60,16 +84,39 @@ fn answer(report: &Report, req: &Request<Incoming>) -> Response<Full<bytes::Byte
         return reply(StatusCode::METHOD_NOT_ALLOWED, text, "GET only\n".into());
     }
     match req.uri().path() {
-        "/metrics" => reply(StatusCode::OK, OPENMETRICS, report.metrics.render()),
-        "/healthz" => reply(StatusCode::OK, text, "ok\n".into()),
-        "/readyz" => match report.condition() {
-            Some(c) if c.ready => reply(StatusCode::OK, text, format!("ready: {}\n", c.message)),
-            Some(c) => reply(
+        "/metrics" => {
+            // The scrape walks the pinned maps, under the dataplane lock.
+            let r = report.clone();
+            match tokio::task::spawn_blocking(move || r.metrics.render()).await {
+                Ok(body) => reply(StatusCode::OK, OPENMETRICS, body),
+                Err(_) => reply(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    text,
+                    "scrape failed\n".into(),
+                ),
+            }
+        }
+        "/healthz" => match report.age() {
+            Some(age) if age > STUCK => reply(
                 StatusCode::SERVICE_UNAVAILABLE,
                 text,
-                format!("not ready: {}: {}\n", c.reason.as_str(), c.message),
+                format!("unhealthy: no readiness pass for {}s\n", age.as_secs()),
             ),
-            None => reply(
+            _ => reply(StatusCode::OK, text, "ok\n".into()),
+        },
+        "/readyz" => match (report.condition(), report.age()) {
+            (Some(_), Some(age)) if age > STALE => reply(
+                StatusCode::SERVICE_UNAVAILABLE,
+                text,
+                format!("not ready: no readiness pass for {}s\n", age.as_secs()),
+            ),
+            (Some(c), _) if c.ready => reply(StatusCode::OK, text, "ready\n".into()),
+            (Some(c), _) => reply(
+                StatusCode::SERVICE_UNAVAILABLE,
+                text,
+                format!("not ready: {}\n", c.reason.as_str()),
+            ),
+            (None, _) => reply(
                 StatusCode::SERVICE_UNAVAILABLE,
                 text,
                 "not ready: starting\n".into(),

@@ -144,6 +144,16 @@ async fn handle(stream: tokio::net::UnixStream, node: Arc<Node>) -> std::io::Res
 
 /// Sends one request to a running agent. `Ok(None)` when no agent listens.
 pub fn call(path: &Path, req: &Request) -> anyhow::Result<Option<Response>> {
+    // Enrollment waits for ztunnel's ack (5 s deadline) and its listeners.
+    call_within(path, req, Duration::from_secs(30))
+}
+
+/// [`call`] with a deadline for the answer.
+pub fn call_within(
+    path: &Path,
+    req: &Request,
+    timeout: Duration,
+) -> anyhow::Result<Option<Response>> {
     let mut s = match UnixStream::connect(path) {
         Ok(s) => s,
         Err(e)
@@ -161,8 +171,7 @@ pub fn call(path: &Path, req: &Request) -> anyhow::Result<Option<Response>> {
             ))
         }
     };
-    // Enrollment waits for ztunnel's ack (5 s deadline) and its listeners.
-    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    s.set_read_timeout(Some(timeout))?;
     let mut out = serde_json::to_vec(req)?;
     out.push(b'\n');
     s.write_all(&out)?;

@@ -168,17 +168,95 @@ impl KubeCtx {
 
     /// Sets the pod's redirection annotation for `state` (None removes it)
     /// and, for pods with the `sluice.dev/redirected` readiness gate, that
-    /// condition; in the background: failures are logged, the next change
-    /// retries.
-    pub fn announce(&self, namespace: &str, name: &str, state: Option<PodState>) {
-        let (client, ns, name) = (self.client.clone(), namespace.to_owned(), name.to_owned());
-        tokio::spawn(async move {
-            if let Err(e) = annotate::write(client.clone(), &ns, &name, state).await {
-                warn!(pod = %format!("{ns}/{name}"), error = %e, "could not update the redirection annotation");
+    /// condition.
+    pub async fn publish(
+        &self,
+        namespace: &str,
+        name: &str,
+        state: Option<PodState>,
+    ) -> kube::Result<()> {
+        annotate::write(self.client.clone(), namespace, name, state).await?;
+        gate::write(self.client.clone(), namespace, name, state).await?;
+        Ok(())
+    }
+}
+
+/// Whether a listed pod's annotation or readiness-gate condition disagrees
+/// with `state` (a write was lost, or someone else changed them). A gated
+/// pod without the condition counts as False already.
+pub fn out_of_step(pod: &Pod, state: Option<PodState>) -> bool {
+    let annotation = pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(annotate::REDIRECTION))
+        .map(String::as_str);
+    if annotation != annotate::value(state) {
+        return true;
+    }
+    if !gate::has_gate(pod) {
+        return false;
+    }
+    let shown = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.type_ == gate::GATE))
+        .map(|c| c.status.as_str());
+    let want = gate::condition_for(state).0;
+    shown.unwrap_or("False") != want
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn pod(annotation: Option<&str>, gate: Option<Option<&str>>) -> Pod {
+        let mut p = json!({"metadata": {"name": "cart", "namespace": "shop"},
+            "spec": {"containers": [{"name": "app"}]}, "status": {"conditions": []}});
+        if let Some(a) = annotation {
+            p["metadata"]["annotations"] = json!({annotate::REDIRECTION: a});
+        }
+        if let Some(shown) = gate {
+            p["spec"]["readinessGates"] = json!([{"conditionType": gate::GATE}]);
+            if let Some(status) = shown {
+                p["status"]["conditions"] = json!([{"type": gate::GATE, "status": status}]);
             }
-            if let Err(e) = gate::write(client, &ns, &name, state).await {
-                warn!(pod = %format!("{ns}/{name}"), error = %e, "could not update the readiness-gate condition");
-            }
-        });
+        }
+        serde_json::from_value(p).unwrap()
+    }
+
+    #[test]
+    fn out_of_step_compares_annotation_and_gate_with_the_map() {
+        let (pending, enabled) = (Some(PodState::Pending), Some(PodState::Enabled));
+        assert!(!out_of_step(&pod(Some("enabled"), None), enabled));
+        assert!(
+            out_of_step(&pod(Some("pending"), None), enabled),
+            "lost write"
+        );
+        assert!(out_of_step(&pod(None, None), enabled), "annotation missing");
+        assert!(
+            out_of_step(&pod(Some("enabled"), None), None),
+            "released pod"
+        );
+        assert!(!out_of_step(&pod(None, None), None), "never ours");
+        // Gated pods: the condition must say the same.
+        assert!(out_of_step(
+            &pod(Some("enabled"), Some(Some("False"))),
+            enabled
+        ));
+        assert!(out_of_step(&pod(Some("enabled"), Some(None)), enabled));
+        assert!(!out_of_step(
+            &pod(Some("enabled"), Some(Some("True"))),
+            enabled
+        ));
+        assert!(out_of_step(
+            &pod(Some("pending"), Some(Some("True"))),
+            pending
+        ));
+        // Absent reads as False: no write for a gated pod not yet ours.
+        assert!(!out_of_step(&pod(None, Some(None)), None));
     }
 }

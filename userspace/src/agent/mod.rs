@@ -87,6 +87,9 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         )
     })?;
     let (stop_tx, stop) = watch::channel(false);
+    // The report stops first, on its own signal: the node is marked not
+    // ready while everything else still serves.
+    let (report_stop_tx, report_stop) = watch::channel(false);
 
     let zds_task = tokio::spawn(server::serve(
         zds,
@@ -102,13 +105,14 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         stop.clone(),
     ));
     let reconcile_task = tokio::spawn(node.clone().reconcile(stop.clone()));
+    let announce_task = tokio::spawn(node.clone().announcer(stop.clone()));
     let report_task = tokio::spawn(report::run(
         node.report().clone(),
         node.clone(),
         cfg.cni.clone(),
         cfg.report.clone(),
         api,
-        stop.clone(),
+        report_stop,
     ));
     let admin_task =
         admin.map(|l| tokio::spawn(admin::serve(l, node.report().clone(), stop.clone())));
@@ -126,12 +130,13 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         _ = term.recv() => info!("SIGTERM"),
         _ = tokio::signal::ctrl_c() => info!("SIGINT"),
     }
-    let _ = stop_tx.send(true);
-    // First: the node is marked not ready before anything else stops.
+    let _ = report_stop_tx.send(true);
     let _ = report_task.await;
+    let _ = stop_tx.send(true);
     let _ = zds_task.await;
     let _ = control_task.await;
     let _ = reconcile_task.await;
+    let _ = announce_task.await;
     let _ = api_task.await;
     if let Some(t) = cni_task {
         let _ = t.await;

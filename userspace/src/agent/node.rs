@@ -49,6 +49,8 @@ const RETRY_MAX: Duration = Duration::from_secs(30);
 const RESYNC: Duration = Duration::from_secs(60);
 /// Pods captured this recently are never released by a relist.
 const RECENT: Duration = Duration::from_secs(30);
+/// Budget for one API exchange (the client has no read timeout of its own).
+const API_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Debug)]
 struct Retry {
@@ -65,6 +67,9 @@ pub struct Node {
     hub: Arc<Hub>,
     retries: Mutex<HashMap<String, Retry>>,
     wake: Notify,
+    /// Pods (namespace, name) whose annotation and gate need writing.
+    announcements: Mutex<std::collections::BTreeSet<(String, String)>>,
+    announce_wake: Notify,
     /// The node condition and metrics, as last computed.
     report: Arc<Report>,
     /// Kernel counters of pods since unenrolled, so the metrics' totals
@@ -117,6 +122,8 @@ impl Node {
             hub,
             retries: Mutex::new(HashMap::new()),
             wake: Notify::new(),
+            announcements: Mutex::new(Default::default()),
+            announce_wake: Notify::new(),
             report: Arc::new(Report::new(
                 Arc::new(Metrics::new(Arc::new(MapSource(me.clone())))),
                 condition_type,
@@ -386,7 +393,7 @@ impl Node {
             Some(conn) => self.add(&conn, cookie, uid.as_str(), &workload).await.err(),
         };
         let state = self.state_of(cookie);
-        self.announce(cookie, state);
+        self.announce(cookie);
         Ok(Response::Enrolled {
             uid: uid.to_string(),
             cookie,
@@ -435,19 +442,86 @@ impl Node {
             Ok(())
         })
         .await??;
-        if let (Some(k), Some(id)) = (&self.kube, identity) {
-            k.announce(&id.workload.namespace, &id.workload.name, None);
+        if let Some(id) = identity {
+            self.announce_pod(&id.workload.namespace, &id.workload.name);
         }
         info!("unenrolled");
         Ok(())
     }
 
-    /// Tells Kubernetes (the pod annotation) about a pod's state, if in a cluster.
-    fn announce(&self, cookie: u64, state: Option<PodState>) {
-        let Some(k) = &self.kube else { return };
+    /// Queues telling Kubernetes (annotation, readiness gate) about the pod
+    /// of netns `cookie`, if in a cluster.
+    fn announce(&self, cookie: u64) {
+        if self.kube.is_none() {
+            return;
+        }
         let meta = self.dp.lock().unwrap().maps.meta(cookie);
         if let Some(m) = meta {
-            k.announce(&m.workload.namespace, &m.workload.name, state);
+            self.announce_pod(&m.workload.namespace, &m.workload.name);
+        }
+    }
+
+    /// Queues pod `namespace/name` for the announcer, which writes whatever
+    /// state the map has for it when its turn comes: writes for one pod can
+    /// neither overtake each other nor leave an old state behind.
+    fn announce_pod(&self, namespace: &str, name: &str) {
+        if self.kube.is_none() {
+            return;
+        }
+        self.announcements
+            .lock()
+            .unwrap()
+            .insert((namespace.to_owned(), name.to_owned()));
+        self.announce_wake.notify_one();
+    }
+
+    /// The state the map has for the pod named `namespace/name`.
+    fn state_by_name(&self, namespace: &str, name: &str) -> Option<PodState> {
+        let dp = self.dp.lock().unwrap();
+        dp.maps.states().into_iter().find_map(|(cookie, e)| {
+            let m = dp.maps.meta(cookie)?;
+            (m.workload.namespace == namespace && m.workload.name == name)
+                .then(|| e.state())
+                .flatten()
+        })
+    }
+
+    /// Writes queued pods' annotation and readiness-gate condition, one pod
+    /// at a time; failures are retried after a second (not for gone pods).
+    pub async fn announcer(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+        let Some(k) = self.kube.clone() else { return };
+        loop {
+            tokio::select! {
+                _ = stop.changed() => return,
+                _ = self.announce_wake.notified() => {}
+            }
+            let batch = std::mem::take(&mut *self.announcements.lock().unwrap());
+            for (ns, name) in batch {
+                let this = self.clone();
+                let (n, p) = (ns.clone(), name.clone());
+                let Ok(state) =
+                    tokio::task::spawn_blocking(move || this.state_by_name(&n, &p)).await
+                else {
+                    continue;
+                };
+                let pod = format!("{ns}/{name}");
+                match tokio::time::timeout(API_TIMEOUT, k.publish(&ns, &name, state)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(kube::Error::Api(e))) if e.code == 404 => {}
+                    failed => {
+                        let why = match failed {
+                            Ok(Err(e)) => e.to_string(),
+                            _ => "the API server did not answer".into(),
+                        };
+                        warn!(%pod, error = %why, "could not update the pod's redirection annotation or readiness gate; will retry");
+                        let this = self.clone();
+                        tokio::spawn(async move {
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                            this.announce_pod(&ns, &name);
+                        });
+                    }
+                }
+            }
         }
     }
 
@@ -493,7 +567,7 @@ impl Node {
                 match self.register(uid, cookie, pid).await {
                     Ok(()) => {
                         self.retries.lock().unwrap().remove(uid);
-                        self.announce(cookie, Some(PodState::Enabled));
+                        self.announce(cookie);
                         return Ok(());
                     }
                     Err(e) => {
@@ -625,8 +699,8 @@ impl Node {
                     let _ = dp
                         .maps
                         .set_state(p.netns_cookie, PodState::Pending, boottime_ns());
-                    if let (Some(k), Some(w)) = (&self.kube, &p.workload) {
-                        k.announce(&w.namespace, &w.name, Some(PodState::Pending));
+                    if let Some(w) = &p.workload {
+                        self.announce_pod(&w.namespace, &w.name);
                     }
                     retries.insert(
                         p.uid.clone(),
@@ -703,6 +777,25 @@ impl Node {
         k.prune_records(&pods.iter().filter_map(|p| p.metadata.uid.clone()).collect());
         let now = boottime_ns();
         let records = self.dp.lock().unwrap().maps.pods();
+        // Annotations and gates that disagree with the map (a lost write,
+        // someone else's edit) are written again.
+        for pod in &pods {
+            let (Some(ns), Some(name)) = (&pod.metadata.namespace, &pod.metadata.name) else {
+                continue;
+            };
+            let state = records
+                .iter()
+                .find(|r| {
+                    r.workload
+                        .as_ref()
+                        .is_some_and(|w| &w.namespace == ns && &w.name == name)
+                })
+                .and_then(|r| r.state)
+                .and_then(PodState::from_name);
+            if super::kube::out_of_step(pod, state) {
+                self.announce_pod(ns, name);
+            }
+        }
         let enrolled: Vec<Enrolled> = records
             .iter()
             .map(|r| Enrolled { uid: r.uid.clone() })

@@ -5,7 +5,7 @@
 
 use std::{
     sync::{Arc, Mutex},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use tokio::sync::watch;
@@ -22,6 +22,13 @@ use crate::{
 const EVERY: Duration = Duration::from_secs(1);
 /// How long a stopping agent tries to mark the node not ready.
 const STOP_WRITE: Duration = Duration::from_secs(5);
+/// Budget for one API exchange (the client has no read timeout of its own).
+const API_TIMEOUT: Duration = Duration::from_secs(10);
+/// A pass this late means the loop was held up (a hang, a frozen process):
+/// someone else (the watchdog) may have written the condition meanwhile.
+const LATE: Duration = Duration::from_secs(3);
+/// `/readyz` stops trusting a condition older than this.
+pub const STALE: Duration = Duration::from_secs(15);
 
 #[derive(Debug, Clone)]
 pub struct ReportConfig {
@@ -48,7 +55,7 @@ impl Default for ReportConfig {
 pub struct Report {
     pub metrics: Arc<Metrics>,
     pub condition_type: String,
-    current: Mutex<Option<Condition>>,
+    current: Mutex<Option<(Condition, Instant)>>,
 }
 
 impl Report {
@@ -62,12 +69,25 @@ impl Report {
 
     /// The last computed condition (`None` before the first pass).
     pub fn condition(&self) -> Option<Condition> {
-        self.current.lock().unwrap().clone()
+        self.current
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map(|(c, _)| c.clone())
+    }
+
+    /// How long ago the condition was last computed.
+    pub fn age(&self) -> Option<Duration> {
+        self.current
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map(|(_, at)| at.elapsed())
     }
 
     fn set(&self, c: Condition) {
         self.metrics.set_condition(c.ready, c.reason);
-        *self.current.lock().unwrap() = Some(c);
+        *self.current.lock().unwrap() = Some((c, Instant::now()));
     }
 }
 
@@ -94,8 +114,21 @@ pub async fn run(
         )
     });
     let mut untainted = false;
+    let mut last_pass = Instant::now();
     loop {
-        let cond = readiness::compute(&node.readiness_inputs(cni.as_ref(), cfg.pending_grace));
+        if last_pass.elapsed() > LATE {
+            if let Some(w) = writer.as_mut() {
+                w.forget();
+            }
+        }
+        last_pass = Instant::now();
+        // The map walk takes the dataplane lock, which an enrollment may hold.
+        let (n, c, grace) = (node.clone(), cni.clone(), cfg.pending_grace);
+        let inputs = tokio::task::spawn_blocking(move || n.readiness_inputs(c.as_ref(), grace))
+            .await
+            // A panic there is a bug: let it end the task (then /healthz fails).
+            .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+        let cond = readiness::compute(&inputs);
         let before = report.condition();
         if before.as_ref().map(|b| (b.ready, b.reason)) != Some((cond.ready, cond.reason)) {
             info!(ready = cond.ready, reason = cond.reason.as_str(), message = %cond.message, "node condition");
@@ -105,15 +138,25 @@ pub async fn run(
             .set_ztunnel_connected(node.ztunnel_connected());
         report.set(cond.clone());
         if let Some(w) = writer.as_mut() {
-            if let Err(e) = w.update(&cond).await {
-                warn!(error = %e, "could not write the node condition; will retry");
+            match tokio::time::timeout(API_TIMEOUT, w.update(&cond)).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => warn!(error = %e, "could not write the node condition; will retry"),
+                Err(_) => {
+                    warn!("the API server did not answer the node condition write; will retry");
+                    w.forget();
+                }
             }
         }
         if !cond.ready {
             untainted = false;
         } else if !untainted {
             if let Some(a) = &api {
-                untainted = remove_taints(a, &cfg.untaint).await;
+                untainted = tokio::time::timeout(API_TIMEOUT, remove_taints(a, &cfg.untaint))
+                    .await
+                    .unwrap_or_else(|_| {
+                        warn!("the API server did not answer the untaint; will retry");
+                        false
+                    });
             }
         }
         tokio::select! {

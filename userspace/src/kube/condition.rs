@@ -111,6 +111,12 @@ impl ConditionWriter {
         Ok(Outcome::Written)
     }
 
+    /// Forgets the last write: the next update writes (used when someone
+    /// else may have written meanwhile, e.g. the watchdog during a hang).
+    pub fn forget(&mut self) {
+        self.last = None;
+    }
+
     /// Writes `desired` now, whatever was written before.
     pub async fn write(&self, desired: &Condition) -> kube::Result<()> {
         let mut attempt = 0;
