@@ -19,7 +19,7 @@ use sluice::{
         report::{self, NodeApi, ReportConfig},
     },
     readiness::DEFAULT_CONDITION_TYPE,
-    zds::server::Hub,
+    zds::server::{self, Hub},
 };
 use sluice_tests::{
     agent::{free_port, http_get, AgentProc, PeerProc},
@@ -41,6 +41,10 @@ pub fn trials() -> Vec<Trial> {
         trial(
             "readiness::stopping_agent_marks_the_node_not_ready",
             stop_marks_node,
+        ),
+        trial(
+            "readiness::ready_node_gets_its_startup_taint_removed",
+            untaint_when_ready,
         ),
     ]
 }
@@ -300,4 +304,128 @@ fn stop_marks_node() -> TestResult {
         ensure!(node.report().condition().is_some_and(|c| !c.ready));
         Ok(())
     })
+}
+
+/// A mock API server for one Node with a startup taint: serves and records
+/// status patches (the condition) and spec patches (the taints).
+fn tainted_node_api(log: Arc<Mutex<Vec<(String, Value)>>>) -> kube::Client {
+    let (svc, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    tokio::spawn(async move {
+        let mut taints = json!([
+            {"key": "cni.istio.io/not-ready", "effect": "NoSchedule"},
+            {"key": "dedicated", "value": "mesh", "effect": "NoSchedule"}
+        ]);
+        let mut conditions = json!([]);
+        while let Some((req, send)) = handle.next_request().await {
+            let (method, path) = (req.method().clone(), req.uri().path().to_owned());
+            let body = req.into_body().collect_bytes().await.unwrap_or_default();
+            if method == Method::PATCH {
+                let v: Value = serde_json::from_slice(&body).unwrap();
+                match path.as_str() {
+                    "/api/v1/nodes/node-a/status" => conditions = v["status"]["conditions"].clone(),
+                    "/api/v1/nodes/node-a" => taints = v["spec"]["taints"].clone(),
+                    p => panic!("unexpected PATCH {p}"),
+                }
+                log.lock().unwrap().push((path.clone(), v));
+            } else {
+                assert!(path.starts_with("/api/v1/nodes/node-a"), "{method} {path}");
+            }
+            let node = json!({"apiVersion": "v1", "kind": "Node",
+                "metadata": {"name": "node-a", "resourceVersion": "1"},
+                "spec": {"taints": taints}, "status": {"conditions": conditions}});
+            send.send_response(
+                Response::builder()
+                    .body(Body::from(serde_json::to_vec(&node).unwrap()))
+                    .unwrap(),
+            );
+        }
+    });
+    kube::Client::new(svc, "default")
+}
+
+/// Programs pinned, a ztunnel connected (a real ZDS server in-process and the
+/// peer process), no pod pending: the condition goes True, and only then is
+/// the `--untaint` taint removed — the other taint stays.
+fn untaint_when_ready() -> TestResult {
+    let f = Fixture::new("ut", None)?;
+    let dir = std::env::temp_dir().join(format!("sluice-untaint-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let zds = dir.join("ztunnel.sock");
+    let rt = tokio::runtime::Runtime::new()?;
+    let result = rt.block_on(async {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let client = tainted_node_api(log.clone());
+        let hub = Arc::new(Hub::default());
+        let node = Node::new(f.dataplane()?, hub.clone(), None, DEFAULT_CONDITION_TYPE);
+        let (stop_tx, stop) = tokio::sync::watch::channel(false);
+        let listener = server::bind(&zds)?;
+        let serving = tokio::spawn(server::serve(
+            listener,
+            zds.clone(),
+            hub.clone(),
+            node.clone() as Arc<dyn server::Handler>,
+            stop.clone(),
+        ));
+        let _peer = PeerProc::start(Path::new(PEER), &zds, &[])?;
+        let cfg = ReportConfig {
+            untaint: vec!["cni.istio.io/not-ready".into()],
+            ..ReportConfig::default()
+        };
+        let api = NodeApi {
+            client,
+            node: "node-a".into(),
+        };
+        let reporting = tokio::spawn(report::run(
+            node.report().clone(),
+            node.clone(),
+            None,
+            cfg,
+            Some(api),
+            stop.clone(),
+        ));
+        let start = Instant::now();
+        while !log
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|(p, _)| p == "/api/v1/nodes/node-a")
+        {
+            ensure!(
+                start.elapsed() < Duration::from_secs(10),
+                "taint never removed: {:?}",
+                log.lock().unwrap()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        stop_tx.send(true)?;
+        reporting.await?;
+        let _ = serving.await;
+        let log = log.lock().unwrap().clone();
+        let untaint = log
+            .iter()
+            .position(|(p, _)| p == "/api/v1/nodes/node-a")
+            .unwrap();
+        let ready = log.iter().position(|(p, v)| {
+            p.ends_with("/status") && v["status"]["conditions"][0]["status"] == "True"
+        });
+        ensure!(
+            ready.is_some_and(|r| r < untaint),
+            "untainted before True was written: {log:?}"
+        );
+        ensure!(
+            log[untaint].1["spec"]["taints"]
+                == json!([{"key": "dedicated", "value": "mesh", "effect": "NoSchedule"}]),
+            "{log:?}"
+        );
+        ensure!(
+            log.iter()
+                .filter(|(p, _)| p == "/api/v1/nodes/node-a")
+                .count()
+                == 1,
+            "the taint is removed once: {log:?}"
+        );
+        Ok(())
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+    result
 }
