@@ -222,7 +222,12 @@ fn node_api(patches: Arc<Mutex<Vec<Value>>>) -> kube::Client {
     tokio::spawn(async move {
         while let Some((req, send)) = handle.next_request().await {
             let (method, path) = (req.method().clone(), req.uri().path().to_owned());
-            assert_eq!(path, "/api/v1/nodes/node-a/status", "{method} {path}");
+            let want = if method == Method::PATCH {
+                "/api/v1/nodes/node-a/status"
+            } else {
+                "/api/v1/nodes/node-a"
+            };
+            assert_eq!(path, want, "{method} {path}");
             let body = req.into_body().collect_bytes().await.unwrap_or_default();
             if method == Method::PATCH {
                 patches

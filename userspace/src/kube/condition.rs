@@ -122,7 +122,7 @@ impl ConditionWriter {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let node = self.api.get_status(&self.node).await?;
+            let node = self.api.get(&self.node).await?;
             let body = patch_body(
                 &self.kind,
                 desired,
@@ -141,12 +141,6 @@ impl ConditionWriter {
                 r => return r.map(drop),
             }
         }
-    }
-
-    /// What the Node shows for this condition now (for the watchdog).
-    pub async fn read(&self) -> kube::Result<Option<NodeCondition>> {
-        let node = self.api.get_status(&self.node).await?;
-        Ok(current(&node, &self.kind).cloned())
     }
 }
 
@@ -184,11 +178,11 @@ mod tests {
             "status": {"conditions": conditions}})
     }
 
-    /// Expects a GET of the node's status and answers with `node`.
+    /// Expects a GET of the node and answers with `node`.
     async fn serve_get(h: &mut Handle, node: Value) {
         let (req, send) = h.next_request().await.expect("a GET");
         assert_eq!(req.method(), Method::GET);
-        assert_eq!(req.uri().path(), "/api/v1/nodes/node-a/status");
+        assert_eq!(req.uri().path(), "/api/v1/nodes/node-a");
         reply(send, 200, &node);
     }
 

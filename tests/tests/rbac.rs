@@ -1,0 +1,183 @@
+//! Every request the agent and the watchdog make to the API server is allowed
+//! by `deploy/rbac.yaml` (check-deploy checks that the chart grants the same),
+//! and nothing is granted that no request needs. The writers and readers run
+//! against a recording mock API; each request is mapped to the resource and
+//! verb RBAC checks it as.
+
+use std::{
+    collections::BTreeSet,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use http::{Method, Request, Response};
+use kube::client::Body;
+use serde::Deserialize as _;
+use serde_json::{json, Value};
+use sluice::{
+    agent::kube::KubeCtx,
+    cni::spec::PodRef,
+    kube::{annotate, condition::ConditionWriter, gate, taint, verify},
+    readiness::Condition,
+};
+use sluice_common::PodState;
+
+type Seen = Arc<Mutex<BTreeSet<(String, String)>>>;
+
+/// The (resource, verb) RBAC checks a request as.
+fn needed(method: &Method, path: &str, query: &str) -> (String, String) {
+    let parts: Vec<&str> = path
+        .strip_prefix("/api/v1/")
+        .unwrap_or_else(|| panic!("not a core API path: {path}"))
+        .split('/')
+        .collect();
+    let (resource, named) = match parts.as_slice() {
+        ["nodes"] | ["pods"] | ["namespaces"] => (parts[0].to_string(), false),
+        ["nodes", _] | ["namespaces", _] => (parts[0].to_string(), true),
+        ["nodes", _, sub] => (format!("nodes/{sub}"), true),
+        ["namespaces", _, kind, _] => (kind.to_string(), true),
+        ["namespaces", _, kind, _, sub] => (format!("{kind}/{sub}"), true),
+        other => panic!("unmapped path {other:?}"),
+    };
+    let verb = match (method.as_str(), named) {
+        ("GET", true) => "get",
+        ("GET", false) if query.contains("watch=true") => "watch",
+        ("GET", false) => "list",
+        ("PATCH", _) => "patch",
+        (m, _) => panic!("unexpected method {m} {path}"),
+    };
+    (resource, verb.to_string())
+}
+
+/// What deploy/rbac.yaml's ClusterRole grants, as (resource, verb) pairs.
+fn granted() -> BTreeSet<(String, String)> {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/rbac.yaml");
+    let text = std::fs::read_to_string(path).unwrap();
+    let mut out = BTreeSet::new();
+    for doc in serde_yaml::Deserializer::from_str(&text) {
+        let v: Value = serde_json::Value::deserialize(doc).unwrap();
+        if v["kind"] != "ClusterRole" {
+            continue;
+        }
+        for rule in v["rules"].as_array().unwrap() {
+            assert_eq!(
+                rule["apiGroups"],
+                json!([""]),
+                "only the core group is used"
+            );
+            for r in rule["resources"].as_array().unwrap() {
+                for verb in rule["verbs"].as_array().unwrap() {
+                    out.insert((r.as_str().unwrap().into(), verb.as_str().unwrap().into()));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// A mock API server that records what each request needs and answers
+/// with a plausible object for the path.
+fn recording_api(seen: Seen) -> kube::Client {
+    let (svc, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    tokio::spawn(async move {
+        while let Some((req, send)) = handle.next_request().await {
+            let (method, path) = (req.method().clone(), req.uri().path().to_owned());
+            let query = req.uri().query().unwrap_or("").to_owned();
+            seen.lock().unwrap().insert(needed(&method, &path, &query));
+            let body = if query.contains("watch=true") {
+                Value::Null
+            } else if path.ends_with("/pods") || path.ends_with("/namespaces") {
+                json!({"apiVersion": "v1", "kind": "List", "metadata": {"resourceVersion": "5"}, "items": []})
+            } else if path.starts_with("/api/v1/nodes/") {
+                json!({"apiVersion": "v1", "kind": "Node",
+                    "metadata": {"name": "node-a", "resourceVersion": "5"},
+                    "spec": {"taints": [{"key": "cni.istio.io/not-ready", "effect": "NoSchedule"}]}})
+            } else if path.contains("/pods/") {
+                json!({"apiVersion": "v1", "kind": "Pod",
+                    "metadata": {"name": "cart", "namespace": "shop", "uid": "u-1"},
+                    "spec": {"nodeName": "node-a", "containers": [{"name": "app"}],
+                        "readinessGates": [{"conditionType": gate::GATE}]},
+                    "status": {"phase": "Running"}})
+            } else {
+                json!({"apiVersion": "v1", "kind": "Namespace",
+                    "metadata": {"name": "shop", "labels": {"istio.io/dataplane-mode": "ambient"}}})
+            };
+            let bytes = if body.is_null() {
+                Vec::new()
+            } else {
+                serde_json::to_vec(&body).unwrap()
+            };
+            send.send_response(Response::builder().body(Body::from(bytes)).unwrap());
+        }
+    });
+    kube::Client::new(svc, "default")
+}
+
+#[tokio::test]
+async fn rbac_grants_exactly_what_the_agent_and_watchdog_use() {
+    let seen: Seen = Arc::default();
+    let client = recording_api(seen.clone());
+
+    // The node condition (agent and watchdog), the startup taint.
+    let mut w = ConditionWriter::new(
+        client.clone(),
+        "node-a",
+        "sluice.dev/RedirectionReady",
+        Duration::from_secs(60),
+    );
+    w.update(&Condition::agent_stopped()).await.unwrap();
+    assert!(
+        taint::remove(client.clone(), "node-a", "cni.istio.io/not-ready")
+            .await
+            .unwrap()
+    );
+    // The pod annotation and readiness gate, the CNI cross-checks.
+    annotate::write(client.clone(), "shop", "cart", Some(PodState::Enabled))
+        .await
+        .unwrap();
+    assert!(
+        gate::write(client.clone(), "shop", "cart", Some(PodState::Enabled))
+            .await
+            .unwrap()
+    );
+    verify::fetch(client.clone(), "shop", "cart").await.unwrap();
+    let k = KubeCtx {
+        client: client.clone(),
+        node: "node-a".into(),
+        cni_records: None,
+    };
+    let pod = PodRef {
+        name: "cart".into(),
+        namespace: "shop".into(),
+        uid: Some("u-1".into()),
+    };
+    k.admit_add(&pod).await.unwrap();
+    k.observe().await.unwrap();
+    // The pod and namespace watches: list, then watch.
+    let (tx, _rx) = tokio::sync::mpsc::channel(8);
+    let watching = tokio::spawn(async move { k.changed(tx).await });
+    let want_watches = [
+        ("pods".to_string(), "watch".to_string()),
+        ("namespaces".into(), "watch".into()),
+    ];
+    for _ in 0..100 {
+        if want_watches
+            .iter()
+            .all(|w| seen.lock().unwrap().contains(w))
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    watching.abort();
+
+    let seen = seen.lock().unwrap().clone();
+    let granted = granted();
+    let missing: Vec<_> = seen.difference(&granted).collect();
+    assert!(
+        missing.is_empty(),
+        "requests deploy/rbac.yaml does not allow: {missing:?}"
+    );
+    let unused: Vec<_> = granted.difference(&seen).collect();
+    assert!(unused.is_empty(), "granted but never used: {unused:?}");
+}
