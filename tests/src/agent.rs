@@ -29,6 +29,9 @@ pub struct Out {
 
 pub struct AgentProc {
     child: Option<Child>,
+    /// A command the agent runs under (it gets the sluice command line as
+    /// arguments and must exec it), e.g. to restrict its capabilities.
+    wrapper: Vec<String>,
     extra: Vec<String>,
     pub dir: PathBuf,
     pub zds: PathBuf,
@@ -44,11 +47,17 @@ impl AgentProc {
 
     /// Same, with extra `sluice agent` flags.
     pub fn start_with(pins: &Pins, extra: &[&str]) -> anyhow::Result<Self> {
+        Self::start_wrapped(pins, &[], extra)
+    }
+
+    /// Same, run under `wrapper` (see [`AgentProc::wrapper`]).
+    pub fn start_wrapped(pins: &Pins, wrapper: &[&str], extra: &[&str]) -> anyhow::Result<Self> {
         let n = SEQ.fetch_add(1, Ordering::Relaxed);
         let dir = PathBuf::from(format!("/tmp/sluice-agent-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir)?;
         let mut a = Self {
             child: None,
+            wrapper: wrapper.iter().map(|s| s.to_string()).collect(),
             extra: extra.iter().map(|s| s.to_string()).collect(),
             zds: dir.join("ztunnel.sock"),
             control: dir.join("agent.sock"),
@@ -64,7 +73,15 @@ impl AgentProc {
             .create(true)
             .append(true)
             .open(self.dir.join("agent.log"))?;
-        let child = Command::new(sluice_bin())
+        let mut cmd = match self.wrapper.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(sluice_bin());
+                c
+            }
+            None => Command::new(sluice_bin()),
+        };
+        let child = cmd
             .arg("--bpf-root")
             .arg(&self.root)
             .arg("--control-socket")
@@ -96,6 +113,11 @@ impl AgentProc {
             std::thread::sleep(Duration::from_millis(20));
         }
         Ok(())
+    }
+
+    /// The agent's pid (the wrapper execs it, so the same process).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     pub fn log(&self) -> String {

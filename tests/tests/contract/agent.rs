@@ -55,6 +55,10 @@ pub fn trials() -> Vec<Trial> {
             sigterm,
         ),
         trial("agent::unenroll_sends_del_and_removes_capture", unenroll),
+        trial(
+            "agent::runs_with_the_daemonset_capabilities_and_read_only_proc_sys",
+            daemonset_privileges,
+        ),
     ]
 }
 
@@ -560,4 +564,99 @@ fn unenroll() -> TestResult {
         out.stderr
     );
     Ok(())
+}
+
+/// The agent container of deploy/daemonset.yaml: its added capabilities (as
+/// setpriv names them) and whether it sets sysctls through a host procfs.
+fn daemonset_agent() -> anyhow::Result<(Vec<String>, bool)> {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/daemonset.yaml");
+    let ds: serde_json::Value = serde_yaml::from_str(&std::fs::read_to_string(path)?)?;
+    let agent = ds["spec"]["template"]["spec"]["containers"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["name"] == "agent"))
+        .context("no agent container")?;
+    ensure!(
+        agent["securityContext"]["privileged"] == false,
+        "the agent runs privileged"
+    );
+    let caps = agent["securityContext"]["capabilities"]["add"]
+        .as_array()
+        .context("no capabilities")?
+        .iter()
+        .filter_map(|c| c.as_str())
+        .map(|c| c.to_ascii_lowercase())
+        .collect();
+    let host_proc = agent["args"]
+        .as_array()
+        .is_some_and(|a| a.iter().any(|x| x == "--proc-dir=/host/proc"));
+    Ok((caps, host_proc))
+}
+
+/// The agent as deploy/daemonset.yaml runs it: only the capabilities it
+/// lists (setpriv bounding set), /proc/sys read-only as in any non-privileged
+/// container, and the host's procfs under another path for `--proc-dir`. It
+/// loads the programs, takes a pod through ZDS to Enabled, and traffic is
+/// captured.
+fn daemonset_privileges() -> TestResult {
+    let (caps, host_proc) = daemonset_agent()?;
+    ensure!(
+        host_proc,
+        "the DaemonSet does not pass --proc-dir=/host/proc"
+    );
+    let f = Fixture::new("cap", None)?;
+    let hp = std::env::temp_dir().join(format!("sluice-cap-proc-{}", std::process::id()));
+    std::fs::create_dir_all(&hp)?;
+    let bounding = format!(
+        "-all,{}",
+        caps.iter()
+            .map(|c| format!("+{c}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    let script = format!(
+        "mount --bind /proc/sys /proc/sys && mount -o remount,bind,ro /proc/sys && \
+         mount --bind /proc {hp} && exec setpriv --bounding-set {bounding} --inh-caps -all \
+         --ambient-caps -all -- \"$@\" --proc-dir {hp}",
+        hp = hp.display()
+    );
+    let wrapper = [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        &script,
+        "sh",
+    ];
+    let result = (|| -> TestResult {
+        let agent = AgentProc::start_wrapped(&f.topo.pins, &wrapper, &[])?;
+        let status =
+            std::fs::read_to_string(format!("/proc/{}/status", agent.pid().context("no pid")?))?;
+        let bnd = status
+            .lines()
+            .find(|l| l.starts_with("CapBnd:"))
+            .unwrap_or_default()
+            .to_owned();
+        let peer = peer(&agent)?;
+        enroll_enabled(&agent, &f)?;
+        ensure!(inbound(&f)
+            .reply()
+            .is_some_and(|l| l.starts_with("app:8080")));
+        ensure!(
+            peer.wait_for(Duration::from_secs(2), |_| peer
+                .accepted_roles(&["inbound"])),
+            "not captured: {}",
+            agent.log()
+        );
+        // The agent really ran with the DaemonSet's list and nothing more.
+        let mask = u64::from_str_radix(bnd.trim_start_matches("CapBnd:").trim(), 16)?;
+        ensure!(
+            mask.count_ones() as usize == caps.len(),
+            "{bnd} for {caps:?}"
+        );
+        Ok(())
+    })();
+    let _ = std::fs::remove_dir(&hp);
+    result
 }
