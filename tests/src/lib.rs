@@ -9,6 +9,7 @@ pub mod cni;
 pub mod flow;
 pub mod harness;
 pub mod istio;
+pub mod mockapi;
 pub mod ns;
 pub mod sink;
 pub mod standin;

@@ -13,7 +13,7 @@ use sluice::{
     cni::spec::PodRef,
     zds::server::Hub,
 };
-use sluice_tests::harness::Fixture;
+use sluice_tests::{harness::Fixture, mockapi};
 
 use crate::{trial, TestResult};
 
@@ -75,11 +75,7 @@ fn api(deleting: Arc<Mutex<bool>>, patches: Arc<Mutex<Vec<(String, Value)>>>) ->
                 }
                 (m, p) => panic!("unexpected request {m} {p}"),
             };
-            send.send_response(
-                Response::builder()
-                    .body(Body::from(serde_json::to_vec(&reply).unwrap()))
-                    .unwrap(),
-            );
+            mockapi::reply(send, 200, &reply);
         }
     });
     kube::Client::new(svc, "default")
@@ -289,12 +285,12 @@ fn relist() -> TestResult {
                     // The released pod is gone from the API.
                     (Method::GET, "/api/v1/namespaces/mesh/pods/stale") => {
                         let gone = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404});
-                        send.send_response(Response::builder().status(404).body(Body::from(serde_json::to_vec(&gone).unwrap())).unwrap());
+                        mockapi::reply(send, 404, &gone);
                         continue;
                     }
                     (m, p) => panic!("unexpected request {m} {p}"),
                 };
-                send.send_response(Response::builder().body(Body::from(serde_json::to_vec(&reply).unwrap())).unwrap());
+                mockapi::reply(send, 200, &reply);
             }
         });
         let node = Node::new(

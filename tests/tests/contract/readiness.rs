@@ -25,6 +25,7 @@ use sluice_tests::{
     agent::{free_port, http_get, AgentProc, PeerProc},
     flow::{connect as tcp, Opts},
     harness::{Fixture, APP_PORT},
+    mockapi,
     topology::Family,
 };
 
@@ -244,11 +245,7 @@ fn node_api(patches: Arc<Mutex<Vec<Value>>>) -> kube::Client {
             let node = json!({"apiVersion": "v1", "kind": "Node",
                 "metadata": {"name": "node-a", "resourceVersion": "1"},
                 "status": {"conditions": conditions}});
-            send.send_response(
-                Response::builder()
-                    .body(Body::from(serde_json::to_vec(&node).unwrap()))
-                    .unwrap(),
-            );
+            mockapi::reply(send, 200, &node);
         }
     });
     kube::Client::new(svc, "default")
@@ -338,11 +335,7 @@ fn tainted_node_api(log: Arc<Mutex<Vec<(String, Value)>>>) -> kube::Client {
             let node = json!({"apiVersion": "v1", "kind": "Node",
                 "metadata": {"name": "node-a", "resourceVersion": "1"},
                 "spec": {"taints": taints}, "status": {"conditions": conditions}});
-            send.send_response(
-                Response::builder()
-                    .body(Body::from(serde_json::to_vec(&node).unwrap()))
-                    .unwrap(),
-            );
+            mockapi::reply(send, 200, &node);
         }
     });
     kube::Client::new(svc, "default")
