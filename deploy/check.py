@@ -14,13 +14,17 @@ helm binary) and kubernetes-validate (Kubernetes' OpenAPI schemas).
      the node-readiness-controller v1alpha1 API, which has no bundled schema;
   4. the chart's defaults render the same DaemonSet and RBAC rules as the
      plain manifests;
-  5. shellcheck passes on every shell script.
+  5. shellcheck passes on every shell script;
+  6. the kind suite, on a machine without its tools, says it skipped and
+     exits 0 (run with a PATH that holds only what it needs before the check).
 """
 
 import copy
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import helm_python as helm
 import kubernetes_validate
@@ -443,6 +447,33 @@ def check_shell(root):
             ok(f"shellcheck {rel}")
 
 
+def check_kind_skips(root):
+    """tests/kind/run.sh where its tools are missing, and where docker is
+    installed but no engine answers (stubs: the real suite never starts)."""
+    script = os.path.join(root, "tests", "kind", "run.sh")
+    stub = "#!/bin/sh\n" + 'echo "Cannot connect to the Docker daemon" >&2; exit 1\n'
+    cases = [
+        ("without its tools", {}, "skipped: needs Docker and kind (missing: docker kind kubectl helm)"),
+        ("without a Docker engine", {"docker": stub, "kind": stub, "kubectl": stub, "helm": stub},
+         "skipped: needs Docker and kind (docker info failed: Cannot connect to the Docker daemon)"),
+    ]
+    for label, stubs, want in cases:
+        with tempfile.TemporaryDirectory() as bare:
+            for tool in ("bash", "dirname", "uname"):
+                os.symlink(shutil.which(tool), os.path.join(bare, tool))
+            for name, body in stubs.items():
+                path = os.path.join(bare, name)
+                with open(path, "w") as f:
+                    f.write(body)
+                os.chmod(path, 0o755)
+            r = subprocess.run([os.path.join(bare, "bash"), script], capture_output=True,
+                               text=True, env={"PATH": bare}, timeout=30)
+        if r.returncode == 0 and r.stdout.strip() == want:
+            ok(f"tests/kind/run.sh skips cleanly {label}")
+        else:
+            fail(f"tests/kind/run.sh {label}", f"exit {r.returncode}: {r.stdout!r} {r.stderr!r}")
+
+
 def main():
     root = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), ".."))
     deploy = os.path.join(root, "deploy")
@@ -451,6 +482,7 @@ def main():
     plain_manifests(os.path.join(root, "tests", "kind"), root, {})
     check_chart(os.path.join(deploy, "helm", "sluice"), plain)
     check_shell(root)
+    check_kind_skips(root)
     if errors:
         print(f"\ncheck-deploy: {len(errors)} problem(s)")
         sys.exit(1)
