@@ -51,6 +51,11 @@ fn api(deleting: Arc<Mutex<bool>>, patches: Arc<Mutex<Vec<(String, Value)>>>) ->
                 if *deleting.lock().unwrap() {
                     p["metadata"]["deletionTimestamp"] = json!("2026-11-22T00:00:00Z");
                 }
+                // cart asks for sluice's readiness gate.
+                if name == "cart" {
+                    p["spec"]["readinessGates"] =
+                        json!([{"conditionType": "sluice.dev/redirected"}]);
+                }
                 p
             };
             let reply = match (method, path.as_str()) {
@@ -108,7 +113,8 @@ fn admitted_with(f: &Fixture, records: &std::path::Path) -> TestResult {
         let netns = f.topo.pod_netns_path();
 
         // Ambient namespace: enrolled (Pending: no ztunnel), with the pod's
-        // real uid and service account, and annotated `pending`.
+        // real uid and service account, annotated `pending`, and its
+        // readiness gate False.
         let r = node
             .handle(control::Request::CniAdd { container_id: "c1".into(), netns: netns.clone(), pod: cart.clone(), ips: vec![] })
             .await;
@@ -116,9 +122,15 @@ fn admitted_with(f: &Fixture, records: &std::path::Path) -> TestResult {
         let pods = sluice::status::read(&f.topo.pins)?;
         let rec = pods.first().ok_or_else(|| anyhow::anyhow!("no pod enrolled"))?;
         ensure!(rec.workload.as_ref().is_some_and(|w| w.service_account == "cart-sa"), "{rec:?}");
-        wait_patch(&patches, 1).await?;
+        wait_patch(&patches, 2).await?;
         ensure!(
             patches.lock().unwrap()[0] == ("/api/v1/namespaces/shop/pods/cart/status".into(), json!({"metadata": {"annotations": {"ambient.istio.io/redirection": "pending"}}})),
+            "{:?}",
+            patches.lock().unwrap()
+        );
+        let gate = |i: usize| patches.lock().unwrap()[i].1["status"]["conditions"][0].clone();
+        ensure!(
+            gate(1)["type"] == "sluice.dev/redirected" && gate(1)["status"] == "False" && gate(1)["reason"] == "Pending",
             "{:?}",
             patches.lock().unwrap()
         );
@@ -144,8 +156,9 @@ fn admitted_with(f: &Fixture, records: &std::path::Path) -> TestResult {
         let r = node.handle(del).await;
         ensure!(matches!(&r, control::Response::Unenrolled { .. }), "{r:?}");
         ensure!(sluice::status::read(&f.topo.pins)?.is_empty());
-        wait_patch(&patches, 2).await?;
-        ensure!(patches.lock().unwrap()[1].1 == json!({"metadata": {"annotations": {"ambient.istio.io/redirection": null}}}));
+        wait_patch(&patches, 4).await?;
+        ensure!(patches.lock().unwrap()[2].1 == json!({"metadata": {"annotations": {"ambient.istio.io/redirection": null}}}));
+        ensure!(gate(3)["status"] == "False" && gate(3)["reason"] == "NotEnrolled", "{:?}", patches.lock().unwrap());
         Ok(())
     })
 }
