@@ -35,6 +35,29 @@ pub fn trials() -> Vec<Trial> {
     ]
 }
 
+/// The agent's node in cluster mode (in-process) on `f`'s pins, with its
+/// announcer running until the returned sender drops.
+fn cluster_node(
+    f: &Fixture,
+    client: kube::Client,
+    cni_records: Option<std::path::PathBuf>,
+) -> anyhow::Result<(Arc<Node>, tokio::sync::watch::Sender<bool>)> {
+    let k = KubeCtx {
+        client,
+        node: "node-a".into(),
+        cni_records,
+    };
+    let node = Node::new(
+        f.dataplane()?,
+        Arc::new(Hub::default()),
+        Some(k),
+        sluice::readiness::DEFAULT_CONDITION_TYPE,
+    );
+    let (announcing, stop) = tokio::sync::watch::channel(false);
+    tokio::spawn(node.clone().announcer(stop));
+    Ok((node, announcing))
+}
+
 /// A tiny API server: answers pod and namespace GETs from fixed objects and
 /// records every status patch body.
 fn api(deleting: Arc<Mutex<bool>>, patches: Arc<Mutex<Vec<(String, Value)>>>) -> kube::Client {
@@ -101,14 +124,7 @@ fn admitted_with(f: &Fixture, records: &std::path::Path) -> TestResult {
         let deleting = Arc::new(Mutex::new(false));
         let patches = Arc::new(Mutex::new(Vec::new()));
         let client = api(deleting.clone(), patches.clone());
-        let node = Node::new(
-            f.dataplane()?,
-            Arc::new(Hub::default()),
-            Some(KubeCtx { client, node: "node-a".into(), cni_records: Some(records.clone()) }),
-            sluice::readiness::DEFAULT_CONDITION_TYPE,
-        );
-        let (_announcing, stop) = tokio::sync::watch::channel(false);
-        tokio::spawn(node.clone().announcer(stop));
+        let (node, _announcing) = cluster_node(f, client, Some(records.clone()))?;
         let cart = PodRef { name: "cart".into(), namespace: "shop".into(), uid: Some("u-cart".into()) };
         let netns = f.topo.pod_netns_path();
 
@@ -306,14 +322,7 @@ fn relist() -> TestResult {
                 mockapi::reply(send, 200, &reply);
             }
         });
-        let node = Node::new(
-            f.dataplane()?,
-            Arc::new(Hub::default()),
-            Some(KubeCtx { client: kube::Client::new(svc, "default"), node: "node-a".into(), cni_records: None }),
-            sluice::readiness::DEFAULT_CONDITION_TYPE,
-        );
-        let (_announcing, stop) = tokio::sync::watch::channel(false);
-        tokio::spawn(node.clone().announcer(stop));
+        let (node, _announcing) = cluster_node(&f, kube::Client::new(svc, "default"), None)?;
         node.reconcile_once(std::time::Duration::ZERO).await?;
         let pods = sluice::status::read(&f.topo.pins)?;
         ensure!(pods.len() == 1 && pods[0].uid == uid, "{pods:?}");
@@ -378,14 +387,7 @@ fn watch_triggers_capture() -> TestResult {
                 });
             }
         });
-        let node = Node::new(
-            f.dataplane()?,
-            Arc::new(Hub::default()),
-            Some(KubeCtx { client: kube::Client::new(svc, "default"), node: "node-a".into(), cni_records: None }),
-            sluice::readiness::DEFAULT_CONDITION_TYPE,
-        );
-        let (_announcing, stop) = tokio::sync::watch::channel(false);
-        tokio::spawn(node.clone().announcer(stop));
+        let (node, _announcing) = cluster_node(&f, kube::Client::new(svc, "default"), None)?;
         let (_stop_tx, stop) = tokio::sync::watch::channel(false);
         let task = tokio::spawn(node.clone().reconcile_with_api(stop));
         tokio::time::sleep(std::time::Duration::from_millis(300)).await;
