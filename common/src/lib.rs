@@ -335,10 +335,6 @@ mod tests {
         assert_eq!(size_of::<Counters>(), 48);
         assert_eq!(size_of::<FlowKey>(), 16 + 16 + 2 + 2 + 1 + 3);
         assert_eq!(size_of::<FlowHint>(), 24);
-        assert_eq!(
-            size_of::<PodMeta>(),
-            POD_UID_LEN + NETNS_PATH_LEN + POD_NAME_LEN + NAMESPACE_LEN + SERVICE_ACCOUNT_LEN
-        );
         assert_eq!(size_of::<AddrKey>(), 20);
     }
 

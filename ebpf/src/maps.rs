@@ -2,6 +2,7 @@
 //! `/sys/fs/bpf/sluice/maps/` and created once per node; a pod only adds entries.
 
 use aya_ebpf::{
+    bindings::BPF_F_NO_PREALLOC,
     macros::map,
     maps::{HashMap, LruHashMap, PerCpuHashMap, SockHash},
 };
@@ -42,8 +43,6 @@ pub static FLOW_HINTS: LruHashMap<FlowKey, FlowHint> = LruHashMap::pinned(8192, 
 /// Not preallocated: entries are large and few.
 #[map(name = "pod_meta")]
 pub static POD_META: HashMap<u64, PodMeta> = HashMap::pinned(MAX_PODS, BPF_F_NO_PREALLOC);
-
-const BPF_F_NO_PREALLOC: u32 = 1;
 
 /// Adds one to a pod's counter, creating the entry on first use.
 #[inline(always)]

@@ -378,3 +378,23 @@ pub fn boottime_ns() -> u64 {
         .expect("CLOCK_BOOTTIME is always available on Linux");
     ts.tv_sec() as u64 * 1_000_000_000 + ts.tv_nsec() as u64
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_survive_the_fixed_size_fields_up_to_their_full_length() {
+        let mut field = [0u8; sluice_common::POD_NAME_LEN];
+        let longest = "a".repeat(sluice_common::POD_NAME_LEN);
+        fill(&mut field, &longest);
+        assert_eq!(
+            cstr(&field),
+            longest,
+            "no room for a NUL: the field's length ends it"
+        );
+        let mut field = [0u8; sluice_common::POD_NAME_LEN];
+        fill(&mut field, "cart-7d9f");
+        assert_eq!(cstr(&field), "cart-7d9f");
+    }
+}
