@@ -225,26 +225,15 @@ fn attach_tc(
     let link = prog.take_link(id).map_err(aerr)?;
     FdLink::try_from(link).map_err(|e| EnrollError::Pin {
         what: what(),
-        reason: error_chain(&e),
+        reason: crate::error_line(&e),
     })
 }
 
 fn pin(link: FdLink, path: &Path) -> Result<(), EnrollError> {
     link.pin(path).map(drop).map_err(|e| EnrollError::Pin {
         what: path.display().to_string(),
-        reason: error_chain(&e),
+        reason: crate::error_line(&e),
     })
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }
 
 /// Publishes the pod's current addresses to the ingress programs.

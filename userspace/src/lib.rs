@@ -28,13 +28,20 @@ pub mod zds;
 /// An error and its causes on one line, without repeating a cause that a
 /// message already quotes (typed errors here often embed their source).
 pub fn one_line(e: &anyhow::Error) -> String {
+    error_line(e.as_ref())
+}
+
+/// [`one_line`] for any error type.
+pub fn error_line(e: &(dyn std::error::Error + 'static)) -> String {
     let mut msg = e.to_string();
-    for cause in e.chain().skip(1) {
-        let c = cause.to_string();
-        if !msg.contains(&c) {
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let c_msg = c.to_string();
+        if !msg.contains(&c_msg) {
             msg.push_str(": ");
-            msg.push_str(&c);
+            msg.push_str(&c_msg);
         }
+        cause = c.source();
     }
     msg.replace('\n', " ")
 }

@@ -63,19 +63,17 @@ impl Reason {
     }
 }
 
-const ALL: [Reason; 7] = [
-    Reason::Ready,
-    Reason::ProgramsNotLoaded,
-    Reason::CniPluginMissing,
-    Reason::ZtunnelDisconnected,
-    Reason::PodsPendingEnrollment,
-    Reason::AgentStopped,
-    Reason::AgentNotRunning,
-];
-
 impl Reason {
     /// Every reason, for metrics that show each.
-    pub const ALL: [Reason; 7] = ALL;
+    pub const ALL: [Reason; 7] = [
+        Reason::Ready,
+        Reason::ProgramsNotLoaded,
+        Reason::CniPluginMissing,
+        Reason::ZtunnelDisconnected,
+        Reason::PodsPendingEnrollment,
+        Reason::AgentStopped,
+        Reason::AgentNotRunning,
+    ];
 }
 
 impl serde::Serialize for Reason {
@@ -87,7 +85,8 @@ impl serde::Serialize for Reason {
 impl<'de> serde::Deserialize<'de> for Reason {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s = String::deserialize(d)?;
-        ALL.into_iter()
+        Reason::ALL
+            .into_iter()
             .find(|r| r.as_str() == s)
             .ok_or_else(|| serde::de::Error::custom(format!("unknown reason {s:?}")))
     }

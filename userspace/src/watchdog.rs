@@ -18,7 +18,6 @@ use tracing::{info, warn};
 
 use crate::{kube::condition::ConditionWriter, readiness::Condition};
 
-pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(2);
 pub const DEFAULT_FAILURES: u32 = 3;
 /// Budget for the write (the client has no read timeout of its own).
 const API_TIMEOUT: Duration = Duration::from_secs(10);

@@ -37,8 +37,6 @@ const ACK_BUFFER: usize = 64 * 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ZdsError {
-    #[error("no ztunnel connected")]
-    NoConnection,
     #[error("timed out after {0:?} waiting for ztunnel")]
     Timeout(Duration),
     #[error("connection lost")]
@@ -56,7 +54,7 @@ pub enum ZdsError {
 impl ZdsError {
     /// Whether the connection can no longer be trusted for lock-step.
     fn is_fatal(&self) -> bool {
-        !matches!(self, ZdsError::TooLarge(_) | ZdsError::NoConnection)
+        !matches!(self, ZdsError::TooLarge(_))
     }
 }
 

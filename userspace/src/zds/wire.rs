@@ -16,10 +16,6 @@ pub enum WireError {
     Truncated(usize),
     #[error("control data truncated")]
     ControlTruncated,
-    #[error("expected {expected} fds with this message, got {got}")]
-    FdCount { expected: usize, got: usize },
-    #[error("message too large: {0} bytes (limit {1})")]
-    TooLarge(usize, usize),
     #[error("{0}")]
     Io(#[from] nix::Error),
 }
