@@ -209,19 +209,33 @@ impl CniInstall {
         e
     }
 
+    /// Copies the plugin into the bin dir unless the copy there has the
+    /// source's size and modification time (the copy is given the source's,
+    /// so the once-a-second check reads two inodes, not two binaries).
     fn copy_binary(&self) -> Result<(), InstallError> {
         let dst = self.bin_dir.join(PLUGIN_TYPE);
-        let src =
-            fs::read(&self.plugin).map_err(io(format!("reading {}", self.plugin.display())))?;
-        if fs::read(&dst).is_ok_and(|cur| cur == src) {
+        let src_meta =
+            fs::metadata(&self.plugin).map_err(io(format!("reading {}", self.plugin.display())))?;
+        let stamp = |m: &fs::Metadata| (m.len(), m.modified().ok());
+        if fs::metadata(&dst).is_ok_and(|m| stamp(&m) == stamp(&src_meta)) {
             return Ok(());
         }
+        let src =
+            fs::read(&self.plugin).map_err(io(format!("reading {}", self.plugin.display())))?;
         fs::create_dir_all(&self.bin_dir)
             .map_err(io(format!("creating {}", self.bin_dir.display())))?;
         let tmp = self.bin_dir.join(format!(".{PLUGIN_TYPE}.tmp"));
-        fs::write(&tmp, &src).map_err(io(format!("writing {}", tmp.display())))?;
-        use std::os::unix::fs::PermissionsExt;
-        fs::set_permissions(&tmp, fs::Permissions::from_mode(0o755)).map_err(io("chmod plugin"))?;
+        let write = || -> std::io::Result<()> {
+            use std::os::unix::fs::PermissionsExt;
+            let f = fs::File::create(&tmp)?;
+            std::io::Write::write_all(&mut &f, &src)?;
+            f.set_permissions(fs::Permissions::from_mode(0o755))?;
+            if let Ok(t) = src_meta.modified() {
+                f.set_modified(t)?;
+            }
+            Ok(())
+        };
+        write().map_err(io(format!("writing {}", tmp.display())))?;
         fs::rename(&tmp, &dst).map_err(io(format!("installing {}", dst.display())))
     }
 }
@@ -314,6 +328,31 @@ mod tests {
         );
         assert!(!i.bin_dir.join(PLUGIN_TYPE).exists());
         assert!(!i.is_installed());
+    }
+
+    #[test]
+    fn the_plugin_binary_is_replaced_when_the_agent_brings_a_new_one() {
+        let (_d, i) = setup("bin");
+        fs::write(i.conf_dir.join("10-kindnet.conflist"), LIST).unwrap();
+        i.install().unwrap();
+        let dst = i.bin_dir.join(PLUGIN_TYPE);
+        assert_eq!(fs::read(&dst).unwrap(), b"#!/bin/sh\n");
+        // Unchanged source: the copy is left as it is (same inode).
+        use std::os::unix::fs::MetadataExt;
+        let ino = fs::metadata(&dst).unwrap().ino();
+        i.install().unwrap();
+        assert_eq!(fs::metadata(&dst).unwrap().ino(), ino);
+        // A new agent image: same length, other bytes, other mtime.
+        fs::write(&i.plugin, b"#!/bin/xx\n").unwrap();
+        let later = std::time::SystemTime::now() + std::time::Duration::from_secs(5);
+        fs::File::options()
+            .write(true)
+            .open(&i.plugin)
+            .unwrap()
+            .set_modified(later)
+            .unwrap();
+        i.install().unwrap();
+        assert_eq!(fs::read(&dst).unwrap(), b"#!/bin/xx\n");
     }
 
     #[test]
