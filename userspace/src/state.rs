@@ -300,6 +300,11 @@ impl Maps {
 
     /// All enrolled pods, sorted by uid.
     pub fn pods(&self) -> Vec<PodRecord> {
+        // One walk of the socket map for all pods (not one per pod).
+        let mut by_pod: std::collections::HashMap<u64, Vec<ListenerKey>> = Default::default();
+        for k in self.listeners.keys().filter_map(Result::ok) {
+            by_pod.entry(k.netns_cookie).or_default().push(k);
+        }
         let mut pods: Vec<PodRecord> = self
             .pod_state
             .iter()
@@ -309,8 +314,10 @@ impl Maps {
                     .meta(cookie)
                     .map(|m| (m.uid, m.netns, Some(m.workload)))
                     .unwrap_or_default();
-                let mut listeners: Vec<String> = self
-                    .listeners_of(cookie)
+                let mut listeners: Vec<String> = by_pod
+                    .get(&cookie)
+                    .map(Vec::as_slice)
+                    .unwrap_or_default()
                     .iter()
                     .map(|k| {
                         let role = match k.role {

@@ -3,9 +3,10 @@
 //! and node-readiness-controller only compares the status it last saw. The
 //! watchdog (a second container in the agent's pod: no privileges, no host
 //! mounts) asks the agent's `/readyz` every `interval`; after `failures`
-//! probes in a row get no HTTP answer at all, it writes the condition False
-//! with reason `AgentNotRunning`, once per outage. A 503 is an answer: the
-//! agent is alive and reports its own condition.
+//! probes in a row get no usable answer, it writes the condition False with
+//! reason `AgentNotRunning`, once per outage. 200 and 503 are the agent
+//! speaking for itself (ready / not ready); anything else — no answer, or a
+//! 500 from an agent whose readiness loop is stuck — counts as silence.
 
 use std::{net::SocketAddr, time::Duration};
 
@@ -89,12 +90,12 @@ impl Tracker {
 
     pub fn observe(&mut self, p: &Probe) -> Verdict {
         match p {
-            Probe::Answered(_) => {
+            Probe::Answered(200 | 503) => {
                 self.silent = 0;
                 self.marked = false;
                 Verdict::Alive
             }
-            Probe::Silent(_) => {
+            Probe::Answered(_) | Probe::Silent(_) => {
                 self.silent = self.silent.saturating_add(1);
                 if self.silent >= self.needed && !self.marked {
                     self.marked = true;
@@ -252,5 +253,11 @@ mod tests {
             Verdict::Gone,
             "a failed write is retried"
         );
+        // An agent whose readiness loop is stuck answers 500: it cannot
+        // speak for the node, so that counts as silence.
+        let mut t = Tracker::new(2);
+        assert_eq!(t.observe(&Probe::Answered(500)), Verdict::Waiting);
+        assert_eq!(t.observe(&Probe::Answered(500)), Verdict::Gone);
+        assert_eq!(t.observe(&Probe::Answered(200)), Verdict::Alive);
     }
 }

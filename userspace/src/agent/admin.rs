@@ -105,8 +105,10 @@ async fn answer(report: Arc<Report>, req: Request<Incoming>) -> Response<Full<by
             _ => reply(StatusCode::OK, text, "ok\n".into()),
         },
         "/readyz" => match (report.condition(), report.age()) {
+            // 500, not 503: the agent cannot speak for the node now, so the
+            // watchdog must (it takes a 503 as the agent's own answer).
             (Some(_), Some(age)) if age > STALE => reply(
-                StatusCode::SERVICE_UNAVAILABLE,
+                StatusCode::INTERNAL_SERVER_ERROR,
                 text,
                 format!("not ready: no readiness pass for {}s\n", age.as_secs()),
             ),
