@@ -13,9 +13,14 @@ use crate::run as exec;
 /// Debian packages the tests and demo use, by a file each installs: iproute2
 /// (test topologies), iptables/nftables (the differential test applies
 /// Istio's real rules), the reference CNI plugins (the CNI chain test),
-/// shellcheck (`check-deploy` lints the shell scripts).
+/// shellcheck (`check-deploy` lints the shell scripts), mount and util-linux's
+/// unshare/setpriv (the tests remount /proc/sys read-only and restrict the
+/// agent's capabilities), a C compiler (crates with C parts, the linker).
 const APT_PACKAGES: &[(&str, &str)] = &[
     ("ip", "iproute2"),
+    ("mount", "mount"),
+    ("setpriv", "util-linux"),
+    ("cc", "gcc"),
     ("iptables-restore", "iptables"),
     ("nft", "nftables"),
     ("/usr/lib/cni/ptp", "containernetworking-plugins"),
@@ -81,15 +86,67 @@ fn which(bin: &str) -> bool {
             .any(|d| Path::new(d).join(bin).exists())
 }
 
+/// The components `toolchain` (None: the default one) lacks of `wanted`;
+/// all of them when the toolchain itself is not installed.
+fn missing_components(toolchain: Option<&str>, wanted: &[&'static str]) -> Vec<&'static str> {
+    let mut cmd = Command::new("rustup");
+    cmd.args(["component", "list", "--installed"]);
+    if let Some(t) = toolchain {
+        cmd.args(["--toolchain", t]);
+    }
+    let installed = cmd
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    wanted
+        .iter()
+        .filter(|c| {
+            !installed
+                .lines()
+                .any(|l| l.starts_with(&format!("{c}-")) || l == **c)
+        })
+        .copied()
+        .collect()
+}
+
 pub fn run() -> Result<()> {
-    if !has_rust_src() {
-        eprintln!("setup: installing nightly rust-src");
+    // rustfmt and clippy for the host crates; nightly with rust-src (the
+    // eBPF build) and clippy (its lint).
+    let stable = missing_components(None, &["rustfmt", "clippy"]);
+    if !stable.is_empty() {
+        eprintln!("setup: installing {stable:?}");
+        exec(
+            Command::new("rustup")
+                .args(["component", "add"])
+                .args(&stable),
+        )?;
+    }
+    if Command::new("rustup")
+        .args(["run", "nightly", "rustc", "--version"])
+        .output()
+        .map_or(true, |o| !o.status.success())
+    {
+        eprintln!("setup: installing the nightly toolchain");
+        exec(Command::new("rustup").args([
+            "toolchain",
+            "install",
+            "nightly",
+            "--profile",
+            "minimal",
+        ]))?;
+    }
+    let nightly = missing_components(Some("nightly"), &["rust-src", "clippy"]);
+    if !nightly.is_empty() || !has_rust_src() {
+        eprintln!("setup: installing nightly {nightly:?}");
         exec(Command::new("rustup").args([
             "component",
             "add",
-            "rust-src",
             "--toolchain",
             "nightly",
+            "rust-src",
+            "clippy",
         ]))?;
     }
     if bpf_linker_path().is_none() {
