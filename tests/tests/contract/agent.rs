@@ -92,9 +92,12 @@ fn peer(agent: &AgentProc) -> anyhow::Result<PeerProc> {
     );
     // The agent makes the connection live right after the snapshot's ack.
     let start = std::time::Instant::now();
-    while agent.log().matches("ztunnel live").count() <= before
-        && start.elapsed() < Duration::from_secs(5)
-    {
+    while agent.log().matches("ztunnel live").count() <= before {
+        ensure!(
+            start.elapsed() < Duration::from_secs(5),
+            "the agent never made the peer live:\n{}",
+            agent.log()
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
     Ok(p)
@@ -566,6 +569,19 @@ fn unenroll() -> TestResult {
     Ok(())
 }
 
+/// Capability numbers (linux/capability.h) of the ones a manifest may list.
+fn cap_number(name: &str) -> Option<u32> {
+    Some(match name {
+        "net_admin" => 12,
+        "net_raw" => 13,
+        "sys_ptrace" => 19,
+        "sys_admin" => 21,
+        "perfmon" => 38,
+        "bpf" => 39,
+        _ => return None,
+    })
+}
+
 /// The agent container of deploy/daemonset.yaml: its added capabilities (as
 /// setpriv names them) and whether it sets sysctls through a host procfs.
 fn daemonset_agent() -> anyhow::Result<(Vec<String>, bool)> {
@@ -651,10 +667,12 @@ fn daemonset_privileges() -> TestResult {
         );
         // The agent really ran with the DaemonSet's list and nothing more.
         let mask = u64::from_str_radix(bnd.trim_start_matches("CapBnd:").trim(), 16)?;
-        ensure!(
-            mask.count_ones() as usize == caps.len(),
-            "{bnd} for {caps:?}"
-        );
+        let want = caps.iter().try_fold(0u64, |m, c| {
+            cap_number(c)
+                .map(|n| m | 1 << n)
+                .with_context(|| format!("unknown capability {c}"))
+        })?;
+        ensure!(mask == want, "{bnd}, want {want:016x} for {caps:?}");
         Ok(())
     })();
     let _ = std::fs::remove_dir(&hp);
