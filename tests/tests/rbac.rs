@@ -1,8 +1,10 @@
-//! Every request the agent and the watchdog make to the API server is allowed
+//! Every request the agent's and the watchdog's API functions make is allowed
 //! by `deploy/rbac.yaml` (check-deploy checks that the chart grants the same),
-//! and nothing is granted that no request needs. The writers and readers run
-//! against a recording mock API; each request is mapped to the resource and
-//! verb RBAC checks it as.
+//! and nothing is granted that no request needs. The functions called here are
+//! all the places userspace builds a kube `Api` (kube::{condition, taint,
+//! annotate, gate, verify}, agent::kube::{admit_add, observe, changed}); a new
+//! one must be added here. They run against a recording mock API; each request
+//! is mapped to the resource and verb RBAC checks it as.
 
 use std::{
     collections::BTreeSet,
