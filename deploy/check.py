@@ -238,6 +238,7 @@ MINIMAL = {
 BAD = {
     "bpfRoot outside /sys/fs/bpf": {"bpfRoot": "/tmp/bpf"},
     "unknown enforcementMode": {"nodeReadinessRule": {"enabled": True, "enforcementMode": "sometimes"}},
+    "metrics.address off (the probes need the listener)": {"metrics": {"address": "off"}},
 }
 
 
@@ -292,6 +293,9 @@ def check_full(objs):
     pod = ds["spec"]["template"]["spec"]
     a = args_of(ds, "agent")
     v = FULL
+    notes = ds["spec"]["template"]["metadata"].get("annotations", {})
+    expect("full", notes.get("prometheus.io/port") == str(v["metrics"]["port"]),
+           f"prometheus.io/port follows metrics.port: {notes}")
     for flag in [
         f"--bpf-root={v['bpfRoot']}",
         f"--control-socket={v['controlSocket']}",
@@ -340,8 +344,11 @@ def check_minimal(objs):
     ok("chart (minimal): optional parts are left out")
 
 
-def check_rule_defaults(objs):
+def check_rule_defaults(objs, plain):
     nrr = objs.get("NodeReadinessRule", [])
+    plain_rules = [r["spec"] for r in plain.get("NodeReadinessRule", [])]
+    expect("NodeReadinessRule defaults", [r["spec"] for r in nrr] == plain_rules,
+           f"chart {nrr} vs deploy/node-readiness-rule.yaml {plain_rules}")
     want = {
         "conditions": [{"type": "sluice.dev/RedirectionReady", "requiredStatus": "True"}],
         "taint": {"key": "readiness.k8s.io/sluice-not-ready", "value": "pending", "effect": "NoSchedule"},
@@ -405,7 +412,7 @@ def check_chart(chart_dir, plain):
     if minimal:
         check_minimal(minimal)
     if rule:
-        check_rule_defaults(rule)
+        check_rule_defaults(rule, plain)
     for label, values in BAD.items():
         try:
             chart.render(values, name=RELEASE, namespace=NAMESPACE)

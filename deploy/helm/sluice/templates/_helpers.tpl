@@ -30,6 +30,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 
 {{/* ADDRESS:PORT of the agent's metrics/admin listener; $(HOST_IP) is expanded by the kubelet. */}}
 {{- define "sluice.metricsAddr" -}}
+{{- if eq (toString .Values.metrics.address) "off" -}}
+{{- fail "metrics.address cannot be off: the probes and the watchdog use the admin listener" -}}
+{{- end -}}
 {{- printf "%s:%v" (default "$(HOST_IP)" .Values.metrics.address) .Values.metrics.port -}}
 {{- end -}}
 
