@@ -129,7 +129,7 @@ async fn rbac_grants_exactly_what_the_agent_and_watchdog_use() {
     );
     w.update(&Condition::agent_stopped()).await.unwrap();
     assert!(
-        taint::remove(client.clone(), "node-a", "cni.istio.io/not-ready")
+        taint::remove(client.clone(), "node-a", &["cni.istio.io/not-ready".into()])
             .await
             .unwrap()
     );

@@ -20,8 +20,6 @@ use tracing::{info, warn};
 use crate::{kube::condition::ConditionWriter, readiness::Condition};
 
 pub const DEFAULT_FAILURES: u32 = 3;
-/// Budget for the write (the client has no read timeout of its own).
-const API_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// One probe of the agent.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -139,7 +137,7 @@ pub async fn run(cfg: Config, writer: ConditionWriter, mut stop: watch::Receiver
                 let silent = cfg.interval * tracker.needed;
                 warn!(?p, "the agent is not answering: marking the node not ready");
                 let gone = Condition::agent_not_running(silent);
-                match tokio::time::timeout(API_TIMEOUT, writer.write(&gone)).await {
+                match tokio::time::timeout(crate::kube::API_TIMEOUT, writer.write(&gone)).await {
                     Ok(Ok(())) => info!("node condition set to AgentNotRunning"),
                     Ok(Err(e)) => {
                         warn!(error = %e, "could not write the node condition; will retry");

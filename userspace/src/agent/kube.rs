@@ -197,12 +197,7 @@ pub fn out_of_step(pod: &Pod, state: Option<PodState>) -> bool {
     if !gate::has_gate(pod) {
         return false;
     }
-    let shown = pod
-        .status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .and_then(|cs| cs.iter().find(|c| c.type_ == gate::GATE))
-        .map(|c| c.status.as_str());
+    let shown = gate::current(pod).map(|c| c.status.as_str());
     let want = gate::condition_for(state).0;
     shown.unwrap_or("False") != want
 }

@@ -49,8 +49,6 @@ const RETRY_MAX: Duration = Duration::from_secs(30);
 const RESYNC: Duration = Duration::from_secs(60);
 /// Pods captured this recently are never released by a relist.
 const RECENT: Duration = Duration::from_secs(30);
-/// Budget for one API exchange (the client has no read timeout of its own).
-const API_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Debug)]
 struct Retry {
@@ -505,7 +503,9 @@ impl Node {
                     continue;
                 };
                 let pod = format!("{ns}/{name}");
-                match tokio::time::timeout(API_TIMEOUT, k.publish(&ns, &name, state)).await {
+                match tokio::time::timeout(crate::kube::API_TIMEOUT, k.publish(&ns, &name, state))
+                    .await
+                {
                     Ok(Ok(())) => {}
                     Ok(Err(kube::Error::Api(e))) if e.code == 404 => {}
                     failed => {

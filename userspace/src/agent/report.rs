@@ -22,8 +22,6 @@ use crate::{
 const EVERY: Duration = Duration::from_secs(1);
 /// How long a stopping agent tries to mark the node not ready.
 const STOP_WRITE: Duration = Duration::from_secs(5);
-/// Budget for one API exchange (the client has no read timeout of its own).
-const API_TIMEOUT: Duration = Duration::from_secs(10);
 /// A pass this late means the loop was held up (a hang, a frozen process):
 /// someone else (the watchdog) may have written the condition meanwhile.
 const LATE: Duration = Duration::from_secs(3);
@@ -138,7 +136,7 @@ pub async fn run(
             .set_ztunnel_connected(node.ztunnel_connected());
         report.set(cond.clone());
         if let Some(w) = writer.as_mut() {
-            match tokio::time::timeout(API_TIMEOUT, w.update(&cond)).await {
+            match tokio::time::timeout(crate::kube::API_TIMEOUT, w.update(&cond)).await {
                 Ok(Ok(_)) => {}
                 Ok(Err(e)) => warn!(error = %e, "could not write the node condition; will retry"),
                 Err(_) => {
@@ -151,12 +149,13 @@ pub async fn run(
             untainted = false;
         } else if !untainted {
             if let Some(a) = &api {
-                untainted = tokio::time::timeout(API_TIMEOUT, remove_taints(a, &cfg.untaint))
-                    .await
-                    .unwrap_or_else(|_| {
-                        warn!("the API server did not answer the untaint; will retry");
-                        false
-                    });
+                untainted =
+                    tokio::time::timeout(crate::kube::API_TIMEOUT, remove_taints(a, &cfg.untaint))
+                        .await
+                        .unwrap_or_else(|_| {
+                            warn!("the API server did not answer the untaint; will retry");
+                            false
+                        });
             }
         }
         tokio::select! {
@@ -175,18 +174,21 @@ pub async fn run(
     }
 }
 
-/// Removes each startup taint; true when all are gone.
+/// Removes the startup taints; true when they are gone.
 async fn remove_taints(api: &NodeApi, keys: &[String]) -> bool {
-    let mut all = true;
-    for key in keys {
-        match taint::remove(api.client.clone(), &api.node, key).await {
-            Ok(true) => info!(taint = %key, "node ready: startup taint removed"),
-            Ok(false) => {}
-            Err(e) => {
-                warn!(taint = %key, error = %e, "could not remove the startup taint; will retry");
-                all = false;
+    if keys.is_empty() {
+        return true;
+    }
+    match taint::remove(api.client.clone(), &api.node, keys).await {
+        Ok(removed) => {
+            if removed {
+                info!(taints = ?keys, "node ready: startup taints removed");
             }
+            true
+        }
+        Err(e) => {
+            warn!(taints = ?keys, error = %e, "could not remove the startup taints; will retry");
+            false
         }
     }
-    all
 }

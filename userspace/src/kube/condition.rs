@@ -12,18 +12,11 @@ use k8s_openapi::api::core::v1::{Node, NodeCondition};
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::{json, Value};
 
+use super::{now_rfc3339, precondition, retry_on_conflict, transition_time};
 use crate::readiness::Condition;
 
 /// The default heartbeat: an unchanged condition is rewritten this often.
 pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(60);
-/// Attempts per write when the Node keeps changing under us.
-const CONFLICT_ATTEMPTS: usize = 5;
-
-/// Now, as Kubernetes writes times (RFC 3339, seconds, UTC).
-pub fn now_rfc3339() -> String {
-    let now = k8s_openapi::jiff::Timestamp::now();
-    now.strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
-}
 
 /// The condition of type `kind` on `node`, if it has one.
 pub fn current<'a>(node: &'a Node, kind: &str) -> Option<&'a NodeCondition> {
@@ -44,15 +37,9 @@ pub fn patch_body(
     now: &str,
     resource_version: Option<&str>,
 ) -> Value {
-    let transition = match current {
-        Some(c) if c.status == desired.status() => c
-            .last_transition_time
-            .as_ref()
-            .and_then(|t| serde_json::to_value(t).ok())
-            .unwrap_or_else(|| json!(now)),
-        _ => json!(now),
-    };
-    let mut body = json!({
+    let was = current.map(|c| (c.status.as_str(), c.last_transition_time.as_ref()));
+    let transition = transition_time(was, desired.status(), now);
+    let body = json!({
         "status": {
             "conditions": [{
                 "type": kind,
@@ -64,10 +51,7 @@ pub fn patch_body(
             }]
         }
     });
-    if let Some(rv) = resource_version {
-        body["metadata"] = json!({ "resourceVersion": rv });
-    }
-    body
+    precondition(body, resource_version)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,9 +103,7 @@ impl ConditionWriter {
 
     /// Writes `desired` now, whatever was written before.
     pub async fn write(&self, desired: &Condition) -> kube::Result<()> {
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
+        retry_on_conflict(|| async {
             let node = self.api.get(&self.node).await?;
             let body = patch_body(
                 &self.kind,
@@ -130,17 +112,12 @@ impl ConditionWriter {
                 &now_rfc3339(),
                 node.metadata.resource_version.as_deref(),
             );
-            match self
-                .api
+            self.api
                 .patch_status(&self.node, &PatchParams::default(), &Patch::Strategic(body))
                 .await
-            {
-                Err(kube::Error::Api(e)) if e.code == 409 && attempt < CONFLICT_ATTEMPTS => {
-                    continue
-                }
-                r => return r.map(drop),
-            }
-        }
+                .map(drop)
+        })
+        .await
     }
 }
 

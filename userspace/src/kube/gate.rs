@@ -40,14 +40,8 @@ pub fn condition_for(state: Option<PodState>) -> (&'static str, &'static str, &'
 /// The patch for `state` given the pod's current gate condition.
 pub fn patch_body(state: Option<PodState>, current: Option<&PodCondition>, now: &str) -> Value {
     let (status, reason, message) = condition_for(state);
-    let transition = match current {
-        Some(c) if c.status == status => c
-            .last_transition_time
-            .as_ref()
-            .and_then(|t| serde_json::to_value(t).ok())
-            .unwrap_or_else(|| json!(now)),
-        _ => json!(now),
-    };
+    let was = current.map(|c| (c.status.as_str(), c.last_transition_time.as_ref()));
+    let transition = super::transition_time(was, status, now);
     json!({ "status": { "conditions": [{
         "type": GATE,
         "status": status,
@@ -55,6 +49,16 @@ pub fn patch_body(state: Option<PodState>, current: Option<&PodCondition>, now: 
         "message": message,
         "lastTransitionTime": transition,
     }]}})
+}
+
+/// The pod's gate condition, if it has one.
+pub fn current(pod: &Pod) -> Option<&PodCondition> {
+    pod.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == GATE)
 }
 
 /// Sets the gate condition of pod `namespace/name` for `state`, if the pod
@@ -70,12 +74,7 @@ pub async fn write(
     if !has_gate(&pod) {
         return Ok(false);
     }
-    let current = pod
-        .status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .and_then(|cs| cs.iter().find(|c| c.type_ == GATE));
-    let body = patch_body(state, current, &super::condition::now_rfc3339());
+    let body = patch_body(state, current(&pod), &super::now_rfc3339());
     api.patch_status(name, &PatchParams::default(), &Patch::Strategic(body))
         .await?;
     Ok(true)

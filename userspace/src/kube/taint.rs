@@ -9,45 +9,39 @@ use k8s_openapi::api::core::v1::{Node, Taint};
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::{json, Value};
 
-const CONFLICT_ATTEMPTS: usize = 5;
+use super::{precondition, retry_on_conflict};
 
-/// The node's taints without those keyed `key`; `None` when there are none.
-pub fn without(node: &Node, key: &str) -> Option<Vec<Taint>> {
+/// The node's taints without those keyed in `keys`; `None` when it has none
+/// of them.
+pub fn without(node: &Node, keys: &[String]) -> Option<Vec<Taint>> {
     let taints = node.spec.as_ref()?.taints.as_ref()?;
+    let ours = |t: &Taint| keys.contains(&t.key);
     taints
         .iter()
-        .any(|t| t.key == key)
-        .then(|| taints.iter().filter(|t| t.key != key).cloned().collect())
+        .any(ours)
+        .then(|| taints.iter().filter(|t| !ours(t)).cloned().collect())
 }
 
 /// The merge patch that leaves exactly `remaining`.
 pub fn patch_body(remaining: &[Taint], resource_version: Option<&str>) -> Value {
-    let mut body = json!({ "spec": { "taints": remaining } });
-    if let Some(rv) = resource_version {
-        body["metadata"] = json!({ "resourceVersion": rv });
-    }
-    body
+    precondition(json!({ "spec": { "taints": remaining } }), resource_version)
 }
 
-/// Removes taint `key` from `node`; `Ok(false)` when it had none.
-pub async fn remove(client: kube::Client, node: &str, key: &str) -> kube::Result<bool> {
+/// Removes the taints keyed `keys` from `node` in one write; `Ok(false)`
+/// when it had none of them.
+pub async fn remove(client: kube::Client, node: &str, keys: &[String]) -> kube::Result<bool> {
     let api: Api<Node> = Api::all(client);
-    let mut attempt = 0;
-    loop {
-        attempt += 1;
+    retry_on_conflict(|| async {
         let n = api.get(node).await?;
-        let Some(remaining) = without(&n, key) else {
+        let Some(remaining) = without(&n, keys) else {
             return Ok(false);
         };
         let body = patch_body(&remaining, n.metadata.resource_version.as_deref());
-        match api
-            .patch(node, &PatchParams::default(), &Patch::Merge(body))
+        api.patch(node, &PatchParams::default(), &Patch::Merge(body))
             .await
-        {
-            Err(kube::Error::Api(e)) if e.code == 409 && attempt < CONFLICT_ATTEMPTS => continue,
-            r => return r.map(|_| true),
-        }
-    }
+            .map(|_| true)
+    })
+    .await
 }
 
 #[cfg(test)]
@@ -58,6 +52,10 @@ mod tests {
     use crate::kube::mock::{self, reply};
 
     const KEY: &str = "cni.istio.io/not-ready";
+
+    fn keys() -> Vec<String> {
+        vec![KEY.into()]
+    }
 
     fn node(rv: &str, taints: Value) -> Value {
         json!({"apiVersion": "v1", "kind": "Node",
@@ -104,7 +102,7 @@ mod tests {
             );
             reply(send, 200, &node("12", json!([other, late])));
         });
-        assert!(remove(client, "node-a", KEY).await.unwrap());
+        assert!(remove(client, "node-a", &keys()).await.unwrap());
         server.await.unwrap();
     }
 
@@ -120,7 +118,7 @@ mod tests {
             );
             // The handle drops here: a PATCH would fail the call below.
         });
-        assert!(!remove(client, "node-a", KEY).await.unwrap());
+        assert!(!remove(client, "node-a", &keys()).await.unwrap());
         server.await.unwrap();
     }
 }
