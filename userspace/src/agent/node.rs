@@ -181,7 +181,7 @@ impl Node {
     }
 
     pub fn pod_count(&self) -> usize {
-        self.dp.lock().unwrap().maps.pods().len()
+        self.dp.lock().unwrap().maps.states().len()
     }
 
     /// Serves one control request.
@@ -689,6 +689,7 @@ impl Node {
         let mut dp = self.dp.lock().unwrap();
         let mut retries = self.retries.lock().unwrap();
         let now = Instant::now();
+        let connected = self.hub.is_connected();
         for p in dp.maps.pods() {
             let complete = Role::ALL
                 .iter()
@@ -717,7 +718,7 @@ impl Node {
                         backoff: RETRY_MIN,
                         in_flight: false,
                     });
-                    if !r.in_flight && r.due <= now && self.hub.is_connected() {
+                    if !r.in_flight && r.due <= now && connected {
                         if let Some(w) = p.workload.clone() {
                             r.in_flight = true;
                             due.push((p.netns_cookie, p.uid.clone(), w));
@@ -779,19 +780,19 @@ impl Node {
         let records = self.dp.lock().unwrap().maps.pods();
         // Annotations and gates that disagree with the map (a lost write,
         // someone else's edit) are written again.
+        let by_name: HashMap<(&str, &str), PodState> = records
+            .iter()
+            .filter_map(|r| {
+                let w = r.workload.as_ref()?;
+                let state = r.state.and_then(PodState::from_name)?;
+                Some(((w.namespace.as_str(), w.name.as_str()), state))
+            })
+            .collect();
         for pod in &pods {
             let (Some(ns), Some(name)) = (&pod.metadata.namespace, &pod.metadata.name) else {
                 continue;
             };
-            let state = records
-                .iter()
-                .find(|r| {
-                    r.workload
-                        .as_ref()
-                        .is_some_and(|w| &w.namespace == ns && &w.name == name)
-                })
-                .and_then(|r| r.state)
-                .and_then(PodState::from_name);
+            let state = by_name.get(&(ns.as_str(), name.as_str())).copied();
             if super::kube::out_of_step(pod, state) {
                 self.announce_pod(ns, name);
             }
