@@ -140,6 +140,31 @@ impl AgentProc {
         })
     }
 
+    /// `sluice enroll` through this agent: the pod netns at `netns`, as
+    /// workload `namespace/name` with service account `app-sa`.
+    pub fn enroll(
+        &self,
+        netns: &Path,
+        uid: &str,
+        namespace: &str,
+        name: &str,
+    ) -> anyhow::Result<Out> {
+        let netns = netns.to_str().context("netns path is not UTF-8")?;
+        self.sluice(&[
+            "enroll",
+            "--netns",
+            netns,
+            "--uid",
+            uid,
+            "--name",
+            name,
+            "--namespace",
+            namespace,
+            "--service-account",
+            "app-sa",
+        ])
+    }
+
     /// SIGTERM and wait; returns whether it exited cleanly.
     pub fn terminate(&mut self) -> bool {
         let Some(mut c) = self.child.take() else {

@@ -63,20 +63,12 @@ pub fn trials() -> Vec<Trial> {
 }
 
 fn enroll(agent: &AgentProc, f: &Fixture) -> anyhow::Result<Out> {
-    let netns = f.topo.pod_netns_path();
-    agent.sluice(&[
-        "enroll",
-        "--netns",
-        netns.to_str().unwrap(),
-        "--uid",
+    agent.enroll(
+        &f.topo.pod_netns_path(),
         f.uid.as_str(),
-        "--name",
-        f.uid.as_str(),
-        "--namespace",
         "ambient",
-        "--service-account",
-        "app-sa",
-    ])
+        f.uid.as_str(),
+    )
 }
 
 /// Starts the ZDS peer and waits until it is connected and has its snapshot,

@@ -118,18 +118,7 @@ fn pending_then_ready() -> TestResult {
         ensure!(start.elapsed() < Duration::from_secs(5), "peer never live");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let netns = f.topo.pod_netns_path();
-    let out = agent.sluice(&[
-        "enroll",
-        "--netns",
-        netns.to_str().unwrap(),
-        "--uid",
-        f.uid.as_str(),
-        "--name",
-        "cart",
-        "--namespace",
-        "shop",
-    ])?;
+    let out = agent.enroll(&f.topo.pod_netns_path(), f.uid.as_str(), "shop", "cart")?;
     ensure!(
         out.ok && out.stdout.contains("Pending"),
         "{} {}",
