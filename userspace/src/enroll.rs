@@ -236,8 +236,9 @@ fn pin(link: FdLink, path: &Path) -> Result<(), EnrollError> {
     })
 }
 
-/// Publishes the pod's current addresses to the ingress programs.
-fn refresh_addrs(maps: &mut Maps, netns: &Netns, cookie: u64) -> Result<(), EnrollError> {
+/// Publishes the pod's current addresses to the ingress programs (attach
+/// does; re-registration does it once more, addresses may have changed).
+pub fn refresh_addrs(maps: &mut Maps, netns: &Netns, cookie: u64) -> Result<(), EnrollError> {
     let addrs = netns.run(addresses)?.map_err(|source| EnrollError::Io {
         what: "listing the pod's addresses".into(),
         source,
@@ -246,9 +247,8 @@ fn refresh_addrs(maps: &mut Maps, netns: &Netns, cookie: u64) -> Result<(), Enro
     Ok(())
 }
 
-/// Registers the listeners ztunnel has opened in the pod netns (and the pod's
-/// current addresses), and moves the pod to `Enabled` once every role has a
-/// listener. With `pid`, only that process's sockets are taken (the ztunnel
+/// Registers the listeners ztunnel has opened in the pod netns and moves the
+/// pod to `Enabled` once every role has a listener. With `pid`, only that process's sockets are taken (the ztunnel
 /// that just acked: during an upgrade the old one's are about to close).
 pub fn register(
     maps: &mut Maps,
@@ -256,7 +256,6 @@ pub fn register(
     cookie: u64,
     pid: Option<i32>,
 ) -> Result<Enrolled, EnrollError> {
-    refresh_addrs(maps, netns, cookie)?;
     for l in sockets::take_listeners(netns, cookie, pid)? {
         for &family in &l.families {
             maps.insert_listener(ListenerKey::new(cookie, l.role, family), &l.fd)?;
@@ -298,6 +297,7 @@ pub fn register_uid(dp: &mut Dataplane, uid: &PodUid) -> Result<Enrolled, Enroll
         .find_uid(uid)
         .ok_or_else(|| EnrollError::UnknownPod(uid.clone()))?;
     let netns = open_pod_netns(&dp.maps, cookie)?;
+    refresh_addrs(&mut dp.maps, &netns, cookie)?;
     register(&mut dp.maps, &netns, cookie, None)
 }
 

@@ -601,12 +601,16 @@ impl Node {
         pid: Option<i32>,
     ) -> Result<(), String> {
         let start = Instant::now();
+        let mut first = true;
         loop {
             let this = self.clone();
             let got = tokio::task::spawn_blocking(move || -> Result<PodState, EnrollError> {
                 let mut guard = this.dp.lock().unwrap();
                 let dp = &mut *guard;
                 let ns = enroll::open_pod_netns(&dp.maps, cookie)?;
+                if first {
+                    enroll::refresh_addrs(&mut dp.maps, &ns, cookie)?;
+                }
                 Ok(enroll::register(&mut dp.maps, &ns, cookie, pid)?.state)
             })
             .await
@@ -617,6 +621,7 @@ impl Node {
                     return Ok(());
                 }
                 Ok(_) if start.elapsed() < LISTENER_WAIT => {
+                    first = false;
                     tokio::time::sleep(Duration::from_millis(50)).await
                 }
                 Ok(_) => {
