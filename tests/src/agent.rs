@@ -10,13 +10,13 @@ use std::{
         atomic::{AtomicU32, Ordering},
         Arc, Mutex,
     },
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use anyhow::{ensure, Context as _};
 use sluice::loader::Pins;
 
-use crate::harness::sluice_bin;
+use crate::{harness::sluice_bin, wait};
 
 static SEQ: AtomicU32 = AtomicU32::new(0);
 
@@ -103,16 +103,41 @@ impl AgentProc {
             .spawn()
             .context("starting sluice agent")?;
         self.child = Some(child);
-        let start = Instant::now();
-        while !(self.control.exists() && self.zds.exists()) {
-            ensure!(
-                start.elapsed() < Duration::from_secs(10),
-                "agent did not start: {}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Ok(())
+        wait::until("the agent to bind its sockets", wait::DEADLINE, || {
+            match (self.control.exists(), self.zds.exists()) {
+                (true, true) => Ok(()),
+                seen => Err((seen, self.log())),
+            }
+        })
+    }
+
+    /// `sluice status -o json`'s `node.agent` (the agent's own report).
+    pub fn node_status(&self) -> anyhow::Result<serde_json::Value> {
+        let out = self.sluice(&["status", "-o", "json"])?;
+        ensure!(out.ok, "status: {}", out.stderr);
+        let v: serde_json::Value = serde_json::from_str(&out.stdout)?;
+        Ok(v["node"]["agent"].clone())
+    }
+
+    /// Waits until the agent reports ztunnel process `pid` (see
+    /// `NodeStatus::ztunnels`) and `ok` holds for its entry.
+    pub fn wait_ztunnel(
+        &self,
+        pid: u32,
+        what: &str,
+        ok: impl Fn(&serde_json::Value) -> bool,
+    ) -> anyhow::Result<()> {
+        wait::until(what, wait::DEADLINE, || {
+            let n = self.node_status().map_err(|e| e.to_string())?;
+            let z = n["ztunnels"]
+                .as_array()
+                .and_then(|zs| zs.iter().find(|z| z["pid"] == pid))
+                .cloned();
+            match z {
+                Some(z) if ok(&z) => Ok(()),
+                _ => Err(n["ztunnels"].to_string()),
+            }
+        })
     }
 
     /// The agent's pid (the wrapper execs it, so the same process).
@@ -171,17 +196,18 @@ impl AgentProc {
             return true;
         };
         unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-        let start = Instant::now();
-        loop {
-            if let Ok(Some(st)) = c.try_wait() {
-                return st.success();
+        match wait::until("the agent to exit on SIGTERM", wait::DEADLINE, || {
+            match c.try_wait() {
+                Ok(Some(st)) => Ok(st.success()),
+                other => Err(format!("{other:?}")),
             }
-            if start.elapsed() > Duration::from_secs(5) {
+        }) {
+            Ok(clean) => clean,
+            Err(_) => {
                 let _ = c.kill();
                 let _ = c.wait();
-                return false;
+                false
             }
-            std::thread::sleep(Duration::from_millis(20));
         }
     }
 
@@ -249,16 +275,20 @@ impl PeerProc {
         self.events().iter().filter(|e| e["event"] == event).count()
     }
 
-    /// Waits until `pred` holds over the events, up to `timeout`.
-    pub fn wait_for(&self, timeout: Duration, pred: impl Fn(&[serde_json::Value]) -> bool) -> bool {
-        let start = Instant::now();
-        while start.elapsed() < timeout {
-            if pred(&self.events()) {
-                return true;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        false
+    /// Waits until `pred` holds over the events; the error lists them.
+    pub fn wait_for(
+        &self,
+        what: &str,
+        pred: impl Fn(&[serde_json::Value]) -> bool,
+    ) -> anyhow::Result<()> {
+        wait::until_seen(what, wait::DEADLINE, || self.events(), |e| pred(e)).map(drop)
+    }
+
+    /// Waits until this peer has received its snapshot.
+    pub fn wait_snapshot(&self) -> anyhow::Result<()> {
+        self.wait_for("the peer's snapshot", |e| {
+            e.iter().any(|e| e["event"] == "snapshot_sent")
+        })
     }
 
     pub fn pid(&self) -> Option<u32> {

@@ -15,6 +15,7 @@ use crate::{
     app::{App, UdpEcho},
     standin::{Bind, StandIn},
     topology::Topology,
+    wait,
 };
 
 pub const APP_PORT: u16 = 8080;
@@ -96,6 +97,34 @@ impl Fixture {
         pods.into_iter()
             .find(|p| p.uid == self.uid.as_str())
             .ok_or_else(|| anyhow::anyhow!("pod {} not in status", self.uid))
+    }
+
+    /// Waits until the pod has no listener in the socket map (closing a
+    /// listener takes it out at once; this reads that state).
+    pub fn wait_no_listeners(&self) -> anyhow::Result<()> {
+        wait::until_seen(
+            "the closed listeners out of the socket map",
+            wait::DEADLINE,
+            || self.pod_record().map(|r| r.listeners).ok(),
+            |l| l.as_ref().is_some_and(|l| l.is_empty()),
+        )
+        .map(drop)
+    }
+
+    /// Waits until the kernel has dropped a SYN to this pod (fail closed)
+    /// since `dropped` was read: a client is retrying.
+    pub fn wait_dropped_after(&self, dropped: u64) -> anyhow::Result<()> {
+        wait::until_seen(
+            "a SYN dropped (fail closed)",
+            wait::DEADLINE,
+            || {
+                self.pod_record()
+                    .map(|r| r.counters.dropped_fail_closed)
+                    .ok()
+            },
+            |d| d.is_some_and(|d| d > dropped),
+        )
+        .map(drop)
     }
 
     pub fn standin(&self) -> &StandIn {

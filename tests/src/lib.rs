@@ -14,3 +14,4 @@ pub mod ns;
 pub mod sink;
 pub mod standin;
 pub mod topology;
+pub mod wait;

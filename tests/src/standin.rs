@@ -8,7 +8,7 @@
 use std::{
     io::{BufRead, BufReader, Write},
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream},
-    os::fd::AsRawFd,
+    os::fd::{AsRawFd, FromRawFd, OwnedFd},
     sync::{Arc, Mutex},
 };
 
@@ -45,9 +45,12 @@ pub type OnAccept = Arc<dyn Fn(&Accepted) + Send + Sync>;
 
 pub struct StandIn {
     pub accepted: Arc<Mutex<Vec<Accepted>>>,
-    /// Connections being proxied right now (a draining ztunnel waits for them).
+    /// Connections accepted and not finished yet (a draining ztunnel waits
+    /// for them). Counted as soon as accept returns.
     pub active: Arc<std::sync::atomic::AtomicUsize>,
-    fds: Vec<i32>,
+    /// Written to stop the accept loops.
+    stop: Arc<OwnedFd>,
+    loops: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl StandIn {
@@ -59,18 +62,24 @@ impl StandIn {
     pub fn start_in(ns: Ns, bind: Bind, on_accept: Option<OnAccept>) -> Self {
         let accepted = Arc::new(Mutex::new(Vec::new()));
         let active = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let mut fds = Vec::new();
+        // SAFETY: eventfd returns a new descriptor we own (checked below).
+        let stop = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        assert!(stop >= 0, "eventfd: {}", std::io::Error::last_os_error());
+        let stop = Arc::new(unsafe { OwnedFd::from_raw_fd(stop) });
+        let mut loops = Vec::new();
         for role in Role::ALL {
             let active = active.clone();
             let (tx, rx) = std::sync::mpsc::channel();
             let acc = accepted.clone();
             let ns2 = ns.clone();
             let on_accept = on_accept.clone();
-            ns.spawn(move || {
+            let stop = stop.clone();
+            loops.push(ns.spawn(move || {
                 let l = listener(role.port(), bind).expect("stand-in listener");
-                tx.send(l.as_raw_fd()).unwrap();
-                for conn in l.incoming() {
-                    let Ok(c) = conn else { break };
+                tx.send(()).unwrap();
+                // Returning drops (closes) the listener, as ztunnel does.
+                while let Some(c) = accept_or_stop(&l, &stop) {
+                    active.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                     let a = Accepted {
                         role,
                         local: canonical(c.local_addr().unwrap()),
@@ -82,20 +91,32 @@ impl StandIn {
                     if let Some(f) = &on_accept {
                         f(&a);
                     }
-                    active.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                     let active = active.clone();
                     ns2.spawn(move || {
                         proxy(c, a);
                         active.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
                     });
                 }
-            });
-            fds.push(rx.recv().unwrap());
+            }));
+            rx.recv().expect("stand-in listener thread");
         }
         Self {
             accepted,
             active,
-            fds,
+            stop,
+            loops,
+        }
+    }
+
+    /// Stops accepting and closes the listeners (close, not shutdown: another
+    /// process holding a duplicate keeps the socket, as with ztunnel).
+    /// Every connection accepted before is counted in `active` by then.
+    pub fn close(&mut self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: an 8-byte write to our eventfd.
+        unsafe { libc::write(self.stop.as_raw_fd(), one.as_ptr().cast(), 8) };
+        for l in self.loops.drain(..) {
+            let _ = l.join();
         }
     }
 
@@ -110,9 +131,40 @@ impl StandIn {
 
 impl Drop for StandIn {
     fn drop(&mut self) {
-        for fd in &self.fds {
-            // Wakes the accept loop; the listener closes when its loop ends.
-            unsafe { libc::shutdown(*fd, libc::SHUT_RDWR) };
+        self.close();
+    }
+}
+
+/// The next connection on `l`, or `None` once `stop` is written.
+fn accept_or_stop(l: &TcpListener, stop: &OwnedFd) -> Option<TcpStream> {
+    loop {
+        let mut fds = [
+            libc::pollfd {
+                fd: l.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: stop.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: two valid pollfds; no timeout (woken by either).
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if n < 0 {
+            if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return None;
+        }
+        if fds[1].revents != 0 {
+            return None;
+        }
+        match l.accept() {
+            Ok((c, _)) => return Some(c),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(_) => return None,
         }
     }
 }
@@ -134,6 +186,8 @@ fn listener(port: u16, bind: Bind) -> std::io::Result<TcpListener> {
     }
     s.bind(&SocketAddr::new(addr, port).into())?;
     s.listen(1024)?;
+    // Accepts follow poll(); never block past a stop request.
+    s.set_nonblocking(true)?;
     Ok(s.into())
 }
 

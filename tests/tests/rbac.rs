@@ -162,15 +162,20 @@ async fn rbac_grants_exactly_what_the_agent_and_watchdog_use() {
         ("pods".to_string(), "watch".to_string()),
         ("namespaces".into(), "watch".into()),
     ];
-    for _ in 0..100 {
-        if want_watches
-            .iter()
-            .all(|w| seen.lock().unwrap().contains(w))
-        {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    sluice_tests::wait::until_async(
+        "the pod and namespace watches",
+        sluice_tests::wait::DEADLINE,
+        || {
+            let s = seen.lock().unwrap().clone();
+            if want_watches.iter().all(|w| s.contains(w)) {
+                Ok(())
+            } else {
+                Err(s)
+            }
+        },
+    )
+    .await
+    .unwrap();
     watching.abort();
 
     let seen = seen.lock().unwrap().clone();

@@ -256,11 +256,27 @@ pub fn register(
     cookie: u64,
     pid: Option<i32>,
 ) -> Result<Enrolled, EnrollError> {
-    for l in sockets::take_listeners(netns, cookie, pid)? {
+    // The duplicates close here: the map holds its own reference to each
+    // socket, and loses it when ztunnel closes the socket.
+    register_keeping(maps, netns, cookie, pid).map(|(e, _)| e)
+}
+
+/// [`register`], handing back the duplicated listener sockets it put in the
+/// map. While the caller keeps them, ztunnel closing its own descriptor does
+/// not close the socket, so its map entry stays until the caller drops them
+/// (the agent keeps a ztunnel's listeners until a newer ztunnel's replace
+/// them: see `agent::node`).
+pub fn register_keeping(
+    maps: &mut Maps,
+    netns: &Netns,
+    cookie: u64,
+    pid: Option<i32>,
+) -> Result<(Enrolled, Vec<sockets::Listener>), EnrollError> {
+    let taken = sockets::take_listeners(netns, cookie, pid)?;
+    for l in &taken {
         for &family in &l.families {
             maps.insert_listener(ListenerKey::new(cookie, l.role, family), &l.fd)?;
         }
-        // `l.fd` closes here: the map holds its own reference to the socket.
     }
     let registered = maps.listeners_of(cookie);
     let roles: Vec<Role> = Role::ALL
@@ -273,11 +289,14 @@ pub fn register(
         PodState::Pending
     };
     maps.set_state(cookie, state, boottime_ns())?;
-    Ok(Enrolled {
-        cookie,
-        state,
-        roles,
-    })
+    Ok((
+        Enrolled {
+            cookie,
+            state,
+            roles,
+        },
+        taken,
+    ))
 }
 
 /// Opens an enrolled pod's netns again, checking it is still the same one.

@@ -233,7 +233,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 uid: uid.to_string(),
                 workload: workload.clone(),
             };
-            if let Some(resp) = control::call(&cli.control_socket, &req)? {
+            if let Some(resp) = control::call(&cli.control_socket, Some(pins.root()), &req)? {
                 return print_agent(resp);
             }
             let mut dp = Dataplane::load_or_adopt(pins)?;
@@ -265,7 +265,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let req = Request::Unenroll {
                 uid: uid.to_string(),
             };
-            if let Some(resp) = control::call(&cli.control_socket, &req)? {
+            if let Some(resp) = control::call(&cli.control_socket, Some(pins.root()), &req)? {
                 return print_agent(resp);
             }
             anyhow::ensure!(
@@ -281,6 +281,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             // The pods come from the pins whatever the agent says.
             let asked = control::call_within(
                 &cli.control_socket,
+                Some(pins.root()),
                 &Request::Status,
                 Duration::from_secs(3),
             );

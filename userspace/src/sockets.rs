@@ -49,6 +49,9 @@ pub struct Listener {
     pub role: Role,
     pub fd: OwnedFd,
     pub pid: i32,
+    /// The descriptor number it has in `pid` (to ask later whether `pid`
+    /// still holds it: [`owner_holds`]).
+    pub owner_fd: i32,
     /// Families it serves: a `[::]` socket without IPV6_V6ONLY serves both.
     pub families: Vec<u8>,
 }
@@ -194,6 +197,36 @@ fn pidfd_getfd(pid: i32, fd: i32) -> std::io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(dup as i32) })
 }
 
+/// Whether process `pid` still has `ours` (a duplicate) open as its
+/// descriptor `owner_fd`: kcmp(2) compares the two open files. False once the
+/// process closed it, reused the number for another file, or exited.
+pub fn owner_holds(pid: i32, owner_fd: i32, ours: &OwnedFd) -> bool {
+    const KCMP_FILE: libc::c_long = 0;
+    let me = std::process::id() as libc::c_long;
+    let same = unsafe {
+        libc::syscall(
+            libc::SYS_kcmp,
+            pid as libc::c_long,
+            me,
+            KCMP_FILE,
+            owner_fd as libc::c_long,
+            ours.as_raw_fd() as libc::c_long,
+        )
+    };
+    match same {
+        0 => true,
+        // 1 or 2: different files (the number now names something else).
+        1.. => false,
+        _ => match std::io::Error::last_os_error().raw_os_error() {
+            // The process is gone, or has no such descriptor any more.
+            Some(libc::ESRCH | libc::EBADF) => false,
+            // kcmp unavailable (no CONFIG_KCMP, or not permitted): all that
+            // can be told is whether the process still lives.
+            _ => std::path::Path::new(&format!("/proc/{pid}")).exists(),
+        },
+    }
+}
+
 fn local_port(fd: &OwnedFd) -> Option<u16> {
     let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of_val(&ss) as libc::socklen_t;
@@ -277,6 +310,7 @@ pub fn take_listeners(
             role: s.role,
             fd: dup,
             pid,
+            owner_fd: fd,
             families,
         });
     }

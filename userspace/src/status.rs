@@ -55,7 +55,22 @@ pub fn node_lines(n: &NodeView) -> String {
             } else {
                 "not connected"
             };
-            let _ = writeln!(out, "ztunnel:    {zt}");
+            let procs: Vec<String> = a
+                .ztunnels
+                .iter()
+                .map(|z| {
+                    let conn = if z.connected { "" } else { ", disconnected" };
+                    format!("pid {} owns listeners of {} pods{conn}", z.pid, z.pods)
+                })
+                .collect();
+            if procs.is_empty() {
+                let _ = writeln!(out, "ztunnel:    {zt}");
+            } else {
+                let _ = writeln!(out, "ztunnel:    {zt} ({})", procs.join("; "));
+            }
+            for w in &a.waiting {
+                let _ = writeln!(out, "retrying:   {}: {}", w.uid, w.last_error);
+            }
             match &a.condition {
                 Some(c) => {
                     let _ = writeln!(

@@ -28,7 +28,16 @@ enum Cmd {
     BuildEbpf,
     /// Setup, build, lint and run every test (root: the dataplane tests need it).
     Test {
-        /// Extra arguments passed to `cargo test` after `--`.
+        /// Run the tests this many times in a row (after one setup, build
+        /// and lint), stopping at the first failing run: for flakes.
+        #[arg(long, default_value_t = 1)]
+        repeat: u32,
+        /// Keep every core busy with `stress-ng --cpu N` while the tests run
+        /// (installed on first use): timing assumptions show up as failures.
+        #[arg(long)]
+        cpu_hog: bool,
+        /// Extra arguments passed to `cargo test` after `--`, e.g. a test
+        /// name with `--exact`.
         #[arg(trailing_var_arg = true)]
         args: Vec<String>,
     },
@@ -50,7 +59,11 @@ fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Setup => setup::run(),
         Cmd::BuildEbpf => build_ebpf(),
-        Cmd::Test { args } => test(&args),
+        Cmd::Test {
+            repeat,
+            cpu_hog,
+            args,
+        } => test(&args, repeat, cpu_hog),
         Cmd::Demo => demo(),
         Cmd::Bench => bench(),
         Cmd::Image { tag } => deploy::image(&tag),
@@ -102,7 +115,7 @@ fn cargo(args: &[&str]) -> Result<()> {
         .args(args))
 }
 
-fn test(extra: &[String]) -> Result<()> {
+fn test(extra: &[String], repeat: u32, cpu_hog: bool) -> Result<()> {
     setup::run()?;
     build_ebpf()?;
     cargo(&["fmt", "--all", "--", "--check"])?;
@@ -125,7 +138,53 @@ fn test(extra: &[String]) -> Result<()> {
         args.push("--");
         args.extend(extra.iter().map(String::as_str));
     }
-    cargo(&args)
+    let _hog = if cpu_hog {
+        Some(CpuHog::start()?)
+    } else {
+        None
+    };
+    for run in 1..=repeat {
+        if repeat > 1 {
+            eprintln!("xtask: test run {run} of {repeat}");
+        }
+        cargo(&args).with_context(|| format!("test run {run} of {repeat} failed"))?;
+    }
+    if repeat > 1 {
+        eprintln!("xtask: {repeat} consecutive test runs passed");
+    }
+    Ok(())
+}
+
+/// `stress-ng --cpu N` on every core while it lives.
+struct CpuHog(std::process::Child);
+
+impl CpuHog {
+    fn start() -> Result<Self> {
+        setup::ensure_stress_ng()?;
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let child = Command::new("stress-ng")
+            .args(["--cpu", &cores.to_string(), "--quiet"])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .context("starting stress-ng")?;
+        eprintln!("xtask: stress-ng keeps {cores} cores busy");
+        Ok(Self(child))
+    }
+}
+
+impl Drop for CpuHog {
+    fn drop(&mut self) {
+        // stress-ng's workers stop with their parent's SIGTERM.
+        terminate(self.0.id());
+        let _ = self.0.wait();
+    }
+}
+
+/// SIGTERM to `pid` (via kill(1): the xtask has no libc dependency).
+fn terminate(pid: u32) {
+    let _ = Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status();
 }
 
 fn demo() -> Result<()> {

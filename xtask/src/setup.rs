@@ -160,17 +160,39 @@ pub fn run() -> Result<()> {
     if !has_python_venv() {
         missing.push("python3-venv");
     }
-    if !missing.is_empty() {
-        eprintln!("setup: installing Debian packages {missing:?}");
-        exec(Command::new("apt-get").arg("update").arg("-qq"))?;
-        exec(
-            Command::new("apt-get")
-                .args(["install", "-y", "-qq", "--no-install-recommends"])
-                .args(&missing)
-                .env("DEBIAN_FRONTEND", "noninteractive"),
-        )?;
+    apt_install(&missing)
+}
+
+/// Installs Debian packages (none: nothing to do). Waits for a concurrent
+/// apt instead of failing on its lock.
+pub fn apt_install(packages: &[&str]) -> Result<()> {
+    if packages.is_empty() {
+        return Ok(());
     }
-    Ok(())
+    eprintln!("setup: installing Debian packages {packages:?}");
+    const LOCK_WAIT: &str = "DPkg::Lock::Timeout=120";
+    exec(Command::new("apt-get").args(["-o", LOCK_WAIT, "update", "-qq"]))?;
+    exec(
+        Command::new("apt-get")
+            .args([
+                "-o",
+                LOCK_WAIT,
+                "install",
+                "-y",
+                "-qq",
+                "--no-install-recommends",
+            ])
+            .args(packages)
+            .env("DEBIAN_FRONTEND", "noninteractive"),
+    )
+}
+
+/// `stress-ng`, for `cargo xtask test --cpu-hog` (not needed otherwise).
+pub fn ensure_stress_ng() -> Result<()> {
+    if which("stress-ng") {
+        return Ok(());
+    }
+    apt_install(&["stress-ng"])
 }
 
 /// bpf-linker must use rustc's own LLVM: LLVM_PREFIX points at a directory

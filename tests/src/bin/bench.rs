@@ -495,6 +495,7 @@ fn memory(report: &mut Report) -> anyhow::Result<()> {
         for (i, p) in pods.iter().enumerate() {
             let resp = control::call(
                 &agent.control,
+                Some(pins.root()),
                 &Request::Enroll {
                     netns: ns_path(&p.name),
                     uid: format!("mem-{i}"),

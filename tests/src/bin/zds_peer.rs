@@ -5,7 +5,12 @@
 //! misbehave on purpose. Every event is printed to stdout as a JSON line.
 //!
 //! sluice-zds-peer --socket PATH [--nack TEXT] [--no-ack] [--v4-only]
-//!                 [--hello-version N] [--exit-on-protocol-error]
+//!                 [--hello-version N] [--hold-acks-until FILE]
+//!
+//! `--hold-acks-until FILE`: open a pod's listeners (event `listening`) but
+//! ack its add only once FILE exists — a ztunnel whose acks come late, so a
+//! test can order "new listeners open" and "old ztunnel gone" before the
+//! agent learns of the new ones.
 
 use std::{
     collections::HashMap,
@@ -34,6 +39,7 @@ struct Opts {
     no_ack: bool,
     bind: Bind,
     hello_version: i32,
+    hold_acks_until: Option<PathBuf>,
 }
 
 fn opts() -> Opts {
@@ -43,6 +49,7 @@ fn opts() -> Opts {
         no_ack: false,
         bind: Bind::DualStack,
         hello_version: Version::V1 as i32,
+        hold_acks_until: None,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -52,6 +59,7 @@ fn opts() -> Opts {
             "--no-ack" => o.no_ack = true,
             "--v4-only" => o.bind = Bind::V4Only,
             "--hello-version" => o.hello_version = args.next().expect("N").parse().expect("number"),
+            "--hold-acks-until" => o.hold_acks_until = Some(args.next().expect("FILE").into()),
             other => panic!("unknown flag {other}"),
         }
     }
@@ -180,6 +188,14 @@ fn session(fd: &OwnedFd, o: &Opts, on_accept: &OnAccept) -> Result<(), String> {
                             },
                         );
                     }
+                    drop(guard);
+                    emit(serde_json::json!({"event": "listening", "uid": add.uid}));
+                    if let Some(gate) = &o.hold_acks_until {
+                        // The test creates the file; the poll only paces the look.
+                        while !gate.exists() {
+                            std::thread::sleep(Duration::from_millis(5));
+                        }
+                    }
                     Some(WorkloadResponse::ack())
                 }
             }
@@ -227,8 +243,11 @@ fn on_sigterm_drain() {
         emit(serde_json::json!({"event": "terminating"}));
         let pods = PODS.lock().unwrap().take().unwrap_or_default();
         let active: Vec<_> = pods.values().map(|p| p._listeners.active.clone()).collect();
+        // Closing joins the accept loops: every connection accepted until
+        // now is counted in `active` from here on.
         drop(pods);
-        // In-flight connections finish (bounded, as ztunnel's drain period is).
+        // In-flight connections finish (bounded, as ztunnel's drain period
+        // is); the poll only paces this check.
         let start = std::time::Instant::now();
         while active
             .iter()

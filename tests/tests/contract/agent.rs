@@ -6,8 +6,8 @@ use std::{
     os::fd::{AsFd, AsRawFd, OwnedFd},
     path::Path,
     sync::{
-        atomic::{AtomicBool, Ordering},
-        Arc,
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+        Arc, Mutex,
     },
     time::Duration,
 };
@@ -23,6 +23,7 @@ use sluice_tests::{
     harness::{Fixture, APP_PORT, REMOTE_PORT},
     ns::spawn_in,
     topology::Family,
+    wait,
 };
 
 use crate::{trial, TestResult};
@@ -44,6 +45,10 @@ pub fn trials() -> Vec<Trial> {
             restart,
         ),
         trial("agent::ztunnel_upgrade_refuses_no_connection", upgrade),
+        trial(
+            "agent::ztunnel_upgrade_old_gone_before_new_acks_refuses_no_connection",
+            upgrade_old_gone_first,
+        ),
         trial("agent::port_hijack_after_ztunnel_died_gets_nothing", hijack),
         trial("agent::bad_peers_leave_the_agent_serving", bad_peers),
         trial(
@@ -55,6 +60,10 @@ pub fn trials() -> Vec<Trial> {
             sigterm,
         ),
         trial("agent::unenroll_sends_del_and_removes_capture", unenroll),
+        trial(
+            "agent::cli_for_another_bpf_root_is_refused_by_the_agent",
+            other_root,
+        ),
         trial(
             "agent::runs_with_the_daemonset_capabilities_and_read_only_proc_sys",
             daemonset_privileges,
@@ -71,27 +80,18 @@ fn enroll(agent: &AgentProc, f: &Fixture) -> anyhow::Result<Out> {
     )
 }
 
-/// Starts the ZDS peer and waits until it is connected and has its snapshot,
-/// as a ztunnel that is up when pods arrive.
+/// Starts the ZDS peer and waits until the agent reports it connected (its
+/// snapshot acked), as a ztunnel that is up when pods arrive.
 fn peer(agent: &AgentProc) -> anyhow::Result<PeerProc> {
-    let before = agent.log().matches("ztunnel live").count();
-    let p = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
-    ensure!(
-        p.wait_for(Duration::from_secs(5), |e| e
-            .iter()
-            .any(|e| e["event"] == "snapshot_sent")),
-        "peer got no snapshot"
-    );
-    // The agent makes the connection live right after the snapshot's ack.
-    let start = std::time::Instant::now();
-    while agent.log().matches("ztunnel live").count() <= before {
-        ensure!(
-            start.elapsed() < Duration::from_secs(5),
-            "the agent never made the peer live:\n{}",
-            agent.log()
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    peer_with(agent, &[])
+}
+
+fn peer_with(agent: &AgentProc, flags: &[&str]) -> anyhow::Result<PeerProc> {
+    let p = PeerProc::start(Path::new(PEER), &agent.zds, flags)?;
+    let pid = p.pid().context("peer has no pid")?;
+    agent.wait_ztunnel(pid, "the agent to report the peer connected", |z| {
+        z["connected"] == true
+    })?;
     Ok(p)
 }
 
@@ -112,20 +112,20 @@ fn state(f: &Fixture) -> Option<&'static str> {
     f.pod_record().ok().and_then(|r| r.state)
 }
 
-fn wait_state(f: &Fixture, want: &str, timeout: Duration) -> bool {
-    wait_state_in(f, &f.topo.pins, want, timeout)
+fn wait_state(f: &Fixture, want: &str) -> TestResult {
+    wait_state_in(f, &f.topo.pins, want)
 }
 
 /// Waits for `f`'s pod to reach `want` in the pins of the agent at `pins`.
-fn wait_state_in(f: &Fixture, pins: &sluice::loader::Pins, want: &str, timeout: Duration) -> bool {
-    let start = std::time::Instant::now();
-    while start.elapsed() < timeout {
-        if f.pod_record_in(pins).ok().and_then(|r| r.state) == Some(want) {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    false
+fn wait_state_in(f: &Fixture, pins: &sluice::loader::Pins, want: &str) -> TestResult {
+    wait::until(
+        &format!("pod {} to be {want}", f.uid),
+        wait::DEADLINE,
+        || match f.pod_record_in(pins).map(|r| r.state) {
+            Ok(Some(s)) if s == want => Ok(()),
+            other => Err(format!("{other:?}")),
+        },
+    )
 }
 
 fn inbound(f: &Fixture) -> Reached {
@@ -140,9 +140,7 @@ fn happy_path() -> TestResult {
     let f = Fixture::new("ag", None)?;
     let agent = AgentProc::start(&f.topo.pins)?;
     let peer = peer(&agent)?;
-    ensure!(peer.wait_for(Duration::from_secs(5), |e| e
-        .iter()
-        .any(|e| e["event"] == "snapshot_sent")));
+    peer.wait_snapshot()?;
     let out = enroll(&agent, &f)?;
     ensure!(
         out.ok && out.stdout.contains("Enabled"),
@@ -172,8 +170,9 @@ fn happy_path() -> TestResult {
         out_conn.reply().is_some_and(|l| l.starts_with("app:9090")),
         "{out_conn:?}"
     );
-    ensure!(peer.wait_for(Duration::from_secs(2), |_| peer
-        .accepted_roles(&["inbound", "outbound"])));
+    peer.wait_for("inbound and outbound accepted by the peer", |_| {
+        peer.accepted_roles(&["inbound", "outbound"])
+    })?;
     let status = agent.sluice(&["status"])?;
     ensure!(status.stdout.contains("Enabled"), "{}", status.stdout);
     Ok(())
@@ -195,17 +194,13 @@ fn snapshot() -> TestResult {
     }
     p1.kill();
     let p2 = peer(&agent)?;
-    ensure!(
-        p2.wait_for(Duration::from_secs(5), |e| e
-            .iter()
-            .any(|e| e["event"] == "snapshot_sent")),
-        "no snapshot: {:?}",
-        p2.events()
-    );
+    p2.wait_snapshot()?;
     let ev: Vec<String> = p2
         .events()
         .iter()
-        .filter(|e| e["event"] != "connected" && e["event"] != "accepted")
+        .filter(|e| {
+            ["add", "del", "keep", "snapshot_sent"].contains(&e["event"].as_str().unwrap_or(""))
+        })
         .map(|e| {
             format!(
                 "{}:{}",
@@ -223,12 +218,8 @@ fn snapshot() -> TestResult {
     ensure!(adds == want, "{adds:?}");
     ensure!(p2.count("protocol_error") == 0);
     // Both pods are back to Enabled with the new peer's listeners.
-    ensure!(
-        wait_state(&a, "Enabled", Duration::from_secs(5))
-            && wait_state_in(&b, &a.topo.pins, "Enabled", Duration::from_secs(5)),
-        "pods not Enabled again:\n{}",
-        agent.log()
-    );
+    wait_state(&a, "Enabled")?;
+    wait_state_in(&b, &a.topo.pins, "Enabled")?;
     let (ra, rb) = (inbound(&a), inbound(&b));
     ensure!(
         ra.reply().is_some() && rb.reply().is_some(),
@@ -238,23 +229,72 @@ fn snapshot() -> TestResult {
     Ok(())
 }
 
-/// A client loop into the pod: (ok, failed) counts, until `stop`.
-fn client_loop(f: &Fixture, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<(usize, usize)> {
-    let dst = SocketAddr::new(f.topo.pod_ip(Family::V4), APP_PORT);
-    spawn_in(&f.topo.client, move || {
-        let (mut ok, mut failed) = (0, 0);
-        while !stop.load(Ordering::Relaxed) {
-            let o = Opts {
-                timeout: Some(Duration::from_secs(4)),
-                ..Opts::default()
-            };
-            match sluice_tests::flow::connect_here(dst, &o) {
-                Reached::Reply(l) if l.starts_with("app:8080") => ok += 1,
-                _ => failed += 1,
+/// A client opening one connection after another into the pod until
+/// stopped; each must reach the app (through ztunnel) within 4 s, SYN
+/// retransmits included.
+struct Clients {
+    stop: Arc<AtomicBool>,
+    ok: Arc<AtomicUsize>,
+    failures: Arc<Mutex<Vec<String>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Clients {
+    fn start(f: &Fixture) -> Self {
+        let dst = SocketAddr::new(f.topo.pod_ip(Family::V4), APP_PORT);
+        let stop = Arc::new(AtomicBool::new(false));
+        let ok = Arc::new(AtomicUsize::new(0));
+        let failures = Arc::new(Mutex::new(Vec::new()));
+        let (s, o, fl) = (stop.clone(), ok.clone(), failures.clone());
+        let thread = spawn_in(&f.topo.client, move || {
+            while !s.load(Ordering::Relaxed) {
+                let opts = Opts {
+                    timeout: Some(Duration::from_secs(4)),
+                    ..Opts::default()
+                };
+                match sluice_tests::flow::connect_here(dst, &opts) {
+                    Reached::Reply(l) if l.starts_with("app:8080") => {
+                        o.fetch_add(1, Ordering::SeqCst);
+                    }
+                    other => {
+                        let n = o.load(Ordering::SeqCst);
+                        fl.lock().unwrap().push(format!("after {n} ok: {other:?}"));
+                    }
+                }
             }
+        });
+        Self {
+            stop,
+            ok,
+            failures,
+            thread: Some(thread),
         }
-        (ok, failed)
-    })
+    }
+
+    fn ok(&self) -> usize {
+        self.ok.load(Ordering::SeqCst)
+    }
+
+    /// Waits until `more` further connections have completed.
+    fn wait_more(&self, more: usize, what: &str) -> TestResult {
+        let want = self.ok() + more;
+        wait::until_seen(
+            &format!("{more} more connections to complete ({what})"),
+            wait::DEADLINE,
+            || (self.ok(), self.failures.lock().unwrap().clone()),
+            |(ok, _)| *ok >= want,
+        )
+        .map(drop)
+    }
+
+    /// Stops the loop: (completed, failures).
+    fn finish(mut self) -> (usize, Vec<String>) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        (self.ok(), self.failures.lock().unwrap().clone())
+    }
 }
 
 fn inbound_accepts(p: &PeerProc) -> usize {
@@ -269,28 +309,21 @@ fn restart() -> TestResult {
     let agent = AgentProc::start(&f.topo.pins)?;
     let mut p1 = peer(&agent)?;
     enroll_enabled(&agent, &f)?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let clients = client_loop(&f, stop.clone());
-    std::thread::sleep(Duration::from_millis(300));
+    let clients = Clients::start(&f);
+    clients.wait_more(20, "before the crash")?;
     p1.kill(); // crash: listeners gone at once
-    ensure!(
-        wait_state(&f, "Pending", Duration::from_secs(2)),
-        "not Pending after ztunnel died"
-    );
-    std::thread::sleep(Duration::from_millis(500));
+    wait_state(&f, "Pending")?;
+    // Clients hit the outage: their SYNs are dropped (fail closed).
+    f.wait_dropped_after(f.pod_record()?.counters.dropped_fail_closed)?;
     let p2 = peer(&agent)?;
-    ensure!(
-        wait_state(&f, "Enabled", Duration::from_secs(5)),
-        "not Enabled after ztunnel came back:\n{}",
-        agent.log()
-    );
-    std::thread::sleep(Duration::from_millis(300));
-    stop.store(true, Ordering::Relaxed);
-    let (ok, failed) = clients.join().unwrap();
+    wait_state(&f, "Enabled")?;
+    clients.wait_more(20, "after ztunnel came back")?;
+    let (ok, failures) = clients.finish();
+    let failed = failures.len();
     let via_ztunnel = inbound_accepts(&p1) + inbound_accepts(&p2);
     let at_app = f.app.peers().len();
     println!(
-        "ztunnel restart: {ok} connections completed, {failed} failed; app accepted {at_app}, all through ztunnel ({via_ztunnel}); dropped-fail-closed {}, missing-socket {}",
+        "ztunnel restart: {ok} connections completed, {failed} failed {failures:?}; app accepted {at_app}, all through ztunnel ({via_ztunnel}); dropped-fail-closed {}, missing-socket {}",
         f.pod_record()?.counters.dropped_fail_closed,
         f.pod_record()?.counters.missing_socket
     );
@@ -307,40 +340,121 @@ fn restart() -> TestResult {
     Ok(())
 }
 
+/// A ztunnel upgrade in the usual order: the new ztunnel connects, takes the
+/// pod from its snapshot and opens its listeners; the agent registers them;
+/// then the old one drains and exits. No connection may fail.
 fn upgrade() -> TestResult {
     let f = Fixture::new("up", None)?;
     let agent = AgentProc::start(&f.topo.pins)?;
     let mut old = peer(&agent)?;
     enroll_enabled(&agent, &f)?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let clients = client_loop(&f, stop.clone());
-    std::thread::sleep(Duration::from_millis(300));
+    let clients = Clients::start(&f);
+    clients.wait_more(20, "through the old ztunnel")?;
     let new = peer(&agent)?;
-    ensure!(new.wait_for(Duration::from_secs(5), |e| e
-        .iter()
-        .any(|e| e["event"] == "snapshot_sent")));
-    // The agent registers the new ztunnel's listeners (by its pid).
-    std::thread::sleep(Duration::from_millis(300));
+    wait_owns_pod(&agent, &new)?;
     old.terminate();
-    std::thread::sleep(Duration::from_millis(700));
-    stop.store(true, Ordering::Relaxed);
-    let (ok, failed) = clients.join().unwrap();
-    println!(
-        "ztunnel upgrade: {ok} connections completed, {failed} failed; old accepted {}, new accepted {}",
-        inbound_accepts(&old),
-        inbound_accepts(&new)
-    );
+    finish_upgrade("ztunnel upgrade", &f, &agent, clients, &old, &new)
+}
+
+/// The other order: the new ztunnel has opened its listeners but not acked
+/// yet (so the agent has not registered them) when the old one drains and
+/// exits. The agent holds the old listeners until the new ones replace them;
+/// connections that arrive meanwhile queue on the old socket and move to the
+/// new listener when it closes. No connection may fail.
+fn upgrade_old_gone_first() -> TestResult {
+    let f = Fixture::new("uq", None)?;
+    let agent = AgentProc::start(&f.topo.pins)?;
+    let mut old = peer(&agent)?;
+    enroll_enabled(&agent, &f)?;
+    let clients = Clients::start(&f);
+    clients.wait_more(20, "through the old ztunnel")?;
+    let gate = agent.dir.join("new-ztunnel-may-ack");
+    let gate_arg = gate.to_str().context("path")?.to_owned();
+    let new = PeerProc::start(
+        Path::new(PEER),
+        &agent.zds,
+        &["--hold-acks-until", &gate_arg],
+    )?;
+    new.wait_for("the new ztunnel to open the pod's listeners", |e| {
+        e.iter().any(|e| e["event"] == "listening")
+    })?;
+    old.terminate();
+    old_pid_gone(&agent)?;
+    // The old ztunnel is gone; the agent still holds its listeners, so the
+    // pod is Enabled and connections keep being accepted by the kernel.
     ensure!(
-        failed == 0,
-        "{failed} connections failed during the upgrade\n{}",
+        state(&f) == Some("Enabled"),
+        "{:?}\n{}",
+        state(&f),
         agent.log()
     );
-    ensure!(
-        inbound_accepts(&new) > 0,
-        "the new ztunnel took no connection"
+    std::fs::write(&gate, "")?;
+    wait_owns_pod(&agent, &new)?;
+    finish_upgrade(
+        "ztunnel upgrade, old gone first",
+        &f,
+        &agent,
+        clients,
+        &old,
+        &new,
+    )
+}
+
+fn wait_owns_pod(agent: &AgentProc, z: &PeerProc) -> TestResult {
+    let pid = z.pid().context("no pid")?;
+    agent.wait_ztunnel(pid, "the new ztunnel to own the pod's listeners", |z| {
+        z["pods"] == 1
+    })
+}
+
+/// With the old ztunnel gone: the new one takes connections, and no client
+/// connection failed at any point.
+fn finish_upgrade(
+    name: &str,
+    f: &Fixture,
+    agent: &AgentProc,
+    clients: Clients,
+    old: &PeerProc,
+    new: &PeerProc,
+) -> TestResult {
+    let before = inbound_accepts(new);
+    new.wait_for(
+        "the new ztunnel to take connections after the old one left",
+        |_| inbound_accepts(new) >= before + 20,
+    )?;
+    let (ok, failures) = clients.finish();
+    println!(
+        "{name}: {ok} connections completed, {} failed {failures:?}; old accepted {}, new accepted {}",
+        failures.len(),
+        inbound_accepts(old),
+        inbound_accepts(new)
     );
-    ensure!(state(&f) == Some("Enabled"));
+    ensure!(
+        failures.is_empty(),
+        "{} connections failed during the upgrade: {failures:?}\n{}",
+        failures.len(),
+        agent.log()
+    );
+    ensure!(state(f) == Some("Enabled"));
     Ok(())
+}
+
+/// After the old peer exited: the agent's view of it, which must still own
+/// the pod's listeners (held by the agent) but no longer be connected.
+fn old_pid_gone(agent: &AgentProc) -> anyhow::Result<u32> {
+    wait::until(
+        "the old ztunnel to be disconnected, its listeners still held",
+        wait::DEADLINE,
+        || {
+            let n = agent.node_status().map_err(|e| e.to_string())?;
+            let zs = n["ztunnels"].as_array().cloned().unwrap_or_default();
+            zs.iter()
+                .find(|z| z["connected"] == false && z["pods"] == 1)
+                .and_then(|z| z["pid"].as_u64())
+                .map(|p| p as u32)
+                .ok_or_else(|| n["ztunnels"].to_string())
+        },
+    )
 }
 
 fn hijack() -> TestResult {
@@ -349,7 +463,7 @@ fn hijack() -> TestResult {
     let mut p = peer(&agent)?;
     enroll_enabled(&agent, &f)?;
     p.kill();
-    ensure!(wait_state(&f, "Pending", Duration::from_secs(2)));
+    wait_state(&f, "Pending")?;
     // An app in the pod binds ztunnel's inbound port (Istio #49078).
     let squatter = App::start(&f.topo.pod, 15006);
     let r = tcp(
@@ -366,9 +480,12 @@ fn hijack() -> TestResult {
         "captured traffic reached the squatter"
     );
     ensure!(f.app.peers().is_empty());
-    // Even after the agent looks again, only a mark-1337 socket would do.
-    std::thread::sleep(Duration::from_millis(600));
-    ensure!(state(&f) == Some("Pending"));
+    // Looking for listeners again finds none: only a mark-1337 socket would do.
+    let again = f.register()?;
+    ensure!(
+        again.state == sluice_common::PodState::Pending && again.roles.is_empty(),
+        "{again:?}"
+    );
     Ok(())
 }
 
@@ -450,9 +567,7 @@ fn stubborn_peers() -> TestResult {
     let agent = AgentProc::start(&f.topo.pins)?;
     // Never acks: the add times out (5 s), the pod stays Pending, fails closed.
     let mut silent = PeerProc::start(Path::new(PEER), &agent.zds, &["--no-ack"])?;
-    ensure!(silent.wait_for(Duration::from_secs(5), |e| e
-        .iter()
-        .any(|e| e["event"] == "snapshot_sent")));
+    silent.wait_snapshot()?;
     let out = enroll(&agent, &f)?;
     ensure!(
         out.ok && out.stdout.contains("Pending") && out.stdout.contains("timed out"),
@@ -468,20 +583,20 @@ fn stubborn_peers() -> TestResult {
         &agent.zds,
         &["--nack", "no workload config for this pod"],
     )?;
-    ensure!(
-        nacker.wait_for(Duration::from_secs(8), |e| e
-            .iter()
-            .filter(|e| e["event"] == "add")
-            .count()
-            >= 3),
-        "no retries: {:?}\n{}",
-        nacker.events(),
-        agent.log()
-    );
+    nacker.wait_for("three adds (retries with backoff)", |e| {
+        e.iter().filter(|e| e["event"] == "add").count() >= 3
+    })?;
     ensure!(state(&f) == Some("Pending"));
+    // The nack's text is what the agent reports for the pod.
+    let n = agent.node_status()?;
     ensure!(
-        agent.log().contains("no workload config for this pod"),
-        "nack text not logged"
+        n["waiting"]
+            .as_array()
+            .is_some_and(|w| w.iter().any(|w| w["uid"] == f.uid.as_str()
+                && w["last_error"]
+                    .as_str()
+                    .is_some_and(|e| e.contains("no workload config for this pod")))),
+        "nack text not reported: {n}"
     );
     let r = tcp(
         &f.topo.client,
@@ -498,11 +613,7 @@ fn stubborn_peers() -> TestResult {
     nacker.kill();
     // A ztunnel that works takes the pod from its snapshot.
     let _good = peer(&agent)?;
-    ensure!(
-        wait_state(&f, "Enabled", Duration::from_secs(5)),
-        "{}",
-        agent.log()
-    );
+    wait_state(&f, "Enabled")?;
     Ok(())
 }
 
@@ -516,16 +627,15 @@ fn sigterm() -> TestResult {
     ensure!(state(&f) == Some("Enabled"));
     let before = inbound_accepts(&p);
     ensure!(inbound(&f).reply().is_some());
-    ensure!(p.wait_for(Duration::from_secs(2), |_| inbound_accepts(&p)
-        == before + 1));
+    p.wait_for("the connection accepted by the peer", |_| {
+        inbound_accepts(&p) == before + 1
+    })?;
     // A new agent adopts the pins; ztunnel reconnects and gets a snapshot.
     agent.restart()?;
-    ensure!(p.wait_for(Duration::from_secs(5), |e| e
-        .iter()
-        .filter(|e| e["event"] == "snapshot_sent")
-        .count()
-        >= 2));
-    ensure!(wait_state(&f, "Enabled", Duration::from_secs(3)));
+    p.wait_for("a second snapshot", |e| {
+        e.iter().filter(|e| e["event"] == "snapshot_sent").count() >= 2
+    })?;
+    wait_state(&f, "Enabled")?;
     ensure!(p.count("protocol_error") == 0);
     Ok(())
 }
@@ -557,6 +667,34 @@ fn unenroll() -> TestResult {
         !out.ok && out.stderr.contains("no enrolled pod"),
         "{}",
         out.stderr
+    );
+    Ok(())
+}
+
+/// A CLI call that names another bpf root than the agent's, on the agent's
+/// control socket, is refused with the reason; nothing reaches either root.
+fn other_root() -> TestResult {
+    let f = Fixture::new("or", None)?;
+    let agent = AgentProc::start(&f.topo.pins)?;
+    let other = format!("/sys/fs/bpf/sluice-other-root-{}", std::process::id());
+    let out = std::process::Command::new(sluice_tests::harness::sluice_bin())
+        .args(["--bpf-root", &other, "--control-socket"])
+        .arg(&agent.control)
+        .args(["enroll", "--uid", f.uid.as_str(), "--netns"])
+        .arg(f.topo.pod_netns_path())
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        !out.status.success() && stderr.contains("owns bpf root") && stderr.contains(&other),
+        "not refused: {stderr}"
+    );
+    ensure!(
+        f.pod_record().is_err(),
+        "the agent enrolled the pod into its own maps"
+    );
+    ensure!(
+        !Path::new(&other).exists(),
+        "the CLI fell back to pinning under {other}"
     );
     Ok(())
 }
@@ -651,12 +789,9 @@ fn daemonset_privileges() -> TestResult {
         ensure!(inbound(&f)
             .reply()
             .is_some_and(|l| l.starts_with("app:8080")));
-        ensure!(
-            peer.wait_for(Duration::from_secs(2), |_| peer
-                .accepted_roles(&["inbound"])),
-            "not captured: {}",
-            agent.log()
-        );
+        peer.wait_for("an inbound connection accepted by the peer", |_| {
+            peer.accepted_roles(&["inbound"])
+        })?;
         // The agent really ran with the DaemonSet's list and nothing more.
         let mask = u64::from_str_radix(bnd.trim_start_matches("CapBnd:").trim(), 16)?;
         let want = caps.iter().try_fold(0u64, |m, c| {

@@ -5,7 +5,6 @@
 use std::{
     net::{IpAddr, SocketAddr},
     path::{Path, PathBuf},
-    time::Duration,
 };
 
 use anyhow::{ensure, Context as _};
@@ -184,12 +183,9 @@ fn chain() -> TestResult {
         r.reply().is_some_and(|l| l.starts_with("app:9090")),
         "outbound: {r:?}"
     );
-    ensure!(
-        peer.wait_for(Duration::from_secs(2), |_| peer
-            .accepted_roles(&["inbound", "outbound"])),
-        "not captured: {:?}",
-        peer.events()
-    );
+    peer.wait_for("inbound and outbound accepted by the peer", |_| {
+        peer.accepted_roles(&["inbound", "outbound"])
+    })?;
     ensure!(app.peers().len() == 1 && remote.peers().len() == 1);
 
     // CHECK: nothing printed, success. VERSION: the versions we speak.
@@ -295,15 +291,9 @@ fn errors() -> TestResult {
 }
 
 fn wait(what: &str, f: impl Fn() -> bool) -> TestResult {
-    let start = std::time::Instant::now();
-    while !f() {
-        ensure!(
-            start.elapsed() < Duration::from_secs(5),
-            "timed out waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Ok(())
+    sluice_tests::wait::until(what, sluice_tests::wait::DEADLINE, || {
+        f().then_some(()).ok_or("not yet")
+    })
 }
 
 fn conflist() -> TestResult {

@@ -340,7 +340,9 @@ fn f1(fam: Family) -> TestResult {
             },
         )
     });
-    std::thread::sleep(Duration::from_millis(300));
+    // Its first SYN has been dropped (the counter moved): it is retrying.
+    let dropped = f.pod_record()?.counters.dropped_fail_closed;
+    f.wait_dropped_after(dropped)?;
     f.standin = Some(StandIn::start(&f.topo.pod, Bind::DualStack));
     ensure!(f.register()?.state == PodState::Enabled);
     let r = retrying.join().unwrap();
@@ -350,7 +352,7 @@ fn f1(fam: Family) -> TestResult {
     // Enabled but ztunnel gone (restarting): its sockets leave the map by
     // themselves and SYNs are dropped again, counted as missing-socket.
     f.standin = None;
-    std::thread::sleep(Duration::from_millis(100));
+    f.wait_no_listeners()?;
     let r = connect(&f.topo.client, sa(fam.pod(), APP_PORT), short);
     ensure!(r == Reached::TimedOut, "inbound with ztunnel gone: {r:?}");
     let c = f.pod_record()?.counters;

@@ -302,7 +302,8 @@ fn differential(fam: Family) -> TestResult {
     let mut sluice = sluice;
     sluice.standin = None;
     istio_twin.standin = None;
-    std::thread::sleep(Duration::from_millis(100));
+    // Closing the listeners takes them out of the socket map at once.
+    sluice.wait_no_listeners()?;
     let short = Opts {
         timeout: Some(Duration::from_millis(1500)),
         ..Opts::default()

@@ -13,7 +13,7 @@ use sluice::{
     cni::spec::PodRef,
     zds::server::Hub,
 };
-use sluice_tests::{harness::Fixture, mockapi};
+use sluice_tests::{harness::Fixture, mockapi, wait};
 
 use crate::{trial, TestResult};
 
@@ -180,16 +180,15 @@ fn admitted_with(f: &Fixture, records: &std::path::Path) -> TestResult {
 }
 
 async fn wait_patch(patches: &Arc<Mutex<Vec<(String, Value)>>>, n: usize) -> TestResult {
-    for _ in 0..100 {
-        if patches.lock().unwrap().len() >= n {
-            return Ok(());
+    wait::until_async(&format!("{n} status patches"), wait::DEADLINE, || {
+        let p = patches.lock().unwrap().clone();
+        if p.len() >= n {
+            Ok(())
+        } else {
+            Err(p)
         }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
-    anyhow::bail!(
-        "expected {n} status patches, got {:?}",
-        patches.lock().unwrap()
-    )
+    })
+    .await
 }
 
 /// The cgroup v2 mount (hybrid hosts have it at /sys/fs/cgroup/unified).
@@ -349,11 +348,22 @@ fn watch_triggers_capture() -> TestResult {
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async {
         let labelled = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        // Requests seen: pod LISTs, and whether the pod watch has started.
+        let pod_lists = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let pod_watch = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (svc, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
         let (l2, u2) = (labelled.clone(), uid.clone());
+        let (lists2, watch2) = (pod_lists.clone(), pod_watch.clone());
         tokio::spawn(async move {
             while let Some((req, send)) = handle.next_request().await {
                 let (path, query) = (req.uri().path().to_owned(), req.uri().query().unwrap_or("").to_owned());
+                if path == "/api/v1/pods" {
+                    if query.contains("watch=true") {
+                        watch2.store(true, std::sync::atomic::Ordering::SeqCst);
+                    } else {
+                        lists2.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    }
+                }
                 let u3 = u2.clone();
                 let pod = move |ambient: bool| {
                     let labels = if ambient { json!({"istio.io/dataplane-mode": "ambient"}) } else { json!({}) };
@@ -364,7 +374,8 @@ fn watch_triggers_capture() -> TestResult {
                 let l3 = l2.clone();
                 tokio::spawn(async move {
                     let body = if query.contains("watch=true") {
-                        // Hold the watch until the label appears, then report it.
+                        // The mock API holds the watch until the label appears,
+                        // then reports it (the poll paces the mock, not the test).
                         while !l3.load(std::sync::atomic::Ordering::SeqCst) {
                             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
                         }
@@ -388,21 +399,32 @@ fn watch_triggers_capture() -> TestResult {
             }
         });
         let (node, _announcing) = cluster_node(&f, kube::Client::new(svc, "default"), None)?;
+        // A pass while the pod is not ambient: nothing to capture.
+        node.reconcile_once(std::time::Duration::ZERO).await?;
+        ensure!(sluice::status::read(&f.topo.pins)?.is_empty(), "captured before it was ambient");
         let (_stop_tx, stop) = tokio::sync::watch::channel(false);
         let task = tokio::spawn(node.clone().reconcile_with_api(stop));
-        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-        ensure!(sluice::status::read(&f.topo.pins)?.is_empty(), "captured before it was ambient");
+        // The label comes only once the loop's first pass and the watcher
+        // have both listed the pod unlabelled (three LISTs with ours) and the
+        // watch is open: only the watch event can lead to capture now (the
+        // next relist is 60 s away).
+        wait::until_async("the loop's first pass and the pod watch", wait::DEADLINE, || {
+            let seen = (
+                pod_lists.load(std::sync::atomic::Ordering::SeqCst),
+                pod_watch.load(std::sync::atomic::Ordering::SeqCst),
+            );
+            if seen.0 >= 3 && seen.1 { Ok(()) } else { Err(seen) }
+        })
+        .await?;
         labelled.store(true, std::sync::atomic::Ordering::SeqCst);
-        let mut enrolled = false;
-        for _ in 0..100 {
-            if sluice::status::read(&f.topo.pins)?.iter().any(|p| p.uid == uid) {
-                enrolled = true;
-                break;
+        let enrolled = wait::until_async("capture after the watch reported the label", wait::DEADLINE, || {
+            match sluice::status::read(&f.topo.pins) {
+                Ok(p) if p.iter().any(|p| p.uid == uid) => Ok(()),
+                other => Err(format!("{other:?}")),
             }
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        }
+        })
+        .await;
         task.abort();
-        ensure!(enrolled, "the watch event did not lead to capture within 5 s (the relist is every 60 s)");
-        Ok(())
+        enrolled
     })
 }

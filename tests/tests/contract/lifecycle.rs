@@ -53,10 +53,17 @@ struct Out {
     stderr: String,
 }
 
+/// A control socket no agent listens on: these tests run the CLI alone.
+const NO_AGENT: &str = "/nonexistent/sluice-lifecycle/agent.sock";
+
 fn sluice(f: &Fixture, args: &[&str]) -> anyhow::Result<Out> {
+    // Every path is the test's own: no agent that may run on this machine
+    // (on the default control socket) may serve these commands.
     let out = Command::new(sluice_bin())
         .arg("--bpf-root")
         .arg(f.topo.pins.root())
+        .arg("--control-socket")
+        .arg(NO_AGENT)
         .args(args)
         .output()
         .with_context(|| format!("running {}", sluice_bin().display()))?;
@@ -313,10 +320,11 @@ fn sysctls_with_read_only_proc_sys() -> TestResult {
     let enroll = |proc_dir: Option<&Path>| -> anyhow::Result<Out> {
         let mut script = format!(
             "mount --bind /proc/sys /proc/sys && mount -o remount,bind,ro /proc/sys && \
-             mount --bind /proc {hp} && exec {bin} --bpf-root {root} --control-socket /nonexistent/sock",
+             mount --bind /proc {hp} && exec {bin} --bpf-root {root} --control-socket {no_agent}",
             hp = host_proc.display(),
             bin = sluice_bin().display(),
             root = f.topo.pins.root().display(),
+            no_agent = NO_AGENT,
         );
         if let Some(p) = proc_dir {
             script.push_str(&format!(" --proc-dir {}", p.display()));

@@ -5,7 +5,6 @@
 use std::{
     path::Path,
     sync::{Arc, Mutex},
-    time::{Duration, Instant},
 };
 
 use anyhow::{ensure, Context as _};
@@ -27,6 +26,7 @@ use sluice_tests::{
     harness::{Fixture, APP_PORT},
     mockapi,
     topology::Family,
+    wait,
 };
 
 use crate::{trial, TestResult};
@@ -58,20 +58,15 @@ fn node_status(agent: &AgentProc) -> anyhow::Result<Value> {
     Ok(v["node"].clone())
 }
 
-fn wait_reason(agent: &AgentProc, want: &str, timeout: Duration) -> anyhow::Result<Value> {
-    let start = Instant::now();
-    loop {
-        let n = node_status(agent)?;
-        if n["agent"]["condition"]["reason"] == want {
-            return Ok(n);
-        }
-        ensure!(
-            start.elapsed() < timeout,
-            "condition never became {want}: {n}\n{}",
-            agent.log()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+fn wait_reason(agent: &AgentProc, want: &str) -> anyhow::Result<Value> {
+    wait::until(
+        &format!("the condition's reason to be {want}"),
+        wait::DEADLINE,
+        || match node_status(agent) {
+            Ok(n) if n["agent"]["condition"]["reason"] == want => Ok(n),
+            other => Err(format!("{other:?}")),
+        },
+    )
 }
 
 /// The value of one sample, parsed by a Prometheus text parser.
@@ -102,7 +97,7 @@ fn pending_then_ready() -> TestResult {
     )?;
 
     // No ztunnel yet.
-    wait_reason(&agent, "ZtunnelDisconnected", Duration::from_secs(5))?;
+    wait_reason(&agent, "ZtunnelDisconnected")?;
     let (code, body) = http_get(port, "/readyz")?;
     ensure!(
         code == 503 && body.contains("ZtunnelDisconnected"),
@@ -113,11 +108,11 @@ fn pending_then_ready() -> TestResult {
     // A ztunnel that refuses the pod: it stays Pending; after the grace the
     // node is not ready, naming the pod.
     let mut refusing = PeerProc::start(Path::new(PEER), &agent.zds, &["--nack", "not today"])?;
-    let start = Instant::now();
-    while !agent.log().contains("ztunnel live") {
-        ensure!(start.elapsed() < Duration::from_secs(5), "peer never live");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    agent.wait_ztunnel(
+        refusing.pid().context("no pid")?,
+        "the refusing peer connected",
+        |z| z["connected"] == true,
+    )?;
     let out = agent.enroll(&f.topo.pod_netns_path(), f.uid.as_str(), "shop", "cart")?;
     ensure!(
         out.ok && out.stdout.contains("Pending"),
@@ -125,7 +120,7 @@ fn pending_then_ready() -> TestResult {
         out.stdout,
         out.stderr
     );
-    let n = wait_reason(&agent, "PodsPendingEnrollment", Duration::from_secs(10))?;
+    let n = wait_reason(&agent, "PodsPendingEnrollment")?;
     let msg = n["agent"]["condition"]["message"]
         .as_str()
         .unwrap_or_default();
@@ -144,7 +139,7 @@ fn pending_then_ready() -> TestResult {
     // the node ready.
     refusing.kill();
     let _taking = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
-    let n = wait_reason(&agent, "RedirectionReady", Duration::from_secs(10))?;
+    let n = wait_reason(&agent, "RedirectionReady")?;
     ensure!(n["agent"]["condition"]["ready"] == true, "{n}");
     ensure!(n["agent"]["condition_type"] == DEFAULT_CONDITION_TYPE);
     let (code, body) = http_get(port, "/readyz")?;
@@ -265,14 +260,12 @@ fn stop_marks_node() -> TestResult {
             Some(api),
             stop,
         ));
-        let start = Instant::now();
-        while patches.lock().unwrap().is_empty() {
-            ensure!(
-                start.elapsed() < Duration::from_secs(5),
-                "no condition written"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait::until_async("a condition written", wait::DEADLINE, || {
+            (!patches.lock().unwrap().is_empty())
+                .then_some(())
+                .ok_or("no patch")
+        })
+        .await?;
         let first = patches.lock().unwrap()[0]["status"]["conditions"][0].clone();
         ensure!(
             first["status"] == "False" && first["reason"] == "ZtunnelDisconnected",
@@ -370,20 +363,15 @@ fn untaint_when_ready() -> TestResult {
             Some(api),
             stop.clone(),
         ));
-        let start = Instant::now();
-        while !log
-            .lock()
-            .unwrap()
-            .iter()
-            .any(|(p, _)| p == "/api/v1/nodes/node-a")
-        {
-            ensure!(
-                start.elapsed() < Duration::from_secs(10),
-                "taint never removed: {:?}",
-                log.lock().unwrap()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        wait::until_async("the taint removed", wait::DEADLINE, || {
+            let l = log.lock().unwrap().clone();
+            if l.iter().any(|(p, _)| p == "/api/v1/nodes/node-a") {
+                Ok(())
+            } else {
+                Err(l)
+            }
+        })
+        .await?;
         stop_tx.send(true)?;
         reporting.await?;
         let _ = serving.await;

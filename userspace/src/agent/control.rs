@@ -78,6 +78,31 @@ pub enum Response {
     Node(NodeStatus),
 }
 
+/// One request on the wire. `bpf_root` is the pin root the caller works on
+/// (`sluice --bpf-root`): an agent that owns another root refuses the
+/// request instead of applying it to its own maps. `sluice-cni` sends none
+/// (it always means the node's agent).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Envelope {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bpf_root: Option<PathBuf>,
+    pub request: Request,
+}
+
+/// Why an agent refuses a request for another pin root.
+pub fn wrong_root(own: &Path, asked: &Path) -> Option<String> {
+    let canon = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_owned());
+    (canon(own) != canon(asked)).then(|| {
+        format!(
+            "the agent on this control socket owns bpf root {} but the request is for {}: \
+             pass --control-socket of the agent that owns {}, or no --bpf-root",
+            own.display(),
+            asked.display(),
+            asked.display()
+        )
+    })
+}
+
 /// What the agent reports about its node.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct NodeStatus {
@@ -85,6 +110,29 @@ pub struct NodeStatus {
     /// `None` before the agent's first readiness pass.
     pub condition: Option<Condition>,
     pub ztunnel_connected: bool,
+    /// ztunnel processes: connected over ZDS, and/or owning pods' listeners.
+    #[serde(default)]
+    pub ztunnels: Vec<ZtunnelView>,
+    /// Pods left Pending by a failed attempt, retried with backoff.
+    #[serde(default)]
+    pub waiting: Vec<WaitingPod>,
+}
+
+/// A pod the agent retries, and why its last attempt failed.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct WaitingPod {
+    pub uid: String,
+    pub last_error: String,
+}
+
+/// One ztunnel process as the agent sees it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ZtunnelView {
+    pub pid: i32,
+    /// Has a live (post-snapshot) ZDS connection.
+    pub connected: bool,
+    /// Pods whose registered listeners it owns.
+    pub pods: usize,
 }
 
 pub fn bind(path: &Path) -> std::io::Result<std::os::unix::net::UnixListener> {
@@ -105,6 +153,7 @@ pub fn bind(path: &Path) -> std::io::Result<std::os::unix::net::UnixListener> {
 pub async fn serve(
     listener: std::os::unix::net::UnixListener,
     path: PathBuf,
+    root: PathBuf,
     node: Arc<Node>,
     mut stop: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
@@ -114,9 +163,9 @@ pub async fn serve(
             _ = stop.changed() => break,
             accepted = listener.accept() => {
                 let (stream, _) = accepted?;
-                let node = node.clone();
+                let (node, root) = (node.clone(), root.clone());
                 tokio::spawn(async move {
-                    if let Err(e) = handle(stream, node).await {
+                    if let Err(e) = handle(stream, &root, node).await {
                         warn!(error = %e, "control connection failed");
                     }
                 });
@@ -127,12 +176,22 @@ pub async fn serve(
     Ok(())
 }
 
-async fn handle(stream: tokio::net::UnixStream, node: Arc<Node>) -> std::io::Result<()> {
+async fn handle(
+    stream: tokio::net::UnixStream,
+    root: &Path,
+    node: Arc<Node>,
+) -> std::io::Result<()> {
     let (r, mut w) = stream.into_split();
     let mut line = String::new();
     tokio::io::BufReader::new(r).read_line(&mut line).await?;
-    let resp = match serde_json::from_str::<Request>(&line) {
-        Ok(req) => node.handle(req).await,
+    let resp = match serde_json::from_str::<Envelope>(&line) {
+        Ok(Envelope {
+            bpf_root: Some(asked),
+            ..
+        }) if wrong_root(root, &asked).is_some() => Response::Error {
+            message: wrong_root(root, &asked).unwrap_or_default(),
+        },
+        Ok(env) => node.handle(env.request).await,
         Err(e) => Response::Error {
             message: format!("bad request: {e}"),
         },
@@ -142,15 +201,21 @@ async fn handle(stream: tokio::net::UnixStream, node: Arc<Node>) -> std::io::Res
     w.write_all(&out).await
 }
 
-/// Sends one request to a running agent. `Ok(None)` when no agent listens.
-pub fn call(path: &Path, req: &Request) -> anyhow::Result<Option<Response>> {
+/// Sends one request to a running agent, for pins under `bpf_root` (`None`:
+/// whatever the agent owns). `Ok(None)` when no agent listens.
+pub fn call(
+    path: &Path,
+    bpf_root: Option<&Path>,
+    req: &Request,
+) -> anyhow::Result<Option<Response>> {
     // Enrollment waits for ztunnel's ack (5 s deadline) and its listeners.
-    call_within(path, req, Duration::from_secs(30))
+    call_within(path, bpf_root, req, Duration::from_secs(30))
 }
 
 /// [`call`] with a deadline for the answer.
 pub fn call_within(
     path: &Path,
+    bpf_root: Option<&Path>,
     req: &Request,
     timeout: Duration,
 ) -> anyhow::Result<Option<Response>> {
@@ -172,7 +237,10 @@ pub fn call_within(
         }
     };
     s.set_read_timeout(Some(timeout))?;
-    let mut out = serde_json::to_vec(req)?;
+    let mut out = serde_json::to_vec(&Envelope {
+        bpf_root: bpf_root.map(Path::to_owned),
+        request: req.clone(),
+    })?;
     out.push(b'\n');
     s.write_all(&out)?;
     let mut line = String::new();

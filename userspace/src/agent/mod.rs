@@ -6,6 +6,7 @@
 
 pub mod admin;
 pub mod control;
+pub mod custody;
 pub mod kube;
 pub mod node;
 pub mod report;
@@ -101,6 +102,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     let control_task = tokio::spawn(control::serve(
         control,
         cfg.control_socket.clone(),
+        cfg.pins.root().to_owned(),
         node.clone(),
         stop.clone(),
     ));

@@ -18,7 +18,8 @@ use tokio::sync::{watch, Notify};
 use tracing::{info, info_span, warn, Instrument as _};
 
 use super::{
-    control::{NodeStatus, Request, Response},
+    control::{NodeStatus, Request, Response, WaitingPod, ZtunnelView},
+    custody::Custody,
     kube::{Admission, KubeCtx},
     report::Report,
 };
@@ -55,6 +56,8 @@ struct Retry {
     due: Instant,
     backoff: Duration,
     in_flight: bool,
+    /// Why the last attempt left the pod Pending.
+    last_error: Option<String>,
 }
 
 pub struct Node {
@@ -73,6 +76,8 @@ pub struct Node {
     /// Kernel counters of pods since unenrolled, so the metrics' totals
     /// never go backwards while the agent runs.
     retired: Mutex<Counters>,
+    /// Duplicates of the ztunnel listeners in the socket map.
+    custody: Custody,
 }
 
 /// The metrics' view of the maps, through the node (which owns them).
@@ -127,6 +132,7 @@ impl Node {
                 condition_type,
             )),
             retired: Mutex::new(Counters::default()),
+            custody: Custody::default(),
         })
     }
 
@@ -269,6 +275,8 @@ impl Node {
                 condition_type: self.report.condition_type.clone(),
                 condition: self.report.condition(),
                 ztunnel_connected: self.hub.is_connected(),
+                ztunnels: self.ztunnels(),
+                waiting: self.waiting(),
             }),
             Request::CniCheck { pod } => match cni_uid(&pod).map(|u| (self.cookie_of(&u), u)) {
                 Ok((Some(cookie), uid)) => self.enrolled(&uid, cookie),
@@ -428,6 +436,7 @@ impl Node {
                 Err(e) => warn!(conn = conn.id, error = %e, "del failed"),
             }
         }
+        self.custody.forget(uid.as_str());
         let this = self.clone();
         tokio::task::spawn_blocking(move || -> Result<(), EnrollError> {
             let mut guard = this.dp.lock().unwrap();
@@ -567,6 +576,9 @@ impl Node {
                 match self.register(uid, cookie, pid).await {
                     Ok(()) => {
                         self.retries.lock().unwrap().remove(uid);
+                        // Listeners of an older ztunnel that were kept only
+                        // until this one's replaced them.
+                        self.release_orphans(Some(uid));
                         self.announce(cookie);
                         return Ok(());
                     }
@@ -588,8 +600,64 @@ impl Node {
                 format!("add failed: {e}")
             }
         };
-        self.fail(uid);
+        self.fail(uid, &why);
+        self.release_orphans(Some(uid));
         Err(why)
+    }
+
+    /// Releases held listeners whose ztunnel let go of them, except for pods
+    /// with an add in flight (a newer ztunnel's listeners replace them first).
+    fn release_orphans(&self, only: Option<&str>) {
+        let n = self.custody.release_orphans(only, |uid| {
+            self.retries
+                .lock()
+                .unwrap()
+                .get(uid)
+                .is_some_and(|r| r.in_flight)
+        });
+        if n > 0 {
+            info!(listeners = n, "released listeners their ztunnel closed");
+            self.wake.notify_one();
+        }
+    }
+
+    /// Pods the agent is retrying, with why the last attempt failed.
+    fn waiting(&self) -> Vec<WaitingPod> {
+        let mut out: Vec<WaitingPod> = self
+            .retries
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|(uid, r)| {
+                r.last_error.as_ref().map(|e| WaitingPod {
+                    uid: uid.clone(),
+                    last_error: e.clone(),
+                })
+            })
+            .collect();
+        out.sort_by(|a, b| a.uid.cmp(&b.uid));
+        out
+    }
+
+    /// The ztunnel processes the agent knows: connected ones, and those whose
+    /// listeners it still holds.
+    fn ztunnels(&self) -> Vec<ZtunnelView> {
+        let owners = self.custody.pods_by_owner();
+        let connected: Vec<i32> = self.hub.all().iter().filter_map(|c| c.pid).collect();
+        let mut pids: Vec<i32> = owners
+            .keys()
+            .copied()
+            .chain(connected.iter().copied())
+            .collect();
+        pids.sort_unstable();
+        pids.dedup();
+        pids.into_iter()
+            .map(|pid| ZtunnelView {
+                pid,
+                connected: connected.contains(&pid),
+                pods: owners.get(&pid).copied().unwrap_or(0),
+            })
+            .collect()
     }
 
     /// Looks for the listeners of the ztunnel that just acked (`pid`) until
@@ -604,6 +672,7 @@ impl Node {
         let mut first = true;
         loop {
             let this = self.clone();
+            let owned_uid = uid.to_owned();
             let got = tokio::task::spawn_blocking(move || -> Result<PodState, EnrollError> {
                 let mut guard = this.dp.lock().unwrap();
                 let dp = &mut *guard;
@@ -611,7 +680,12 @@ impl Node {
                 if first {
                     enroll::refresh_addrs(&mut dp.maps, &ns, cookie)?;
                 }
-                Ok(enroll::register(&mut dp.maps, &ns, cookie, pid)?.state)
+                let (e, taken) = enroll::register_keeping(&mut dp.maps, &ns, cookie, pid)?;
+                // Without a known peer there is no owner to ask about later.
+                if pid.is_some() {
+                    this.custody.keep(&owned_uid, taken);
+                }
+                Ok(e.state)
             })
             .await
             .map_err(|e| e.to_string())?;
@@ -635,14 +709,16 @@ impl Node {
     }
 
     /// Schedules a retry with exponential backoff.
-    fn fail(&self, uid: &str) {
+    fn fail(&self, uid: &str, why: &str) {
         let mut r = self.retries.lock().unwrap();
         let e = r.entry(uid.to_owned()).or_insert(Retry {
             due: Instant::now(),
             backoff: RETRY_MIN,
             in_flight: false,
+            last_error: None,
         });
         e.in_flight = false;
+        e.last_error = Some(why.to_owned());
         e.due = Instant::now() + e.backoff;
         e.backoff = (e.backoff * 2).min(RETRY_MAX);
     }
@@ -653,6 +729,7 @@ impl Node {
             due: Instant::now(),
             backoff: RETRY_MIN,
             in_flight: false,
+            last_error: None,
         });
         e.due = Instant::now() + after;
     }
@@ -690,6 +767,9 @@ impl Node {
     /// One pass over the pods: demotes Enabled pods without listeners and
     /// returns the Pending pods due for another add.
     fn check(&self) -> Vec<(u64, String, Workload)> {
+        // First let go of listeners ztunnel closed: their map entries go,
+        // and the pass below sees those pods without listeners.
+        self.release_orphans(None);
         let mut due = Vec::new();
         let mut dp = self.dp.lock().unwrap();
         let mut retries = self.retries.lock().unwrap();
@@ -714,6 +794,7 @@ impl Node {
                             due: now,
                             backoff: RETRY_MIN,
                             in_flight: false,
+                            last_error: Some("ztunnel's listeners are gone".into()),
                         },
                     );
                 }
@@ -722,6 +803,7 @@ impl Node {
                         due: now,
                         backoff: RETRY_MIN,
                         in_flight: false,
+                        last_error: None,
                     });
                     if !r.in_flight && r.due <= now && connected {
                         if let Some(w) = p.workload.clone() {
@@ -871,6 +953,7 @@ impl Handler for Node {
                             due: Instant::now(),
                             backoff: RETRY_MIN,
                             in_flight: true,
+                            last_error: None,
                         },
                     );
                     out.push(SnapshotEntry::Add {
@@ -917,6 +1000,7 @@ impl Handler for Node {
 
     fn disconnected(&self, id: u64) {
         info!(conn = id, "ztunnel connection gone");
+        self.release_orphans(None);
         self.wake.notify_one();
     }
 }

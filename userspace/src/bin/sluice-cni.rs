@@ -19,7 +19,7 @@ fn main() -> ExitCode {
         .map(|c| c.cni_version)
         .unwrap_or_else(|_| "1.0.0".into());
     let result = Env::from_vars(|k| std::env::var(k).ok())
-        .and_then(|env| plugin::run(&env, &stdin, &|sock, req| control::call(sock, req)));
+        .and_then(|env| plugin::run(&env, &stdin, &|sock, req| control::call(sock, None, req)));
     match result {
         Ok(out) => {
             if let Some(out) = out {

@@ -1,0 +1,119 @@
+//! The agent's custody of ztunnel's in-pod listeners.
+//!
+//! A listener leaves the socket map the moment its socket closes. During a
+//! ztunnel upgrade the old ztunnel may close its listeners before the agent
+//! has registered the new ztunnel's (registration follows the new one's ack):
+//! for that moment a pod would have no listener and its new connections
+//! would be refused. So the agent keeps its own duplicate of every listener it
+//! registered. The socket then outlives its owner's close and stays in the
+//! map, queueing connections, until:
+//!
+//! - a newer listener for the same role replaces it in the map: the old
+//!   duplicate is dropped, the socket closes, and the kernel moves its queued
+//!   connections to the new listener of the same reuseport group
+//!   (`net.ipv4.tcp_migrate_req=1`, set in every enrolled pod); or
+//! - its owner no longer holds it (closed it, or exited: asked with kcmp(2))
+//!   and no add for the pod is in flight to a newer ztunnel: then the pod
+//!   really has no ztunnel, the socket closes and the pod fails closed.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    os::fd::OwnedFd,
+    sync::Mutex,
+};
+
+use sluice_common::Role;
+
+use crate::sockets::{owner_holds, Listener};
+
+struct Held {
+    role: Role,
+    pid: i32,
+    owner_fd: i32,
+    fd: OwnedFd,
+}
+
+impl Held {
+    fn owner_holds(&self) -> bool {
+        owner_holds(self.pid, self.owner_fd, &self.fd)
+    }
+}
+
+/// Listener duplicates the agent holds, by pod uid.
+#[derive(Default)]
+pub struct Custody {
+    held: Mutex<HashMap<String, Vec<Held>>>,
+}
+
+impl Custody {
+    /// Takes the listeners just put in the map for `uid`; the ones they
+    /// replace (same role) are released, after the map already points to the
+    /// new ones.
+    pub fn keep(&self, uid: &str, taken: Vec<Listener>) {
+        if taken.is_empty() {
+            return;
+        }
+        let replaced: Vec<Held> = {
+            let mut held = self.held.lock().unwrap();
+            let mine = held.entry(uid.to_owned()).or_default();
+            let (gone, kept) = std::mem::take(mine)
+                .into_iter()
+                .partition(|h| taken.iter().any(|l| l.role == h.role));
+            *mine = kept;
+            mine.extend(taken.into_iter().map(|l| Held {
+                role: l.role,
+                pid: l.pid,
+                owner_fd: l.owner_fd,
+                fd: l.fd,
+            }));
+            gone
+        };
+        drop(replaced);
+    }
+
+    /// Releases the listeners whose owner no longer holds them, for `only`
+    /// one pod or all, skipping pods for which `in_flight` says an add to a
+    /// (newer) ztunnel is under way: that ztunnel's listeners replace them
+    /// first. Returns how many were released.
+    pub fn release_orphans(&self, only: Option<&str>, in_flight: impl Fn(&str) -> bool) -> usize {
+        let released: Vec<Held> = {
+            let mut held = self.held.lock().unwrap();
+            let mut out = Vec::new();
+            for (uid, hs) in held.iter_mut() {
+                if only.is_some_and(|o| o != uid) || in_flight(uid) {
+                    continue;
+                }
+                let (orphans, kept) = std::mem::take(hs)
+                    .into_iter()
+                    .partition(|h: &Held| !h.owner_holds());
+                *hs = kept;
+                out.extend(orphans);
+            }
+            held.retain(|_, hs| !hs.is_empty());
+            out
+        };
+        // Closing them (outside the lock) removes them from the map.
+        released.len()
+    }
+
+    /// Drops everything held for a pod that is no longer enrolled.
+    pub fn forget(&self, uid: &str) {
+        let gone = self.held.lock().unwrap().remove(uid);
+        drop(gone);
+    }
+
+    /// For each ztunnel process (pid), how many pods' listeners it owns.
+    pub fn pods_by_owner(&self) -> BTreeMap<i32, usize> {
+        let held = self.held.lock().unwrap();
+        let mut out = BTreeMap::new();
+        for hs in held.values() {
+            let mut pids: Vec<i32> = hs.iter().map(|h| h.pid).collect();
+            pids.sort_unstable();
+            pids.dedup();
+            for p in pids {
+                *out.entry(p).or_default() += 1;
+            }
+        }
+        out
+    }
+}
