@@ -33,6 +33,8 @@ pub struct AgentProc {
     /// arguments and must exec it), e.g. to restrict its capabilities.
     wrapper: Vec<String>,
     extra: Vec<String>,
+    /// Extra environment for the agent process (e.g. a crash point).
+    env: Vec<(String, String)>,
     pub dir: PathBuf,
     pub zds: PathBuf,
     pub control: PathBuf,
@@ -59,6 +61,7 @@ impl AgentProc {
             child: None,
             wrapper: wrapper.iter().map(|s| s.to_string()).collect(),
             extra: extra.iter().map(|s| s.to_string()).collect(),
+            env: Vec::new(),
             zds: dir.join("ztunnel.sock"),
             control: dir.join("agent.sock"),
             root: pins.root().to_owned(),
@@ -69,6 +72,10 @@ impl AgentProc {
     }
 
     fn spawn(&mut self) -> anyhow::Result<()> {
+        // A killed agent leaves its socket files: the new one's must be
+        // waited for, not the stale ones.
+        let _ = std::fs::remove_file(&self.control);
+        let _ = std::fs::remove_file(&self.zds);
         let log = std::fs::File::options()
             .create(true)
             .append(true)
@@ -97,6 +104,7 @@ impl AgentProc {
                     .flatten(),
             )
             .args(&self.extra)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
             .stderr(log)
@@ -138,6 +146,53 @@ impl AgentProc {
                 _ => Err(n["ztunnels"].to_string()),
             }
         })
+    }
+
+    /// Starts `sluice agent` with `SLUICE_CRASH_AT=step`: it kills itself
+    /// right after that step (fault-injection build).
+    pub fn start_crashing_at(pins: &Pins, step: &str) -> anyhow::Result<Self> {
+        let n = SEQ.fetch_add(1, Ordering::Relaxed);
+        let dir = PathBuf::from(format!("/tmp/sluice-agent-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let mut a = Self {
+            child: None,
+            wrapper: Vec::new(),
+            extra: Vec::new(),
+            env: vec![("SLUICE_CRASH_AT".into(), step.into())],
+            zds: dir.join("ztunnel.sock"),
+            control: dir.join("agent.sock"),
+            root: pins.root().to_owned(),
+            dir,
+        };
+        a.spawn()?;
+        Ok(a)
+    }
+
+    /// Waits for the agent to die by a signal (a crash point), and says which.
+    pub fn wait_killed(&mut self) -> anyhow::Result<i32> {
+        use std::os::unix::process::ExitStatusExt as _;
+        let mut c = self.child.take().context("agent not running")?;
+        let status = wait::until("the agent to die", wait::DEADLINE, || match c.try_wait() {
+            Ok(Some(st)) => Ok(st),
+            other => Err(format!("{other:?}")),
+        });
+        let status = match status {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = c.kill();
+                let _ = c.wait();
+                return Err(e);
+            }
+        };
+        status
+            .signal()
+            .with_context(|| format!("the agent exited ({status}), not killed:\n{}", self.log()))
+    }
+
+    /// Starts the agent again without the extra environment (after a crash).
+    pub fn restart_clean(&mut self) -> anyhow::Result<()> {
+        self.env.clear();
+        self.restart()
     }
 
     /// The agent's pid (the wrapper execs it, so the same process).

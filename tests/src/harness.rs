@@ -99,6 +99,24 @@ impl Fixture {
             .ok_or_else(|| anyhow::anyhow!("pod {} not in status", self.uid))
     }
 
+    /// Waits until this pod's state in its pins is `want`.
+    pub fn wait_state(&self, want: &str) -> anyhow::Result<()> {
+        self.wait_state_in(&self.topo.pins, want)
+    }
+
+    /// Waits until this pod's state in the pins at `pins` (an agent shared
+    /// by several fixtures) is `want`.
+    pub fn wait_state_in(&self, pins: &sluice::loader::Pins, want: &str) -> anyhow::Result<()> {
+        wait::until(
+            &format!("pod {} to be {want}", self.uid),
+            wait::DEADLINE,
+            || match self.pod_record_in(pins).map(|r| r.state) {
+                Ok(Some(s)) if s == want => Ok(()),
+                other => Err(format!("{other:?}")),
+            },
+        )
+    }
+
     /// Waits until the pod has no listener in the socket map (closing a
     /// listener takes it out at once; this reads that state).
     pub fn wait_no_listeners(&self) -> anyhow::Result<()> {

@@ -13,7 +13,7 @@ use anyhow::{ensure, Context as _};
 use crate::{ns::netns_path, topology::ip};
 
 pub fn reference_rules_path() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/reference/istio-inpod-rules.txt")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/istio-inpod-rules.txt")
 }
 
 /// The reference rule set, and its IPv6 form (the same rules with v6 addresses).

@@ -12,6 +12,7 @@ use aya::programs::{
 use sluice_common::{ListenerKey, PodState, Role, NETNS_PATH_LEN};
 
 use crate::{
+    fault::crash_point,
     loader::{Dataplane, Pins},
     netns::{addresses, interfaces, Netns, NetnsError},
     routes::{self, RouteError},
@@ -31,6 +32,8 @@ pub enum EnrollError {
     NetnsTaken { path: String, uid: String },
     #[error("no enrolled pod has uid {0}")]
     UnknownPod(PodUid),
+    #[error("the pod of netns cookie {0} is being torn down (Draining): it is not enabled again")]
+    Draining(u64),
     #[error("netns {0} now belongs to another namespace than the enrolled pod's")]
     NetnsReplaced(String),
     #[error("netns path {0:?} is too long (max {max} bytes) or not UTF-8", max = NETNS_PATH_LEN - 1)]
@@ -132,6 +135,65 @@ pub fn attach_pod(
     Ok((netns, cookie))
 }
 
+/// One link of a pod: what it attaches and its pin name under
+/// `pods/<cookie>/`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LinkSpec {
+    /// sk_lookup on the pod netns.
+    Steer,
+    /// tcx egress on a pod interface.
+    Egress(String),
+    /// tcx ingress on a pod interface.
+    Ingress(String),
+    /// tcx ingress on the pod's `lo`.
+    Lo,
+}
+
+impl LinkSpec {
+    pub fn pin_name(&self) -> String {
+        // bpffs reserves '.' in names; interface names may contain it.
+        match self {
+            LinkSpec::Steer => "steer".into(),
+            LinkSpec::Egress(i) => format!("egress_{}", i.replace('.', "_")),
+            LinkSpec::Ingress(i) => format!("ingress_{}", i.replace('.', "_")),
+            LinkSpec::Lo => "lo".into(),
+        }
+    }
+}
+
+/// Every link a pod with interfaces `ifaces` (not `lo`) has, in attach order.
+pub fn expected_links(ifaces: &[String]) -> Vec<LinkSpec> {
+    let mut v = vec![LinkSpec::Steer];
+    for i in ifaces {
+        v.push(LinkSpec::Egress(i.clone()));
+        v.push(LinkSpec::Ingress(i.clone()));
+    }
+    v.push(LinkSpec::Lo);
+    v
+}
+
+/// The pod's interfaces besides `lo`, read inside its netns.
+fn pod_interfaces(netns: &Netns, path: &str) -> Result<Vec<String>, EnrollError> {
+    let ifaces: Vec<String> = netns
+        .run(interfaces)?
+        .map_err(|source| EnrollError::Io {
+            what: "listing interfaces".into(),
+            source,
+        })?
+        .into_iter()
+        .filter(|i| i != "lo")
+        .collect();
+    if ifaces.is_empty() {
+        return Err(EnrollError::NoInterface(path.to_owned()));
+    }
+    Ok(ifaces)
+}
+
+/// Attaches the pod's capture, one step at a time; every step is durable
+/// before the next begins (a link is pinned right after its attach), so a
+/// process killed at any point leaves a prefix of these steps, which the
+/// next agent completes ([`repair`]). The state entry comes first and says
+/// `Pending`: from their first link on, the programs fail closed for the pod.
 fn attach(
     dp: &mut Dataplane,
     netns: &Netns,
@@ -140,72 +202,132 @@ fn attach(
     path: &str,
     workload: &Workload,
 ) -> Result<(), EnrollError> {
-    // State first: every program fails closed for this pod from its first link.
     dp.maps
         .insert_pod(cookie, uid, path, workload, boottime_ns())?;
+    crash_point("enroll:state");
     refresh_addrs(&mut dp.maps, netns, cookie)?;
+    crash_point("enroll:addrs");
+    let ifaces = pod_interfaces(netns, path)?;
+    netns.run(|| routes::install(&ifaces))??;
+    crash_point("enroll:routes");
     let dir = dp.pins.pod(cookie);
     fs::create_dir_all(&dir).map_err(|source| EnrollError::Io {
         what: format!("creating {}", dir.display()),
         source,
     })?;
-
-    let id = dp
-        .steer
-        .attach(netns)
-        .map_err(|source| EnrollError::Attach {
-            what: "sk_lookup".into(),
-            source,
-        })?;
-    let link = dp
-        .steer
-        .take_link(id)
-        .map_err(|source| EnrollError::Attach {
-            what: "sk_lookup".into(),
-            source,
-        })?;
-    pin(FdLink::from(link), &dir.join("steer"))?;
-
-    // tc attaches resolve interface names in the calling thread's netns, so
-    // they happen on the netns thread; the links are pinned back here (bpffs
-    // refuses pins from a thread in another netns).
-    let (egress, ingress, lo) = (&mut dp.egress, &mut dp.ingress, &mut dp.lo);
-    let links = netns.run(|| -> Result<Vec<(String, FdLink)>, EnrollError> {
-        let pod_ifaces: Vec<String> = interfaces()
-            .map_err(|source| EnrollError::Io {
-                what: "listing interfaces".into(),
-                source,
-            })?
-            .into_iter()
-            .filter(|i| i != "lo")
-            .collect();
-        if pod_ifaces.is_empty() {
-            return Err(EnrollError::NoInterface(path.to_owned()));
-        }
-        routes::install(&pod_ifaces)?;
-        // Each tcx attach swaps the device's program array and waits for an
-        // RCU grace period under RTNL (≈ 10–20 ms here): this loop is most of
-        // an enrollment's cost, and threads would not help (RTNL serialises).
-        let mut links = Vec::new();
-        for i in &pod_ifaces {
-            // bpffs reserves '.' in names; interface names may contain it.
-            let n = i.replace('.', "_");
-            links.push((
-                format!("egress_{n}"),
-                attach_tc(egress, i, TcAttachType::Egress)?,
-            ));
-            links.push((
-                format!("ingress_{n}"),
-                attach_tc(ingress, i, TcAttachType::Ingress)?,
-            ));
-        }
-        links.push(("lo".into(), attach_tc(lo, "lo", TcAttachType::Ingress)?));
-        Ok(links)
-    })??;
-    for (name, link) in links {
-        pin(link, &dir.join(name))?;
+    // Each tcx attach swaps the device's program array and waits for an RCU
+    // grace period under RTNL (≈ 10–20 ms here): most of an enrollment's
+    // cost, and threads would not help (RTNL serialises).
+    for spec in expected_links(&ifaces) {
+        attach_link(dp, netns, &dir, &spec)?;
+        crash_point(&format!("enroll:link:{}", spec.pin_name()));
     }
     Ok(())
+}
+
+/// Attaches one link and pins it under `dir`.
+fn attach_link(
+    dp: &mut Dataplane,
+    netns: &Netns,
+    dir: &Path,
+    spec: &LinkSpec,
+) -> Result<(), EnrollError> {
+    let link = match spec {
+        LinkSpec::Steer => {
+            let aerr = |source| EnrollError::Attach {
+                what: "sk_lookup".into(),
+                source,
+            };
+            let id = dp.steer.attach(netns).map_err(aerr)?;
+            FdLink::from(dp.steer.take_link(id).map_err(aerr)?)
+        }
+        // tc attaches resolve interface names in the calling thread's netns,
+        // so they happen on the netns thread; the link is pinned back here
+        // (bpffs refuses pins from a thread in another netns).
+        LinkSpec::Egress(i) => {
+            let prog = &mut dp.egress;
+            netns.run(|| attach_tc(prog, i, TcAttachType::Egress))??
+        }
+        LinkSpec::Ingress(i) => {
+            let prog = &mut dp.ingress;
+            netns.run(|| attach_tc(prog, i, TcAttachType::Ingress))??
+        }
+        LinkSpec::Lo => {
+            let prog = &mut dp.lo;
+            netns.run(|| attach_tc(prog, "lo", TcAttachType::Ingress))??
+        }
+    };
+    pin(link, &dir.join(spec.pin_name()))
+}
+
+/// What [`repair`] found and did for one pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Repair {
+    /// Every link, route and address entry was in place.
+    Complete,
+    /// These links were missing and are attached again.
+    Relinked(Vec<String>),
+    /// The pod was being torn down (`Draining`): the teardown is finished.
+    TornDown,
+}
+
+/// Verifies an enrolled pod link by link and completes what is missing:
+/// routes and sysctls (idempotent), its addresses, and every link its
+/// current interfaces call for. A pod caught in its teardown (`Draining`) is
+/// torn down completely instead: it never comes back to life.
+pub fn repair(dp: &mut Dataplane, cookie: u64) -> Result<Repair, EnrollError> {
+    let draining = dp.maps.entry(cookie).and_then(|e| e.state()) == Some(PodState::Draining);
+    if draining {
+        let netns = open_pod_netns(&dp.maps, cookie).ok();
+        teardown(&dp.pins, &mut dp.maps, netns.as_ref(), cookie)?;
+        return Ok(Repair::TornDown);
+    }
+    let netns = open_pod_netns(&dp.maps, cookie)?;
+    let path = dp.maps.meta(cookie).map(|m| m.netns).unwrap_or_default();
+    refresh_addrs(&mut dp.maps, &netns, cookie)?;
+    let ifaces = pod_interfaces(&netns, &path)?;
+    netns.run(|| routes::install(&ifaces))??;
+    let dir = dp.pins.pod(cookie);
+    fs::create_dir_all(&dir).map_err(|source| EnrollError::Io {
+        what: format!("creating {}", dir.display()),
+        source,
+    })?;
+    let mut relinked = Vec::new();
+    for spec in expected_links(&ifaces) {
+        let pin_path = dir.join(spec.pin_name());
+        if PinnedLink::from_pin(&pin_path).is_ok() {
+            continue;
+        }
+        // A pin that does not open as a link is debris.
+        let _ = fs::remove_file(&pin_path);
+        attach_link(dp, &netns, &dir, &spec)?;
+        relinked.push(spec.pin_name());
+    }
+    Ok(if relinked.is_empty() {
+        Repair::Complete
+    } else {
+        Repair::Relinked(relinked)
+    })
+}
+
+/// Removes the pin directories of pods that have no state entry (an enroll
+/// killed before its first step, or a teardown killed after its last):
+/// their links detach. Returns how many there were.
+pub fn remove_orphan_pins(pins: &Pins, maps: &Maps) -> Result<usize, EnrollError> {
+    let known = maps.cookies();
+    let mut n = 0;
+    if let Ok(entries) = fs::read_dir(pins.pods()) {
+        for e in entries.flatten() {
+            let Some(cookie) = e.file_name().to_str().and_then(|s| s.parse::<u64>().ok()) else {
+                continue;
+            };
+            if !known.contains(&cookie) {
+                remove_links(pins, cookie)?;
+                n += 1;
+            }
+        }
+    }
+    Ok(n)
 }
 
 /// Attaches a tc program with a tcx link (in the calling thread's netns).
@@ -272,6 +394,9 @@ pub fn register_keeping(
     cookie: u64,
     pid: Option<i32>,
 ) -> Result<(Enrolled, Vec<sockets::Listener>), EnrollError> {
+    if maps.entry(cookie).and_then(|e| e.state()) == Some(PodState::Draining) {
+        return Err(EnrollError::Draining(cookie));
+    }
     let taken = sockets::take_listeners(netns, cookie, pid)?;
     for l in &taken {
         for &family in &l.families {
@@ -338,8 +463,10 @@ fn teardown(
     netns: Option<&Netns>,
     cookie: u64,
 ) -> Result<(), EnrollError> {
-    // Fail closed while links go away one by one.
+    // Fail closed while links go away one by one; `Draining` is final: a
+    // teardown cut short is finished by the next agent (`repair`).
     maps.set_state(cookie, PodState::Draining, boottime_ns())?;
+    crash_point("unenroll:draining");
     remove_links(pins, cookie)?;
     if let Some(netns) = netns {
         netns.run(|| -> Result<(), EnrollError> {
@@ -351,6 +478,7 @@ fn teardown(
             Ok(routes::remove(&ifaces)?)
         })??;
     }
+    crash_point("unenroll:routes");
     maps.remove_pod(cookie);
     Ok(())
 }
@@ -365,6 +493,10 @@ fn remove_links(pins: &Pins, cookie: u64) -> Result<(), EnrollError> {
                 Ok(link) => drop(link.unpin()),
                 Err(_) => drop(fs::remove_file(e.path())),
             }
+            crash_point(&format!(
+                "unenroll:link:{}",
+                e.file_name().to_string_lossy()
+            ));
         }
     }
     match fs::remove_dir(&dir) {

@@ -8,6 +8,7 @@
 pub mod agent;
 pub mod cni;
 pub mod enroll;
+pub mod fault;
 pub mod kube;
 pub mod loader;
 pub mod metrics;

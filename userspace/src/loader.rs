@@ -57,6 +57,11 @@ pub enum LoadError {
         what: String,
         source: std::io::Error,
     },
+    #[error(
+        "this sluice binary was built without its eBPF object (`cargo xtask build-ebpf` had not \
+         run): it cannot load the dataplane; build the object and then sluice again"
+    )]
+    NoObject,
     #[error("sluice is not loaded on this node (nothing pinned under {0}); enroll a pod first")]
     NotLoaded(PathBuf),
 }
@@ -132,6 +137,9 @@ impl Dataplane {
     }
 
     fn load(pins: Pins) -> Result<Self, LoadError> {
+        if EBPF_OBJECT.is_empty() {
+            return Err(LoadError::NoObject);
+        }
         for d in [pins.progs(), pins.maps(), pins.pods()] {
             fs::create_dir_all(&d).map_err(|source| LoadError::Io {
                 what: format!("creating {}", d.display()),

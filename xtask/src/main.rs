@@ -131,8 +131,16 @@ fn test(extra: &[String], repeat: u32, cpu_hog: bool) -> Result<()> {
         .concat(),
     )?;
     deploy::check()?;
-    // The lifecycle tests run the `sluice` binary itself.
-    cargo(&["build", "-p", "sluice", "--bins"])?;
+    // The lifecycle tests run the `sluice` binary itself; the crash tests
+    // need its crash points (never in a shipped build).
+    cargo(&[
+        "build",
+        "-p",
+        "sluice",
+        "--bins",
+        "--features",
+        "fault-injection",
+    ])?;
     let mut args = [&["test"][..], &host].concat();
     if !extra.is_empty() {
         args.push("--");

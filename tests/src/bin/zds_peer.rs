@@ -138,7 +138,11 @@ fn session(fd: &OwnedFd, o: &Opts, on_accept: &OnAccept) -> Result<(), String> {
     loop {
         let dg = match wire::recv(fd.as_fd(), 1024) {
             Ok(d) => d,
-            Err(wire::WireError::Closed) => return Ok(()),
+            // The agent went away (closed, or killed with our connection
+            // still in its backlog): reconnect, as ztunnel does.
+            Err(wire::WireError::Closed | wire::WireError::Io(nix::Error::ECONNRESET)) => {
+                return Ok(())
+            }
             Err(e) => return Err(e.to_string()),
         };
         let req: WorkloadRequest = proto::decode(&dg.data).map_err(|e| e.to_string())?;

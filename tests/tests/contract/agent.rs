@@ -112,22 +112,6 @@ fn state(f: &Fixture) -> Option<&'static str> {
     f.pod_record().ok().and_then(|r| r.state)
 }
 
-fn wait_state(f: &Fixture, want: &str) -> TestResult {
-    wait_state_in(f, &f.topo.pins, want)
-}
-
-/// Waits for `f`'s pod to reach `want` in the pins of the agent at `pins`.
-fn wait_state_in(f: &Fixture, pins: &sluice::loader::Pins, want: &str) -> TestResult {
-    wait::until(
-        &format!("pod {} to be {want}", f.uid),
-        wait::DEADLINE,
-        || match f.pod_record_in(pins).map(|r| r.state) {
-            Ok(Some(s)) if s == want => Ok(()),
-            other => Err(format!("{other:?}")),
-        },
-    )
-}
-
 fn inbound(f: &Fixture) -> Reached {
     tcp(
         &f.topo.client,
@@ -218,8 +202,8 @@ fn snapshot() -> TestResult {
     ensure!(adds == want, "{adds:?}");
     ensure!(p2.count("protocol_error") == 0);
     // Both pods are back to Enabled with the new peer's listeners.
-    wait_state(&a, "Enabled")?;
-    wait_state_in(&b, &a.topo.pins, "Enabled")?;
+    a.wait_state("Enabled")?;
+    b.wait_state_in(&a.topo.pins, "Enabled")?;
     let (ra, rb) = (inbound(&a), inbound(&b));
     ensure!(
         ra.reply().is_some() && rb.reply().is_some(),
@@ -312,11 +296,11 @@ fn restart() -> TestResult {
     let clients = Clients::start(&f);
     clients.wait_more(20, "before the crash")?;
     p1.kill(); // crash: listeners gone at once
-    wait_state(&f, "Pending")?;
+    f.wait_state("Pending")?;
     // Clients hit the outage: their SYNs are dropped (fail closed).
     f.wait_dropped_after(f.pod_record()?.counters.dropped_fail_closed)?;
     let p2 = peer(&agent)?;
-    wait_state(&f, "Enabled")?;
+    f.wait_state("Enabled")?;
     clients.wait_more(20, "after ztunnel came back")?;
     let (ok, failures) = clients.finish();
     let failed = failures.len();
@@ -463,7 +447,7 @@ fn hijack() -> TestResult {
     let mut p = peer(&agent)?;
     enroll_enabled(&agent, &f)?;
     p.kill();
-    wait_state(&f, "Pending")?;
+    f.wait_state("Pending")?;
     // An app in the pod binds ztunnel's inbound port (Istio #49078).
     let squatter = App::start(&f.topo.pod, 15006);
     let r = tcp(
@@ -613,7 +597,7 @@ fn stubborn_peers() -> TestResult {
     nacker.kill();
     // A ztunnel that works takes the pod from its snapshot.
     let _good = peer(&agent)?;
-    wait_state(&f, "Enabled")?;
+    f.wait_state("Enabled")?;
     Ok(())
 }
 
@@ -635,7 +619,7 @@ fn sigterm() -> TestResult {
     p.wait_for("a second snapshot", |e| {
         e.iter().filter(|e| e["event"] == "snapshot_sent").count() >= 2
     })?;
-    wait_state(&f, "Enabled")?;
+    f.wait_state("Enabled")?;
     ensure!(p.count("protocol_error") == 0);
     Ok(())
 }

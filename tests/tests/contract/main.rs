@@ -1,4 +1,4 @@
-//! The behaviour contract (DESIGN.md §2), row by row, in real namespaces with
+//! The behaviour contract (docs/ARCHITECTURE.md), row by row, in real namespaces with
 //! the real programs in the kernel. Each row has an IPv4 and an IPv6 test.
 //! Needs root: without it every test is reported as ignored (skipped), with
 //! the reason, never as passed.
@@ -6,6 +6,7 @@
 mod agent;
 mod cni;
 mod contract_rows;
+mod crash;
 mod differential;
 mod kube;
 mod lifecycle;
@@ -33,6 +34,7 @@ fn main() {
     trials.extend(differential::trials());
     trials.extend(lifecycle::trials());
     trials.extend(agent::trials());
+    trials.extend(crash::trials());
     trials.extend(cni::trials());
     trials.extend(kube::trials());
     trials.extend(readiness::trials());

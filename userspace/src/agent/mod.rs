@@ -71,6 +71,14 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         node: k.node.clone(),
     });
     let node = node::Node::new(dp, hub.clone(), kube, &cfg.report.condition_type);
+    // Before anything is served: every pod left by an earlier agent is
+    // completely captured, or its teardown finished (crash safety).
+    {
+        let node = node.clone();
+        tokio::task::spawn_blocking(move || node.verify_all())
+            .await
+            .context("verifying the pods' capture")?;
+    }
     let admin = match cfg.metrics_addr {
         Some(a) => Some(
             admin::bind(a)

@@ -186,6 +186,37 @@ impl Node {
         self.me.upgrade()
     }
 
+    /// Verifies every pod's capture link by link and completes what an
+    /// interrupted enrollment (or anything else) left out; finishes
+    /// interrupted teardowns; removes pins no pod owns. Blocking: run it off
+    /// the async workers. At start, before ZDS and the control socket serve,
+    /// and again every `RESYNC`.
+    pub fn verify_all(&self) {
+        let mut guard = self.dp.lock().unwrap();
+        let dp = &mut *guard;
+        for cookie in dp.maps.cookies() {
+            let uid = dp.maps.meta(cookie).map(|m| m.uid).unwrap_or_default();
+            let span = info_span!("pod", %uid, cookie);
+            let _e = span.enter();
+            match enroll::repair(dp, cookie) {
+                Ok(enroll::Repair::Complete) => {}
+                Ok(enroll::Repair::Relinked(links)) => {
+                    warn!(?links, "capture was incomplete: links attached again")
+                }
+                Ok(enroll::Repair::TornDown) => {
+                    self.custody.forget(&uid);
+                    info!("finished an interrupted teardown")
+                }
+                Err(e) => warn!(error = %e, "could not verify the pod's capture; will retry"),
+            }
+        }
+        match enroll::remove_orphan_pins(&dp.pins, &dp.maps) {
+            Ok(0) => {}
+            Ok(n) => info!(pods = n, "removed pins of pods without state"),
+            Err(e) => warn!(error = %e, "removing pins of pods without state"),
+        }
+    }
+
     pub fn pod_count(&self) -> usize {
         self.dp.lock().unwrap().maps.states().len()
     }
@@ -738,11 +769,17 @@ impl Node {
     /// (ztunnel exited) go back to Pending; Pending pods are offered to the
     /// newest ztunnel again, with backoff.
     pub async fn reconcile(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+        let mut verified = Instant::now();
         loop {
             tokio::select! {
                 _ = stop.changed() => return,
                 _ = self.wake.notified() => {},
                 _ = tokio::time::sleep(CHECK_EVERY) => {},
+            }
+            if verified.elapsed() >= RESYNC {
+                verified = Instant::now();
+                let this = self.clone();
+                let _ = tokio::task::spawn_blocking(move || this.verify_all()).await;
             }
             let due = self.check();
             let Some(conn) = self.hub.newest() else {
@@ -943,6 +980,10 @@ impl Handler for Node {
             let Some(meta) = dp.maps.meta(cookie) else {
                 continue;
             };
+            // A pod being torn down is not offered again.
+            if dp.maps.entry(cookie).and_then(|e| e.state()) == Some(PodState::Draining) {
+                continue;
+            }
             match enroll::open_pod_netns(&dp.maps, cookie) {
                 Ok(ns) => {
                     // The snapshot's add is this pod's attempt now; a new

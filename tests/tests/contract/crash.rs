@@ -1,0 +1,263 @@
+//! Crash safety: the agent is killed (SIGKILL, from a fault-injection crash
+//! point) right after each step of an enrollment and of a teardown, and
+//! started again. The next agent must find each pod either completely
+//! captured (an interrupted enrollment is completed) or completely removed
+//! (an interrupted teardown is finished) — never half: no inbound or outbound
+//! connection may reach its destination without passing ztunnel while the
+//! pod is enrolled.
+
+use std::{net::SocketAddr, path::Path};
+
+use anyhow::{ensure, Context as _};
+use libtest_mimic::Trial;
+use sluice::enroll::{expected_links, LinkSpec};
+use sluice_tests::{
+    agent::{AgentProc, PeerProc},
+    flow::{connect, Opts},
+    harness::{Fixture, APP_PORT, REMOTE_PORT},
+    topology::Family,
+};
+
+use crate::{trial, TestResult};
+
+const PEER: &str = env!("CARGO_BIN_EXE_sluice-zds-peer");
+
+/// The pod interface of every test topology.
+const POD_IFACE: &str = "eth0";
+
+fn pod_links() -> Vec<LinkSpec> {
+    expected_links(&[POD_IFACE.to_owned()])
+}
+
+/// Every crash point of an enrollment, in order.
+fn enroll_steps() -> Vec<String> {
+    let mut v: Vec<String> = ["enroll:state", "enroll:addrs", "enroll:routes"]
+        .map(String::from)
+        .into();
+    v.extend(
+        pod_links()
+            .iter()
+            .map(|l| format!("enroll:link:{}", l.pin_name())),
+    );
+    v
+}
+
+/// Every crash point of a teardown (links go in directory order; each one's
+/// point is hit whatever its position).
+fn unenroll_steps() -> Vec<String> {
+    let mut v = vec!["unenroll:draining".to_owned()];
+    v.extend(
+        pod_links()
+            .iter()
+            .map(|l| format!("unenroll:link:{}", l.pin_name())),
+    );
+    v.push("unenroll:routes".into());
+    v
+}
+
+pub fn trials() -> Vec<Trial> {
+    let mut v = Vec::new();
+    for step in enroll_steps() {
+        let name = format!(
+            "crash::killed_after_{}_then_completed",
+            step.replace(':', "_")
+        );
+        v.push(trial(name, move || enroll_killed(&step)));
+    }
+    for step in unenroll_steps() {
+        let name = format!(
+            "crash::killed_after_{}_then_finished",
+            step.replace(':', "_")
+        );
+        v.push(trial(name, move || unenroll_killed(&step)));
+    }
+    v.push(trial(
+        "crash::lost_tc_links_are_found_and_attached_again_on_restart",
+        lost_links,
+    ));
+    v
+}
+
+fn tag(step: &str) -> String {
+    // Short, unique per step: namespace and veth names are length-limited.
+    let h = step
+        .bytes()
+        .fold(0u32, |h, b| h.wrapping_mul(31).wrapping_add(b.into()));
+    format!("k{:04x}", h & 0xffff)
+}
+
+fn peer(agent: &AgentProc) -> anyhow::Result<PeerProc> {
+    let p = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    let pid = p.pid().context("peer has no pid")?;
+    agent.wait_ztunnel(pid, "the peer connected", |z| z["connected"] == true)?;
+    Ok(p)
+}
+
+fn count(p: &PeerProc, role: &str) -> usize {
+    p.events()
+        .iter()
+        .filter(|e| e["event"] == "accepted" && e["role"] == role)
+        .count()
+}
+
+/// Inbound and outbound both pass ztunnel (the peer accepts them) and reach
+/// their destination.
+fn captured(f: &Fixture, p: &PeerProc) -> TestResult {
+    let (inb, outb) = (count(p, "inbound"), count(p, "outbound"));
+    let r = connect(
+        &f.topo.client,
+        SocketAddr::new(f.topo.pod_ip(Family::V4), APP_PORT),
+        Opts::default(),
+    );
+    ensure!(
+        r.reply().is_some_and(|l| l.starts_with("app:8080")),
+        "inbound: {r:?}"
+    );
+    let r = connect(
+        &f.topo.pod,
+        SocketAddr::new(f.topo.client_ip(Family::V4), REMOTE_PORT),
+        Opts::default(),
+    );
+    ensure!(
+        r.reply().is_some_and(|l| l.starts_with("app:9090")),
+        "outbound: {r:?}"
+    );
+    p.wait_for("both connections accepted by ztunnel", |_| {
+        count(p, "inbound") > inb && count(p, "outbound") > outb
+    })
+}
+
+/// Every link of the pod is pinned.
+fn all_links_pinned(f: &Fixture) -> TestResult {
+    let cookie = f.pod_record()?.netns_cookie;
+    let dir = f.topo.pins.pod(cookie);
+    let missing: Vec<String> = pod_links()
+        .iter()
+        .map(LinkSpec::pin_name)
+        .filter(|n| !dir.join(n).exists())
+        .collect();
+    ensure!(
+        missing.is_empty(),
+        "links missing after restart: {missing:?}"
+    );
+    Ok(())
+}
+
+fn enroll_killed(step: &str) -> TestResult {
+    let f = Fixture::new(&tag(step), None)?;
+    let mut agent = AgentProc::start_crashing_at(&f.topo.pins, step)?;
+    let p = peer(&agent)?;
+    let out = agent.enroll(&f.topo.pod_netns_path(), f.uid.as_str(), "shop", "cart")?;
+    ensure!(
+        !out.ok,
+        "enroll survived the crash point {step}: {}",
+        out.stdout
+    );
+    let sig = agent.wait_killed()?;
+    ensure!(sig == libc::SIGKILL, "killed by signal {sig}");
+    // The crash left the pod part-way: recorded (the first step), Pending.
+    let rec = f.pod_record()?;
+    ensure!(rec.state == Some("Pending"), "{rec:?}");
+
+    agent.restart_clean()?;
+    // The restarted agent completed the capture before serving; ztunnel
+    // reconnects, gets the pod in its snapshot, and it becomes Enabled.
+    all_links_pinned(&f)?;
+    f.wait_state("Enabled")
+        .with_context(|| format!("{:?}\n{}", p.events(), agent.log()))?;
+    captured(&f, &p)?;
+    ensure!(
+        f.app.peers().len() == 1 && f.remote.peers().len() == 1,
+        "only the connections through ztunnel reached the app and the remote"
+    );
+    Ok(())
+}
+
+fn unenroll_killed(step: &str) -> TestResult {
+    let f = Fixture::new(&tag(step), None)?;
+    let mut agent = AgentProc::start_crashing_at(&f.topo.pins, step)?;
+    let p = peer(&agent)?;
+    let out = agent.enroll(&f.topo.pod_netns_path(), f.uid.as_str(), "shop", "cart")?;
+    ensure!(
+        out.ok && out.stdout.contains("Enabled"),
+        "{}{}",
+        out.stdout,
+        out.stderr
+    );
+    captured(&f, &p)?;
+    let cookie = f.pod_record()?.netns_cookie;
+    let out = agent.sluice(&["unenroll", "--uid", f.uid.as_str()])?;
+    ensure!(
+        !out.ok,
+        "unenroll survived the crash point {step}: {}",
+        out.stdout
+    );
+    ensure!(agent.wait_killed()? == libc::SIGKILL);
+    // Caught in its teardown: failing closed.
+    let rec = f.pod_record()?;
+    ensure!(rec.state == Some("Draining"), "{rec:?}");
+
+    agent.restart_clean()?;
+    // The restarted agent finished the teardown before serving: nothing of
+    // the pod is left, and its traffic flows as if sluice had never been.
+    ensure!(
+        f.pod_record().is_err(),
+        "pod still recorded after the restart"
+    );
+    ensure!(
+        !f.topo.pins.pod(cookie).exists(),
+        "pins left: {}",
+        f.topo.pins.pod(cookie).display()
+    );
+    let (inb, outb) = (count(&p, "inbound"), count(&p, "outbound"));
+    let r = connect(
+        &f.topo.client,
+        SocketAddr::new(f.topo.pod_ip(Family::V4), APP_PORT),
+        Opts::default(),
+    );
+    ensure!(
+        r.reply().is_some_and(|l| l.starts_with("app:8080")),
+        "inbound: {r:?}"
+    );
+    let r = connect(
+        &f.topo.pod,
+        SocketAddr::new(f.topo.client_ip(Family::V4), REMOTE_PORT),
+        Opts::default(),
+    );
+    ensure!(
+        r.reply().is_some_and(|l| l.starts_with("app:9090")),
+        "outbound: {r:?}"
+    );
+    ensure!(
+        count(&p, "inbound") == inb && count(&p, "outbound") == outb,
+        "a removed pod's traffic still went to ztunnel"
+    );
+    Ok(())
+}
+
+/// The state the issue found by hand: an Enabled pod whose tc links are gone
+/// (their pins removed, so the links detached). A restarted agent attaches
+/// them again, and outbound is captured, not leaked.
+fn lost_links() -> TestResult {
+    let f = Fixture::new("lost", None)?;
+    let mut agent = AgentProc::start(&f.topo.pins)?;
+    let p = peer(&agent)?;
+    let out = agent.enroll(&f.topo.pod_netns_path(), f.uid.as_str(), "shop", "cart")?;
+    ensure!(
+        out.ok && out.stdout.contains("Enabled"),
+        "{}{}",
+        out.stdout,
+        out.stderr
+    );
+    ensure!(agent.terminate(), "agent did not stop cleanly");
+    let dir = f.topo.pins.pod(f.pod_record()?.netns_cookie);
+    for l in pod_links().iter().filter(|l| **l != LinkSpec::Steer) {
+        let link = aya::programs::links::PinnedLink::from_pin(dir.join(l.pin_name()))?;
+        // Unpinned and dropped: the link detaches.
+        drop(link.unpin()?);
+    }
+    agent.restart()?;
+    all_links_pinned(&f)?;
+    f.wait_state("Enabled")?;
+    captured(&f, &p)
+}
