@@ -54,14 +54,29 @@ impl AgentProc {
 
     /// Same, run under `wrapper` (see [`AgentProc::wrapper`]).
     pub fn start_wrapped(pins: &Pins, wrapper: &[&str], extra: &[&str]) -> anyhow::Result<Self> {
+        Self::launch(pins, wrapper, extra, &[])
+    }
+
+    /// Starts the agent with everything a test may vary, sockets and log in
+    /// a fresh directory of its own.
+    fn launch(
+        pins: &Pins,
+        wrapper: &[&str],
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<Self> {
+        let owned = |v: &[&str]| v.iter().map(|s| s.to_string()).collect();
         let n = SEQ.fetch_add(1, Ordering::Relaxed);
         let dir = PathBuf::from(format!("/tmp/sluice-agent-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir)?;
         let mut a = Self {
             child: None,
-            wrapper: wrapper.iter().map(|s| s.to_string()).collect(),
-            extra: extra.iter().map(|s| s.to_string()).collect(),
-            env: Vec::new(),
+            wrapper: owned(wrapper),
+            extra: owned(extra),
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
             zds: dir.join("ztunnel.sock"),
             control: dir.join("agent.sock"),
             root: pins.root().to_owned(),
@@ -151,21 +166,7 @@ impl AgentProc {
     /// Starts `sluice agent` with `SLUICE_CRASH_AT=step`: it kills itself
     /// right after that step (fault-injection build).
     pub fn start_crashing_at(pins: &Pins, step: &str) -> anyhow::Result<Self> {
-        let n = SEQ.fetch_add(1, Ordering::Relaxed);
-        let dir = PathBuf::from(format!("/tmp/sluice-agent-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
-        let mut a = Self {
-            child: None,
-            wrapper: Vec::new(),
-            extra: Vec::new(),
-            env: vec![("SLUICE_CRASH_AT".into(), step.into())],
-            zds: dir.join("ztunnel.sock"),
-            control: dir.join("agent.sock"),
-            root: pins.root().to_owned(),
-            dir,
-        };
-        a.spawn()?;
-        Ok(a)
+        Self::launch(pins, &[], &[], &[("SLUICE_CRASH_AT", step)])
     }
 
     /// Waits for the agent to die by a signal (a crash point), and says which.

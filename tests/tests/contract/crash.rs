@@ -104,6 +104,14 @@ fn count(p: &PeerProc, role: &str) -> usize {
 /// their destination.
 fn captured(f: &Fixture, p: &PeerProc) -> TestResult {
     let (inb, outb) = (count(p, "inbound"), count(p, "outbound"));
+    both_ways(f)?;
+    p.wait_for("both connections accepted by ztunnel", |_| {
+        count(p, "inbound") > inb && count(p, "outbound") > outb
+    })
+}
+
+/// An inbound connection reaches the app and an outbound one the remote.
+fn both_ways(f: &Fixture) -> TestResult {
     let r = connect(
         &f.topo.client,
         SocketAddr::new(f.topo.pod_ip(Family::V4), APP_PORT),
@@ -122,9 +130,7 @@ fn captured(f: &Fixture, p: &PeerProc) -> TestResult {
         r.reply().is_some_and(|l| l.starts_with("app:9090")),
         "outbound: {r:?}"
     );
-    p.wait_for("both connections accepted by ztunnel", |_| {
-        count(p, "inbound") > inb && count(p, "outbound") > outb
-    })
+    Ok(())
 }
 
 /// Every link of the pod is pinned.
@@ -210,24 +216,7 @@ fn unenroll_killed(step: &str) -> TestResult {
         f.topo.pins.pod(cookie).display()
     );
     let (inb, outb) = (count(&p, "inbound"), count(&p, "outbound"));
-    let r = connect(
-        &f.topo.client,
-        SocketAddr::new(f.topo.pod_ip(Family::V4), APP_PORT),
-        Opts::default(),
-    );
-    ensure!(
-        r.reply().is_some_and(|l| l.starts_with("app:8080")),
-        "inbound: {r:?}"
-    );
-    let r = connect(
-        &f.topo.pod,
-        SocketAddr::new(f.topo.client_ip(Family::V4), REMOTE_PORT),
-        Opts::default(),
-    );
-    ensure!(
-        r.reply().is_some_and(|l| l.starts_with("app:9090")),
-        "outbound: {r:?}"
-    );
+    both_ways(&f)?;
     ensure!(
         count(&p, "inbound") == inb && count(&p, "outbound") == outb,
         "a removed pod's traffic still went to ztunnel"
