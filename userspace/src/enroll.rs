@@ -465,7 +465,10 @@ fn teardown(
 ) -> Result<(), EnrollError> {
     // Fail closed while links go away one by one; `Draining` is final: a
     // teardown cut short is finished by the next agent (`repair`).
-    maps.set_state(cookie, PodState::Draining, boottime_ns())?;
+    // (Debris without a readable state has nothing to fail closed.)
+    if maps.entry(cookie).and_then(|e| e.state()).is_some() {
+        maps.set_state(cookie, PodState::Draining, boottime_ns())?;
+    }
     crash_point("unenroll:draining");
     remove_links(pins, cookie)?;
     if let Some(netns) = netns {
@@ -479,7 +482,7 @@ fn teardown(
         })??;
     }
     crash_point("unenroll:routes");
-    maps.remove_pod(cookie);
+    maps.remove_pod(cookie)?;
     Ok(())
 }
 

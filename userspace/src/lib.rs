@@ -10,6 +10,7 @@ pub mod cni;
 pub mod enroll;
 pub mod fault;
 pub mod kube;
+pub mod lifecycle;
 pub mod loader;
 pub mod metrics;
 pub mod migrate;

@@ -68,6 +68,7 @@ pub struct Metrics {
     ztunnel_connected: Gauge,
     node_ready: Gauge,
     node_reason: Family<Labels, Gauge>,
+    transitions: Family<Labels, Counter>,
 }
 
 impl Metrics {
@@ -81,6 +82,7 @@ impl Metrics {
             ztunnel_connected: Gauge::default(),
             node_ready: Gauge::default(),
             node_reason: Family::default(),
+            transitions: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -119,6 +121,11 @@ impl Metrics {
             "1 for the node condition's current reason, 0 for the others",
             m.node_reason.clone(),
         );
+        registry.register(
+            "pod_transitions",
+            "Pod state changes, by from and to state (`none`: not enrolled)",
+            m.transitions.clone(),
+        );
         registry.register_collector(Box::new(MapCollector(source)));
         Self { registry, ..m }
     }
@@ -131,6 +138,16 @@ impl Metrics {
     pub fn failed(&self, why: Failure) {
         self.failures
             .get_or_create(&vec![("reason", why.label())])
+            .inc();
+    }
+
+    /// A pod's state changed (`None`: not enrolled).
+    pub fn transition(&self, from: Option<&'static str>, to: Option<&'static str>) {
+        self.transitions
+            .get_or_create(&vec![
+                ("from", from.unwrap_or("none")),
+                ("to", to.unwrap_or("none")),
+            ])
             .inc();
     }
 

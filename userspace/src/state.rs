@@ -14,7 +14,11 @@ use sluice_common::{
     SERVICE_ACCOUNT_LEN,
 };
 
-use crate::{uid::PodUid, workload::Workload};
+use crate::{
+    lifecycle::{self, IllegalTransition, Observer, Transition},
+    uid::PodUid,
+    workload::Workload,
+};
 
 /// Who a pod is, as recorded in the pinned `pod_meta` map.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -33,6 +37,8 @@ pub enum StateError {
     },
     #[error("map {0} missing from the eBPF object")]
     Missing(&'static str),
+    #[error(transparent)]
+    Illegal(#[from] IllegalTransition),
 }
 
 fn merr(name: &'static str) -> impl FnOnce(MapError) -> StateError {
@@ -46,6 +52,8 @@ pub struct Maps {
     listeners: SockHash<MapData, ListenerKey>,
     counters: PerCpuHashMap<MapData, u64, Counters>,
     flow_hints: HashMap<MapData, FlowKey, FlowHint>,
+    /// Told of every state change (the agent; none for the CLI).
+    observer: Option<Observer>,
 }
 
 /// One enrolled pod, as the maps describe it.
@@ -109,7 +117,13 @@ impl Maps {
             listeners: take("listeners")?.try_into().map_err(merr("listeners"))?,
             counters: take("counters")?.try_into().map_err(merr("counters"))?,
             flow_hints: take("flow_hints")?.try_into().map_err(merr("flow_hints"))?,
+            observer: None,
         })
+    }
+
+    /// Reports every later state change to `o`.
+    pub fn observe(&mut self, o: Observer) {
+        self.observer = Some(o);
     }
 
     pub fn entry(&self, cookie: u64) -> Option<PodEntry> {
@@ -142,8 +156,8 @@ impl Maps {
         })
     }
 
-    /// Records a new pod: identity first, then state (the programs read only
-    /// the state, so the pod is never half-visible to them).
+    /// Records a new pod as `Pending`: identity first, then state (the
+    /// programs read only the state, so the pod is never half-visible).
     pub fn insert_pod(
         &mut self,
         cookie: u64,
@@ -165,39 +179,86 @@ impl Maps {
         fill(&mut meta.name, &workload.name);
         fill(&mut meta.namespace, &workload.namespace);
         fill(&mut meta.service_account, &workload.service_account);
-        self.pod_meta
-            .insert(cookie, meta, 0)
-            .map_err(merr("pod_meta"))?;
-        let entry = PodEntry {
-            state: PodState::Pending as u32,
-            generation: 1,
-            enrolled_at_ns: now_ns,
-            changed_at_ns: now_ns,
-        };
-        self.pod_state
-            .insert(cookie, entry, 0)
-            .map_err(merr("pod_state"))
+        self.change(cookie, Some(PodState::Pending), now_ns, Some(meta))
     }
 
-    /// Moves a pod to `state`; a no-op when it already is there.
+    /// Moves an enrolled pod to `state` (a no-op when it is there already).
     pub fn set_state(
         &mut self,
         cookie: u64,
         state: PodState,
         now_ns: u64,
     ) -> Result<(), StateError> {
-        let Ok(mut e) = self.pod_state.get(&cookie, 0) else {
-            return Ok(());
-        };
-        if e.state == state as u32 {
+        self.change(cookie, Some(state), now_ns, None)
+    }
+
+    /// Removes every entry of a pod from every map: the end of a teardown
+    /// (`Draining`), or debris. Missing entries are fine.
+    pub fn remove_pod(&mut self, cookie: u64) -> Result<(), StateError> {
+        self.change(cookie, None, 0, None)
+    }
+
+    /// The one place a pod's state is written: checks the change against
+    /// the state machine ([`lifecycle::allowed`]), writes it, and tells the
+    /// observer. `meta` (new pods only) is written before the state.
+    fn change(
+        &mut self,
+        cookie: u64,
+        to: Option<PodState>,
+        now_ns: u64,
+        meta: Option<PodMeta>,
+    ) -> Result<(), StateError> {
+        let before = self.pod_state.get(&cookie, 0).ok();
+        let from = before.and_then(|e| e.state());
+        // A new pod needs no entry yet; an entry this build cannot read may
+        // only be removed.
+        let new_pod = meta.is_some();
+        let legal = lifecycle::allowed(from, to)
+            && new_pod == before.is_none()
+            && (before.is_none() || from.is_some() || to.is_none());
+        if !legal {
+            return Err(IllegalTransition { cookie, from, to }.into());
+        }
+        if before.is_some() && from == to {
             return Ok(());
         }
-        e.state = state as u32;
-        e.generation = e.generation.wrapping_add(1);
-        e.changed_at_ns = now_ns;
-        self.pod_state
-            .insert(cookie, e, 0)
-            .map_err(merr("pod_state"))
+        if let Some(m) = meta {
+            self.pod_meta
+                .insert(cookie, m, 0)
+                .map_err(merr("pod_meta"))?;
+        }
+        let pod = self.meta(cookie);
+        match to {
+            Some(state) => {
+                let entry = match before {
+                    Some(mut e) => {
+                        e.state = state as u32;
+                        e.generation = e.generation.wrapping_add(1);
+                        e.changed_at_ns = now_ns;
+                        e
+                    }
+                    None => PodEntry {
+                        state: state as u32,
+                        generation: 1,
+                        enrolled_at_ns: now_ns,
+                        changed_at_ns: now_ns,
+                    },
+                };
+                self.pod_state
+                    .insert(cookie, entry, 0)
+                    .map_err(merr("pod_state"))?;
+            }
+            None => self.remove_entries(cookie),
+        }
+        if let (Some(o), true) = (&self.observer, before.is_some() || to.is_some()) {
+            o(&Transition {
+                cookie,
+                pod,
+                from,
+                to,
+            });
+        }
+        Ok(())
     }
 
     /// Makes the pod's addresses known to the ingress programs. An address
@@ -250,8 +311,7 @@ impl Maps {
         sum
     }
 
-    /// Removes every entry of a pod from every map. Missing entries are fine.
-    pub fn remove_pod(&mut self, cookie: u64) {
+    fn remove_entries(&mut self, cookie: u64) {
         for role in Role::ALL {
             for family in [FAMILY_V4, FAMILY_V6] {
                 let _ = self

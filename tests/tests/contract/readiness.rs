@@ -193,6 +193,8 @@ fn pending_then_ready() -> TestResult {
             "sluice_enrollment_failures_total",
             ("reason", "ztunnel_nack"),
         ),
+        // Pending → Enabled, reported by the one place states change.
+        ("sluice_pod_transitions_total", ("to", "Enabled")),
     ] {
         let got = sample(&scrape, name, Some(label)).unwrap_or(0.0);
         ensure!(got >= 1.0, "{name} {label:?}: {got}\n{text}");

@@ -27,6 +27,7 @@ use crate::{
     cni::install::CniInstall,
     enroll::{self, EnrollError},
     kube::reconcile::{plan, Action, Enrolled},
+    lifecycle::Transition,
     loader::Dataplane,
     metrics::{self, Failure, Metrics},
     readiness::{self, PodView},
@@ -118,7 +119,26 @@ impl Node {
         kube: Option<KubeCtx>,
         condition_type: &str,
     ) -> Arc<Self> {
-        Arc::new_cyclic(|me| Self {
+        let mut dp = dp;
+        Arc::new_cyclic(|me: &Weak<Self>| {
+            let node = me.clone();
+            dp.maps.observe(Arc::new(move |t: &Transition| {
+                if let Some(n) = node.upgrade() {
+                    n.on_transition(t);
+                }
+            }));
+            Self::with(me, dp, hub, kube, condition_type)
+        })
+    }
+
+    fn with(
+        me: &Weak<Self>,
+        dp: Dataplane,
+        hub: Arc<Hub>,
+        kube: Option<KubeCtx>,
+        condition_type: &str,
+    ) -> Self {
+        Self {
             me: me.clone(),
             kube,
             dp: Mutex::new(dp),
@@ -133,7 +153,26 @@ impl Node {
             )),
             retired: Mutex::new(Counters::default()),
             custody: Custody::default(),
-        })
+        }
+    }
+
+    /// Every change of a pod's state, as the map was just written (see
+    /// `lifecycle`): counted, logged, and queued for the pod's annotation
+    /// and readiness gate. Runs under the dataplane lock: it only queues.
+    fn on_transition(&self, t: &Transition) {
+        let (from, to) = (t.from.map(PodState::as_str), t.to.map(PodState::as_str));
+        self.metrics().transition(from, to);
+        let uid = t.pod.as_ref().map(|p| p.uid.as_str()).unwrap_or("");
+        info!(
+            %uid,
+            cookie = t.cookie,
+            from = from.unwrap_or("none"),
+            to = to.unwrap_or("none"),
+            "pod state"
+        );
+        if let Some(p) = &t.pod {
+            self.announce_pod(&p.workload.namespace, &p.workload.name);
+        }
     }
 
     pub fn report(&self) -> &Arc<Report> {
@@ -430,7 +469,6 @@ impl Node {
             Some(conn) => self.add(&conn, cookie, uid.as_str(), &workload).await.err(),
         };
         let state = self.state_of(cookie);
-        self.announce(cookie);
         Ok(Response::Enrolled {
             uid: uid.to_string(),
             cookie,
@@ -452,10 +490,6 @@ impl Node {
                 .ok_or_else(|| EnrollError::UnknownPod(uid.clone()))?;
         }
         self.retries.lock().unwrap().remove(uid.as_str());
-        let identity = {
-            let dp = self.dp.lock().unwrap();
-            dp.maps.find_uid(&uid).and_then(|c| dp.maps.meta(c))
-        };
         // Every live ztunnel (two during an upgrade) lets go of the pod.
         for conn in self.hub.all() {
             match conn.request(WorkloadRequest::del(uid.as_str()), None).await {
@@ -480,23 +514,8 @@ impl Node {
             Ok(())
         })
         .await??;
-        if let Some(id) = identity {
-            self.announce_pod(&id.workload.namespace, &id.workload.name);
-        }
         info!("unenrolled");
         Ok(())
-    }
-
-    /// Queues telling Kubernetes (annotation, readiness gate) about the pod
-    /// of netns `cookie`, if in a cluster.
-    fn announce(&self, cookie: u64) {
-        if self.kube.is_none() {
-            return;
-        }
-        let meta = self.dp.lock().unwrap().maps.meta(cookie);
-        if let Some(m) = meta {
-            self.announce_pod(&m.workload.namespace, &m.workload.name);
-        }
     }
 
     /// Queues pod `namespace/name` for the announcer, which writes whatever
@@ -610,7 +629,6 @@ impl Node {
                         // Listeners of an older ztunnel that were kept only
                         // until this one's replaced them.
                         self.release_orphans(Some(uid));
-                        self.announce(cookie);
                         return Ok(());
                     }
                     Err(e) => {
@@ -822,9 +840,6 @@ impl Node {
                     let _ = dp
                         .maps
                         .set_state(p.netns_cookie, PodState::Pending, boottime_ns());
-                    if let Some(w) = &p.workload {
-                        self.announce_pod(&w.namespace, &w.name);
-                    }
                     retries.insert(
                         p.uid.clone(),
                         Retry {
