@@ -7,6 +7,7 @@
 
 pub mod agent;
 pub mod cni;
+pub mod control;
 pub mod enroll;
 pub mod fault;
 pub mod kube;

@@ -1,6 +1,6 @@
 //! The pod state machine, written once: which state changes are allowed, and
 //! what a change tells the rest of the agent. The pinned pod-state map is the
-//! only place a pod's state lives; [`crate::state::Maps`] changes it in one
+//! only place a pod's state lives; `state::Maps` changes it in one
 //! function, which checks [`allowed`] and reports every change to the
 //! [`Observer`] (the agent: metrics, the pod's annotation and readiness gate,
 //! logs).
@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use sluice_common::PodState;
 
-use crate::state::PodIdentity;
+use crate::workload::PodIdentity;
 
 /// Whether a pod may go from `from` to `to` (`None`: no entry in the map).
 pub const fn allowed(from: Option<PodState>, to: Option<PodState>) -> bool {

@@ -5,13 +5,9 @@ use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
 use sluice::{
-    agent::{
-        self,
-        control::{self, Request, Response},
-        report::ReportConfig,
-        DEFAULT_CONTROL_SOCKET, DEFAULT_METRICS_ADDR, DEFAULT_ZDS_SOCKET,
-    },
+    agent::{self, report::ReportConfig, DEFAULT_METRICS_ADDR, DEFAULT_ZDS_SOCKET},
     cni::install,
+    control::{self, Request, Response, DEFAULT_CONTROL_SOCKET},
     enroll,
     kube::condition::{ConditionWriter, DEFAULT_HEARTBEAT},
     loader::{Dataplane, Pins, DEFAULT_ROOT},

@@ -20,13 +20,7 @@ use crate::{
     workload::Workload,
 };
 
-/// Who a pod is, as recorded in the pinned `pod_meta` map.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PodIdentity {
-    pub uid: String,
-    pub netns: String,
-    pub workload: Workload,
-}
+pub use crate::workload::PodIdentity;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {

@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 use crate::{
-    agent::control::NodeStatus,
+    control::NodeStatus,
     loader::Pins,
     state::{boottime_ns, Maps, PodRecord},
 };

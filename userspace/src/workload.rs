@@ -11,6 +11,14 @@ pub struct Workload {
     pub service_account: String,
 }
 
+/// Who a pod is, as recorded in the pinned `pod_meta` map.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodIdentity {
+    pub uid: String,
+    pub netns: String,
+    pub workload: Workload,
+}
+
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum WorkloadError {
     #[error("workload {field} is empty")]

@@ -19,7 +19,7 @@ use std::{
 
 use anyhow::{ensure, Context as _};
 use sluice::{
-    agent::control::{self, Request},
+    control::{self, Request},
     enroll,
     loader::{Dataplane, Pins},
     state::Maps,

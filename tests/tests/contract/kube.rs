@@ -9,8 +9,9 @@ use kube::client::Body;
 use libtest_mimic::Trial;
 use serde_json::{json, Value};
 use sluice::{
-    agent::{control, kube::KubeCtx, node::Node},
+    agent::{kube::KubeCtx, node::Node},
     cni::spec::PodRef,
+    control,
     zds::server::Hub,
 };
 use sluice_tests::{harness::Fixture, mockapi, wait};

@@ -5,7 +5,7 @@
 //! and leaves capture in place.
 
 pub mod admin;
-pub mod control;
+pub mod control_socket;
 pub mod custody;
 pub mod kube;
 pub mod node;
@@ -24,7 +24,6 @@ use crate::{
 };
 
 pub const DEFAULT_ZDS_SOCKET: &str = "/var/run/ztunnel/ztunnel.sock";
-pub const DEFAULT_CONTROL_SOCKET: &str = "/run/sluice/agent.sock";
 pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:15030";
 
 #[derive(Debug, Clone)]
@@ -89,7 +88,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     };
     let zds = server::bind(&cfg.zds_socket)
         .with_context(|| format!("binding the ZDS socket {}", cfg.zds_socket.display()))?;
-    let control = control::bind(&cfg.control_socket).with_context(|| {
+    let control = control_socket::bind(&cfg.control_socket).with_context(|| {
         format!(
             "binding the control socket {}",
             cfg.control_socket.display()
@@ -107,7 +106,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         node.clone() as Arc<dyn server::Handler>,
         stop.clone(),
     ));
-    let control_task = tokio::spawn(control::serve(
+    let control_task = tokio::spawn(control_socket::serve(
         control,
         cfg.control_socket.clone(),
         cfg.pins.root().to_owned(),

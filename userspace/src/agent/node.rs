@@ -18,13 +18,13 @@ use tokio::sync::{watch, Notify};
 use tracing::{info, info_span, warn, Instrument as _};
 
 use super::{
-    control::{NodeStatus, Request, Response, WaitingPod, ZtunnelView},
     custody::Custody,
     kube::{Admission, KubeCtx},
     report::Report,
 };
 use crate::{
     cni::install::CniInstall,
+    control::{NodeStatus, Request, Response, WaitingPod, ZtunnelView},
     enroll::{self, EnrollError},
     kube::reconcile::{plan, Action, Enrolled},
     lifecycle::Transition,
@@ -182,14 +182,16 @@ impl Node {
     fn metrics(&self) -> &Metrics {
         &self.report.metrics
     }
+}
 
-    pub fn ztunnel_connected(&self) -> bool {
+impl super::report::Inputs for Node {
+    fn ztunnel_connected(&self) -> bool {
         self.hub.is_connected()
     }
 
     /// The node condition's inputs: the pods as the pinned state map has
     /// them, the pins, the CNI config and the ZDS connection.
-    pub fn readiness_inputs(
+    fn readiness_inputs(
         &self,
         cni: Option<&CniInstall>,
         pending_grace: Duration,
@@ -220,7 +222,9 @@ impl Node {
             pending_grace,
         }
     }
+}
 
+impl Node {
     fn self_arc(&self) -> Option<Arc<Self>> {
         self.me.upgrade()
     }

@@ -11,7 +11,6 @@ use std::{
 use tokio::sync::watch;
 use tracing::{info, warn};
 
-use super::node::Node;
 use crate::{
     cni::install::CniInstall,
     kube::{condition::ConditionWriter, taint},
@@ -95,9 +94,21 @@ pub struct NodeApi {
     pub node: String,
 }
 
-pub async fn run(
+/// What the report reads from the node each pass (the agent's `Node`; a
+/// trait so this module does not depend on it).
+pub trait Inputs: Send + Sync + 'static {
+    /// The node condition's inputs (blocking: it walks the pinned maps).
+    fn readiness_inputs(
+        &self,
+        cni: Option<&CniInstall>,
+        pending_grace: Duration,
+    ) -> readiness::Inputs;
+    fn ztunnel_connected(&self) -> bool;
+}
+
+pub async fn run<N: Inputs>(
     report: Arc<Report>,
-    node: Arc<Node>,
+    node: Arc<N>,
     cni: Option<CniInstall>,
     cfg: ReportConfig,
     api: Option<NodeApi>,

@@ -5,11 +5,11 @@
 use std::{io::Read, process::ExitCode};
 
 use sluice::{
-    agent::control,
     cni::{
         plugin,
         spec::{Env, NetConf},
     },
+    control,
 };
 
 fn main() -> ExitCode {

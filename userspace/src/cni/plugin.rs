@@ -6,10 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use super::spec::{CniError, Code, Command, Env, NetConf, SUPPORTED_VERSIONS};
-use crate::agent::{
-    control::{Request, Response},
-    DEFAULT_CONTROL_SOCKET,
-};
+use crate::control::{Request, Response, DEFAULT_CONTROL_SOCKET};
 
 /// Sends a request to the agent at a socket; `Ok(None)` when none listens.
 pub type Call<'a> = dyn Fn(&Path, &Request) -> anyhow::Result<Option<Response>> + 'a;

@@ -1,25 +1,20 @@
-//! The agent's local control socket: root-only (0600), one JSON request and
-//! one JSON response per connection, newline-terminated. `sluice enroll` /
-//! `unenroll` use it when an agent runs, so ZDS stays in step with capture.
+//! The control protocol between the agent and its local clients (`sluice`
+//! CLI, `sluice-cni`): one JSON request and one JSON response per
+//! connection, newline-terminated, over the agent's root-only (0600) unix
+//! socket. A leaf: the types and the client, nothing of the agent.
 
 use std::{
     io::{BufRead, BufReader, Write},
-    os::unix::{fs::PermissionsExt, net::UnixStream},
+    os::unix::net::UnixStream,
     path::{Path, PathBuf},
-    sync::Arc,
     time::Duration,
 };
 
 use serde::{Deserialize, Serialize};
-use tokio::{
-    io::{AsyncBufReadExt, AsyncWriteExt},
-    net::UnixListener,
-    sync::watch,
-};
-use tracing::warn;
 
-use super::node::Node;
 use crate::{cni::spec::PodRef, readiness::Condition, workload::Workload};
+
+pub const DEFAULT_CONTROL_SOCKET: &str = "/run/sluice/agent.sock";
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -133,72 +128,6 @@ pub struct ZtunnelView {
     pub connected: bool,
     /// Pods whose registered listeners it owns.
     pub pods: usize,
-}
-
-pub fn bind(path: &Path) -> std::io::Result<std::os::unix::net::UnixListener> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
-    }
-    match std::fs::remove_file(path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
-        _ => {}
-    }
-    let l = std::os::unix::net::UnixListener::bind(path)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
-    l.set_nonblocking(true)?;
-    Ok(l)
-}
-
-pub async fn serve(
-    listener: std::os::unix::net::UnixListener,
-    path: PathBuf,
-    root: PathBuf,
-    node: Arc<Node>,
-    mut stop: watch::Receiver<bool>,
-) -> std::io::Result<()> {
-    let listener = UnixListener::from_std(listener)?;
-    loop {
-        tokio::select! {
-            _ = stop.changed() => break,
-            accepted = listener.accept() => {
-                let (stream, _) = accepted?;
-                let (node, root) = (node.clone(), root.clone());
-                tokio::spawn(async move {
-                    if let Err(e) = handle(stream, &root, node).await {
-                        warn!(error = %e, "control connection failed");
-                    }
-                });
-            }
-        }
-    }
-    let _ = std::fs::remove_file(&path);
-    Ok(())
-}
-
-async fn handle(
-    stream: tokio::net::UnixStream,
-    root: &Path,
-    node: Arc<Node>,
-) -> std::io::Result<()> {
-    let (r, mut w) = stream.into_split();
-    let mut line = String::new();
-    tokio::io::BufReader::new(r).read_line(&mut line).await?;
-    let resp = match serde_json::from_str::<Envelope>(&line) {
-        Ok(Envelope {
-            bpf_root: Some(asked),
-            ..
-        }) if wrong_root(root, &asked).is_some() => Response::Error {
-            message: wrong_root(root, &asked).unwrap_or_default(),
-        },
-        Ok(env) => node.handle(env.request).await,
-        Err(e) => Response::Error {
-            message: format!("bad request: {e}"),
-        },
-    };
-    let mut out = serde_json::to_vec(&resp).expect("responses always serialise");
-    out.push(b'\n');
-    w.write_all(&out).await
 }
 
 /// Sends one request to a running agent, for pins under `bpf_root` (`None`:
