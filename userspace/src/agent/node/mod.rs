@@ -1,0 +1,336 @@
+//! The agent's view of its node: the pods it holds (their state lives in the
+//! pinned pod-state map; here only scheduling and custody), split by role:
+//!
+//! - `requests`: control-socket and CNI requests (enroll, unenroll, ADD/DEL/CHECK);
+//! - `zds`: adds to ztunnel, their answers, listener registration, the ZDS `Handler`;
+//! - `supervise`: listeners gone → Pending, retries with backoff, releasing
+//!   listeners their ztunnel let go of;
+//! - `relist`: reconciling with the Kubernetes API;
+//! - `announce`: the pod annotation and readiness-gate queue.
+//!
+//! This file holds the node itself, what every role shares, the reaction to
+//! every state change (`on_transition`) and the start-up verification.
+
+use std::{
+    collections::HashMap,
+    os::fd::OwnedFd,
+    path::PathBuf,
+    sync::{Arc, Mutex, Weak},
+    time::{Duration, Instant},
+};
+
+use sluice_common::{Counters, PodState, Role};
+use tokio::sync::{watch, Notify};
+use tracing::{info, info_span, warn, Instrument as _};
+
+use super::{
+    custody::Custody,
+    kube::{Admission, KubeCtx},
+    report::Report,
+};
+use crate::{
+    cni::install::CniInstall,
+    control::{NodeStatus, Request, Response, WaitingPod, ZtunnelView},
+    enroll::{self, EnrollError},
+    kube::reconcile::{plan, Action, Enrolled},
+    lifecycle::Transition,
+    loader::Dataplane,
+    metrics::{self, Failure, Metrics},
+    readiness::{self, PodView},
+    state::{boottime_ns, CounterView},
+    uid::PodUid,
+    workload::Workload,
+    zds::{
+        proto::WorkloadRequest,
+        server::{Answer, Conn, Handler, Hub, SnapshotEntry, ZdsError},
+    },
+};
+
+mod announce;
+mod relist;
+mod requests;
+mod supervise;
+mod zds;
+
+/// How often Enabled pods are checked for their listeners, at most.
+const CHECK_EVERY: Duration = Duration::from_millis(200);
+/// ztunnel opens a pod's listeners around its ack: look for this long.
+const LISTENER_WAIT: Duration = Duration::from_secs(2);
+const RETRY_MIN: Duration = Duration::from_millis(500);
+const RETRY_MAX: Duration = Duration::from_secs(30);
+/// How often the agent relists this node's pods from the API even when the
+/// watch reports nothing.
+const RESYNC: Duration = Duration::from_secs(60);
+/// Pods captured this recently are never released by a relist.
+const RECENT: Duration = Duration::from_secs(30);
+
+#[derive(Debug)]
+struct Retry {
+    due: Instant,
+    backoff: Duration,
+    in_flight: bool,
+    /// Why the last attempt left the pod Pending.
+    last_error: Option<String>,
+}
+
+pub struct Node {
+    me: Weak<Node>,
+    /// Present when the agent runs in a cluster.
+    kube: Option<KubeCtx>,
+    dp: Mutex<Dataplane>,
+    hub: Arc<Hub>,
+    retries: Mutex<HashMap<String, Retry>>,
+    wake: Notify,
+    /// Pods (namespace, name) whose annotation and gate need writing.
+    announcements: Mutex<std::collections::BTreeSet<(String, String)>>,
+    announce_wake: Notify,
+    /// The node condition and metrics, as last computed.
+    report: Arc<Report>,
+    /// Kernel counters of pods since unenrolled, so the metrics' totals
+    /// never go backwards while the agent runs.
+    retired: Mutex<Counters>,
+    /// Duplicates of the ztunnel listeners in the socket map.
+    custody: Custody,
+}
+
+/// The metrics' view of the maps, through the node (which owns them).
+struct MapSource(Weak<Node>);
+
+impl metrics::Source for MapSource {
+    fn sample(&self) -> metrics::Sample {
+        let Some(node) = self.0.upgrade() else {
+            return metrics::Sample::default();
+        };
+        let dp = node.dp.lock().unwrap();
+        let mut pods = vec![
+            ("Pending", 0),
+            ("Enabled", 0),
+            ("Draining", 0),
+            ("Unknown", 0),
+        ];
+        let mut kernel = *node.retired.lock().unwrap();
+        for (cookie, e) in dp.maps.states() {
+            let state = e.state().map(PodState::as_str).unwrap_or("Unknown");
+            if let Some(p) = pods.iter_mut().find(|(s, _)| *s == state) {
+                p.1 += 1;
+            }
+            kernel.add(&dp.maps.counters(cookie));
+        }
+        metrics::Sample {
+            pods,
+            kernel: CounterView::from(kernel),
+        }
+    }
+}
+
+impl Node {
+    /// `condition_type`: the node condition's type, as `status` reports it.
+    pub fn new(
+        dp: Dataplane,
+        hub: Arc<Hub>,
+        kube: Option<KubeCtx>,
+        condition_type: &str,
+    ) -> Arc<Self> {
+        let mut dp = dp;
+        Arc::new_cyclic(|me: &Weak<Self>| {
+            let node = me.clone();
+            dp.maps.observe(Arc::new(move |t: &Transition| {
+                if let Some(n) = node.upgrade() {
+                    n.on_transition(t);
+                }
+            }));
+            Self::with(me, dp, hub, kube, condition_type)
+        })
+    }
+
+    fn with(
+        me: &Weak<Self>,
+        dp: Dataplane,
+        hub: Arc<Hub>,
+        kube: Option<KubeCtx>,
+        condition_type: &str,
+    ) -> Self {
+        Self {
+            me: me.clone(),
+            kube,
+            dp: Mutex::new(dp),
+            hub,
+            retries: Mutex::new(HashMap::new()),
+            wake: Notify::new(),
+            announcements: Mutex::new(Default::default()),
+            announce_wake: Notify::new(),
+            report: Arc::new(Report::new(
+                Arc::new(Metrics::new(Arc::new(MapSource(me.clone())))),
+                condition_type,
+            )),
+            retired: Mutex::new(Counters::default()),
+            custody: Custody::default(),
+        }
+    }
+
+    /// Every change of a pod's state, as the map was just written (see
+    /// `lifecycle`): counted, logged, and queued for the pod's annotation
+    /// and readiness gate. Runs under the dataplane lock: it only queues.
+    fn on_transition(&self, t: &Transition) {
+        let (from, to) = (t.from.map(PodState::as_str), t.to.map(PodState::as_str));
+        self.metrics().transition(from, to);
+        let uid = t.pod.as_ref().map(|p| p.uid.as_str()).unwrap_or("");
+        info!(
+            %uid,
+            cookie = t.cookie,
+            from = from.unwrap_or("none"),
+            to = to.unwrap_or("none"),
+            "pod state"
+        );
+        if let Some(p) = &t.pod {
+            self.announce_pod(&p.workload.namespace, &p.workload.name);
+        }
+    }
+
+    pub fn report(&self) -> &Arc<Report> {
+        &self.report
+    }
+
+    fn metrics(&self) -> &Metrics {
+        &self.report.metrics
+    }
+}
+
+impl super::report::Inputs for Node {
+    fn ztunnel_connected(&self) -> bool {
+        self.hub.is_connected()
+    }
+
+    /// The node condition's inputs: the pods as the pinned state map has
+    /// them, the pins, the CNI config and the ZDS connection.
+    fn readiness_inputs(
+        &self,
+        cni: Option<&CniInstall>,
+        pending_grace: Duration,
+    ) -> readiness::Inputs {
+        let dp = self.dp.lock().unwrap();
+        let pods = dp
+            .maps
+            .states()
+            .into_iter()
+            .map(|(cookie, e)| PodView {
+                name: dp
+                    .maps
+                    .meta(cookie)
+                    .map(|m| format!("{}/{}", m.workload.namespace, m.workload.name))
+                    .unwrap_or_else(|| format!("netns:{cookie}")),
+                state: e.state(),
+                changed_at_ns: e.changed_at_ns,
+            })
+            .collect();
+        readiness::Inputs {
+            programs_loaded: dp.pins.is_loaded(),
+            // Not managing the CNI config (a dev or hand-run agent): whoever
+            // runs it vouches for it.
+            cni_installed: cni.is_none_or(CniInstall::is_installed),
+            ztunnel_connected: self.hub.is_connected(),
+            pods,
+            now_ns: boottime_ns(),
+            pending_grace,
+        }
+    }
+}
+
+impl Node {
+    fn self_arc(&self) -> Option<Arc<Self>> {
+        self.me.upgrade()
+    }
+
+    /// Verifies every pod's capture link by link and completes what an
+    /// interrupted enrollment (or anything else) left out; finishes
+    /// interrupted teardowns; removes pins no pod owns. Blocking: run it off
+    /// the async workers. At start, before ZDS and the control socket serve,
+    /// and again every `RESYNC`.
+    pub fn verify_all(&self) {
+        let mut guard = self.dp.lock().unwrap();
+        let dp = &mut *guard;
+        for cookie in dp.maps.cookies() {
+            let uid = dp.maps.meta(cookie).map(|m| m.uid).unwrap_or_default();
+            let span = info_span!("pod", %uid, cookie);
+            let _e = span.enter();
+            match enroll::repair(dp, cookie) {
+                Ok(enroll::Repair::Complete) => {}
+                Ok(enroll::Repair::Relinked(links)) => {
+                    warn!(?links, "capture was incomplete: links attached again")
+                }
+                Ok(enroll::Repair::TornDown) => {
+                    self.custody.forget(&uid);
+                    info!("finished an interrupted teardown")
+                }
+                Err(e) => warn!(error = %e, "could not verify the pod's capture; will retry"),
+            }
+        }
+        match enroll::remove_orphan_pins(&dp.pins, &dp.maps) {
+            Ok(0) => {}
+            Ok(n) => info!(pods = n, "removed pins of pods without state"),
+            Err(e) => warn!(error = %e, "removing pins of pods without state"),
+        }
+    }
+
+    pub fn pod_count(&self) -> usize {
+        self.dp.lock().unwrap().maps.states().len()
+    }
+
+    fn cookie_of(&self, uid: &PodUid) -> Option<u64> {
+        self.dp.lock().unwrap().maps.find_uid(uid)
+    }
+
+    fn state_of(&self, cookie: u64) -> Option<PodState> {
+        self.dp
+            .lock()
+            .unwrap()
+            .maps
+            .entry(cookie)
+            .and_then(|e| e.state())
+    }
+
+    fn netns_fd(&self, cookie: u64) -> Result<OwnedFd, EnrollError> {
+        let dp = self.dp.lock().unwrap();
+        let ns = enroll::open_pod_netns(&dp.maps, cookie)?;
+        Ok(ns.into_fd())
+    }
+
+    /// Pods the agent is retrying, with why the last attempt failed.
+    fn waiting(&self) -> Vec<WaitingPod> {
+        let mut out: Vec<WaitingPod> = self
+            .retries
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|(uid, r)| {
+                r.last_error.as_ref().map(|e| WaitingPod {
+                    uid: uid.clone(),
+                    last_error: e.clone(),
+                })
+            })
+            .collect();
+        out.sort_by(|a, b| a.uid.cmp(&b.uid));
+        out
+    }
+
+    /// The ztunnel processes the agent knows: connected ones, and those whose
+    /// listeners it still holds.
+    fn ztunnels(&self) -> Vec<ZtunnelView> {
+        let owners = self.custody.pods_by_owner();
+        let connected: Vec<i32> = self.hub.all().iter().filter_map(|c| c.pid).collect();
+        let mut pids: Vec<i32> = owners
+            .keys()
+            .copied()
+            .chain(connected.iter().copied())
+            .collect();
+        pids.sort_unstable();
+        pids.dedup();
+        pids.into_iter()
+            .map(|pid| ZtunnelView {
+                pid,
+                connected: connected.contains(&pid),
+                pods: owners.get(&pid).copied().unwrap_or(0),
+            })
+            .collect()
+    }
+}

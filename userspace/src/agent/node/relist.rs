@@ -1,0 +1,110 @@
+//! Reconciling with the API: capture ambient pods the CNI plugin did not
+//! see, release pods that are gone or no longer ambient.
+
+use super::*;
+
+impl Node {
+    /// Keeps the enrolled pods equal to the ambient pods of this node (pods
+    /// that became ambient after they started, pods that existed before the
+    /// agent, pods gone while it was away): a pass at start, on every pod or
+    /// namespace change the watch reports, and every `RESYNC`.
+    pub async fn reconcile_with_api(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+        let Some(k) = self.kube.clone() else { return };
+        // Watch events wake the loop at once; the timer is a safety net.
+        let (tx, mut changes) = tokio::sync::mpsc::channel(1);
+        let watching = tokio::spawn(async move { k.changed(tx).await });
+        loop {
+            if let Err(e) = self.reconcile_once(RECENT).await {
+                warn!(error = %crate::one_line(&e), "reconciling with the API failed; will retry");
+            }
+            tokio::select! {
+                _ = stop.changed() => break,
+                _ = changes.recv() => {
+                    // Let a burst of events settle into one pass.
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    while changes.try_recv().is_ok() {}
+                }
+                _ = tokio::time::sleep(RESYNC) => {}
+            }
+        }
+        watching.abort();
+    }
+
+    /// One pass: list, plan, apply. Pods enrolled less than `min_age` ago are
+    /// not removed (the API may not show a pod its CNI ADD just captured).
+    pub async fn reconcile_once(self: &Arc<Self>, min_age: Duration) -> anyhow::Result<()> {
+        let Some(k) = self.kube.clone() else {
+            return Ok(());
+        };
+        let (pods, namespaces) = k.observe().await?;
+        k.prune_records(&pods.iter().filter_map(|p| p.metadata.uid.clone()).collect());
+        let now = boottime_ns();
+        let records = self.dp.lock().unwrap().maps.pods();
+        // Annotations and gates that disagree with the map (a lost write,
+        // someone else's edit) are written again.
+        let by_name: HashMap<(&str, &str), PodState> = records
+            .iter()
+            .filter_map(|r| {
+                let w = r.workload.as_ref()?;
+                let state = r.state.and_then(PodState::from_name)?;
+                Some(((w.namespace.as_str(), w.name.as_str()), state))
+            })
+            .collect();
+        for pod in &pods {
+            let (Some(ns), Some(name)) = (&pod.metadata.namespace, &pod.metadata.name) else {
+                continue;
+            };
+            let state = by_name.get(&(ns.as_str(), name.as_str())).copied();
+            if crate::agent::kube::out_of_step(pod, state) {
+                self.announce_pod(ns, name);
+            }
+        }
+        let enrolled: Vec<Enrolled> = records
+            .iter()
+            .map(|r| Enrolled { uid: r.uid.clone() })
+            .collect();
+        for action in plan(&pods, &namespaces, &k.node, &enrolled) {
+            match action {
+                Action::Enroll {
+                    uid,
+                    name,
+                    namespace,
+                    service_account,
+                } => {
+                    let span = info_span!("pod", %uid, pod = %format!("{namespace}/{name}"));
+                    async {
+                        let found = k.recorded_netns(&uid).or_else(|| crate::podns::find(&uid));
+                        let Some(netns) = found else {
+                            warn!("ambient pod without capture, but none of its processes runs here yet");
+                            return;
+                        };
+                        info!(netns = %netns.display(), "capturing a running ambient pod");
+                        let w = match Workload::new(&name, &namespace, &service_account) {
+                            Ok(w) => w,
+                            Err(e) => return warn!(error = %e, "bad workload identity"),
+                        };
+                        if let Err(e) = self.enroll(netns, &uid, w).await {
+                            warn!(error = %crate::one_line(&e), "enrolling failed; will retry");
+                        }
+                    }
+                    .instrument(span)
+                    .await
+                }
+                Action::Unenroll { uid, reason } => {
+                    let young = records.iter().any(|r| {
+                        r.uid == uid
+                            && now.saturating_sub(r.enrolled_at_ns) < min_age.as_nanos() as u64
+                    });
+                    if young {
+                        continue;
+                    }
+                    info!(%uid, %reason, "releasing pod");
+                    if let Err(e) = self.unenroll(&uid).await {
+                        warn!(%uid, error = %crate::one_line(&e), "unenrolling failed; will retry");
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}

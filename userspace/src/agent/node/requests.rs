@@ -1,0 +1,269 @@
+//! Requests from the control socket and the CNI plugin: enroll, unenroll,
+//! CNI ADD/DEL/CHECK, status. Kernel work runs off the async workers.
+
+use super::*;
+
+impl Node {
+    /// Serves one control request.
+    pub async fn handle(self: &Arc<Self>, req: Request) -> Response {
+        match req {
+            Request::Enroll {
+                netns,
+                uid,
+                workload,
+            } => {
+                let span = info_span!("pod", %uid, netns = %netns.display());
+                self.enroll(netns, &uid, workload)
+                    .instrument(span)
+                    .await
+                    .unwrap_or_else(|e| Response::Error {
+                        message: crate::one_line(&e),
+                    })
+            }
+            Request::Unenroll { uid } => {
+                let span = info_span!("pod", %uid);
+                match self.unenroll(&uid).instrument(span).await {
+                    Ok(()) => Response::Unenrolled { uid },
+                    Err(e) => Response::Error {
+                        message: crate::one_line(&e),
+                    },
+                }
+            }
+            Request::CniAdd {
+                container_id,
+                netns,
+                pod,
+                ips,
+            } => {
+                let span = info_span!("cni_add", pod = %format!("{}/{}", pod.namespace, pod.name), container = %container_id);
+                async {
+                    info!(?ips, netns = %netns.display(), "CNI ADD");
+                    self.cni_add(netns, &pod).await
+                }
+                .instrument(span)
+                .await
+                .unwrap_or_else(|e| Response::Error {
+                    message: crate::one_line(&e),
+                })
+            }
+            Request::CniDel {
+                container_id,
+                netns,
+                pod,
+            } => {
+                let span = info_span!("cni_del", pod = %format!("{}/{}", pod.namespace, pod.name), container = %container_id);
+                async {
+                    let uid = cni_uid(&pod)?;
+                    let Some(cookie) = self.cookie_of(&uid) else {
+                        return Ok(Response::Unenrolled {
+                            uid: uid.to_string(),
+                        });
+                    };
+                    if let Some(k) = &self.kube {
+                        let alive = {
+                            let dp = self.dp.lock().unwrap();
+                            enroll::open_pod_netns(&dp.maps, cookie).is_ok()
+                        };
+                        k.admit_del(&pod, alive).await?;
+                    }
+                    if !self.del_names_enrolled_sandbox(cookie, &netns) {
+                        // A DEL for an older sandbox of this pod (the runtime
+                        // made a new one, which ADD already captured): not ours.
+                        info!(%uid, "CNI DEL for another sandbox of the pod: capture kept");
+                        return Ok(Response::Unenrolled {
+                            uid: uid.to_string(),
+                        });
+                    }
+                    self.unenroll(uid.as_str()).await?;
+                    Ok(Response::Unenrolled {
+                        uid: uid.to_string(),
+                    })
+                }
+                .instrument(span)
+                .await
+                .unwrap_or_else(|e: anyhow::Error| Response::Error {
+                    message: crate::one_line(&e),
+                })
+            }
+            Request::Status => Response::Node(NodeStatus {
+                condition_type: self.report.condition_type.clone(),
+                condition: self.report.condition(),
+                ztunnel_connected: self.hub.is_connected(),
+                ztunnels: self.ztunnels(),
+                waiting: self.waiting(),
+            }),
+            Request::CniCheck { pod } => match cni_uid(&pod).map(|u| (self.cookie_of(&u), u)) {
+                Ok((Some(cookie), uid)) => self.enrolled(&uid, cookie),
+                Ok((None, uid)) => Response::Error {
+                    message: format!("pod {}/{} ({uid}) is not enrolled", pod.namespace, pod.name),
+                },
+                Err(e) => Response::Error {
+                    message: crate::one_line(&e),
+                },
+            },
+        }
+    }
+
+    /// Whether a DEL (with the runtime's netns path, maybe empty) is about the
+    /// sandbox we captured: its netns is ours, or ours is gone as well.
+    pub(super) fn del_names_enrolled_sandbox(&self, cookie: u64, netns: &std::path::Path) -> bool {
+        let named = crate::netns::Netns::open(netns)
+            .ok()
+            .and_then(|n| n.cookie().ok());
+        match named {
+            Some(c) => c == cookie,
+            None => {
+                let dp = self.dp.lock().unwrap();
+                enroll::open_pod_netns(&dp.maps, cookie).is_err()
+            }
+        }
+    }
+
+    /// The answer for a pod that is enrolled, with its current state.
+    pub(super) fn enrolled(&self, uid: &PodUid, cookie: u64) -> Response {
+        Response::Enrolled {
+            uid: uid.to_string(),
+            cookie,
+            state: self
+                .state_of(cookie)
+                .map(PodState::as_str)
+                .unwrap_or("Unknown")
+                .into(),
+            note: None,
+        }
+    }
+
+    /// CNI ADD: capture the new pod before it starts. A retried ADD for the
+    /// same sandbox is a no-op; an ADD for a new sandbox of the same pod
+    /// replaces the old capture.
+    pub(super) async fn cni_add(
+        self: &Arc<Self>,
+        netns: PathBuf,
+        pod: &crate::cni::spec::PodRef,
+    ) -> anyhow::Result<Response> {
+        let (uid, workload) = match &self.kube {
+            // Without a Kubernetes API to ask, the service account is unknown.
+            None => (
+                cni_uid(pod)?,
+                Workload::new(&pod.name, &pod.namespace, "default")?,
+            ),
+            Some(k) => match k.admit_add(pod).await? {
+                Admission::Skip(reason) => {
+                    info!(%reason, "not capturing");
+                    if let Some(uid) = &pod.uid {
+                        k.record_netns(uid, &netns);
+                    }
+                    return Ok(Response::Skipped { reason });
+                }
+                Admission::Enroll { uid, workload } => (uid, workload),
+            },
+        };
+        if let Some(cookie) = self.cookie_of(&uid) {
+            let same = crate::netns::Netns::open(&netns)?.cookie()? == cookie;
+            if same {
+                return Ok(self.enrolled(&uid, cookie));
+            }
+            info!(%uid, "new sandbox for an enrolled pod: replacing its capture");
+            self.unenroll(uid.as_str()).await?;
+        }
+        self.enroll(netns, uid.as_str(), workload).await
+    }
+
+    pub(super) async fn enroll(
+        self: &Arc<Self>,
+        netns: PathBuf,
+        uid: &str,
+        workload: Workload,
+    ) -> anyhow::Result<Response> {
+        let uid = PodUid::new(uid)?;
+        let workload = Workload::new(
+            &workload.name,
+            &workload.namespace,
+            &workload.service_account,
+        )?;
+        let this = self.clone();
+        let (w, u) = (workload.clone(), uid.clone());
+        let started = Instant::now();
+        let attached = tokio::task::spawn_blocking(move || -> Result<u64, EnrollError> {
+            let mut dp = this.dp.lock().unwrap();
+            Ok(enroll::attach_pod(&mut dp, &netns, &u, &w)?.1)
+        })
+        .await?;
+        let cookie = match attached {
+            Ok(c) => c,
+            Err(e) => {
+                self.metrics().failed(Failure::Attach);
+                return Err(e.into());
+            }
+        };
+        self.metrics().enrolled(started.elapsed());
+        info!(cookie, "capture attached (Pending)");
+        let note = match self.hub.newest() {
+            None => {
+                self.schedule(uid.as_str(), Duration::ZERO);
+                Some(
+                    "no ztunnel connected: it gets this pod in its snapshot when it connects"
+                        .into(),
+                )
+            }
+            Some(conn) => self.add(&conn, cookie, uid.as_str(), &workload).await.err(),
+        };
+        let state = self.state_of(cookie);
+        Ok(Response::Enrolled {
+            uid: uid.to_string(),
+            cookie,
+            state: state.map(PodState::as_str).unwrap_or("Unknown").into(),
+            note: if state == Some(PodState::Enabled) {
+                None
+            } else {
+                note
+            },
+        })
+    }
+
+    pub(super) async fn unenroll(self: &Arc<Self>, uid: &str) -> anyhow::Result<()> {
+        let uid = PodUid::new(uid)?;
+        {
+            let dp = self.dp.lock().unwrap();
+            dp.maps
+                .find_uid(&uid)
+                .ok_or_else(|| EnrollError::UnknownPod(uid.clone()))?;
+        }
+        self.retries.lock().unwrap().remove(uid.as_str());
+        // Every live ztunnel (two during an upgrade) lets go of the pod.
+        for conn in self.hub.all() {
+            match conn.request(WorkloadRequest::del(uid.as_str()), None).await {
+                Ok(Answer::Ack) => self.metrics().zds_answer(true),
+                Ok(Answer::Nack(t)) => {
+                    self.metrics().zds_answer(false);
+                    warn!(conn = conn.id, nack = %t, "ztunnel nacked del")
+                }
+                Err(e) => warn!(conn = conn.id, error = %e, "del failed"),
+            }
+        }
+        self.custody.forget(uid.as_str());
+        let this = self.clone();
+        tokio::task::spawn_blocking(move || -> Result<(), EnrollError> {
+            let mut guard = this.dp.lock().unwrap();
+            let dp = &mut *guard;
+            let last = dp.maps.find_uid(&uid).map(|c| dp.maps.counters(c));
+            enroll::unenroll(&dp.pins, &mut dp.maps, &uid)?;
+            if let Some(c) = last {
+                this.retired.lock().unwrap().add(&c);
+            }
+            Ok(())
+        })
+        .await??;
+        info!("unenrolled");
+        Ok(())
+    }
+}
+
+/// The uid a CNI request names: K8S_POD_UID when the runtime passes it, else
+/// namespace.name (stable across ADD and DEL of one pod).
+fn cni_uid(pod: &crate::cni::spec::PodRef) -> anyhow::Result<PodUid> {
+    match &pod.uid {
+        Some(u) => Ok(PodUid::new(u)?),
+        None => Ok(PodUid::new(&format!("{}.{}", pod.namespace, pod.name))?),
+    }
+}

@@ -1,0 +1,184 @@
+//! The ZDS side: adds to ztunnel, their answers, and registering the
+//! listeners of the ztunnel that acked; the server's `Handler`.
+
+use super::*;
+
+impl Node {
+    /// ZDS add on `conn`, then listener registration. Errors explain why the
+    /// pod stays Pending (it is retried).
+    pub(super) async fn add(
+        self: &Arc<Self>,
+        conn: &Arc<Conn>,
+        cookie: u64,
+        uid: &str,
+        w: &Workload,
+    ) -> Result<(), String> {
+        let fd = self.netns_fd(cookie).map_err(|e| e.to_string())?;
+        let out = conn.request(WorkloadRequest::add(uid, w), Some(fd)).await;
+        self.after_add(uid, cookie, conn.pid, out).await
+    }
+
+    pub(super) async fn after_add(
+        self: &Arc<Self>,
+        uid: &str,
+        cookie: u64,
+        pid: Option<i32>,
+        out: Result<Answer, ZdsError>,
+    ) -> Result<(), String> {
+        let why = match out {
+            Ok(Answer::Ack) => {
+                self.metrics().zds_answer(true);
+                match self.register(uid, cookie, pid).await {
+                    Ok(()) => {
+                        self.retries.lock().unwrap().remove(uid);
+                        // Listeners of an older ztunnel that were kept only
+                        // until this one's replaced them.
+                        self.release_orphans(Some(uid));
+                        return Ok(());
+                    }
+                    Err(e) => {
+                        self.metrics().failed(Failure::NoListeners);
+                        e
+                    }
+                }
+            }
+            Ok(Answer::Nack(t)) => {
+                warn!(%uid, nack = %t, "ztunnel nacked add");
+                self.metrics().zds_answer(false);
+                self.metrics().failed(Failure::Nack);
+                format!("ztunnel nacked add: {t}")
+            }
+            Err(e) => {
+                warn!(%uid, error = %e, "add failed");
+                self.metrics().failed(Failure::Zds);
+                format!("add failed: {e}")
+            }
+        };
+        self.fail(uid, &why);
+        self.release_orphans(Some(uid));
+        Err(why)
+    }
+
+    /// Looks for the listeners of the ztunnel that just acked (`pid`) until
+    /// every role has one, then the pod is Enabled.
+    pub(super) async fn register(
+        self: &Arc<Self>,
+        uid: &str,
+        cookie: u64,
+        pid: Option<i32>,
+    ) -> Result<(), String> {
+        let start = Instant::now();
+        let mut first = true;
+        loop {
+            let this = self.clone();
+            let owned_uid = uid.to_owned();
+            let got = tokio::task::spawn_blocking(move || -> Result<PodState, EnrollError> {
+                let mut guard = this.dp.lock().unwrap();
+                let dp = &mut *guard;
+                let ns = enroll::open_pod_netns(&dp.maps, cookie)?;
+                if first {
+                    enroll::refresh_addrs(&mut dp.maps, &ns, cookie)?;
+                }
+                let (e, taken) = enroll::register_keeping(&mut dp.maps, &ns, cookie, pid)?;
+                // Without a known peer there is no owner to ask about later.
+                if pid.is_some() {
+                    this.custody.keep(&owned_uid, taken);
+                }
+                Ok(e.state)
+            })
+            .await
+            .map_err(|e| e.to_string())?;
+            match got {
+                Ok(PodState::Enabled) => {
+                    info!(%uid, pid = pid.unwrap_or(0), "ztunnel acked; listeners registered: Enabled");
+                    return Ok(());
+                }
+                Ok(_) if start.elapsed() < LISTENER_WAIT => {
+                    first = false;
+                    tokio::time::sleep(Duration::from_millis(50)).await
+                }
+                Ok(_) => {
+                    return Err(
+                        "ztunnel acked but its listeners did not appear in the pod netns".into(),
+                    )
+                }
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+    }
+}
+
+impl Handler for Node {
+    fn snapshot(&self) -> Vec<SnapshotEntry> {
+        let dp = self.dp.lock().unwrap();
+        let mut retries = self.retries.lock().unwrap();
+        let mut out = Vec::new();
+        for cookie in dp.maps.cookies() {
+            let Some(meta) = dp.maps.meta(cookie) else {
+                continue;
+            };
+            // A pod being torn down is not offered again.
+            if dp.maps.entry(cookie).and_then(|e| e.state()) == Some(PodState::Draining) {
+                continue;
+            }
+            match enroll::open_pod_netns(&dp.maps, cookie) {
+                Ok(ns) => {
+                    // The snapshot's add is this pod's attempt now; a new
+                    // ztunnel starts the backoff afresh.
+                    retries.insert(
+                        meta.uid.clone(),
+                        Retry {
+                            due: Instant::now(),
+                            backoff: RETRY_MIN,
+                            in_flight: true,
+                            last_error: None,
+                        },
+                    );
+                    out.push(SnapshotEntry::Add {
+                        uid: meta.uid,
+                        workload: meta.workload,
+                        netns: ns.into_fd(),
+                    });
+                }
+                Err(e) => {
+                    warn!(uid = %meta.uid, error = %e, "pod netns unavailable: sending keep");
+                    out.push(SnapshotEntry::Keep { uid: meta.uid });
+                }
+            }
+        }
+        out
+    }
+
+    fn add_outcome(&self, uid: &str, pid: Option<i32>, outcome: &Result<Answer, ZdsError>) {
+        // Registration may take a while (listeners appear around the ack): off
+        // the connection's task, so the snapshot goes on.
+        let Some(this) = self.self_arc() else { return };
+        let Some(cookie) = PodUid::new(uid)
+            .ok()
+            .and_then(|u| self.dp.lock().unwrap().maps.find_uid(&u))
+        else {
+            return;
+        };
+        let uid = uid.to_owned();
+        let out = match outcome {
+            Ok(a) => Ok(a.clone()),
+            Err(e) => Err(ZdsError::Protocol(e.to_string())),
+        };
+        tokio::spawn(async move {
+            if let Err(why) = this.after_add(&uid, cookie, pid, out).await {
+                info!(%uid, %why, "pod stays Pending; will retry");
+            }
+        });
+    }
+
+    fn connected(&self, id: u64, pid: Option<i32>) {
+        info!(conn = id, pid = pid.unwrap_or(0), "ztunnel live");
+        self.wake.notify_one();
+    }
+
+    fn disconnected(&self, id: u64) {
+        info!(conn = id, "ztunnel connection gone");
+        self.release_orphans(None);
+        self.wake.notify_one();
+    }
+}
