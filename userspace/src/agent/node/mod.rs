@@ -73,6 +73,18 @@ struct Retry {
     last_error: Option<String>,
 }
 
+impl Retry {
+    /// A first attempt, due now, with the backoff at its start.
+    fn fresh(in_flight: bool, last_error: Option<String>) -> Self {
+        Self {
+            due: Instant::now(),
+            backoff: RETRY_MIN,
+            in_flight,
+            last_error,
+        }
+    }
+}
+
 pub struct Node {
     me: Weak<Node>,
     /// Present when the agent runs in a cluster.

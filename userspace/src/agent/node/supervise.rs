@@ -24,12 +24,7 @@ impl Node {
     /// Schedules a retry with exponential backoff.
     pub(super) fn fail(&self, uid: &str, why: &str) {
         let mut r = self.retries.lock().unwrap();
-        let e = r.entry(uid.to_owned()).or_insert(Retry {
-            due: Instant::now(),
-            backoff: RETRY_MIN,
-            in_flight: false,
-            last_error: None,
-        });
+        let e = r.entry(uid.to_owned()).or_insert(Retry::fresh(false, None));
         e.in_flight = false;
         e.last_error = Some(why.to_owned());
         e.due = Instant::now() + e.backoff;
@@ -38,12 +33,7 @@ impl Node {
 
     pub(super) fn schedule(&self, uid: &str, after: Duration) {
         let mut r = self.retries.lock().unwrap();
-        let e = r.entry(uid.to_owned()).or_insert(Retry {
-            due: Instant::now(),
-            backoff: RETRY_MIN,
-            in_flight: false,
-            last_error: None,
-        });
+        let e = r.entry(uid.to_owned()).or_insert(Retry::fresh(false, None));
         e.due = Instant::now() + after;
     }
 
@@ -106,21 +96,13 @@ impl Node {
                         .set_state(p.netns_cookie, PodState::Pending, boottime_ns());
                     retries.insert(
                         p.uid.clone(),
-                        Retry {
-                            due: now,
-                            backoff: RETRY_MIN,
-                            in_flight: false,
-                            last_error: Some("ztunnel's listeners are gone".into()),
-                        },
+                        Retry::fresh(false, Some("ztunnel's listeners are gone".into())),
                     );
                 }
                 Some("Pending") => {
-                    let r = retries.entry(p.uid.clone()).or_insert(Retry {
-                        due: now,
-                        backoff: RETRY_MIN,
-                        in_flight: false,
-                        last_error: None,
-                    });
+                    let r = retries
+                        .entry(p.uid.clone())
+                        .or_insert(Retry::fresh(false, None));
                     if !r.in_flight && r.due <= now && connected {
                         if let Some(w) = p.workload.clone() {
                             r.in_flight = true;

@@ -125,15 +125,7 @@ impl Handler for Node {
                 Ok(ns) => {
                     // The snapshot's add is this pod's attempt now; a new
                     // ztunnel starts the backoff afresh.
-                    retries.insert(
-                        meta.uid.clone(),
-                        Retry {
-                            due: Instant::now(),
-                            backoff: RETRY_MIN,
-                            in_flight: true,
-                            last_error: None,
-                        },
-                    );
+                    retries.insert(meta.uid.clone(), Retry::fresh(true, None));
                     out.push(SnapshotEntry::Add {
                         uid: meta.uid,
                         workload: meta.workload,
