@@ -65,6 +65,14 @@ impl Netns {
         &self.path
     }
 
+    /// A second handle on the same namespace (a duplicated fd).
+    pub fn try_clone(&self) -> std::io::Result<Self> {
+        Ok(Self {
+            file: self.file.try_clone()?,
+            path: self.path.clone(),
+        })
+    }
+
     /// The namespace fd, e.g. to hand to ztunnel.
     pub fn into_fd(self) -> OwnedFd {
         self.file.into()

@@ -13,7 +13,6 @@
 
 use std::{
     collections::HashMap,
-    os::fd::OwnedFd,
     path::PathBuf,
     sync::{Arc, Mutex, Weak},
     time::{Duration, Instant},
@@ -36,6 +35,7 @@ use crate::{
     lifecycle::Transition,
     loader::Dataplane,
     metrics::{self, Failure, Metrics},
+    netns::Netns,
     readiness::{self, PodView},
     state::{boottime_ns, CounterView},
     uid::PodUid,
@@ -47,6 +47,7 @@ use crate::{
 };
 
 mod announce;
+mod pods;
 mod relist;
 mod requests;
 mod supervise;
@@ -103,6 +104,8 @@ pub struct Node {
     retired: Mutex<Counters>,
     /// Duplicates of the ztunnel listeners in the socket map.
     custody: Custody,
+    /// Each enrolled pod's cookie and open netns.
+    pods: pods::PodTable,
 }
 
 /// The metrics' view of the maps, through the node (which owns them).
@@ -177,6 +180,7 @@ impl Node {
             )),
             retired: Mutex::new(Counters::default()),
             custody: Custody::default(),
+            pods: pods::PodTable::default(),
         }
     }
 
@@ -272,9 +276,17 @@ impl Node {
                 }
                 Ok(enroll::Repair::TornDown) => {
                     self.custody.forget(&uid);
-                    info!("finished an interrupted teardown")
+                    self.pods.remove(&uid);
+                    info!("finished an interrupted teardown");
+                    continue;
                 }
                 Err(e) => warn!(error = %e, "could not verify the pod's capture; will retry"),
+            }
+            // A pod an earlier agent enrolled: open its netns once, now.
+            if !uid.is_empty() && !self.pods.contains(&uid) {
+                if let Ok(ns) = enroll::open_pod_netns(&dp.maps, cookie) {
+                    self.pods.insert(&uid, cookie, ns);
+                }
             }
         }
         match enroll::remove_orphan_pins(&dp.pins, &dp.maps) {
@@ -288,8 +300,12 @@ impl Node {
         self.dp.lock().unwrap().maps.states().len()
     }
 
+    /// From the table; the map is walked only for a pod the table does not
+    /// hold (its netns could not be opened when the agent started).
     fn cookie_of(&self, uid: &PodUid) -> Option<u64> {
-        self.dp.lock().unwrap().maps.find_uid(uid)
+        self.pods
+            .cookie(uid.as_str())
+            .or_else(|| self.dp.lock().unwrap().maps.find_uid(uid))
     }
 
     fn state_of(&self, cookie: u64) -> Option<PodState> {
@@ -301,10 +317,17 @@ impl Node {
             .and_then(|e| e.state())
     }
 
-    fn netns_fd(&self, cookie: u64) -> Result<OwnedFd, EnrollError> {
+    /// The pod's netns, as held since its enrollment; opened by its path
+    /// (and checked) only for a pod the table does not hold.
+    fn netns_of(&self, cookie: u64) -> Result<Netns, EnrollError> {
+        if let Some(ns) = self.pods.netns(cookie) {
+            return ns.try_clone().map_err(|source| EnrollError::Io {
+                what: "duplicating the pod's netns fd".into(),
+                source,
+            });
+        }
         let dp = self.dp.lock().unwrap();
-        let ns = enroll::open_pod_netns(&dp.maps, cookie)?;
-        Ok(ns.into_fd())
+        enroll::open_pod_netns(&dp.maps, cookie)
     }
 
     /// Pods the agent is retrying, with why the last attempt failed.

@@ -186,7 +186,10 @@ impl Node {
         let started = Instant::now();
         let attached = tokio::task::spawn_blocking(move || -> Result<u64, EnrollError> {
             let mut dp = this.dp.lock().unwrap();
-            Ok(enroll::attach_pod(&mut dp, &netns, &u, &w)?.1)
+            let (ns, cookie) = enroll::attach_pod(&mut dp, &netns, &u, &w)?;
+            // The netns stays open from here on: adds and registrations use it.
+            this.pods.insert(u.as_str(), cookie, ns);
+            Ok(cookie)
         })
         .await?;
         let cookie = match attached {
@@ -242,6 +245,7 @@ impl Node {
             }
         }
         self.custody.forget(uid.as_str());
+        self.pods.remove(uid.as_str());
         let this = self.clone();
         tokio::task::spawn_blocking(move || -> Result<(), EnrollError> {
             let mut guard = this.dp.lock().unwrap();

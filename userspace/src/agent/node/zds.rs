@@ -13,7 +13,10 @@ impl Node {
         uid: &str,
         w: &Workload,
     ) -> Result<(), String> {
-        let fd = self.netns_fd(cookie).map_err(|e| e.to_string())?;
+        let fd = self
+            .netns_of(cookie)
+            .map(Netns::into_fd)
+            .map_err(|e| e.to_string())?;
         let out = conn.request(WorkloadRequest::add(uid, w), Some(fd)).await;
         self.after_add(uid, cookie, conn.pid, out).await
     }
@@ -73,9 +76,9 @@ impl Node {
             let this = self.clone();
             let owned_uid = uid.to_owned();
             let got = tokio::task::spawn_blocking(move || -> Result<PodState, EnrollError> {
+                let ns = this.netns_of(cookie)?;
                 let mut guard = this.dp.lock().unwrap();
                 let dp = &mut *guard;
-                let ns = enroll::open_pod_netns(&dp.maps, cookie)?;
                 if first {
                     enroll::refresh_addrs(&mut dp.maps, &ns, cookie)?;
                 }
@@ -121,7 +124,8 @@ impl Handler for Node {
             if dp.maps.entry(cookie).and_then(|e| e.state()) == Some(PodState::Draining) {
                 continue;
             }
-            match enroll::open_pod_netns(&dp.maps, cookie) {
+            let held = self.pods.netns(cookie).and_then(|n| n.try_clone().ok());
+            match held.map_or_else(|| enroll::open_pod_netns(&dp.maps, cookie), Ok) {
                 Ok(ns) => {
                     // The snapshot's add is this pod's attempt now; a new
                     // ztunnel starts the backoff afresh.
