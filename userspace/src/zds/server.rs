@@ -330,7 +330,12 @@ async fn run_connection(
     }
     info!("ztunnel connected; sending snapshot");
 
-    let entries = handler.snapshot();
+    // The handler walks the pinned maps (and may wait for an enrollment):
+    // off the async workers.
+    let h = handler.clone();
+    let entries = tokio::task::spawn_blocking(move || h.snapshot())
+        .await
+        .map_err(|e| ZdsError::Protocol(format!("building the snapshot failed: {e}")))?;
     let n = entries.len();
     for e in entries {
         match e {

@@ -317,6 +317,24 @@ impl Node {
             .and_then(|e| e.state())
     }
 
+    /// Whether the pod's netns path still names the netns it was enrolled
+    /// with (its sandbox lives).
+    fn sandbox_alive(&self, cookie: u64) -> bool {
+        let path = match self.pods.netns(cookie) {
+            Some(ns) => Some(ns.path().to_owned()),
+            None => self
+                .dp
+                .lock()
+                .unwrap()
+                .maps
+                .meta(cookie)
+                .map(|m| m.netns.into()),
+        };
+        path.and_then(|p| Netns::open(&p).ok())
+            .and_then(|ns| ns.cookie().ok())
+            == Some(cookie)
+    }
+
     /// The pod's netns, as held since its enrollment; opened by its path
     /// (and checked) only for a pod the table does not hold.
     fn netns_of(&self, cookie: u64) -> Result<Netns, EnrollError> {

@@ -39,7 +39,9 @@ impl Node {
         let (pods, namespaces) = k.observe().await?;
         k.prune_records(&pods.iter().filter_map(|p| p.metadata.uid.clone()).collect());
         let now = boottime_ns();
-        let records = self.dp.lock().unwrap().maps.pods();
+        let this = self.clone();
+        let records =
+            tokio::task::spawn_blocking(move || this.dp.lock().unwrap().maps.pods()).await?;
         // Annotations and gates that disagree with the map (a lost write,
         // someone else's edit) are written again.
         let by_name: HashMap<(&str, &str), PodState> = records

@@ -60,11 +60,7 @@ impl Node {
                         });
                     };
                     if let Some(k) = &self.kube {
-                        let alive = {
-                            let dp = self.dp.lock().unwrap();
-                            enroll::open_pod_netns(&dp.maps, cookie).is_ok()
-                        };
-                        k.admit_del(&pod, alive).await?;
+                        k.admit_del(&pod, self.sandbox_alive(cookie)).await?;
                     }
                     if !self.del_names_enrolled_sandbox(cookie, &netns) {
                         // A DEL for an older sandbox of this pod (the runtime
@@ -112,10 +108,7 @@ impl Node {
             .and_then(|n| n.cookie().ok());
         match named {
             Some(c) => c == cookie,
-            None => {
-                let dp = self.dp.lock().unwrap();
-                enroll::open_pod_netns(&dp.maps, cookie).is_err()
-            }
+            None => !self.sandbox_alive(cookie),
         }
     }
 
@@ -226,12 +219,8 @@ impl Node {
 
     pub(super) async fn unenroll(self: &Arc<Self>, uid: &str) -> anyhow::Result<()> {
         let uid = PodUid::new(uid)?;
-        {
-            let dp = self.dp.lock().unwrap();
-            dp.maps
-                .find_uid(&uid)
-                .ok_or_else(|| EnrollError::UnknownPod(uid.clone()))?;
-        }
+        self.cookie_of(&uid)
+            .ok_or_else(|| EnrollError::UnknownPod(uid.clone()))?;
         self.retries.lock().unwrap().remove(uid.as_str());
         // Every live ztunnel (two during an upgrade) lets go of the pod.
         for conn in self.hub.all() {

@@ -53,7 +53,12 @@ impl Node {
                 let this = self.clone();
                 let _ = tokio::task::spawn_blocking(move || this.verify_all()).await;
             }
-            let due = self.check();
+            // The map walk waits for the dataplane lock an enrollment may
+            // hold for tens of milliseconds: never on an async worker.
+            let this = self.clone();
+            let Ok(due) = tokio::task::spawn_blocking(move || this.check()).await else {
+                continue;
+            };
             let Some(conn) = self.hub.newest() else {
                 continue;
             };

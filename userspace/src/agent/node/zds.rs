@@ -149,10 +149,7 @@ impl Handler for Node {
         // Registration may take a while (listeners appear around the ack): off
         // the connection's task, so the snapshot goes on.
         let Some(this) = self.self_arc() else { return };
-        let Some(cookie) = PodUid::new(uid)
-            .ok()
-            .and_then(|u| self.dp.lock().unwrap().maps.find_uid(&u))
-        else {
+        let Some(cookie) = PodUid::new(uid).ok().and_then(|u| self.cookie_of(&u)) else {
             return;
         };
         let uid = uid.to_owned();
