@@ -265,17 +265,26 @@ fn attach_link(
 pub enum Repair {
     /// Every link, route and address entry was in place.
     Complete,
-    /// These links were missing and are attached again.
-    Relinked(Vec<String>),
+    /// Something was missing and is in place now.
+    Repaired {
+        /// Links attached again (pin names).
+        relinked: Vec<String>,
+        /// istio-cni's rules an interrupted take-over left, removed (by the
+        /// tools that listed them).
+        istio_rules: Vec<&'static str>,
+    },
     /// The pod was being torn down (`Draining`): the teardown is finished.
     TornDown,
 }
 
 /// Verifies an enrolled pod link by link and completes what is missing:
 /// routes and sysctls (idempotent), its addresses, and every link its
-/// current interfaces call for. A pod caught in its teardown (`Draining`) is
-/// torn down completely instead: it never comes back to life.
-pub fn repair(dp: &mut Dataplane, cookie: u64) -> Result<Repair, EnrollError> {
+/// current interfaces call for; with `takeover`, also istio-cni's in-pod
+/// rules that an enrollment killed before its last step left behind (a
+/// process spawn per pod: the agent asks for it at start only). A pod caught
+/// in its teardown (`Draining`) is torn down completely instead: it never
+/// comes back to life.
+pub fn repair(dp: &mut Dataplane, cookie: u64, takeover: bool) -> Result<Repair, EnrollError> {
     let draining = dp.maps.entry(cookie).and_then(|e| e.state()) == Some(PodState::Draining);
     if draining {
         let netns = open_pod_netns(&dp.maps, cookie).ok();
@@ -303,10 +312,20 @@ pub fn repair(dp: &mut Dataplane, cookie: u64) -> Result<Repair, EnrollError> {
         attach_link(dp, &netns, &dir, &spec)?;
         relinked.push(spec.pin_name());
     }
-    Ok(if relinked.is_empty() {
+    let mut istio_rules = Vec::new();
+    if takeover {
+        istio_rules = crate::migrate::istio_rules(&netns)?;
+        if !istio_rules.is_empty() {
+            crate::migrate::remove_istio_rules(&netns, &istio_rules)?;
+        }
+    }
+    Ok(if relinked.is_empty() && istio_rules.is_empty() {
         Repair::Complete
     } else {
-        Repair::Relinked(relinked)
+        Repair::Repaired {
+            relinked,
+            istio_rules,
+        }
     })
 }
 

@@ -75,6 +75,10 @@ pub fn trials() -> Vec<Trial> {
         "crash::lost_tc_links_are_found_and_attached_again_on_restart",
         lost_links,
     ));
+    v.push(trial(
+        "crash::takeover_from_istio_cni_killed_before_its_rules_went_is_finished",
+        takeover_killed,
+    ));
     v
 }
 
@@ -222,6 +226,41 @@ fn unenroll_killed(step: &str) -> TestResult {
         "a removed pod's traffic still went to ztunnel"
     );
     Ok(())
+}
+
+/// A pod istio-cni had captured: the enrollment is killed after sluice's
+/// last link, before Istio's rules are removed (both rule sets at once would
+/// misroute outbound). The restarted agent removes them, and the pod is
+/// captured by sluice.
+fn takeover_killed() -> TestResult {
+    let step = pod_links()
+        .last()
+        .map(|l| format!("enroll:link:{}", l.pin_name()))
+        .context("no links")?;
+    let f = Fixture::new("tko", None)?;
+    sluice_tests::istio::apply(&f.topo.pod)?;
+    let ns = sluice::netns::Netns::open(&f.topo.pod_netns_path())?;
+    ensure!(
+        !sluice::migrate::istio_rules(&ns)?.is_empty(),
+        "Istio's rules not applied"
+    );
+    let mut agent = AgentProc::start_crashing_at(&f.topo.pins, &step)?;
+    let out = agent.enroll(&f.topo.pod_netns_path(), f.uid.as_str(), "shop", "cart")?;
+    ensure!(!out.ok, "enroll survived the crash point: {}", out.stdout);
+    ensure!(agent.wait_killed()? == libc::SIGKILL);
+    ensure!(
+        !sluice::migrate::istio_rules(&ns)?.is_empty(),
+        "Istio's rules went before the crash point"
+    );
+    agent.restart_clean()?;
+    let left = sluice::migrate::istio_rules(&ns)?;
+    ensure!(
+        left.is_empty(),
+        "Istio's rules left after the restart: {left:?}"
+    );
+    let p = peer(&agent)?;
+    f.wait_state("Enabled")?;
+    captured(&f, &p)
 }
 
 /// The state the issue found by hand: an Enabled pod whose tc links are gone

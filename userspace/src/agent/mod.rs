@@ -74,7 +74,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     // completely captured, or its teardown finished (crash safety).
     {
         let node = node.clone();
-        tokio::task::spawn_blocking(move || node.verify_all())
+        tokio::task::spawn_blocking(move || node.verify_all(true))
             .await
             .context("verifying the pods' capture")?;
     }

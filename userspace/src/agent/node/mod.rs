@@ -262,18 +262,23 @@ impl Node {
     /// interrupted teardowns; removes pins no pod owns. Blocking: run it off
     /// the async workers. At start, before ZDS and the control socket serve,
     /// and again every `RESYNC`.
-    pub fn verify_all(&self) {
+    pub fn verify_all(&self, at_start: bool) {
         let mut guard = self.dp.lock().unwrap();
         let dp = &mut *guard;
         for cookie in dp.maps.cookies() {
             let uid = dp.maps.meta(cookie).map(|m| m.uid).unwrap_or_default();
             let span = info_span!("pod", %uid, cookie);
             let _e = span.enter();
-            match enroll::repair(dp, cookie) {
+            match enroll::repair(dp, cookie, at_start) {
                 Ok(enroll::Repair::Complete) => {}
-                Ok(enroll::Repair::Relinked(links)) => {
-                    warn!(?links, "capture was incomplete: links attached again")
-                }
+                Ok(enroll::Repair::Repaired {
+                    relinked,
+                    istio_rules,
+                }) => warn!(
+                    ?relinked,
+                    ?istio_rules,
+                    "capture was incomplete: completed (links attached, istio-cni rules removed)"
+                ),
                 Ok(enroll::Repair::TornDown) => {
                     self.custody.forget(&uid);
                     self.pods.remove(&uid);

@@ -51,7 +51,7 @@ impl Node {
             if verified.elapsed() >= RESYNC {
                 verified = Instant::now();
                 let this = self.clone();
-                let _ = tokio::task::spawn_blocking(move || this.verify_all()).await;
+                let _ = tokio::task::spawn_blocking(move || this.verify_all(false)).await;
             }
             // The map walk waits for the dataplane lock an enrollment may
             // hold for tens of milliseconds: never on an async worker.
