@@ -60,6 +60,7 @@ pub fn trials() -> Vec<Trial> {
             sigterm,
         ),
         trial("agent::unenroll_sends_del_and_removes_capture", unenroll),
+        trial("agent::lifts_its_soft_open_files_limit", fd_limit),
         trial(
             "agent::cli_for_another_bpf_root_is_refused_by_the_agent",
             other_root,
@@ -651,6 +652,26 @@ fn unenroll() -> TestResult {
         !out.ok && out.stderr.contains("no enrolled pod"),
         "{}",
         out.stderr
+    );
+    Ok(())
+}
+
+/// The agent holds an fd per pod netns and per registered listener: started
+/// with a low soft open-files limit, it lifts it to the hard one.
+fn fd_limit() -> TestResult {
+    let f = Fixture::new("fdl", None)?;
+    let agent =
+        AgentProc::start_wrapped(&f.topo.pins, &["prlimit", "--nofile=256:4096", "--"], &[])?;
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", agent.pid().context("pid")?))?;
+    let files: Vec<&str> = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .context("no open-files limit")?
+        .split_whitespace()
+        .collect();
+    ensure!(
+        files.get(3) == Some(&"4096") && files.get(4) == Some(&"4096"),
+        "soft limit not raised to the hard one: {files:?}"
     );
     Ok(())
 }

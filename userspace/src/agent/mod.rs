@@ -42,7 +42,22 @@ pub struct Config {
     pub metrics_addr: Option<SocketAddr>,
 }
 
+/// The agent holds a descriptor per pod netns and per ztunnel listener it
+/// registered (three per pod): lift the soft open-files limit to the hard one
+/// so a full node does not run out at the common 1024.
+fn raise_fd_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        if soft < hard {
+            if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+                tracing::warn!(soft, hard, error = %e, "could not raise the open-files limit");
+            }
+        }
+    }
+}
+
 pub fn run(cfg: Config) -> anyhow::Result<()> {
+    raise_fd_limit();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
