@@ -286,6 +286,21 @@ impl Maps {
             .map_err(merr("listeners"))
     }
 
+    /// The pods that have a listener for every role, in one walk of the
+    /// socket map.
+    pub fn pods_with_every_listener(&self) -> std::collections::HashSet<u64> {
+        let mut roles: std::collections::HashMap<u64, u8> = Default::default();
+        for k in self.listeners.keys().filter_map(Result::ok) {
+            *roles.entry(k.netns_cookie).or_default() |= 1 << k.role;
+        }
+        let all = Role::ALL.iter().fold(0u8, |m, r| m | 1 << *r as u8);
+        roles
+            .into_iter()
+            .filter(|(_, m)| m & all == all)
+            .map(|(c, _)| c)
+            .collect()
+    }
+
     /// Listener keys registered for a pod (closed sockets have left by themselves).
     pub fn listeners_of(&self, cookie: u64) -> Vec<ListenerKey> {
         self.listeners

@@ -1,5 +1,5 @@
-//! The agent's view of its node: the pods it holds (their state lives in the
-//! pinned pod-state map; here only scheduling and custody), split by role:
+//! The agent's view of its node: the pods it holds (`pods`: one record per
+//! pod; their state lives in the pinned pod-state map), split by role:
 //!
 //! - `requests`: control-socket and CNI requests (enroll, unenroll, ADD/DEL/CHECK);
 //! - `zds`: adds to ztunnel, their answers, listener registration, the ZDS `Handler`;
@@ -18,7 +18,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use sluice_common::{Counters, PodState, Role};
+use sluice_common::{Counters, PodState};
 use tokio::sync::{watch, Notify};
 use tracing::{info, info_span, warn, Instrument as _};
 
@@ -57,34 +57,11 @@ mod zds;
 const CHECK_EVERY: Duration = Duration::from_millis(200);
 /// ztunnel opens a pod's listeners around its ack: look for this long.
 const LISTENER_WAIT: Duration = Duration::from_secs(2);
-const RETRY_MIN: Duration = Duration::from_millis(500);
-const RETRY_MAX: Duration = Duration::from_secs(30);
 /// How often the agent relists this node's pods from the API even when the
 /// watch reports nothing.
 const RESYNC: Duration = Duration::from_secs(60);
 /// Pods captured this recently are never released by a relist.
 const RECENT: Duration = Duration::from_secs(30);
-
-#[derive(Debug)]
-struct Retry {
-    due: Instant,
-    backoff: Duration,
-    in_flight: bool,
-    /// Why the last attempt left the pod Pending.
-    last_error: Option<String>,
-}
-
-impl Retry {
-    /// A first attempt, due now, with the backoff at its start.
-    fn fresh(in_flight: bool, last_error: Option<String>) -> Self {
-        Self {
-            due: Instant::now(),
-            backoff: RETRY_MIN,
-            in_flight,
-            last_error,
-        }
-    }
-}
 
 pub struct Node {
     me: Weak<Node>,
@@ -92,7 +69,6 @@ pub struct Node {
     kube: Option<KubeCtx>,
     dp: Mutex<Dataplane>,
     hub: Arc<Hub>,
-    retries: Mutex<HashMap<String, Retry>>,
     wake: Notify,
     /// Pods (namespace, name) whose annotation and gate need writing.
     announcements: Mutex<std::collections::BTreeSet<(String, String)>>,
@@ -104,7 +80,7 @@ pub struct Node {
     retired: Mutex<Counters>,
     /// Duplicates of the ztunnel listeners in the socket map.
     custody: Custody,
-    /// Each enrolled pod's cookie and open netns.
+    /// Every pod the agent holds: identity, cookie, netns, retry schedule.
     pods: pods::PodTable,
 }
 
@@ -170,7 +146,6 @@ impl Node {
             kube,
             dp: Mutex::new(dp),
             hub,
-            retries: Mutex::new(HashMap::new()),
             wake: Notify::new(),
             announcements: Mutex::new(Default::default()),
             announce_wake: Notify::new(),
@@ -288,9 +263,10 @@ impl Node {
                 Err(e) => warn!(error = %e, "could not verify the pod's capture; will retry"),
             }
             // A pod an earlier agent enrolled: open its netns once, now.
-            if !uid.is_empty() && !self.pods.contains(&uid) {
-                if let Ok(ns) = enroll::open_pod_netns(&dp.maps, cookie) {
-                    self.pods.insert(&uid, cookie, ns);
+            if let Some(meta) = dp.maps.meta(cookie) {
+                if !self.pods.contains(&meta.uid) {
+                    let ns = enroll::open_pod_netns(&dp.maps, cookie).ok();
+                    self.pods.insert(cookie, meta, ns);
                 }
             }
         }
@@ -355,20 +331,7 @@ impl Node {
 
     /// Pods the agent is retrying, with why the last attempt failed.
     fn waiting(&self) -> Vec<WaitingPod> {
-        let mut out: Vec<WaitingPod> = self
-            .retries
-            .lock()
-            .unwrap()
-            .iter()
-            .filter_map(|(uid, r)| {
-                r.last_error.as_ref().map(|e| WaitingPod {
-                    uid: uid.clone(),
-                    last_error: e.clone(),
-                })
-            })
-            .collect();
-        out.sort_by(|a, b| a.uid.cmp(&b.uid));
-        out
+        self.pods.waiting()
     }
 
     /// The ztunnel processes the agent knows: connected ones, and those whose

@@ -1,27 +1,87 @@
-//! The pods the agent holds, by uid: each one's netns cookie and its netns,
-//! opened once (at enrollment, or when a starting agent adopts the pod) and
-//! carried from then on, so the agent neither reopens a pod's netns by path
-//! for every add and registration nor walks the identity map to find a uid.
-//! The pod's state is not here: it lives in the pinned pod-state map.
+//! The pod table: one record per pod the agent holds, by uid. A record
+//! carries what the agent needs to act on the pod without asking the kernel
+//! again: who it is, its netns cookie, its netns (opened once, at enrollment
+//! or when a starting agent adopts the pod) and, while it waits for ztunnel,
+//! its retry schedule.
+//!
+//! The pod's state is not copied here: it lives in the pinned pod-state map,
+//! shared with the programs, and changes only through `state::Maps::change`.
+//! Lock order: the dataplane before the table; nothing here takes the
+//! dataplane.
 
 use std::{
     collections::HashMap,
     sync::{Arc, Mutex},
+    time::{Duration, Instant},
 };
 
-use crate::netns::Netns;
+use crate::{control::WaitingPod, netns::Netns, workload::PodIdentity};
+
+pub(super) const RETRY_MIN: Duration = Duration::from_millis(500);
+pub(super) const RETRY_MAX: Duration = Duration::from_secs(30);
+
+/// When a waiting pod is offered to ztunnel next, and why it still waits.
+#[derive(Debug, Clone)]
+pub(super) struct Retry {
+    /// `None`: due at once.
+    due: Option<Instant>,
+    backoff: Duration,
+    /// An add for the pod is out (its answer decides what comes next).
+    in_flight: bool,
+    /// Why the last attempt left the pod Pending.
+    last_error: Option<String>,
+}
+
+impl Retry {
+    /// A first attempt, due now, with the backoff at its start.
+    fn fresh(in_flight: bool, last_error: Option<String>) -> Self {
+        Self {
+            due: None,
+            backoff: RETRY_MIN,
+            in_flight,
+            last_error,
+        }
+    }
+}
+
+#[derive(Clone)]
+pub(super) struct Pod {
+    pub cookie: u64,
+    pub identity: PodIdentity,
+    /// `None` only for a pod whose netns could not be opened when a starting
+    /// agent adopted it (it is then opened by path when needed).
+    pub netns: Option<Arc<Netns>>,
+    plan: Plan,
+}
+
+/// What the agent means to do with a pod next.
+#[derive(Debug, Clone)]
+enum Plan {
+    /// Nothing: ztunnel has it (or nothing has been tried yet).
+    Idle,
+    /// Offer it to ztunnel (again) on this schedule.
+    Retry(Retry),
+    /// Being unenrolled: never offered to ztunnel again.
+    Leaving,
+}
 
 #[derive(Default)]
 pub(super) struct PodTable {
-    by_uid: Mutex<HashMap<String, (u64, Arc<Netns>)>>,
+    by_uid: Mutex<HashMap<String, Pod>>,
 }
 
 impl PodTable {
-    pub(super) fn insert(&self, uid: &str, cookie: u64, netns: Netns) {
-        self.by_uid
-            .lock()
-            .unwrap()
-            .insert(uid.to_owned(), (cookie, Arc::new(netns)));
+    /// Holds a pod from now on (replacing any record of the same uid).
+    pub(super) fn insert(&self, cookie: u64, identity: PodIdentity, netns: Option<Netns>) {
+        self.by_uid.lock().unwrap().insert(
+            identity.uid.clone(),
+            Pod {
+                cookie,
+                identity,
+                netns: netns.map(Arc::new),
+                plan: Plan::Idle,
+            },
+        );
     }
 
     pub(super) fn remove(&self, uid: &str) {
@@ -33,7 +93,7 @@ impl PodTable {
     }
 
     pub(super) fn cookie(&self, uid: &str) -> Option<u64> {
-        self.by_uid.lock().unwrap().get(uid).map(|(c, _)| *c)
+        self.by_uid.lock().unwrap().get(uid).map(|p| p.cookie)
     }
 
     /// The open netns of the pod with this cookie.
@@ -42,7 +102,189 @@ impl PodTable {
             .lock()
             .unwrap()
             .values()
-            .find(|(c, _)| *c == cookie)
-            .map(|(_, n)| n.clone())
+            .find(|p| p.cookie == cookie)
+            .and_then(|p| p.netns.clone())
+    }
+
+    /// Every pod held and not leaving, as of now.
+    pub(super) fn staying(&self) -> Vec<Pod> {
+        let mut out: Vec<Pod> = self
+            .by_uid
+            .lock()
+            .unwrap()
+            .values()
+            .filter(|p| !matches!(p.plan, Plan::Leaving))
+            .cloned()
+            .collect();
+        out.sort_by_key(|p| p.cookie);
+        out
+    }
+
+    /// Runs `f` on the pod's retry schedule, starting one (due now) if the
+    /// pod has none. `None` when the table does not hold the pod or it is
+    /// leaving.
+    fn retry<R>(&self, uid: &str, f: impl FnOnce(&mut Retry) -> R) -> Option<R> {
+        let mut t = self.by_uid.lock().unwrap();
+        let p = t.get_mut(uid)?;
+        match &mut p.plan {
+            Plan::Leaving => None,
+            Plan::Retry(r) => Some(f(r)),
+            Plan::Idle => {
+                let mut r = Retry::fresh(false, None);
+                let out = f(&mut r);
+                p.plan = Plan::Retry(r);
+                Some(out)
+            }
+        }
+    }
+
+    /// Sets the plan unless the pod is leaving.
+    fn plan(&self, uid: &str, plan: Plan) {
+        if let Some(p) = self.by_uid.lock().unwrap().get_mut(uid) {
+            if !matches!(p.plan, Plan::Leaving) {
+                p.plan = plan;
+            }
+        }
+    }
+
+    /// The pod's attempt failed: the next one is due after the backoff,
+    /// which doubles (up to `RETRY_MAX`).
+    pub(super) fn failed(&self, uid: &str, why: &str) {
+        self.retry(uid, |r| {
+            r.in_flight = false;
+            r.last_error = Some(why.to_owned());
+            r.due = Some(Instant::now() + r.backoff);
+            r.backoff = (r.backoff * 2).min(RETRY_MAX);
+        });
+    }
+
+    /// The pod is offered to ztunnel again `after` from now.
+    pub(super) fn schedule(&self, uid: &str, after: Duration) {
+        self.retry(uid, |r| r.due = Some(Instant::now() + after));
+    }
+
+    /// An add for the pod went out now, as a first attempt (a new ztunnel
+    /// starts the backoff afresh).
+    pub(super) fn attempting(&self, uid: &str) {
+        self.plan(uid, Plan::Retry(Retry::fresh(true, None)));
+    }
+
+    /// The pod lost what made it Enabled: it waits again, from the start.
+    pub(super) fn waits_again(&self, uid: &str, why: &str) {
+        self.plan(uid, Plan::Retry(Retry::fresh(false, Some(why.to_owned()))));
+    }
+
+    /// ztunnel took the pod: it no longer waits.
+    pub(super) fn taken(&self, uid: &str) {
+        self.plan(uid, Plan::Idle);
+    }
+
+    /// The pod is being unenrolled: no add goes out for it any more. Its
+    /// record stays (the pod is still in the maps) until `remove`.
+    pub(super) fn leaving(&self, uid: &str) {
+        if let Some(p) = self.by_uid.lock().unwrap().get_mut(uid) {
+            p.plan = Plan::Leaving;
+        }
+    }
+
+    pub(super) fn in_flight(&self, uid: &str) -> bool {
+        self.by_uid
+            .lock()
+            .unwrap()
+            .get(uid)
+            .is_some_and(|p| matches!(&p.plan, Plan::Retry(r) if r.in_flight))
+    }
+
+    /// Whether the waiting pod is due for another add at `now`; if so its
+    /// attempt is marked in flight.
+    pub(super) fn take_due(&self, uid: &str, now: Instant) -> bool {
+        self.retry(uid, |r| {
+            let due = !r.in_flight && r.due.is_none_or(|d| d <= now);
+            if due {
+                r.in_flight = true;
+            }
+            due
+        })
+        .unwrap_or(false)
+    }
+
+    /// Pods that wait, with why their last attempt failed.
+    pub(super) fn waiting(&self) -> Vec<WaitingPod> {
+        let mut out: Vec<WaitingPod> = self
+            .by_uid
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|(uid, p)| {
+                let Plan::Retry(r) = &p.plan else { return None };
+                let e = r.last_error.as_ref()?;
+                Some(WaitingPod {
+                    uid: uid.clone(),
+                    last_error: e.clone(),
+                })
+            })
+            .collect();
+        out.sort_by(|a, b| a.uid.cmp(&b.uid));
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::workload::Workload;
+
+    fn pod(uid: &str) -> PodIdentity {
+        PodIdentity {
+            uid: uid.into(),
+            netns: "/proc/1/ns/net".into(),
+            workload: Workload::new("a", "ns", "sa").unwrap(),
+        }
+    }
+
+    #[test]
+    fn a_failed_attempt_backs_off_and_says_why() {
+        let t = PodTable::default();
+        t.insert(7, pod("u1"), None);
+        assert!(t.take_due("u1", Instant::now()), "a new pod is due at once");
+        let now = Instant::now();
+        assert!(!t.take_due("u1", now), "not twice while in flight");
+        assert!(t.in_flight("u1"));
+        t.failed("u1", "nack");
+        assert!(!t.take_due("u1", Instant::now()), "backing off");
+        assert!(t.take_due("u1", Instant::now() + RETRY_MIN));
+        t.failed("u1", "nack again");
+        // The backoff doubled: one minimum interval is not enough any more.
+        assert!(!t.take_due("u1", Instant::now() + RETRY_MIN));
+        assert_eq!(t.waiting()[0].last_error, "nack again");
+        t.taken("u1");
+        assert!(t.waiting().is_empty());
+        assert!(!t.in_flight("u1"));
+    }
+
+    #[test]
+    fn a_leaving_pod_is_never_offered_again() {
+        let t = PodTable::default();
+        t.insert(7, pod("u1"), None);
+        t.failed("u1", "nack");
+        t.leaving("u1");
+        for _ in 0..2 {
+            assert!(!t.take_due("u1", Instant::now() + RETRY_MAX));
+            // A late answer or a snapshot cannot bring it back.
+            t.failed("u1", "late nack");
+            t.attempting("u1");
+            t.schedule("u1", Duration::ZERO);
+        }
+        assert!(t.waiting().is_empty());
+        assert_eq!(t.cookie("u1"), Some(7), "still held until removed");
+    }
+
+    #[test]
+    fn unknown_pods_are_never_due() {
+        let t = PodTable::default();
+        assert!(!t.take_due("nope", Instant::now()));
+        t.failed("nope", "x");
+        assert!(t.waiting().is_empty());
+        assert_eq!(t.cookie("nope"), None);
     }
 }

@@ -181,7 +181,9 @@ impl Node {
             let mut dp = this.dp.lock().unwrap();
             let (ns, cookie) = enroll::attach_pod(&mut dp, &netns, &u, &w)?;
             // The netns stays open from here on: adds and registrations use it.
-            this.pods.insert(u.as_str(), cookie, ns);
+            if let Some(meta) = dp.maps.meta(cookie) {
+                this.pods.insert(cookie, meta, Some(ns));
+            }
             Ok(cookie)
         })
         .await?;
@@ -221,7 +223,7 @@ impl Node {
         let uid = PodUid::new(uid)?;
         self.cookie_of(&uid)
             .ok_or_else(|| EnrollError::UnknownPod(uid.clone()))?;
-        self.retries.lock().unwrap().remove(uid.as_str());
+        self.pods.leaving(uid.as_str());
         // Every live ztunnel (two during an upgrade) lets go of the pod.
         for conn in self.hub.all() {
             match conn.request(WorkloadRequest::del(uid.as_str()), None).await {
@@ -234,9 +236,10 @@ impl Node {
             }
         }
         self.custody.forget(uid.as_str());
-        self.pods.remove(uid.as_str());
         let this = self.clone();
+        let u = uid.clone();
         tokio::task::spawn_blocking(move || -> Result<(), EnrollError> {
+            let uid = u;
             let mut guard = this.dp.lock().unwrap();
             let dp = &mut *guard;
             let last = dp.maps.find_uid(&uid).map(|c| dp.maps.counters(c));
@@ -247,6 +250,7 @@ impl Node {
             Ok(())
         })
         .await??;
+        self.pods.remove(uid.as_str());
         info!("unenrolled");
         Ok(())
     }

@@ -8,13 +8,9 @@ impl Node {
     /// Releases held listeners whose ztunnel let go of them, except for pods
     /// with an add in flight (a newer ztunnel's listeners replace them first).
     pub(super) fn release_orphans(&self, only: Option<&str>) {
-        let n = self.custody.release_orphans(only, |uid| {
-            self.retries
-                .lock()
-                .unwrap()
-                .get(uid)
-                .is_some_and(|r| r.in_flight)
-        });
+        let n = self
+            .custody
+            .release_orphans(only, |uid| self.pods.in_flight(uid));
         if n > 0 {
             info!(listeners = n, "released listeners their ztunnel closed");
             self.wake.notify_one();
@@ -23,18 +19,11 @@ impl Node {
 
     /// Schedules a retry with exponential backoff.
     pub(super) fn fail(&self, uid: &str, why: &str) {
-        let mut r = self.retries.lock().unwrap();
-        let e = r.entry(uid.to_owned()).or_insert(Retry::fresh(false, None));
-        e.in_flight = false;
-        e.last_error = Some(why.to_owned());
-        e.due = Instant::now() + e.backoff;
-        e.backoff = (e.backoff * 2).min(RETRY_MAX);
+        self.pods.failed(uid, why);
     }
 
     pub(super) fn schedule(&self, uid: &str, after: Duration) {
-        let mut r = self.retries.lock().unwrap();
-        let e = r.entry(uid.to_owned()).or_insert(Retry::fresh(false, None));
-        e.due = Instant::now() + after;
+        self.pods.schedule(uid, after);
     }
 
     /// Keeps the map's states true: Enabled pods whose listeners are gone
@@ -86,34 +75,32 @@ impl Node {
         self.release_orphans(None);
         let mut due = Vec::new();
         let mut dp = self.dp.lock().unwrap();
-        let mut retries = self.retries.lock().unwrap();
-        let now = Instant::now();
         let connected = self.hub.is_connected();
-        for p in dp.maps.pods() {
-            let complete = Role::ALL
-                .iter()
-                .all(|r| p.listeners.iter().any(|l| l.starts_with(r.as_str())));
-            match p.state {
-                Some("Enabled") if !complete => {
-                    warn!(uid = %p.uid, "ztunnel's listeners are gone (ztunnel restarting?): Pending, failing closed");
-                    let _ = dp
-                        .maps
-                        .set_state(p.netns_cookie, PodState::Pending, boottime_ns());
-                    retries.insert(
-                        p.uid.clone(),
-                        Retry::fresh(false, Some("ztunnel's listeners are gone".into())),
-                    );
+        let complete = dp.maps.pods_with_every_listener();
+        for (cookie, entry) in dp.maps.states() {
+            let state = entry.state();
+            if !matches!(state, Some(PodState::Pending | PodState::Enabled)) {
+                continue;
+            }
+            let Some(meta) = dp.maps.meta(cookie) else {
+                continue;
+            };
+            if !self.pods.contains(&meta.uid) {
+                // Not opened at start (its netns was missing then): hold it
+                // now, opened by path when needed.
+                self.pods.insert(cookie, meta.clone(), None);
+            }
+            match state {
+                Some(PodState::Enabled) if !complete.contains(&cookie) => {
+                    warn!(uid = %meta.uid, "ztunnel's listeners are gone (ztunnel restarting?): Pending, failing closed");
+                    let _ = dp.maps.set_state(cookie, PodState::Pending, boottime_ns());
+                    self.pods
+                        .waits_again(&meta.uid, "ztunnel's listeners are gone");
                 }
-                Some("Pending") => {
-                    let r = retries
-                        .entry(p.uid.clone())
-                        .or_insert(Retry::fresh(false, None));
-                    if !r.in_flight && r.due <= now && connected {
-                        if let Some(w) = p.workload.clone() {
-                            r.in_flight = true;
-                            due.push((p.netns_cookie, p.uid.clone(), w));
-                        }
-                    }
+                Some(PodState::Pending)
+                    if connected && self.pods.take_due(&meta.uid, Instant::now()) =>
+                {
+                    due.push((cookie, meta.uid, meta.workload));
                 }
                 _ => {}
             }

@@ -33,7 +33,7 @@ impl Node {
                 self.metrics().zds_answer(true);
                 match self.register(uid, cookie, pid).await {
                     Ok(()) => {
-                        self.retries.lock().unwrap().remove(uid);
+                        self.pods.taken(uid);
                         // Listeners of an older ztunnel that were kept only
                         // until this one's replaced them.
                         self.release_orphans(Some(uid));
@@ -114,31 +114,28 @@ impl Node {
 impl Handler for Node {
     fn snapshot(&self) -> Vec<SnapshotEntry> {
         let dp = self.dp.lock().unwrap();
-        let mut retries = self.retries.lock().unwrap();
         let mut out = Vec::new();
-        for cookie in dp.maps.cookies() {
-            let Some(meta) = dp.maps.meta(cookie) else {
-                continue;
-            };
+        for p in self.pods.staying() {
+            let uid = p.identity.uid;
             // A pod being torn down is not offered again.
-            if dp.maps.entry(cookie).and_then(|e| e.state()) == Some(PodState::Draining) {
+            if dp.maps.entry(p.cookie).and_then(|e| e.state()) == Some(PodState::Draining) {
                 continue;
             }
-            let held = self.pods.netns(cookie).and_then(|n| n.try_clone().ok());
-            match held.map_or_else(|| enroll::open_pod_netns(&dp.maps, cookie), Ok) {
+            let held = p.netns.and_then(|n| n.try_clone().ok());
+            match held.map_or_else(|| enroll::open_pod_netns(&dp.maps, p.cookie), Ok) {
                 Ok(ns) => {
                     // The snapshot's add is this pod's attempt now; a new
                     // ztunnel starts the backoff afresh.
-                    retries.insert(meta.uid.clone(), Retry::fresh(true, None));
+                    self.pods.attempting(&uid);
                     out.push(SnapshotEntry::Add {
-                        uid: meta.uid,
-                        workload: meta.workload,
+                        uid,
+                        workload: p.identity.workload,
                         netns: ns.into_fd(),
                     });
                 }
                 Err(e) => {
-                    warn!(uid = %meta.uid, error = %e, "pod netns unavailable: sending keep");
-                    out.push(SnapshotEntry::Keep { uid: meta.uid });
+                    warn!(%uid, error = %e, "pod netns unavailable: sending keep");
+                    out.push(SnapshotEntry::Keep { uid });
                 }
             }
         }
