@@ -43,8 +43,9 @@ pub const FAMILY_V6: u8 = 10;
 
 /// Enrollment state of a pod, as stored in the shared pod-state map.
 ///
-/// Programs only distinguish `Enabled` from everything else: anything but
-/// `Enabled` fails closed (new connections are dropped, never bypass ztunnel).
+/// Programs only distinguish "steering" (`Enabled`, `Served`) from everything
+/// else, which fails closed (new connections are dropped, never bypass
+/// ztunnel).
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PodState {
@@ -54,14 +55,25 @@ pub enum PodState {
     Enabled = 2,
     /// Being removed: capture still attached, new connections fail closed.
     Draining = 3,
+    /// Steering, and ztunnel knows the pod's workload (from istiod's xDS):
+    /// it can serve the pod's connections. Fully enrolled.
+    Served = 4,
 }
 
 impl PodState {
+    pub const ALL: [Self; 4] = [Self::Pending, Self::Enabled, Self::Served, Self::Draining];
+
+    /// Whether the programs steer the pod's connections to ztunnel.
+    pub const fn steers(self) -> bool {
+        matches!(self, Self::Enabled | Self::Served)
+    }
+
     pub const fn from_u32(v: u32) -> Option<Self> {
         match v {
             1 => Some(Self::Pending),
             2 => Some(Self::Enabled),
             3 => Some(Self::Draining),
+            4 => Some(Self::Served),
             _ => None,
         }
     }
@@ -71,14 +83,13 @@ impl PodState {
             Self::Pending => "Pending",
             Self::Enabled => "Enabled",
             Self::Draining => "Draining",
+            Self::Served => "Served",
         }
     }
 
     /// The state [`as_str`](Self::as_str) names.
     pub fn from_name(name: &str) -> Option<Self> {
-        [Self::Pending, Self::Enabled, Self::Draining]
-            .into_iter()
-            .find(|s| s.as_str() == name)
+        Self::ALL.into_iter().find(|s| s.as_str() == name)
     }
 }
 
@@ -105,8 +116,10 @@ impl PodEntry {
         PodState::from_u32(self.state)
     }
 
-    pub const fn is_enabled(&self) -> bool {
-        self.state == PodState::Enabled as u32
+    /// Whether the programs steer this pod's connections (any other value,
+    /// known or not, fails closed).
+    pub const fn steers(&self) -> bool {
+        self.state == PodState::Enabled as u32 || self.state == PodState::Served as u32
     }
 }
 
@@ -347,6 +360,24 @@ mod tests {
     }
 
     #[test]
+    fn only_enabled_and_served_steer() {
+        for s in PodState::ALL {
+            let e = PodEntry {
+                state: s as u32,
+                generation: 0,
+                enrolled_at_ns: 0,
+                changed_at_ns: 0,
+            };
+            assert_eq!(e.steers(), s.steers(), "{s:?}");
+            assert_eq!(
+                s.steers(),
+                matches!(s, PodState::Enabled | PodState::Served)
+            );
+            assert_eq!(PodState::from_name(s.as_str()), Some(s));
+        }
+    }
+
+    #[test]
     fn unknown_state_is_not_enabled() {
         let e = PodEntry {
             state: 99,
@@ -354,7 +385,7 @@ mod tests {
             enrolled_at_ns: 0,
             changed_at_ns: 0,
         };
-        assert!(!e.is_enabled());
+        assert!(!e.steers());
         assert_eq!(e.state(), None);
     }
 }

@@ -80,7 +80,7 @@ pub fn egress(ctx: &TcContext) -> i32 {
         let Some(pod) = pod else {
             return TC_OK;
         };
-        if !pod.is_enabled() {
+        if !pod.steers() {
             count(cookie, |c: &mut Counters| &mut c.dropped_fail_closed);
             return TC_SHOT;
         }
@@ -124,7 +124,7 @@ pub fn ingress(ctx: &TcContext) -> i32 {
     let Some(pod) = (unsafe { POD_STATE.get(cookie) }) else {
         return TC_OK;
     };
-    if !pod.is_enabled() {
+    if !pod.steers() {
         count(cookie, |c: &mut Counters| &mut c.dropped_fail_closed);
         return TC_SHOT;
     }

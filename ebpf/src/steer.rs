@@ -74,10 +74,10 @@ pub fn steer(ctx: &SkLookupContext) -> u32 {
         None => return SK_DROP,
     };
 
-    // Row F1: anything but Enabled fails closed. The tc programs already drop
+    // Row F1: anything but Enabled/Served fails closed. The tc programs already drop
     // such SYNs silently; a drop here (an RST to the client) only covers races.
-    let enabled = unsafe { POD_STATE.get(cookie) }.is_some_and(|p| p.is_enabled());
-    if !enabled {
+    let steers = unsafe { POD_STATE.get(cookie) }.is_some_and(|p| p.steers());
+    if !steers {
         count(cookie, |c: &mut Counters| &mut c.dropped_fail_closed);
         return SK_DROP;
     }

@@ -169,3 +169,10 @@ pub fn sluice_bin() -> PathBuf {
     );
     bin
 }
+
+/// Whether an enrollment's answer (or a status line) shows the pod steering
+/// to ztunnel: Enabled, or already Served (the served check runs apart from
+/// the enrollment and may be quicker than the answer).
+pub fn steering(text: &str) -> bool {
+    text.contains("Enabled") || text.contains("Served")
+}

@@ -3,6 +3,7 @@
 //! its pod netns, a tiny app, and clients that report what they reached.
 //! Not shipped.
 
+pub mod admin;
 pub mod agent;
 pub mod app;
 pub mod cni;

@@ -111,6 +111,30 @@ pub struct NodeStatus {
     /// Pods left Pending by a failed attempt, retried with backoff.
     #[serde(default)]
     pub waiting: Vec<WaitingPod>,
+    /// How the agent decides a pod is served (`--served-check`).
+    #[serde(default = "auto")]
+    pub served_check: crate::served::Mode,
+}
+
+fn auto() -> crate::served::Mode {
+    crate::served::Mode::Auto
+}
+
+/// What the served check last heard from one ztunnel's admin API.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(tag = "check", rename_all = "snake_case")]
+pub enum ServedCheck {
+    /// Not asked yet (no pod of its waited to be served).
+    #[default]
+    NotAsked,
+    /// Its last answer was a config_dump.
+    Answering,
+    /// It did not answer; its acks do not count as served yet.
+    Failing { error: String },
+    /// It has not answered for a while: its acks count as served.
+    AcksCountAsServed { error: String },
+    /// `--served-check=off`: acks count as served.
+    Off,
 }
 
 /// A pod the agent retries, and why its last attempt failed.
@@ -128,6 +152,8 @@ pub struct ZtunnelView {
     pub connected: bool,
     /// Pods whose registered listeners it owns.
     pub pods: usize,
+    #[serde(default)]
+    pub served_check: ServedCheck,
 }
 
 /// Sends one request to a running agent, for pins under `bpf_root` (`None`:

@@ -427,10 +427,13 @@ pub fn register_keeping(
         .into_iter()
         .filter(|r| registered.iter().any(|k| k.role == *r as u8))
         .collect();
-    let state = if roles.len() == Role::ALL.len() {
-        PodState::Enabled
-    } else {
-        PodState::Pending
+    let state = match maps.entry(cookie).and_then(|e| e.state()) {
+        _ if roles.len() != Role::ALL.len() => PodState::Pending,
+        // Re-acked (a ztunnel upgrade, or an agent restart): ztunnel starts
+        // serving pods only after its first xDS sync, so the pod stays Served
+        // (and the gate True) until the served check says otherwise.
+        Some(PodState::Served) => PodState::Served,
+        _ => PodState::Enabled,
     };
     maps.set_state(cookie, state, boottime_ns())?;
     Ok((

@@ -19,6 +19,7 @@ pub mod netns;
 pub mod podns;
 pub mod readiness;
 pub mod routes;
+pub mod served;
 pub mod sockets;
 pub mod state;
 pub mod status;

@@ -6,9 +6,10 @@
 //! logs).
 //!
 //! ```text
-//!   (none) ──enroll──► Pending ◄──listeners gone── Enabled
-//!                         │  └──ztunnel acked, listeners registered──►┘
-//!                         └──────────unenroll──► Draining ◄──unenroll──┘
+//!   (none) ──enroll──► Pending ◄──listeners gone── Enabled ◄──workload lost── Served
+//!                         │  └──ztunnel acked, listeners registered──►┘└──ztunnel knows it──►┘
+//!                         │                  (Served ──listeners gone──► Pending)
+//!                         └──────────unenroll──► Draining ◄──unenroll── Enabled, Served
 //!                                                   └──teardown done──► (none)
 //! ```
 //! `Draining` is final: a pod being torn down never becomes `Pending` or
@@ -22,12 +23,13 @@ use crate::workload::PodIdentity;
 
 /// Whether a pod may go from `from` to `to` (`None`: no entry in the map).
 pub const fn allowed(from: Option<PodState>, to: Option<PodState>) -> bool {
-    use PodState::{Draining, Enabled, Pending};
+    use PodState::{Draining, Enabled, Pending, Served};
     matches!(
         (from, to),
         (None, Some(Pending))
             | (Some(Pending), Some(Pending | Enabled | Draining))
-            | (Some(Enabled), Some(Pending | Enabled | Draining))
+            | (Some(Enabled), Some(Pending | Enabled | Served | Draining))
+            | (Some(Served), Some(Pending | Enabled | Served | Draining))
             | (Some(Draining), Some(Draining) | None)
             // Debris (an entry whose state this build cannot read, or none)
             // may always be removed.
@@ -69,7 +71,13 @@ mod tests {
 
     #[test]
     fn the_table() {
-        let all = [None, Some(Pending), Some(Enabled), Some(Draining)];
+        let all = [
+            None,
+            Some(Pending),
+            Some(Enabled),
+            Some(Served),
+            Some(Draining),
+        ];
         let legal = [
             (None, Some(Pending)),
             (None, None),
@@ -78,7 +86,12 @@ mod tests {
             (Some(Pending), Some(Draining)),
             (Some(Enabled), Some(Pending)),
             (Some(Enabled), Some(Enabled)),
+            (Some(Enabled), Some(Served)),
             (Some(Enabled), Some(Draining)),
+            (Some(Served), Some(Pending)),
+            (Some(Served), Some(Enabled)),
+            (Some(Served), Some(Served)),
+            (Some(Served), Some(Draining)),
             (Some(Draining), Some(Draining)),
             (Some(Draining), None),
         ];
@@ -96,8 +109,14 @@ mod tests {
     }
 
     #[test]
+    fn only_a_steering_pod_becomes_served() {
+        assert!(!allowed(Some(Pending), Some(Served)));
+        assert!(!allowed(None, Some(Served)));
+    }
+
+    #[test]
     fn draining_never_comes_back() {
-        for to in [Pending, Enabled] {
+        for to in [Pending, Enabled, Served] {
             let e = IllegalTransition {
                 cookie: 7,
                 from: Some(Draining),

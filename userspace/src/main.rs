@@ -110,6 +110,15 @@ enum Cmd {
         /// Rewrite an unchanged node condition this often.
         #[arg(long, default_value = "60s", value_parser = parse_duration)]
         heartbeat: Duration,
+        /// How a pod is found served: `auto` asks ztunnel's admin API whether
+        /// it has the pod's workload (acks count when it does not answer);
+        /// `off` counts ztunnel's ack as served.
+        #[arg(long, value_enum, default_value_t = sluice::served::Mode::Auto, env = "SLUICE_SERVED_CHECK")]
+        served_check: sluice::served::Mode,
+        /// ztunnel's admin port (ProxyConfig proxyAdminPort), on localhost in
+        /// ztunnel's network namespace.
+        #[arg(long, default_value_t = sluice::served::fetch::DEFAULT_ADMIN_PORT, env = "SLUICE_ZTUNNEL_ADMIN_PORT")]
+        ztunnel_admin_port: u16,
     },
     /// Mark the node condition False (AgentNotRunning) when the agent stops
     /// answering /readyz: covers agent crashes. Runs beside the agent.
@@ -312,6 +321,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             untaint,
             pending_grace,
             heartbeat,
+            served_check,
+            ztunnel_admin_port,
         } => {
             init_tracing();
             anyhow::ensure!(
@@ -342,6 +353,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     untaint,
                 },
                 metrics_addr,
+                served: agent::node::ServedConfig {
+                    mode: served_check,
+                    admin_port: ztunnel_admin_port,
+                },
             })?;
         }
         Cmd::Watchdog {

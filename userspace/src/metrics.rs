@@ -24,7 +24,7 @@ type Labels = Vec<(&'static str, &'static str)>;
 /// What the maps say at scrape time.
 #[derive(Debug, Clone, Default)]
 pub struct Sample {
-    /// Pods by state name (Pending, Enabled, Draining, Unknown).
+    /// Pods by state name (Pending, Enabled, Served, Draining, Unknown).
     pub pods: Vec<(&'static str, u64)>,
     /// The kernel counters of enrolled pods plus those of pods since removed.
     pub kernel: CounterView,
@@ -69,6 +69,9 @@ pub struct Metrics {
     node_ready: Gauge,
     node_reason: Family<Labels, Gauge>,
     transitions: Family<Labels, Counter>,
+    time_to_served: Histogram,
+    served_checks: Family<Labels, Counter>,
+    served_fallbacks: Gauge,
 }
 
 impl Metrics {
@@ -83,6 +86,10 @@ impl Metrics {
             node_ready: Gauge::default(),
             node_reason: Family::default(),
             transitions: Family::default(),
+            // 10 ms … ≈ 160 s.
+            time_to_served: Histogram::new(exponential_buckets(0.01, 2.0, 15)),
+            served_checks: Family::default(),
+            served_fallbacks: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -126,6 +133,22 @@ impl Metrics {
             "Pod state changes, by from and to state (`none`: not enrolled)",
             m.transitions.clone(),
         );
+        registry.register_with_unit(
+            "time_to_served",
+            "From a pod's enrollment until ztunnel was found to know its workload (Served)",
+            Unit::Seconds,
+            m.time_to_served.clone(),
+        );
+        registry.register(
+            "served_checks",
+            "Reads of ztunnel's workloads (admin config_dump), by result (answered, failed)",
+            m.served_checks.clone(),
+        );
+        registry.register(
+            "served_check_fallback",
+            "ztunnels whose admin API does not answer, so their acks count as served (0 when the check works)",
+            m.served_fallbacks.clone(),
+        );
         registry.register_collector(Box::new(MapCollector(source)));
         Self { registry, ..m }
     }
@@ -156,6 +179,21 @@ impl Metrics {
         self.zds_answers
             .get_or_create(&vec![("answer", answer)])
             .inc();
+    }
+
+    pub fn time_to_served(&self, d: std::time::Duration) {
+        self.time_to_served.observe(d.as_secs_f64());
+    }
+
+    pub fn served_check(&self, answered: bool) {
+        let result = if answered { "answered" } else { "failed" };
+        self.served_checks
+            .get_or_create(&vec![("result", result)])
+            .inc();
+    }
+
+    pub fn set_served_fallbacks(&self, n: usize) {
+        self.served_fallbacks.set(n as i64);
     }
 
     pub fn set_ztunnel_connected(&self, up: bool) {
@@ -225,7 +263,7 @@ impl Collector for MapCollector {
         counters(
             &mut enc,
             "dropped_syns",
-            "SYNs dropped to fail closed: pod not Enabled, or Enabled with ztunnel's listener gone",
+            "SYNs dropped to fail closed: pod not steering (Pending, Draining), or steering with ztunnel's listener gone",
             "reason",
             &[
                 ("not_enabled", k.dropped_fail_closed),
@@ -277,6 +315,9 @@ mod tests {
         m.failed(Failure::Nack);
         m.zds_answer(true);
         m.set_condition(false, Reason::ZtunnelDisconnected);
+        m.time_to_served(std::time::Duration::from_millis(300));
+        m.served_check(false);
+        m.set_served_fallbacks(1);
         let text = m.render();
         for line in [
             "sluice_enrollments_total 1",
@@ -289,6 +330,9 @@ mod tests {
             "sluice_pods{state=\"Enabled\"} 2",
             "sluice_captured_connections_total{listener=\"inbound\"} 7",
             "sluice_dropped_syns_total{reason=\"not_enabled\"} 3",
+            "sluice_time_to_served_seconds_count 1",
+            "sluice_served_checks_total{result=\"failed\"} 1",
+            "sluice_served_check_fallback 1",
         ] {
             assert!(
                 text.lines().any(|l| l == line),

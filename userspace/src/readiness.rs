@@ -8,7 +8,8 @@ use sluice_common::PodState;
 
 /// The condition's default type (positive polarity: True = ready).
 pub const DEFAULT_CONDITION_TYPE: &str = "sluice.dev/RedirectionReady";
-/// How long a pod may stay Pending before the node is reported not ready.
+/// How long a pod may stay Pending, or captured but not served, before the
+/// node is reported not ready.
 pub const DEFAULT_PENDING_GRACE: Duration = Duration::from_secs(10);
 /// How many pending pods the message names.
 const NAMED: usize = 5;
@@ -42,6 +43,8 @@ pub enum Reason {
     CniPluginMissing,
     ZtunnelDisconnected,
     PodsPendingEnrollment,
+    /// Captured and acked, but ztunnel does not know the pod's workload.
+    PodsNotServed,
     /// Written by the agent itself as it stops (SIGTERM).
     AgentStopped,
     /// Written by the watchdog when the agent stops answering.
@@ -57,6 +60,7 @@ impl Reason {
             Reason::CniPluginMissing => "CNIPluginMissing",
             Reason::ZtunnelDisconnected => "ZtunnelDisconnected",
             Reason::PodsPendingEnrollment => "PodsPendingEnrollment",
+            Reason::PodsNotServed => "PodsNotServed",
             Reason::AgentStopped => "AgentStopped",
             Reason::AgentNotRunning => "AgentNotRunning",
         }
@@ -65,12 +69,13 @@ impl Reason {
 
 impl Reason {
     /// Every reason, for metrics that show each.
-    pub const ALL: [Reason; 7] = [
+    pub const ALL: [Reason; 8] = [
         Reason::Ready,
         Reason::ProgramsNotLoaded,
         Reason::CniPluginMissing,
         Reason::ZtunnelDisconnected,
         Reason::PodsPendingEnrollment,
+        Reason::PodsNotServed,
         Reason::AgentStopped,
         Reason::AgentNotRunning,
     ];
@@ -171,25 +176,49 @@ pub fn compute(i: &Inputs) -> Condition {
         );
     }
     let grace = i.pending_grace.as_nanos() as u64;
-    let mut late: Vec<&str> = i
-        .pods
-        .iter()
-        .filter(|p| p.state != Some(PodState::Enabled))
-        .filter(|p| i.now_ns.saturating_sub(p.changed_at_ns) > grace)
-        .map(|p| p.name.as_str())
-        .collect();
-    if !late.is_empty() {
-        late.sort_unstable();
-        let n = late.len();
-        let mut names = late[..n.min(NAMED)].join(", ");
-        if n > NAMED {
+    let waited = |p: &&PodView| i.now_ns.saturating_sub(p.changed_at_ns);
+    let late = |pick: fn(Option<PodState>) -> bool| {
+        let mut late: Vec<&PodView> = i
+            .pods
+            .iter()
+            .filter(|p| pick(p.state))
+            .filter(|p| waited(p) > grace)
+            .collect();
+        late.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+        late
+    };
+    let named = |late: &[&PodView]| {
+        let mut names = late[..late.len().min(NAMED)]
+            .iter()
+            .map(|p| format!("{} ({})", p.name, human(Duration::from_nanos(waited(p)))))
+            .collect::<Vec<_>>()
+            .join(", ");
+        if late.len() > NAMED {
             names.push_str(", …");
         }
+        names
+    };
+    let pending = late(|s| !s.is_some_and(PodState::steers));
+    if !pending.is_empty() {
         return not_ready(
             Reason::PodsPendingEnrollment,
             format!(
-                "{n} of {total} ambient pods pending for >{}s: {names}",
-                i.pending_grace.as_secs()
+                "{} of {total} ambient pods pending for >{}s: {}",
+                pending.len(),
+                i.pending_grace.as_secs(),
+                named(&pending)
+            ),
+        );
+    }
+    let unserved = late(|s| s == Some(PodState::Enabled));
+    if !unserved.is_empty() {
+        return not_ready(
+            Reason::PodsNotServed,
+            format!(
+                "{} of {total} ambient pods captured but not known to ztunnel (no workload from istiod) for >{}s: {}",
+                unserved.len(),
+                i.pending_grace.as_secs(),
+                named(&unserved)
             ),
         );
     }
@@ -227,10 +256,12 @@ mod tests {
 
     #[test]
     fn every_reason_is_reachable_in_priority_order() {
-        let ok = inputs(vec![pod("ns/a", PodState::Enabled, 1)]);
+        let ok = inputs(vec![pod("ns/a", PodState::Served, 1)]);
         assert_eq!(compute(&ok).reason, Reason::Ready);
         assert!(compute(&ok).ready);
         let mut i = ok.clone();
+        i.pods.push(pod("ns/c", PodState::Enabled, 50));
+        assert_eq!(compute(&i).reason, Reason::PodsNotServed);
         i.pods.push(pod("ns/b", PodState::Pending, 50));
         assert_eq!(compute(&i).reason, Reason::PodsPendingEnrollment);
         i.ztunnel_connected = false;
@@ -262,11 +293,28 @@ mod tests {
         let mut pods: Vec<PodView> = (0..7)
             .map(|n| pod(&format!("ns/p{n}"), PodState::Pending, 1))
             .collect();
-        pods.extend((0..34).map(|n| pod(&format!("ns/ok{n}"), PodState::Enabled, 1)));
+        pods.extend((0..34).map(|n| pod(&format!("ns/ok{n}"), PodState::Served, 1)));
         let c = compute(&inputs(pods));
         assert_eq!(
             c.message,
-            "7 of 41 ambient pods pending for >10s: ns/p0, ns/p1, ns/p2, ns/p3, ns/p4, …"
+            "7 of 41 ambient pods pending for >10s: ns/p0 (99s), ns/p1 (99s), ns/p2 (99s), ns/p3 (99s), ns/p4 (99s), …"
         );
+    }
+
+    #[test]
+    fn captured_but_unserved_pods_are_named_with_how_long_they_waited() {
+        let pods = vec![
+            pod("ns/fresh", PodState::Enabled, 95),
+            pod("ns/late", PodState::Enabled, 58),
+            pod("ns/ok", PodState::Served, 1),
+        ];
+        let c = compute(&inputs(pods));
+        assert_eq!((c.ready, c.reason), (false, Reason::PodsNotServed));
+        assert_eq!(
+            c.message,
+            "1 of 3 ambient pods captured but not known to ztunnel (no workload from istiod) for >10s: ns/late (42s)"
+        );
+        // Within the grace: ready.
+        assert!(compute(&inputs(vec![pod("ns/fresh", PodState::Enabled, 95)])).ready);
     }
 }

@@ -59,6 +59,8 @@ pub struct PodRecord {
     pub netns_cookie: u64,
     /// `None` when the map holds a state this build does not know.
     pub state: Option<&'static str>,
+    /// ztunnel knows the pod's workload (state `Served`): fully enrolled.
+    pub served: bool,
     pub generation: u32,
     pub enrolled_at_ns: u64,
     pub changed_at_ns: u64,
@@ -184,6 +186,22 @@ impl Maps {
         now_ns: u64,
     ) -> Result<(), StateError> {
         self.change(cookie, Some(state), now_ns, None)
+    }
+
+    /// Moves the pod from `from` to `to` only if it is in `from` now (a
+    /// decision made on an earlier read must not undo a change made since).
+    /// `Ok(false)`: it was not in `from`; nothing written.
+    pub fn set_state_if(
+        &mut self,
+        cookie: u64,
+        from: PodState,
+        to: PodState,
+        now_ns: u64,
+    ) -> Result<bool, StateError> {
+        if self.entry(cookie).and_then(|e| e.state()) != Some(from) {
+            return Ok(false);
+        }
+        self.change(cookie, Some(to), now_ns, None).map(|()| true)
     }
 
     /// Removes every entry of a pod from every map: the end of a teardown
@@ -410,6 +428,7 @@ impl Maps {
                     workload,
                     netns_cookie: cookie,
                     state: e.state().map(PodState::as_str),
+                    served: e.state() == Some(PodState::Served),
                     generation: e.generation,
                     enrolled_at_ns: e.enrolled_at_ns,
                     changed_at_ns: e.changed_at_ns,
@@ -435,6 +454,19 @@ pub fn addr_key(a: &IpAddr) -> AddrKey {
     match a {
         IpAddr::V4(v4) => AddrKey::new(FAMILY_V4, words(&v4.octets())),
         IpAddr::V6(v6) => AddrKey::new(FAMILY_V6, words(&v6.octets())),
+    }
+}
+
+/// The address a map key holds (the inverse of [`addr_key`]).
+pub fn addr_of(k: &AddrKey) -> IpAddr {
+    let mut b = [0u8; 16];
+    for (i, w) in k.addr.iter().enumerate() {
+        b[i * 4..i * 4 + 4].copy_from_slice(&w.to_ne_bytes());
+    }
+    if k.family == FAMILY_V4 {
+        IpAddr::from([b[0], b[1], b[2], b[3]])
+    } else {
+        IpAddr::from(b)
     }
 }
 
@@ -472,5 +504,13 @@ mod tests {
         let mut field = [0u8; sluice_common::POD_NAME_LEN];
         fill(&mut field, "cart-7d9f");
         assert_eq!(cstr(&field), "cart-7d9f");
+    }
+
+    #[test]
+    fn addresses_round_trip_through_their_map_keys() {
+        for a in ["10.244.1.7", "fd00:10:244::7", "::1"] {
+            let ip: IpAddr = a.parse().unwrap();
+            assert_eq!(addr_of(&addr_key(&ip)), ip);
+        }
     }
 }

@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 use crate::{
-    control::NodeStatus,
+    control::{NodeStatus, ServedCheck},
     loader::Pins,
     state::{boottime_ns, Maps, PodRecord},
 };
@@ -60,7 +60,20 @@ pub fn node_lines(n: &NodeView) -> String {
                 .iter()
                 .map(|z| {
                     let conn = if z.connected { "" } else { ", disconnected" };
-                    format!("pid {} owns listeners of {} pods{conn}", z.pid, z.pods)
+                    let check = match &z.served_check {
+                        ServedCheck::NotAsked | ServedCheck::Off => String::new(),
+                        ServedCheck::Answering => ", workloads readable".into(),
+                        ServedCheck::Failing { error } => {
+                            format!(", workloads unreadable ({error})")
+                        }
+                        ServedCheck::AcksCountAsServed { error } => {
+                            format!(", acks count as served: workloads unreadable ({error})")
+                        }
+                    };
+                    format!(
+                        "pid {} owns listeners of {} pods{conn}{check}",
+                        z.pid, z.pods
+                    )
                 })
                 .collect();
             if procs.is_empty() {
@@ -68,6 +81,11 @@ pub fn node_lines(n: &NodeView) -> String {
             } else {
                 let _ = writeln!(out, "ztunnel:    {zt} ({})", procs.join("; "));
             }
+            let check = match a.served_check {
+                crate::served::Mode::Auto => "ztunnel's admin API (config_dump workloads)",
+                crate::served::Mode::Off => "off (--served-check=off: ztunnel's ack counts)",
+            };
+            let _ = writeln!(out, "served:     {check}");
             for w in &a.waiting {
                 let _ = writeln!(out, "retrying:   {}: {}", w.uid, w.last_error);
             }
@@ -108,12 +126,23 @@ fn age(ns: u64, now: u64) -> String {
     }
 }
 
+/// Whether ztunnel can serve the pod: "yes", "no (waiting 12s)" for a
+/// steering pod ztunnel does not know, "-" for a pod not steering.
+fn served(p: &PodRecord, now: u64) -> String {
+    match p.state {
+        Some("Served") => "yes".into(),
+        Some("Enabled") => format!("no ({})", age(p.changed_at_ns, now)),
+        _ => "-".into(),
+    }
+}
+
 /// The human table.
 pub fn table(pods: &[PodRecord]) -> String {
     let now = boottime_ns();
     let mut rows = vec![[
         "UID".to_string(),
         "STATE".into(),
+        "SERVED".into(),
         "AGE".into(),
         "LISTENERS".into(),
         "IN".into(),
@@ -129,6 +158,7 @@ pub fn table(pods: &[PodRecord]) -> String {
         rows.push([
             p.uid.clone(),
             p.state.unwrap_or("Unknown").into(),
+            served(p, now),
             age(p.enrolled_at_ns, now),
             format!("{}/6", p.listeners.len()),
             c.captured_inbound.to_string(),

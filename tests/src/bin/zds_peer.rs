@@ -6,6 +6,15 @@
 //!
 //! sluice-zds-peer --socket PATH [--nack TEXT] [--no-ack] [--v4-only]
 //!                 [--hello-version N] [--hold-acks-until FILE]
+//!                 [--admin-workloads FILE | --no-admin] [--admin-port N]
+//!
+//! Like ztunnel, it runs in a network namespace of its own (made at start,
+//! gone when it exits) and serves an admin API there on 127.0.0.1:15000
+//! (`--admin-port`): `/config_dump` lists, as xDS would, a workload for every
+//! pod it holds (name, namespace and service account from the add, IPs from
+//! the pod netns). `--admin-workloads FILE`: list what FILE holds instead (a
+//! JSON array of workloads, read at every request; missing = empty), so a
+//! test decides what ztunnel "knows". `--no-admin`: nothing listens.
 //!
 //! `--hold-acks-until FILE`: open a pod's listeners (event `listening`) but
 //! ack its add only once FILE exists — a ztunnel whose acks come late, so a
@@ -29,6 +38,7 @@ use sluice::zds::{
     wire,
 };
 use sluice_tests::{
+    admin,
     ns::Ns,
     standin::{Accepted, Bind, OnAccept, StandIn},
 };
@@ -40,6 +50,16 @@ struct Opts {
     bind: Bind,
     hello_version: i32,
     hold_acks_until: Option<PathBuf>,
+    admin: Admin,
+    admin_port: u16,
+}
+
+enum Admin {
+    /// Every pod held, as a synced xDS would have it.
+    Auto,
+    /// The workloads in this file.
+    File(PathBuf),
+    None,
 }
 
 fn opts() -> Opts {
@@ -50,6 +70,8 @@ fn opts() -> Opts {
         bind: Bind::DualStack,
         hello_version: Version::V1 as i32,
         hold_acks_until: None,
+        admin: Admin::Auto,
+        admin_port: 15000,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -60,6 +82,9 @@ fn opts() -> Opts {
             "--v4-only" => o.bind = Bind::V4Only,
             "--hello-version" => o.hello_version = args.next().expect("N").parse().expect("number"),
             "--hold-acks-until" => o.hold_acks_until = Some(args.next().expect("FILE").into()),
+            "--admin-workloads" => o.admin = Admin::File(args.next().expect("FILE").into()),
+            "--no-admin" => o.admin = Admin::None,
+            "--admin-port" => o.admin_port = args.next().expect("N").parse().expect("port"),
             other => panic!("unknown flag {other}"),
         }
     }
@@ -97,14 +122,71 @@ fn connect_with_backoff(path: &PathBuf) -> OwnedFd {
 struct Pod {
     netns_ino: u64,
     _listeners: StandIn,
+    /// As the auto admin lists it.
+    workload: serde_json::Value,
 }
 
 static PODS: Mutex<Option<HashMap<String, Pod>>> = Mutex::new(None);
 
+/// A netns of our own, as ztunnel has its pod's: before any thread exists,
+/// so every thread is in it. Loopback up, for the admin API.
+fn own_netns() {
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET)");
+    let ok = std::process::Command::new("ip")
+        .args(["link", "set", "lo", "up"])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "ip link set lo up");
+}
+
+fn start_admin(o: &Opts) {
+    let workloads: admin::Workloads = match &o.admin {
+        Admin::None => return,
+        Admin::Auto => Arc::new(|| {
+            PODS.lock()
+                .unwrap()
+                .iter()
+                .flat_map(|p| p.values())
+                .map(|p| p.workload.clone())
+                .collect()
+        }),
+        Admin::File(f) => {
+            let f = f.clone();
+            Arc::new(move || {
+                std::fs::read(&f)
+                    .ok()
+                    .and_then(|b| serde_json::from_slice(&b).ok())
+                    .unwrap_or_default()
+            })
+        }
+    };
+    admin::serve(o.admin_port, workloads, |path| {
+        emit(serde_json::json!({"event": "admin", "path": path}))
+    })
+    .expect("serving the admin API");
+}
+
+/// The pod's addresses, read inside its netns.
+fn pod_ips(netns: &Arc<OwnedFd>) -> Vec<std::net::IpAddr> {
+    let ns = Ns::Fd(netns.clone());
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            ns.enter().ok()?;
+            sluice::netns::addresses().ok()
+        })
+        .join()
+        .ok()
+        .flatten()
+        .unwrap_or_default()
+    })
+}
+
 fn main() {
     let o = opts();
+    own_netns();
     *PODS.lock().unwrap() = Some(HashMap::new());
     on_sigterm_drain();
+    start_admin(&o);
     let on_accept: OnAccept = Arc::new(|a: &Accepted| {
         emit(
             serde_json::json!({"event": "accepted", "role": a.role.as_str(),
@@ -179,16 +261,22 @@ fn session(fd: &OwnedFd, o: &Opts, on_accept: &OnAccept) -> Result<(), String> {
                     if !same {
                         // New pod, or the same uid in a new netns: (re)start its proxy.
                         pods.remove(&add.uid);
-                        let listeners = StandIn::start_in(
-                            Ns::Fd(Arc::new(netns)),
-                            o.bind,
-                            Some(on_accept.clone()),
+                        let netns = Arc::new(netns);
+                        let w = add.workload_info.as_ref().expect("checked above");
+                        let workload = admin::workload(
+                            &w.namespace,
+                            &w.name,
+                            &w.service_account,
+                            &pod_ips(&netns),
                         );
+                        let listeners =
+                            StandIn::start_in(Ns::Fd(netns), o.bind, Some(on_accept.clone()));
                         pods.insert(
                             add.uid.clone(),
                             Pod {
                                 netns_ino: ino,
                                 _listeners: listeners,
+                                workload,
                             },
                         );
                     }

@@ -20,7 +20,7 @@ use sluice_tests::{
     agent::{AgentProc, Out, PeerProc},
     app::App,
     flow::{connect as tcp, Opts, Reached},
-    harness::{Fixture, APP_PORT, REMOTE_PORT},
+    harness::{steering, Fixture, APP_PORT, REMOTE_PORT},
     ns::spawn_in,
     topology::Family,
     wait,
@@ -96,11 +96,11 @@ fn peer_with(agent: &AgentProc, flags: &[&str]) -> anyhow::Result<PeerProc> {
     Ok(p)
 }
 
-/// Enrolls through the agent and requires Enabled, with the agent's log if not.
+/// Enrolls through the agent and requires it steering (Enabled or Served), with the agent's log if not.
 fn enroll_enabled(agent: &AgentProc, f: &Fixture) -> TestResult {
     let out = enroll(agent, f)?;
     ensure!(
-        out.ok && out.stdout.contains("Enabled"),
+        out.ok && steering(&out.stdout),
         "enroll: {} {}\n{}",
         out.stdout,
         out.stderr,
@@ -128,7 +128,7 @@ fn happy_path() -> TestResult {
     peer.wait_snapshot()?;
     let out = enroll(&agent, &f)?;
     ensure!(
-        out.ok && out.stdout.contains("Enabled"),
+        out.ok && steering(&out.stdout),
         "enroll: {} {}\n{}",
         out.stdout,
         out.stderr,
@@ -159,7 +159,7 @@ fn happy_path() -> TestResult {
         peer.accepted_roles(&["inbound", "outbound"])
     })?;
     let status = agent.sluice(&["status"])?;
-    ensure!(status.stdout.contains("Enabled"), "{}", status.stdout);
+    ensure!(status.stdout.contains("Served"), "{}", status.stdout);
     Ok(())
 }
 
@@ -171,7 +171,7 @@ fn snapshot() -> TestResult {
     for f in [&a, &b] {
         let out = enroll(&agent, f)?;
         ensure!(
-            out.ok && out.stdout.contains("Enabled"),
+            out.ok && steering(&out.stdout),
             "{} {}",
             out.stdout,
             out.stderr
@@ -202,9 +202,9 @@ fn snapshot() -> TestResult {
     want.sort();
     ensure!(adds == want, "{adds:?}");
     ensure!(p2.count("protocol_error") == 0);
-    // Both pods are back to Enabled with the new peer's listeners.
-    a.wait_state("Enabled")?;
-    b.wait_state_in(&a.topo.pins, "Enabled")?;
+    // Both pods are back to Served with the new peer's listeners.
+    a.wait_state("Served")?;
+    b.wait_state_in(&a.topo.pins, "Served")?;
     let (ra, rb) = (inbound(&a), inbound(&b));
     ensure!(
         ra.reply().is_some() && rb.reply().is_some(),
@@ -301,7 +301,7 @@ fn restart() -> TestResult {
     // Clients hit the outage: their SYNs are dropped (fail closed).
     f.wait_dropped_after(f.pod_record()?.counters.dropped_fail_closed)?;
     let p2 = peer(&agent)?;
-    f.wait_state("Enabled")?;
+    f.wait_state("Served")?;
     clients.wait_more(20, "after ztunnel came back")?;
     let (ok, failures) = clients.finish();
     let failed = failures.len();
@@ -366,9 +366,9 @@ fn upgrade_old_gone_first() -> TestResult {
     old.terminate();
     old_pid_gone(&agent)?;
     // The old ztunnel is gone; the agent still holds its listeners, so the
-    // pod is Enabled and connections keep being accepted by the kernel.
+    // pod is Served and connections keep being accepted by the kernel.
     ensure!(
-        state(&f) == Some("Enabled"),
+        state(&f) == Some("Served"),
         "{:?}\n{}",
         state(&f),
         agent.log()
@@ -420,7 +420,7 @@ fn finish_upgrade(
         failures.len(),
         agent.log()
     );
-    ensure!(state(f) == Some("Enabled"));
+    ensure!(state(f) == Some("Served"));
     Ok(())
 }
 
@@ -537,7 +537,7 @@ fn bad_peers() -> TestResult {
     let _p = peer(&agent)?;
     let out = enroll(&agent, &f)?;
     ensure!(
-        out.ok && out.stdout.contains("Enabled"),
+        out.ok && steering(&out.stdout),
         "{} {}\n{}",
         out.stdout,
         out.stderr,
@@ -598,7 +598,7 @@ fn stubborn_peers() -> TestResult {
     nacker.kill();
     // A ztunnel that works takes the pod from its snapshot.
     let _good = peer(&agent)?;
-    f.wait_state("Enabled")?;
+    f.wait_state("Served")?;
     Ok(())
 }
 
@@ -609,7 +609,7 @@ fn sigterm() -> TestResult {
     enroll_enabled(&agent, &f)?;
     ensure!(agent.terminate(), "agent did not exit cleanly on SIGTERM");
     // Capture stays: pins, state, traffic through ztunnel.
-    ensure!(state(&f) == Some("Enabled"));
+    ensure!(state(&f) == Some("Served"));
     let before = inbound_accepts(&p);
     ensure!(inbound(&f).reply().is_some());
     p.wait_for("the connection accepted by the peer", |_| {
@@ -620,7 +620,7 @@ fn sigterm() -> TestResult {
     p.wait_for("a second snapshot", |e| {
         e.iter().filter(|e| e["event"] == "snapshot_sent").count() >= 2
     })?;
-    f.wait_state("Enabled")?;
+    f.wait_state("Served")?;
     ensure!(p.count("protocol_error") == 0);
     Ok(())
 }

@@ -14,7 +14,7 @@ use sluice::enroll::{expected_links, LinkSpec};
 use sluice_tests::{
     agent::{AgentProc, PeerProc},
     flow::{connect, Opts},
-    harness::{Fixture, APP_PORT, REMOTE_PORT},
+    harness::{steering, Fixture, APP_PORT, REMOTE_PORT},
     topology::Family,
 };
 
@@ -171,9 +171,9 @@ fn enroll_killed(step: &str) -> TestResult {
 
     agent.restart_clean()?;
     // The restarted agent completed the capture before serving; ztunnel
-    // reconnects, gets the pod in its snapshot, and it becomes Enabled.
+    // reconnects, gets the pod in its snapshot, and it becomes Served.
     all_links_pinned(&f)?;
-    f.wait_state("Enabled")
+    f.wait_state("Served")
         .with_context(|| format!("{:?}\n{}", p.events(), agent.log()))?;
     captured(&f, &p)?;
     ensure!(
@@ -189,7 +189,7 @@ fn unenroll_killed(step: &str) -> TestResult {
     let p = peer(&agent)?;
     let out = agent.enroll(&f.topo.pod_netns_path(), f.uid.as_str(), "shop", "cart")?;
     ensure!(
-        out.ok && out.stdout.contains("Enabled"),
+        out.ok && steering(&out.stdout),
         "{}{}",
         out.stdout,
         out.stderr
@@ -259,7 +259,7 @@ fn takeover_killed() -> TestResult {
         "Istio's rules left after the restart: {left:?}"
     );
     let p = peer(&agent)?;
-    f.wait_state("Enabled")?;
+    f.wait_state("Served")?;
     captured(&f, &p)
 }
 
@@ -272,7 +272,7 @@ fn lost_links() -> TestResult {
     let p = peer(&agent)?;
     let out = agent.enroll(&f.topo.pod_netns_path(), f.uid.as_str(), "shop", "cart")?;
     ensure!(
-        out.ok && out.stdout.contains("Enabled"),
+        out.ok && steering(&out.stdout),
         "{}{}",
         out.stdout,
         out.stderr
@@ -286,6 +286,6 @@ fn lost_links() -> TestResult {
     }
     agent.restart()?;
     all_links_pinned(&f)?;
-    f.wait_state("Enabled")?;
+    f.wait_state("Served")?;
     captured(&f, &p)
 }

@@ -53,6 +53,7 @@ fn cluster_node(
         Arc::new(Hub::default()),
         Some(k),
         sluice::readiness::DEFAULT_CONDITION_TYPE,
+        Default::default(),
     );
     let (announcing, stop) = tokio::sync::watch::channel(false);
     tokio::spawn(node.clone().announcer(stop));

@@ -125,7 +125,10 @@ fn pending_then_ready() -> TestResult {
         .as_str()
         .unwrap_or_default();
     ensure!(
-        msg == "1 of 1 ambient pods pending for >1s: shop/cart",
+        // The pod, and how long it has waited (past the grace).
+        msg.starts_with("1 of 1 ambient pods pending for >1s: shop/cart (")
+            && msg.ends_with("s)")
+            && !msg.ends_with("(0s)"),
         "{msg}"
     );
     ensure!(n["agent"]["condition"]["ready"] == false && n["agent"]["ztunnel_connected"] == true);
@@ -135,10 +138,11 @@ fn pending_then_ready() -> TestResult {
         "{code} {body}"
     );
 
-    // A ztunnel that takes it: its snapshot's add is acked, the pod Enabled,
-    // the node ready.
+    // A ztunnel that takes it (and knows its workload): its snapshot's add
+    // is acked, the pod Served, the node ready.
     refusing.kill();
     let _taking = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    f.wait_state("Served")?;
     let n = wait_reason(&agent, "RedirectionReady")?;
     ensure!(n["agent"]["condition"]["ready"] == true, "{n}");
     ensure!(n["agent"]["condition_type"] == DEFAULT_CONDITION_TYPE);
@@ -163,8 +167,11 @@ fn pending_then_ready() -> TestResult {
     let scrape = prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_owned())))
         .context("parsing /metrics")?;
     let want = [
-        ("sluice_pods", Some(("state", "Enabled")), 1.0),
+        ("sluice_pods", Some(("state", "Served")), 1.0),
+        ("sluice_pods", Some(("state", "Enabled")), 0.0),
         ("sluice_pods", Some(("state", "Pending")), 0.0),
+        ("sluice_time_to_served_seconds_count", None, 1.0),
+        ("sluice_served_check_fallback", None, 0.0),
         ("sluice_ztunnel_connected", None, 1.0),
         ("sluice_node_ready", None, 1.0),
         (
@@ -193,8 +200,10 @@ fn pending_then_ready() -> TestResult {
             "sluice_enrollment_failures_total",
             ("reason", "ztunnel_nack"),
         ),
-        // Pending → Enabled, reported by the one place states change.
+        // Pending → Enabled → Served, reported by the one place states change.
         ("sluice_pod_transitions_total", ("to", "Enabled")),
+        ("sluice_pod_transitions_total", ("to", "Served")),
+        ("sluice_served_checks_total", ("result", "answered")),
     ] {
         let got = sample(&scrape, name, Some(label)).unwrap_or(0.0);
         ensure!(got >= 1.0, "{name} {label:?}: {got}\n{text}");
@@ -248,6 +257,7 @@ fn stop_marks_node() -> TestResult {
             Arc::new(Hub::default()),
             None,
             DEFAULT_CONDITION_TYPE,
+            Default::default(),
         );
         let (stop_tx, stop) = tokio::sync::watch::channel(false);
         let api = NodeApi {
@@ -338,7 +348,13 @@ fn untaint_when_ready() -> TestResult {
         let log = Arc::new(Mutex::new(Vec::new()));
         let client = tainted_node_api(log.clone());
         let hub = Arc::new(Hub::default());
-        let node = Node::new(f.dataplane()?, hub.clone(), None, DEFAULT_CONDITION_TYPE);
+        let node = Node::new(
+            f.dataplane()?,
+            hub.clone(),
+            None,
+            DEFAULT_CONDITION_TYPE,
+            Default::default(),
+        );
         let (stop_tx, stop) = tokio::sync::watch::channel(false);
         let listener = server::bind(&zds)?;
         let serving = tokio::spawn(server::serve(

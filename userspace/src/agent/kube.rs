@@ -225,7 +225,7 @@ mod tests {
 
     #[test]
     fn out_of_step_compares_annotation_and_gate_with_the_map() {
-        let (pending, enabled) = (Some(PodState::Pending), Some(PodState::Enabled));
+        let (pending, enabled) = (Some(PodState::Pending), Some(PodState::Served));
         assert!(!out_of_step(&pod(Some("enabled"), None), enabled));
         assert!(
             out_of_step(&pod(Some("pending"), None), enabled),
@@ -253,5 +253,15 @@ mod tests {
         ));
         // Absent reads as False: no write for a gated pod not yet ours.
         assert!(!out_of_step(&pod(None, Some(None)), None));
+        // Captured but not served: the annotation says enabled, the gate False.
+        let unserved = Some(PodState::Enabled);
+        assert!(!out_of_step(
+            &pod(Some("enabled"), Some(Some("False"))),
+            unserved
+        ));
+        assert!(out_of_step(
+            &pod(Some("enabled"), Some(Some("True"))),
+            unserved
+        ));
     }
 }

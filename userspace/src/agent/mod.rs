@@ -40,6 +40,8 @@ pub struct Config {
     pub report: report::ReportConfig,
     /// Where /metrics, /healthz and /readyz are served (`None`: not served).
     pub metrics_addr: Option<SocketAddr>,
+    /// How pods are found served by ztunnel.
+    pub served: node::ServedConfig,
 }
 
 /// The agent holds a descriptor per pod netns and per ztunnel listener it
@@ -84,7 +86,13 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         client: k.client.clone(),
         node: k.node.clone(),
     });
-    let node = node::Node::new(dp, hub.clone(), kube, &cfg.report.condition_type);
+    let node = node::Node::new(
+        dp,
+        hub.clone(),
+        kube,
+        &cfg.report.condition_type,
+        cfg.served.clone(),
+    );
     // Before anything is served: every pod left by an earlier agent is
     // completely captured, or its teardown finished (crash safety).
     {
@@ -130,6 +138,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     ));
     let reconcile_task = tokio::spawn(node.clone().reconcile(stop.clone()));
     let announce_task = tokio::spawn(node.clone().announcer(stop.clone()));
+    let served_task = tokio::spawn(node.clone().check_served(stop.clone()));
     let report_task = tokio::spawn(report::run(
         node.report().clone(),
         node.clone(),
@@ -161,6 +170,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     let _ = control_task.await;
     let _ = reconcile_task.await;
     let _ = announce_task.await;
+    let _ = served_task.await;
     let _ = api_task.await;
     if let Some(t) = cni_task {
         let _ = t.await;

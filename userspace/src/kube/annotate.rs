@@ -12,7 +12,9 @@ pub const REDIRECTION: &str = "ambient.istio.io/redirection";
 /// The annotation's value for a pod state; `None` removes it.
 pub fn value(state: Option<PodState>) -> Option<&'static str> {
     match state {
-        Some(PodState::Enabled) => Some("enabled"),
+        // istiod's meaning: redirection is in place (what ztunnel knows of
+        // the pod is the readiness gate's business).
+        Some(PodState::Enabled | PodState::Served) => Some("enabled"),
         Some(PodState::Pending) => Some("pending"),
         Some(PodState::Draining) | None => None,
     }
@@ -50,6 +52,7 @@ mod tests {
     #[test]
     fn values_follow_the_pod_state() {
         assert_eq!(value(Some(PodState::Enabled)), Some("enabled"));
+        assert_eq!(value(Some(PodState::Served)), Some("enabled"));
         assert_eq!(value(Some(PodState::Pending)), Some("pending"));
         assert_eq!(value(None), None);
         assert_eq!(

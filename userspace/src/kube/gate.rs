@@ -1,6 +1,7 @@
 //! The pod readiness gate `sluice.dev/redirected`: pods that list it in
 //! `spec.readinessGates` become Ready only once sluice has them fully enrolled
-//! (Enabled), so Services send traffic only to pods the mesh reaches. Pods
+//! (Served: captured, acked by ztunnel, and known to ztunnel from istiod), so
+//! Services send traffic only to pods the mesh can serve. Pods
 //! without the gate are left alone. Written as a strategic merge patch of this
 //! one condition on the pod's status (the kubelet's conditions are untouched).
 
@@ -22,10 +23,15 @@ pub fn has_gate(pod: &Pod) -> bool {
 /// status, reason, message for a pod state (`None`: not enrolled).
 pub fn condition_for(state: Option<PodState>) -> (&'static str, &'static str, &'static str) {
     match state {
-        Some(PodState::Enabled) => (
+        Some(PodState::Served) => (
             "True",
-            "Enabled",
-            "captured; ztunnel has the pod and its listeners",
+            "Served",
+            "captured; ztunnel has the pod, its listeners and its workload",
+        ),
+        Some(PodState::Enabled) => (
+            "False",
+            "NotServed",
+            "captured and acked, but ztunnel has not received the pod's workload from istiod (xDS) yet: its connections would fail",
         ),
         Some(PodState::Pending) => (
             "False",
@@ -102,7 +108,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn gated_pod_gets_true_when_enabled() {
+    async fn gated_pod_gets_true_when_served() {
         let (client, mut h) = mock::client();
         let server = tokio::spawn(async move {
             let (req, send) = h.next_request().await.unwrap();
@@ -128,15 +134,25 @@ mod tests {
             assert_eq!(
                 body,
                 json!({"status": {"conditions": [{"type": GATE, "status": "True",
-                    "reason": "Enabled", "message": "captured; ztunnel has the pod and its listeners",
+                    "reason": "Served", "message": "captured; ztunnel has the pod, its listeners and its workload",
                     "lastTransitionTime": null}]}})
             );
             reply(send, 200, &pod(true, None));
         });
-        assert!(write(client, "shop", "cart", Some(PodState::Enabled))
+        assert!(write(client, "shop", "cart", Some(PodState::Served))
             .await
             .unwrap());
         server.await.unwrap();
+    }
+
+    #[test]
+    fn only_served_is_true() {
+        for s in PodState::ALL {
+            let (status, reason, _) = condition_for(Some(s));
+            assert_eq!(status == "True", s == PodState::Served, "{s:?}");
+            assert_eq!(reason == "NotServed", s == PodState::Enabled, "{s:?}");
+        }
+        assert_eq!(condition_for(None).0, "False");
     }
 
     #[tokio::test]

@@ -50,6 +50,7 @@ mod announce;
 mod pods;
 mod relist;
 mod requests;
+mod serve;
 mod supervise;
 mod zds;
 
@@ -82,7 +83,11 @@ pub struct Node {
     custody: Custody,
     /// Every pod the agent holds: identity, cookie, netns, retry schedule.
     pods: pods::PodTable,
+    /// Whether ztunnel can serve the pods it acked.
+    served: serve::Served,
 }
+
+pub use serve::{ServedConfig, FALLBACK_AFTER};
 
 /// The metrics' view of the maps, through the node (which owns them).
 struct MapSource(Weak<Node>);
@@ -96,6 +101,7 @@ impl metrics::Source for MapSource {
         let mut pods = vec![
             ("Pending", 0),
             ("Enabled", 0),
+            ("Served", 0),
             ("Draining", 0),
             ("Unknown", 0),
         ];
@@ -121,6 +127,7 @@ impl Node {
         hub: Arc<Hub>,
         kube: Option<KubeCtx>,
         condition_type: &str,
+        served: ServedConfig,
     ) -> Arc<Self> {
         let mut dp = dp;
         Arc::new_cyclic(|me: &Weak<Self>| {
@@ -130,7 +137,7 @@ impl Node {
                     n.on_transition(t);
                 }
             }));
-            Self::with(me, dp, hub, kube, condition_type)
+            Self::with(me, dp, hub, kube, condition_type, served)
         })
     }
 
@@ -140,7 +147,9 @@ impl Node {
         hub: Arc<Hub>,
         kube: Option<KubeCtx>,
         condition_type: &str,
+        served: ServedConfig,
     ) -> Self {
+        let node_name = kube.as_ref().map(|k| k.node.clone());
         Self {
             me: me.clone(),
             kube,
@@ -156,6 +165,7 @@ impl Node {
             retired: Mutex::new(Counters::default()),
             custody: Custody::default(),
             pods: pods::PodTable::default(),
+            served: serve::Served::new(served, node_name),
         }
     }
 
@@ -175,6 +185,9 @@ impl Node {
         );
         if let Some(p) = &t.pod {
             self.announce_pod(&p.workload.namespace, &p.workload.name);
+        }
+        if t.to == Some(PodState::Enabled) {
+            self.served.wake();
         }
     }
 
@@ -351,6 +364,7 @@ impl Node {
                 pid,
                 connected: connected.contains(&pid),
                 pods: owners.get(&pid).copied().unwrap_or(0),
+                served_check: self.served.view(pid),
             })
             .collect()
     }

@@ -51,6 +51,9 @@ pub(super) struct Pod {
     /// `None` only for a pod whose netns could not be opened when a starting
     /// agent adopted it (it is then opened by path when needed).
     pub netns: Option<Arc<Netns>>,
+    /// The ztunnel whose add registers the pod's listeners (the one asked
+    /// whether it serves the pod); `None` until this agent sends an add.
+    pub ztunnel: Option<Ztunnel>,
     plan: Plan,
 }
 
@@ -63,6 +66,30 @@ enum Plan {
     Retry(Retry),
     /// Being unenrolled: never offered to ztunnel again.
     Leaving,
+}
+
+/// A ztunnel process, as its ZDS connection identifies it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(super) enum Ztunnel {
+    Pid(i32),
+    /// The connection carried no usable peer credentials.
+    UnknownPid,
+}
+
+impl Ztunnel {
+    pub(super) fn new(pid: Option<i32>) -> Self {
+        match pid {
+            Some(p) if p > 0 => Self::Pid(p),
+            _ => Self::UnknownPid,
+        }
+    }
+
+    pub(super) fn pid(self) -> Option<i32> {
+        match self {
+            Self::Pid(p) => Some(p),
+            Self::UnknownPid => None,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -79,6 +106,7 @@ impl PodTable {
                 cookie,
                 identity,
                 netns: netns.map(Arc::new),
+                ztunnel: None,
                 plan: Plan::Idle,
             },
         );
@@ -174,6 +202,14 @@ impl PodTable {
         self.plan(uid, Plan::Retry(Retry::fresh(false, Some(why.to_owned()))));
     }
 
+    /// ztunnel `pid` acked the pod: its listeners are the ones registered
+    /// next, and it is the one asked whether it serves the pod.
+    pub(super) fn acked_by(&self, uid: &str, pid: Option<i32>) {
+        if let Some(p) = self.by_uid.lock().unwrap().get_mut(uid) {
+            p.ztunnel = Some(Ztunnel::new(pid));
+        }
+    }
+
     /// ztunnel took the pod: it no longer waits.
     pub(super) fn taken(&self, uid: &str) {
         self.plan(uid, Plan::Idle);
@@ -257,7 +293,9 @@ mod tests {
         // The backoff doubled: one minimum interval is not enough any more.
         assert!(!t.take_due("u1", Instant::now() + RETRY_MIN));
         assert_eq!(t.waiting()[0].last_error, "nack again");
+        t.acked_by("u1", Some(42));
         t.taken("u1");
+        assert_eq!(t.staying()[0].ztunnel, Some(Ztunnel::Pid(42)));
         assert!(t.waiting().is_empty());
         assert!(!t.in_flight("u1"));
     }

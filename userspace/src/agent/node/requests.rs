@@ -87,6 +87,7 @@ impl Node {
                 ztunnel_connected: self.hub.is_connected(),
                 ztunnels: self.ztunnels(),
                 waiting: self.waiting(),
+                served_check: self.served.mode(),
             }),
             Request::CniCheck { pod } => match cni_uid(&pod).map(|u| (self.cookie_of(&u), u)) {
                 Ok((Some(cookie), uid)) => self.enrolled(&uid, cookie),
@@ -211,7 +212,7 @@ impl Node {
             uid: uid.to_string(),
             cookie,
             state: state.map(PodState::as_str).unwrap_or("Unknown").into(),
-            note: if state == Some(PodState::Enabled) {
+            note: if state.is_some_and(PodState::steers) {
                 None
             } else {
                 note

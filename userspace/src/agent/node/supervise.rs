@@ -79,7 +79,10 @@ impl Node {
         let complete = dp.maps.pods_with_every_listener();
         for (cookie, entry) in dp.maps.states() {
             let state = entry.state();
-            if !matches!(state, Some(PodState::Pending | PodState::Enabled)) {
+            if !matches!(
+                state,
+                Some(PodState::Pending | PodState::Enabled | PodState::Served)
+            ) {
                 continue;
             }
             let Some(meta) = dp.maps.meta(cookie) else {
@@ -91,7 +94,7 @@ impl Node {
                 self.pods.insert(cookie, meta.clone(), None);
             }
             match state {
-                Some(PodState::Enabled) if !complete.contains(&cookie) => {
+                Some(PodState::Enabled | PodState::Served) if !complete.contains(&cookie) => {
                     warn!(uid = %meta.uid, "ztunnel's listeners are gone (ztunnel restarting?): Pending, failing closed");
                     let _ = dp.maps.set_state(cookie, PodState::Pending, boottime_ns());
                     self.pods

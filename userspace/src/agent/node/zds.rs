@@ -31,6 +31,8 @@ impl Node {
         let why = match out {
             Ok(Answer::Ack) => {
                 self.metrics().zds_answer(true);
+                // Before the pod can turn Enabled: the served check asks this one.
+                self.pods.acked_by(uid, pid);
                 match self.register(uid, cookie, pid).await {
                     Ok(()) => {
                         self.pods.taken(uid);
@@ -92,8 +94,10 @@ impl Node {
             .await
             .map_err(|e| e.to_string())?;
             match got {
-                Ok(PodState::Enabled) => {
-                    info!(%uid, pid = pid.unwrap_or(0), "ztunnel acked; listeners registered: Enabled");
+                Ok(s) if s.steers() => {
+                    info!(%uid, pid = pid.unwrap_or(0), state = s.as_str(), "ztunnel acked; listeners registered");
+                    // Whether that ztunnel can serve the pod: asked at once.
+                    self.served.recheck_soon();
                     return Ok(());
                 }
                 Ok(_) if start.elapsed() < LISTENER_WAIT => {

@@ -1,0 +1,333 @@
+//! The served check: an Enabled pod (captured, acked, listeners registered)
+//! becomes Served once the ztunnel that acked it knows its workload from
+//! istiod; a Served pod whose workload that ztunnel lost goes back to
+//! Enabled. ztunnel's view is read from its admin API (`served::fetch`), only
+//! while some pod waits (backing off from 100 ms to 5 s) and every
+//! `RECHECK` for the pods already served; never on the enrollment or ZDS
+//! path.
+//!
+//! Fallback: a ztunnel whose admin API does not answer for `FALLBACK_AFTER`
+//! (an older ztunnel, another admin port, a pid hidden by the pid namespace)
+//! gets its acks counted as served, and `status` and the metrics say so; it
+//! keeps being asked, and its answer takes over as soon as it comes.
+
+use std::{collections::BTreeMap, net::IpAddr, sync::atomic::AtomicBool};
+
+use super::*;
+use crate::{
+    control::ServedCheck as CheckView,
+    served::{fetch, Known, Mode, Wanted},
+    state::addr_of,
+};
+
+/// First look after a pod starts waiting, doubled up to `WAIT_MAX`.
+const WAIT_MIN: Duration = Duration::from_millis(100);
+const WAIT_MAX: Duration = Duration::from_secs(5);
+/// How often Served pods are checked again (workload removed from xDS).
+const RECHECK: Duration = Duration::from_secs(30);
+/// How long a ztunnel's admin API may fail before its acks count as served.
+pub const FALLBACK_AFTER: Duration = Duration::from_secs(5);
+
+/// How the agent asks ztunnel.
+#[derive(Debug, Clone)]
+pub struct ServedConfig {
+    pub mode: Mode,
+    /// ztunnel's admin port, on localhost in its netns.
+    pub admin_port: u16,
+}
+
+impl Default for ServedConfig {
+    fn default() -> Self {
+        Self {
+            mode: Mode::Auto,
+            admin_port: fetch::DEFAULT_ADMIN_PORT,
+        }
+    }
+}
+
+/// What the agent last heard from one ztunnel's admin API.
+#[derive(Debug, Clone, Default)]
+struct Heard {
+    failing_since: Option<Instant>,
+    last_error: Option<String>,
+    /// Its acks count as served (failing too long, or no pid to ask).
+    fallback: bool,
+}
+
+pub(super) struct Served {
+    cfg: ServedConfig,
+    /// This node's name, when the agent knows it (workloads on other nodes
+    /// do not count).
+    node: Option<String>,
+    wake: Notify,
+    /// Check the Served pods too on the next pass (an ack came).
+    recheck: AtomicBool,
+    /// By ztunnel pid (0: unknown pid).
+    heard: Mutex<BTreeMap<i32, Heard>>,
+}
+
+impl Served {
+    pub(super) fn new(cfg: ServedConfig, node: Option<String>) -> Self {
+        Self {
+            cfg,
+            node,
+            wake: Notify::new(),
+            recheck: AtomicBool::new(false),
+            heard: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// A pod started waiting to be served: look now.
+    pub(super) fn wake(&self) {
+        self.wake.notify_one();
+    }
+
+    /// A ztunnel (re)acked pods: check the Served ones against it too.
+    pub(super) fn recheck_soon(&self) {
+        self.recheck
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        self.wake.notify_one();
+    }
+
+    pub(super) fn mode(&self) -> Mode {
+        self.cfg.mode
+    }
+
+    /// The check as `status` shows it for ztunnel `pid`.
+    pub(super) fn view(&self, pid: i32) -> CheckView {
+        if self.cfg.mode == Mode::Off {
+            return CheckView::Off;
+        }
+        let heard = self.heard.lock().unwrap().get(&pid).cloned();
+        match heard {
+            None => CheckView::NotAsked,
+            Some(h) => match (h.failing_since, h.fallback) {
+                (None, _) => CheckView::Answering,
+                (Some(_), false) => CheckView::Failing {
+                    error: h.last_error.unwrap_or_default(),
+                },
+                (Some(_), true) => CheckView::AcksCountAsServed {
+                    error: h.last_error.unwrap_or_default(),
+                },
+            },
+        }
+    }
+
+    /// How many ztunnels' acks count as served for want of an answer.
+    pub(super) fn fallbacks(&self) -> usize {
+        self.heard
+            .lock()
+            .unwrap()
+            .values()
+            .filter(|h| h.fallback)
+            .count()
+    }
+
+    /// What ztunnel `pid` says of `wanted`: `Some(known)`, or `None` when it
+    /// did not answer and its acks do not count yet.
+    fn ask(&self, pid: Option<i32>, wanted: &[Wanted], metrics: &Metrics) -> Answer {
+        if self.cfg.mode == Mode::Off {
+            return Answer::AcksCount;
+        }
+        let key = pid.unwrap_or(0);
+        let out = fetch::known(pid, self.cfg.admin_port, wanted, self.node.as_deref());
+        metrics.served_check(out.is_ok());
+        let mut heard = self.heard.lock().unwrap();
+        let h = heard.entry(key).or_default();
+        match out {
+            Ok(known) => {
+                if h.failing_since.take().is_some() {
+                    info!(
+                        pid = key,
+                        "ztunnel's admin API answers: checking served pods again"
+                    );
+                }
+                h.last_error = None;
+                h.fallback = false;
+                Answer::Known(known)
+            }
+            Err(e) => {
+                let why = crate::error_line(&e);
+                let since = *h.failing_since.get_or_insert_with(Instant::now);
+                if h.last_error.as_deref() != Some(why.as_str()) {
+                    warn!(pid = key, error = %why, "cannot read ztunnel's workloads");
+                }
+                h.last_error = Some(why);
+                // Without a pid nothing will ever answer: no reason to wait.
+                let fallback = pid.is_none() || since.elapsed() >= FALLBACK_AFTER;
+                if fallback && !h.fallback {
+                    warn!(
+                        pid = key,
+                        "counting ztunnel's acks as served (its admin API does not answer)"
+                    );
+                }
+                h.fallback = fallback;
+                if fallback {
+                    Answer::AcksCount
+                } else {
+                    Answer::Unknown
+                }
+            }
+        }
+    }
+
+    /// Forgets ztunnels that are gone (their pids may be reused).
+    fn keep_only(&self, pids: &[i32]) {
+        self.heard
+            .lock()
+            .unwrap()
+            .retain(|p, _| *p == 0 || pids.contains(p));
+    }
+}
+
+enum Answer {
+    Known(Known),
+    /// Served means acked (check off, or the admin API silent too long).
+    AcksCount,
+    /// No answer yet: decide nothing.
+    Unknown,
+}
+
+/// A pod the pass asks about.
+struct Candidate {
+    cookie: u64,
+    uid: String,
+    state: PodState,
+    want: Wanted,
+}
+
+impl Node {
+    /// Runs the served check until `stop`.
+    pub async fn check_served(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+        let mut every = WAIT_MIN;
+        let mut rechecked = Instant::now();
+        loop {
+            tokio::select! {
+                _ = stop.changed() => return,
+                _ = self.served.wake.notified() => every = WAIT_MIN,
+                _ = tokio::time::sleep(every) => {},
+            }
+            let recheck = rechecked.elapsed() >= RECHECK
+                || self
+                    .served
+                    .recheck
+                    .swap(false, std::sync::atomic::Ordering::Relaxed);
+            let this = self.clone();
+            let Ok(waiting) = tokio::task::spawn_blocking(move || this.served_pass(recheck)).await
+            else {
+                continue;
+            };
+            if recheck {
+                rechecked = Instant::now();
+            }
+            every = if waiting {
+                (every * 2).min(WAIT_MAX)
+            } else {
+                RECHECK.saturating_sub(rechecked.elapsed()).max(WAIT_MIN)
+            };
+        }
+    }
+
+    /// One pass: asks each ztunnel about its Enabled pods (and, on `recheck`,
+    /// its Served ones) and moves them. Blocking. Returns whether some pod
+    /// still waits to be served.
+    pub(super) fn served_pass(&self, recheck: bool) -> bool {
+        let mut by_ztunnel: BTreeMap<pods::Ztunnel, Vec<Candidate>> = BTreeMap::new();
+        {
+            let dp = self.dp.lock().unwrap();
+            for p in self.pods.staying() {
+                let Some(state) = dp.maps.entry(p.cookie).and_then(|e| e.state()) else {
+                    continue;
+                };
+                if !(state == PodState::Enabled || recheck && state == PodState::Served) {
+                    continue;
+                }
+                // Not acked since this agent started (adopted): its
+                // ztunnel's snapshot add decides.
+                let Some(ztunnel) = p.ztunnel else {
+                    continue;
+                };
+                let ips = dp
+                    .maps
+                    .addrs_of(p.cookie)
+                    .iter()
+                    .map(addr_of)
+                    .filter(routable)
+                    .collect();
+                let w = &p.identity.workload;
+                by_ztunnel.entry(ztunnel).or_default().push(Candidate {
+                    cookie: p.cookie,
+                    uid: p.identity.uid.clone(),
+                    state,
+                    want: Wanted {
+                        namespace: w.namespace.clone(),
+                        name: w.name.clone(),
+                        service_account: w.service_account.clone(),
+                        ips,
+                    },
+                });
+            }
+        }
+        let live: Vec<i32> = self.hub.all().iter().filter_map(|c| c.pid).collect();
+        self.served.keep_only(&live);
+        let mut waiting = false;
+        for (ztunnel, pods) in by_ztunnel {
+            let wanted: Vec<Wanted> = pods.iter().map(|c| c.want.clone()).collect();
+            let answer = self.served.ask(ztunnel.pid(), &wanted, self.metrics());
+            let mut dp = self.dp.lock().unwrap();
+            for c in pods {
+                let served = match &answer {
+                    Answer::Known(k) => {
+                        k.contains(&(c.want.namespace.clone(), c.want.name.clone()))
+                    }
+                    Answer::AcksCount => true,
+                    Answer::Unknown => {
+                        waiting |= c.state == PodState::Enabled;
+                        continue;
+                    }
+                };
+                let span = info_span!("pod", uid = %c.uid, cookie = c.cookie);
+                let _e = span.enter();
+                let to = match (c.state, served) {
+                    (PodState::Enabled, true) => PodState::Served,
+                    (PodState::Served, false) => PodState::Enabled,
+                    (PodState::Enabled, false) => {
+                        waiting = true;
+                        continue;
+                    }
+                    _ => continue,
+                };
+                let entry = dp.maps.entry(c.cookie);
+                match dp.maps.set_state_if(c.cookie, c.state, to, boottime_ns()) {
+                    Ok(true) if to == PodState::Served => {
+                        if let Some(e) = entry {
+                            let waited = boottime_ns().saturating_sub(e.enrolled_at_ns);
+                            self.metrics().time_to_served(Duration::from_nanos(waited));
+                        }
+                        if matches!(answer, Answer::AcksCount) {
+                            info!("served (ztunnel's ack counts: its workloads cannot be read)");
+                        } else {
+                            info!("ztunnel knows the pod's workload: served");
+                        }
+                    }
+                    Ok(true) => {
+                        warn!("ztunnel no longer knows the pod's workload: not served");
+                        waiting = true;
+                    }
+                    Ok(false) => {}
+                    Err(e) => warn!(error = %e, "could not record the served check"),
+                }
+            }
+        }
+        self.metrics().set_served_fallbacks(self.served.fallbacks());
+        waiting
+    }
+}
+
+/// Addresses istiod can list for a pod (not link-local, not loopback).
+fn routable(ip: &IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => !v4.is_link_local() && !v4.is_loopback(),
+        IpAddr::V6(v6) => !v6.is_unicast_link_local() && !v6.is_loopback(),
+    }
+}
