@@ -275,6 +275,8 @@ k -n "$SYS" rollout status daemonset/sluice --timeout=180s
 wait_for 180 "agent pods are Ready again" agents_ready
 k -n "$NS" wait pod/late --for=condition=Ready --timeout=180s
 [[ $(redirection late) == enabled ]] || die "late: redirection annotation is '$(redirection late)'"
+gate_reason=$(k -n "$NS" get pod late -o jsonpath='{.status.conditions[?(@.type=="sluice.dev/redirected")].reason}')
+[[ $gate_reason == Served ]] || die "late: readiness gate reason is '$gate_reason' (want Served: ztunnel has its workload)"
 echo "ok: late started once the agent was back, captured"
 long_connection_alive || die "the long-lived connection broke while the agent was away"
 echo "ok: the long-lived connection survived the agent's absence too"

@@ -119,6 +119,10 @@ enum Cmd {
         /// ztunnel's network namespace.
         #[arg(long, default_value_t = sluice::served::fetch::DEFAULT_ADMIN_PORT, env = "SLUICE_ZTUNNEL_ADMIN_PORT")]
         ztunnel_admin_port: u16,
+        /// How often pods already served are checked again (a workload
+        /// removed from xDS makes its pod not served).
+        #[arg(long, default_value = "30s", value_parser = parse_duration)]
+        served_recheck: Duration,
     },
     /// Mark the node condition False (AgentNotRunning) when the agent stops
     /// answering /readyz: covers agent crashes. Runs beside the agent.
@@ -323,6 +327,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             heartbeat,
             served_check,
             ztunnel_admin_port,
+            served_recheck,
         } => {
             init_tracing();
             anyhow::ensure!(
@@ -356,6 +361,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 served: agent::node::ServedConfig {
                     mode: served_check,
                     admin_port: ztunnel_admin_port,
+                    recheck: served_recheck,
                 },
             })?;
         }

@@ -211,8 +211,10 @@ fn demo() -> Result<()> {
 fn bench() -> Result<()> {
     setup::run()?;
     build_ebpf()?;
-    // The memory scenario runs the release `sluice agent` beside the bench binary.
+    // The memory and served scenarios run the release `sluice agent` and the
+    // ZDS peer beside the bench binary.
     cargo(&["build", "--release", "-p", "sluice", "--bins"])?;
+    cargo(&["build", "--release", "-p", "sluice-tests", "--bins"])?;
     cargo(&[
         "run",
         "--release",

@@ -18,6 +18,7 @@ use std::{
 };
 
 use anyhow::{ensure, Context as _};
+use sluice::served::{fetch, Wanted};
 use sluice::{
     control::{self, Request},
     enroll,
@@ -28,12 +29,14 @@ use sluice::{
 };
 use sluice_common::MARK_ZTUNNEL;
 use sluice_tests::{
-    agent::AgentProc,
-    harness::{is_root, REMOTE_PORT},
+    admin,
+    agent::{AgentProc, PeerProc},
+    harness::{is_root, peer_bin, REMOTE_PORT},
     istio,
     ns::spawn_in,
     sink::{Mode, Sink},
     topology::{ip, Family, Topology},
+    wait,
 };
 
 const ROUNDS: usize = 5;
@@ -43,6 +46,10 @@ const LATENCY_SAMPLES: usize = 1000;
 const ENROLL_PODS: usize = 100;
 const SCALE_PODS: usize = 500;
 const MEMORY_PODS: usize = 250;
+/// Workloads in the mesh ztunnel's config_dump lists (scenario 8).
+const MESH_WORKLOADS: usize = 10_000;
+const SERVED_CHECKS: usize = 20;
+const SERVED_PODS: usize = 5;
 const APP_PORT: u16 = 8080;
 const BULK_PORT: u16 = 9999;
 
@@ -247,11 +254,12 @@ fn main() -> anyhow::Result<()> {
     };
     let t0 = Instant::now();
     type Scenario = fn(&mut Report) -> anyhow::Result<()>;
-    let scenarios: [(&str, Scenario); 4] = [
+    let scenarios: [(&str, Scenario); 5] = [
         ("connections", connection_scenarios),
         ("enroll", enrollment),
         ("scale", scale),
         ("memory", memory),
+        ("served", served),
     ];
     for (name, run) in scenarios {
         if wanted(name) {
@@ -523,6 +531,149 @@ fn memory(report: &mut Report) -> anyhow::Result<()> {
     let _ = enroll::uninstall(&pins);
     drop(pods);
     result
+}
+
+/// Scenario 8: the served check against a ztunnel whose config_dump lists
+/// 10,000 workloads: the cost of one check in the agent (wall time, CPU of
+/// this process, which does exactly what the agent does: enter ztunnel's
+/// netns, GET, parse as it streams) and, through a real agent, the time from
+/// enrollment to Served as the pinned map records it.
+fn served(report: &mut Report) -> anyhow::Result<()> {
+    let dir = std::env::temp_dir().join(format!("sluice-bench-served-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let pods = bare_pods("sv", SERVED_PODS)?;
+    let result = served_in(report, &dir, &pods);
+    drop(pods);
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+fn served_in(report: &mut Report, dir: &std::path::Path, pods: &BarePods) -> anyhow::Result<()> {
+    // The mesh: 10,000 workloads, the bench pods among the last ones.
+    let mut mesh: Vec<serde_json::Value> = (0..MESH_WORKLOADS - SERVED_PODS)
+        .map(|i| {
+            let ip = IpAddr::V4(Ipv4Addr::new(
+                10,
+                100 + (i / 65536) as u8,
+                (i / 256 % 256) as u8,
+                (i % 256) as u8,
+            ));
+            admin::workload(
+                &format!("ns-{}", i % 100),
+                &format!("w-{i}"),
+                "default",
+                &[ip],
+            )
+        })
+        .collect();
+    for (i, p) in pods.0.iter().enumerate() {
+        let ip = IpAddr::V4(Ipv4Addr::new(10, 210, 0, i as u8));
+        mesh.push(admin::workload("default", &p.name, "default", &[ip]));
+    }
+    let file = dir.join("workloads.json");
+    std::fs::write(&file, serde_json::to_vec(&mesh)?)?;
+    report.put(
+        "config_dump_mib_10k_workloads",
+        admin::dump(mesh).len() as f64 / (1024.0 * 1024.0),
+    );
+
+    // One check, as the agent makes it, against a ztunnel stand-in with no
+    // agent to talk to (it only serves its admin API).
+    let mut peer = PeerProc::start(
+        &peer_bin(),
+        &dir.join("no-agent.sock"),
+        &["--admin-workloads", file.to_str().unwrap()],
+    )?;
+    let pid = peer.pid().context("peer pid")? as i32;
+    let wanted = [Wanted {
+        namespace: "default".into(),
+        name: pods.0[0].name.clone(),
+        service_account: "default".into(),
+        ips: vec![IpAddr::V4(Ipv4Addr::new(10, 210, 0, 0))],
+    }];
+    wait::until("the admin stand-in to answer", wait::DEADLINE, || {
+        fetch::known(Some(pid), fetch::DEFAULT_ADMIN_PORT, &wanted, None).map_err(|e| e.to_string())
+    })?;
+    let (mut wall, cpu0) = (Vec::new(), cpu_ms_self());
+    for _ in 0..SERVED_CHECKS {
+        let t = Instant::now();
+        let known = fetch::known(Some(pid), fetch::DEFAULT_ADMIN_PORT, &wanted, None)?;
+        wall.push(t.elapsed().as_secs_f64() * 1e3);
+        ensure!(known.len() == 1, "the pod not found among 10k workloads");
+    }
+    report.put(
+        "served_check_cpu_ms_10k_workloads",
+        (cpu_ms_self() - cpu0) / SERVED_CHECKS as f64,
+    );
+    report.put("served_check_ms_10k_workloads", percentile(wall, 0.5));
+    peer.kill();
+
+    // Enrollment to Served through a real agent and that ztunnel stand-in.
+    let pins = Pins::new(format!(
+        "/sys/fs/bpf/sluice-bench-sv-{}",
+        std::process::id()
+    ));
+    let result = (|| -> anyhow::Result<()> {
+        let agent = AgentProc::start(&pins)?;
+        let _peer = PeerProc::start(
+            &peer_bin(),
+            &agent.zds,
+            &["--admin-workloads", file.to_str().unwrap()],
+        )?;
+        wait::until(
+            "the stand-in connected",
+            wait::DEADLINE,
+            || match control::call(&agent.control, Some(pins.root()), &Request::Status) {
+                Ok(Some(control::Response::Node(n))) if n.ztunnel_connected => Ok(()),
+                other => Err(format!("{other:?}")),
+            },
+        )?;
+        let mut ms = Vec::new();
+        for (i, p) in pods.0.iter().enumerate() {
+            let uid = format!("sv-{i}");
+            let resp = control::call(
+                &agent.control,
+                Some(pins.root()),
+                &Request::Enroll {
+                    netns: ns_path(&p.name),
+                    uid: uid.clone(),
+                    workload: workload(&p.name),
+                },
+            )?
+            .context("agent not listening")?;
+            ensure!(
+                matches!(resp, control::Response::Enrolled { .. }),
+                "{resp:?}"
+            );
+            let maps = Maps::open_pinned(&pins.maps())?;
+            let e = wait::until("the pod Served", wait::DEADLINE, || {
+                let cookie = maps.find_uid(&PodUid::new(&uid).map_err(|e| e.to_string())?);
+                match cookie.and_then(|c| maps.entry(c)) {
+                    Some(e) if e.state() == Some(sluice_common::PodState::Served) => Ok(e),
+                    other => Err(format!("{other:?}")),
+                }
+            })?;
+            ms.push((e.changed_at_ns - e.enrolled_at_ns) as f64 / 1e6);
+        }
+        report.put(
+            "time_to_served_ms_p50_10k_workloads",
+            percentile(ms.clone(), 0.5),
+        );
+        report.put("time_to_served_ms_max_10k_workloads", percentile(ms, 1.0));
+        Ok(())
+    })();
+    let _ = enroll::uninstall(&pins);
+    result
+}
+
+/// CPU time (user + system) this process has used, in ms.
+fn cpu_ms_self() -> f64 {
+    let r = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_SELF);
+    r.map(|r| {
+        let t = |tv: nix::sys::time::TimeVal| tv.tv_sec() as f64 * 1e3 + tv.tv_usec() as f64 / 1e3;
+        t(r.user_time()) + t(r.system_time())
+    })
+    .unwrap_or(0.0)
 }
 
 fn agent_pid(agent: &AgentProc) -> anyhow::Result<i32> {

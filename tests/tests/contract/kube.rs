@@ -9,12 +9,17 @@ use kube::client::Body;
 use libtest_mimic::Trial;
 use serde_json::{json, Value};
 use sluice::{
-    agent::{kube::KubeCtx, node::Node},
+    agent::{
+        kube::KubeCtx,
+        node::{Node, ServedConfig},
+    },
     cni::spec::PodRef,
     control,
     zds::server::Hub,
 };
-use sluice_tests::{harness::Fixture, mockapi, wait};
+use sluice_tests::{admin, agent::PeerProc, harness::Fixture, mockapi, topology::Family, wait};
+
+const PEER: &str = env!("CARGO_BIN_EXE_sluice-zds-peer");
 
 use crate::{trial, TestResult};
 
@@ -33,6 +38,10 @@ pub fn trials() -> Vec<Trial> {
             "kube::pod_watch_event_triggers_capture",
             watch_triggers_capture,
         ),
+        trial(
+            "kube::readiness_gate_is_true_only_while_ztunnel_serves_the_pod",
+            gate_follows_served,
+        ),
     ]
 }
 
@@ -42,6 +51,15 @@ fn cluster_node(
     f: &Fixture,
     client: kube::Client,
     cni_records: Option<std::path::PathBuf>,
+) -> anyhow::Result<(Arc<Node>, tokio::sync::watch::Sender<bool>)> {
+    cluster_node_with(f, client, cni_records, Default::default())
+}
+
+fn cluster_node_with(
+    f: &Fixture,
+    client: kube::Client,
+    cni_records: Option<std::path::PathBuf>,
+    served: ServedConfig,
 ) -> anyhow::Result<(Arc<Node>, tokio::sync::watch::Sender<bool>)> {
     let k = KubeCtx {
         client,
@@ -53,7 +71,7 @@ fn cluster_node(
         Arc::new(Hub::default()),
         Some(k),
         sluice::readiness::DEFAULT_CONDITION_TYPE,
-        Default::default(),
+        served,
     );
     let (announcing, stop) = tokio::sync::watch::channel(false);
     tokio::spawn(node.clone().announcer(stop));
@@ -428,5 +446,134 @@ fn watch_triggers_capture() -> TestResult {
         .await;
         task.abort();
         enrolled
+    })
+}
+
+/// The gate follows ztunnel's view: False (NotServed) while the ztunnel that
+/// acked the pod has no workload for it, True (Served) once it has, False
+/// again when the workload is removed; the annotation says `enabled` all along.
+fn gate_follows_served() -> TestResult {
+    let f = Fixture::new("gs", None)?;
+    let dir = std::env::temp_dir().join(format!("sluice-gate-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let result = gate_follows_served_in(&f, &dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+fn gate_follows_served_in(f: &Fixture, dir: &std::path::Path) -> TestResult {
+    use sluice::zds::server;
+    let zds = dir.join("ztunnel.sock");
+    let workloads = dir.join("workloads.json");
+    let cart_workload = admin::workload(
+        "shop",
+        "cart",
+        "cart-sa",
+        &[f.topo.pod_ip(Family::V4), f.topo.pod_ip(Family::V6)],
+    );
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async {
+        let patches = Arc::new(Mutex::new(Vec::new()));
+        let client = api(Arc::new(Mutex::new(false)), patches.clone());
+        let served = ServedConfig {
+            recheck: std::time::Duration::from_millis(200),
+            ..Default::default()
+        };
+        let (node, _announcing) = cluster_node_with(f, client, None, served)?;
+        let (stop_tx, stop) = tokio::sync::watch::channel(false);
+        let hub = node.hub();
+        let serving = tokio::spawn(server::serve(
+            server::bind(&zds)?,
+            zds.clone(),
+            hub,
+            node.clone() as Arc<dyn server::Handler>,
+            stop.clone(),
+        ));
+        let checking = tokio::spawn(node.clone().check_served(stop.clone()));
+        // A ztunnel whose xDS does not have the pod yet.
+        std::fs::write(&workloads, "[]")?;
+        let _peer = PeerProc::start(
+            std::path::Path::new(PEER),
+            &zds,
+            &["--admin-workloads", workloads.to_str().unwrap()],
+        )?;
+        let cart = PodRef {
+            name: "cart".into(),
+            namespace: "shop".into(),
+            uid: Some("u-cart".into()),
+        };
+        let r = node
+            .handle(control::Request::CniAdd {
+                container_id: "c1".into(),
+                netns: f.topo.pod_netns_path(),
+                pod: cart,
+                ips: vec![],
+            })
+            .await;
+        ensure!(matches!(&r, control::Response::Enrolled { .. }), "{r:?}");
+        let last_gate = |reason: &'static str| {
+            let patches = patches.clone();
+            move || {
+                let p = patches.lock().unwrap().clone();
+                let gate = p
+                    .iter()
+                    .rev()
+                    .find_map(|(_, b)| b["status"]["conditions"].get(0).cloned());
+                match gate {
+                    Some(g) if g["reason"] == reason => Ok(g),
+                    other => Err(other),
+                }
+            }
+        };
+        let g = wait::until_async(
+            "the gate False: NotServed",
+            wait::DEADLINE,
+            last_gate("NotServed"),
+        )
+        .await?;
+        ensure!(g["status"] == "False", "{g}");
+        let cart_record = || -> anyhow::Result<sluice::state::PodRecord> {
+            let pods = sluice::status::read(&f.topo.pins)?;
+            pods.into_iter()
+                .find(|p| p.uid == "u-cart")
+                .ok_or_else(|| anyhow::anyhow!("u-cart not enrolled"))
+        };
+        ensure!(cart_record()?.state == Some("Enabled"));
+        // istiod pushes the workload: served.
+        std::fs::write(&workloads, serde_json::to_vec(&[&cart_workload])?)?;
+        let g =
+            wait::until_async("the gate True: Served", wait::DEADLINE, last_gate("Served")).await?;
+        ensure!(g["status"] == "True", "{g}");
+        ensure!(cart_record()?.served);
+        // The workload is removed from xDS: not served any more.
+        std::fs::write(&workloads, "[]")?;
+        let g = wait::until_async(
+            "the gate False again",
+            wait::DEADLINE,
+            last_gate("NotServed"),
+        )
+        .await?;
+        ensure!(g["status"] == "False", "{g}");
+        ensure!(cart_record()?.state == Some("Enabled"));
+        // The annotation istiod reads said `enabled` once the pod was captured
+        // and acked, and never went back to `pending`.
+        let annotations: Vec<Value> = patches
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|(_, b)| {
+                b["metadata"]["annotations"]
+                    .get("ambient.istio.io/redirection")
+                    .cloned()
+            })
+            .collect();
+        ensure!(
+            annotations.last() == Some(&json!("enabled")),
+            "{annotations:?}"
+        );
+        stop_tx.send(true)?;
+        let _ = checking.await;
+        let _ = serving.await;
+        Ok(())
     })
 }

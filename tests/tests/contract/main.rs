@@ -11,6 +11,7 @@ mod differential;
 mod kube;
 mod lifecycle;
 mod readiness;
+mod served;
 
 use libtest_mimic::{Arguments, Failed, Trial};
 use sluice_tests::harness::is_root;
@@ -38,5 +39,6 @@ fn main() {
     trials.extend(cni::trials());
     trials.extend(kube::trials());
     trials.extend(readiness::trials());
+    trials.extend(served::trials());
     libtest_mimic::run(&args, trials).exit();
 }

@@ -87,7 +87,7 @@ pub struct Node {
     served: serve::Served,
 }
 
-pub use serve::{ServedConfig, FALLBACK_AFTER};
+pub use serve::{ServedConfig, DEFAULT_RECHECK, FALLBACK_AFTER};
 
 /// The metrics' view of the maps, through the node (which owns them).
 struct MapSource(Weak<Node>);
@@ -189,6 +189,11 @@ impl Node {
         if t.to == Some(PodState::Enabled) {
             self.served.wake();
         }
+    }
+
+    /// The ZDS connections this node's adds go to.
+    pub fn hub(&self) -> Arc<Hub> {
+        self.hub.clone()
     }
 
     pub fn report(&self) -> &Arc<Report> {

@@ -2,9 +2,9 @@
 //! becomes Served once the ztunnel that acked it knows its workload from
 //! istiod; a Served pod whose workload that ztunnel lost goes back to
 //! Enabled. ztunnel's view is read from its admin API (`served::fetch`), only
-//! while some pod waits (backing off from 100 ms to 5 s) and every
-//! `RECHECK` for the pods already served; never on the enrollment or ZDS
-//! path.
+//! while some pod waits (backing off from 100 ms to 5 s), after every ack,
+//! and every `recheck` (30 s) for the pods already served; never on the
+//! enrollment or ZDS path.
 //!
 //! Fallback: a ztunnel whose admin API does not answer for `FALLBACK_AFTER`
 //! (an older ztunnel, another admin port, a pid hidden by the pid namespace)
@@ -23,8 +23,9 @@ use crate::{
 /// First look after a pod starts waiting, doubled up to `WAIT_MAX`.
 const WAIT_MIN: Duration = Duration::from_millis(100);
 const WAIT_MAX: Duration = Duration::from_secs(5);
-/// How often Served pods are checked again (workload removed from xDS).
-const RECHECK: Duration = Duration::from_secs(30);
+/// How often Served pods are checked again (workload removed from xDS), by
+/// default.
+pub const DEFAULT_RECHECK: Duration = Duration::from_secs(30);
 /// How long a ztunnel's admin API may fail before its acks count as served.
 pub const FALLBACK_AFTER: Duration = Duration::from_secs(5);
 
@@ -34,6 +35,8 @@ pub struct ServedConfig {
     pub mode: Mode,
     /// ztunnel's admin port, on localhost in its netns.
     pub admin_port: u16,
+    /// How often Served pods are checked again.
+    pub recheck: Duration,
 }
 
 impl Default for ServedConfig {
@@ -41,6 +44,7 @@ impl Default for ServedConfig {
         Self {
             mode: Mode::Auto,
             admin_port: fetch::DEFAULT_ADMIN_PORT,
+            recheck: DEFAULT_RECHECK,
         }
     }
 }
@@ -207,7 +211,8 @@ impl Node {
                 _ = self.served.wake.notified() => every = WAIT_MIN,
                 _ = tokio::time::sleep(every) => {},
             }
-            let recheck = rechecked.elapsed() >= RECHECK
+            let recheck_every = self.served.cfg.recheck;
+            let recheck = rechecked.elapsed() >= recheck_every
                 || self
                     .served
                     .recheck
@@ -223,7 +228,9 @@ impl Node {
             every = if waiting {
                 (every * 2).min(WAIT_MAX)
             } else {
-                RECHECK.saturating_sub(rechecked.elapsed()).max(WAIT_MIN)
+                recheck_every
+                    .saturating_sub(rechecked.elapsed())
+                    .max(WAIT_MIN)
             };
         }
     }
