@@ -121,7 +121,7 @@ enum Cmd {
         ztunnel_admin_port: u16,
         /// How often pods already served are checked again (a workload
         /// removed from xDS makes its pod not served).
-        #[arg(long, default_value = "30s", value_parser = parse_duration)]
+        #[arg(long, default_value = "30s", value_parser = parse_duration, env = "SLUICE_SERVED_RECHECK")]
         served_recheck: Duration,
     },
     /// Mark the node condition False (AgentNotRunning) when the agent stops
@@ -330,6 +330,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             served_recheck,
         } => {
             init_tracing();
+            anyhow::ensure!(
+                served_recheck >= Duration::from_secs(1),
+                "--served-recheck {served_recheck:?}: at least 1s (each recheck reads ztunnel's whole config_dump)"
+            );
             anyhow::ensure!(
                 untaint.is_empty() || node_name.is_some(),
                 "--untaint needs --node-name (the taint is removed from this node's Node object)"

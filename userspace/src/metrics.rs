@@ -135,7 +135,7 @@ impl Metrics {
         );
         registry.register_with_unit(
             "time_to_served",
-            "From a pod's enrollment until ztunnel was found to know its workload (Served)",
+            "From a pod's Enabled (ztunnel acked, listeners registered) until ztunnel was found to know its workload (Served)",
             Unit::Seconds,
             m.time_to_served.clone(),
         );

@@ -44,6 +44,7 @@ pub enum Reason {
     ZtunnelDisconnected,
     PodsPendingEnrollment,
     /// Captured and acked, but ztunnel does not know the pod's workload.
+    /// The node itself captures: the condition stays True with this reason.
     PodsNotServed,
     /// Written by the agent itself as it stops (SIGTERM).
     AgentStopped,
@@ -210,17 +211,21 @@ pub fn compute(i: &Inputs) -> Condition {
             ),
         );
     }
+    // The node captures them: what they lack is on istiod's and ztunnel's
+    // side, so the node stays True (no taint, the agent stays Ready: an
+    // istiod outage must not take every node out), and says which pods wait.
     let unserved = late(|s| s == Some(PodState::Enabled));
     if !unserved.is_empty() {
-        return not_ready(
-            Reason::PodsNotServed,
-            format!(
+        return Condition {
+            ready: true,
+            reason: Reason::PodsNotServed,
+            message: format!(
                 "{} of {total} ambient pods captured but not known to ztunnel (no workload from istiod) for >{}s: {}",
                 unserved.len(),
                 i.pending_grace.as_secs(),
                 named(&unserved)
             ),
-        );
+        };
     }
     Condition {
         ready: true,
@@ -309,12 +314,14 @@ mod tests {
             pod("ns/ok", PodState::Served, 1),
         ];
         let c = compute(&inputs(pods));
-        assert_eq!((c.ready, c.reason), (false, Reason::PodsNotServed));
+        // The node captures: True, with the reason naming what waits.
+        assert_eq!((c.ready, c.reason), (true, Reason::PodsNotServed));
         assert_eq!(
             c.message,
             "1 of 3 ambient pods captured but not known to ztunnel (no workload from istiod) for >10s: ns/late (42s)"
         );
-        // Within the grace: ready.
-        assert!(compute(&inputs(vec![pod("ns/fresh", PodState::Enabled, 95)])).ready);
+        // Within the grace: plain ready.
+        let c = compute(&inputs(vec![pod("ns/fresh", PodState::Enabled, 95)]));
+        assert_eq!((c.ready, c.reason), (true, Reason::Ready));
     }
 }

@@ -285,6 +285,15 @@ impl Maps {
         Ok(())
     }
 
+    /// Every pod's addresses, in one walk of the address map.
+    pub fn addrs_by_pod(&self) -> std::collections::HashMap<u64, Vec<AddrKey>> {
+        let mut out: std::collections::HashMap<u64, Vec<AddrKey>> = Default::default();
+        for (k, c) in self.pod_addrs.iter().filter_map(Result::ok) {
+            out.entry(c).or_default().push(k);
+        }
+        out
+    }
+
     pub fn addrs_of(&self, cookie: u64) -> Vec<AddrKey> {
         self.pod_addrs
             .iter()

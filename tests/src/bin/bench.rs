@@ -568,7 +568,7 @@ fn served_in(report: &mut Report, dir: &std::path::Path, pods: &BarePods) -> any
         .collect();
     for (i, p) in pods.0.iter().enumerate() {
         let ip = IpAddr::V4(Ipv4Addr::new(10, 210, 0, i as u8));
-        mesh.push(admin::workload("default", &p.name, "default", &[ip]));
+        mesh.push(admin::workload("bench", &p.name, "default", &[ip]));
     }
     let file = dir.join("workloads.json");
     std::fs::write(&file, serde_json::to_vec(&mesh)?)?;
@@ -586,7 +586,7 @@ fn served_in(report: &mut Report, dir: &std::path::Path, pods: &BarePods) -> any
     )?;
     let pid = peer.pid().context("peer pid")? as i32;
     let wanted = [Wanted {
-        namespace: "default".into(),
+        namespace: "bench".into(),
         name: pods.0[0].name.clone(),
         service_account: "default".into(),
         ips: vec![IpAddr::V4(Ipv4Addr::new(10, 210, 0, 0))],

@@ -114,6 +114,8 @@ fn unknown_then_known() -> TestResult {
     enroll(&agent, &f)?;
 
     let n = wait_condition(&agent, "PodsNotServed")?;
+    // The node captures the pod: True, and the reason names what waits.
+    ensure!(n["condition"]["ready"] == true, "{n}");
     let msg = n["condition"]["message"].as_str().unwrap_or_default();
     let named = format!("ambient/{} (", f.uid);
     ensure!(

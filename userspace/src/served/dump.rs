@@ -10,9 +10,11 @@
 //! its xDS workloads by name, namespace and service account (`WorkloadInfo`
 //! in upstream's `find_by_info`), not by uid (istiod's uid is
 //! `cluster//Pod/ns/name`, ZDS carries the Kubernetes uid). On top of that the
-//! workload must list the pod's current IPs (a workload left over from an
-//! earlier pod of the same name has the old IPs, and inbound connections to
-//! the new ones would fail) and, when both say, be on this node.
+//! workload must list one of the pod's current IPs (a workload left over from
+//! an earlier pod of the same name has other IPs, and inbound connections to
+//! the new ones would fail; "one of", not "all": a secondary interface, e.g.
+//! Multus, carries addresses istiod never lists) and, when both say, be on
+//! this node.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -33,6 +35,7 @@ pub struct Wanted {
     pub name: String,
     pub service_account: String,
     /// The pod's routable addresses (link-local ones are never in xDS).
+    /// Empty: matched by name, namespace and service account alone.
     pub ips: Vec<IpAddr>,
 }
 
@@ -70,7 +73,7 @@ impl Query<'_> {
         };
         (want.service_account == w.service_account
             && node_ok
-            && want.ips.iter().all(|ip| w.workload_ips.contains(ip)))
+            && (want.ips.is_empty() || want.ips.iter().any(|ip| w.workload_ips.contains(ip))))
         .then(|| (w.namespace.clone(), w.name.clone()))
     }
 }
@@ -203,7 +206,8 @@ mod tests {
             workload("elsewhere", &["10.0.0.4"], "n2"),
         ]));
         let wanted = [
-            want("a", &["10.0.0.1"]),
+            // A secondary interface's address istiod does not list.
+            want("a", &["10.0.0.1", "192.168.50.1"]),
             want("b", &["10.0.0.2", "fd00::2"]),
             // Recreated with a new IP: the dump still has the old one.
             want("old", &["10.0.0.3"]),

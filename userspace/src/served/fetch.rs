@@ -12,7 +12,7 @@ use crate::netns::{Netns, NetnsError};
 /// ztunnel's default admin port (ProxyConfig `proxyAdminPort`).
 pub const DEFAULT_ADMIN_PORT: u16 = 15000;
 /// One whole read of the dump, connect to last byte.
-const TIMEOUT: Duration = Duration::from_secs(5);
+pub const TIMEOUT: Duration = Duration::from_secs(5);
 /// The most of a dump the agent reads (≈ 30,000 workloads, pretty-printed).
 const MAX_DUMP: u64 = 256 << 20;
 
@@ -27,6 +27,12 @@ pub enum FetchError {
         url: String,
         #[source]
         source: Box<ureq::Error>,
+    },
+    #[error("ztunnel's admin API at {url} stopped sending its config_dump midway (timeout or over {} MiB)", MAX_DUMP >> 20)]
+    CutShort {
+        url: String,
+        #[source]
+        source: serde_json::Error,
     },
     #[error("ztunnel's admin API at {url} sent something that is not a config_dump")]
     NotADump {
@@ -54,6 +60,9 @@ fn read(port: u16, wanted: &[Wanted], node: Option<&str>) -> Result<Known, Fetch
     let url = format!("http://127.0.0.1:{port}/config_dump");
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .timeout_global(Some(TIMEOUT))
+        // Loopback in ztunnel's netns: never through an HTTP(S)_PROXY from
+        // the agent's environment.
+        .proxy(None)
         .build()
         .into();
     let unreachable = |e: ureq::Error| FetchError::Unreachable {
@@ -63,10 +72,12 @@ fn read(port: u16, wanted: &[Wanted], node: Option<&str>) -> Result<Known, Fetch
     let mut resp = agent.get(&url).call().map_err(unreachable)?;
     let body = resp.body_mut().with_config().limit(MAX_DUMP).reader();
     dump::known(body, wanted, node).map_err(|source| {
-        // A body cut short (timeout, limit) shows as an I/O error inside the parse.
-        FetchError::NotADump {
-            url: url.clone(),
-            source,
+        // A body cut short (timeout, size limit) shows as an I/O error
+        // inside the parse: not the dump's fault.
+        if source.is_io() {
+            FetchError::CutShort { url, source }
+        } else {
+            FetchError::NotADump { url, source }
         }
     })
 }

@@ -210,6 +210,11 @@ impl PodTable {
         }
     }
 
+    /// The ztunnel that acked the pod last.
+    pub(super) fn ztunnel_of(&self, uid: &str) -> Option<Ztunnel> {
+        self.by_uid.lock().unwrap().get(uid).and_then(|p| p.ztunnel)
+    }
+
     /// ztunnel took the pod: it no longer waits.
     pub(super) fn taken(&self, uid: &str) {
         self.plan(uid, Plan::Idle);

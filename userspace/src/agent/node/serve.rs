@@ -26,8 +26,13 @@ const WAIT_MAX: Duration = Duration::from_secs(5);
 /// How often Served pods are checked again (workload removed from xDS), by
 /// default.
 pub const DEFAULT_RECHECK: Duration = Duration::from_secs(30);
-/// How long a ztunnel's admin API may fail before its acks count as served.
-pub const FALLBACK_AFTER: Duration = Duration::from_secs(5);
+/// How long a ztunnel's admin API may fail, on `FALLBACK_FAILURES` asks in a
+/// row, before its acks count as served. Longer than one ask may take
+/// (`fetch::TIMEOUT`), so one slow dump on a big mesh never switches it.
+pub const FALLBACK_AFTER: Duration = Duration::from_secs(10);
+const FALLBACK_FAILURES: u32 = 3;
+/// Asks further apart than this are not "in a row".
+const IN_A_ROW: Duration = Duration::from_secs(11);
 
 /// How the agent asks ztunnel.
 #[derive(Debug, Clone)]
@@ -53,6 +58,9 @@ impl Default for ServedConfig {
 #[derive(Debug, Clone, Default)]
 struct Heard {
     failing_since: Option<Instant>,
+    /// Failed asks in a row.
+    failures: u32,
+    last_ask: Option<Instant>,
     last_error: Option<String>,
     /// Its acks count as served (failing too long, or no pid to ask).
     fallback: bool,
@@ -138,6 +146,9 @@ impl Served {
         metrics.served_check(out.is_ok());
         let mut heard = self.heard.lock().unwrap();
         let h = heard.entry(key).or_default();
+        let now = Instant::now();
+        let in_a_row = h.last_ask.is_some_and(|t| now - t <= IN_A_ROW);
+        h.last_ask = Some(now);
         match out {
             Ok(known) => {
                 if h.failing_since.take().is_some() {
@@ -146,19 +157,29 @@ impl Served {
                         "ztunnel's admin API answers: checking served pods again"
                     );
                 }
+                h.failures = 0;
                 h.last_error = None;
                 h.fallback = false;
                 Answer::Known(known)
             }
             Err(e) => {
                 let why = crate::error_line(&e);
-                let since = *h.failing_since.get_or_insert_with(Instant::now);
+                // Failures far apart (a recheck now and then) do not add
+                // up; once in fallback, only an answer ends it.
+                if !in_a_row && !h.fallback {
+                    h.failing_since = None;
+                    h.failures = 0;
+                }
+                let since = *h.failing_since.get_or_insert(now);
+                h.failures += 1;
                 if h.last_error.as_deref() != Some(why.as_str()) {
                     warn!(pid = key, error = %why, "cannot read ztunnel's workloads");
                 }
                 h.last_error = Some(why);
                 // Without a pid nothing will ever answer: no reason to wait.
-                let fallback = pid.is_none() || since.elapsed() >= FALLBACK_AFTER;
+                let fallback = h.fallback
+                    || pid.is_none()
+                    || h.failures >= FALLBACK_FAILURES && now - since >= FALLBACK_AFTER;
                 if fallback && !h.fallback {
                     warn!(
                         pid = key,
@@ -177,10 +198,7 @@ impl Served {
 
     /// Forgets ztunnels that are gone (their pids may be reused).
     fn keep_only(&self, pids: &[i32]) {
-        self.heard
-            .lock()
-            .unwrap()
-            .retain(|p, _| *p == 0 || pids.contains(p));
+        self.heard.lock().unwrap().retain(|p, _| pids.contains(p));
     }
 }
 
@@ -242,6 +260,7 @@ impl Node {
         let mut by_ztunnel: BTreeMap<pods::Ztunnel, Vec<Candidate>> = BTreeMap::new();
         {
             let dp = self.dp.lock().unwrap();
+            let mut addrs = dp.maps.addrs_by_pod();
             for p in self.pods.staying() {
                 let Some(state) = dp.maps.entry(p.cookie).and_then(|e| e.state()) else {
                     continue;
@@ -254,9 +273,9 @@ impl Node {
                 let Some(ztunnel) = p.ztunnel else {
                     continue;
                 };
-                let ips = dp
-                    .maps
-                    .addrs_of(p.cookie)
+                let ips = addrs
+                    .remove(&p.cookie)
+                    .unwrap_or_default()
                     .iter()
                     .map(addr_of)
                     .filter(routable)
@@ -283,6 +302,12 @@ impl Node {
             let answer = self.served.ask(ztunnel.pid(), &wanted, self.metrics());
             let mut dp = self.dp.lock().unwrap();
             for c in pods {
+                // Another ztunnel acked the pod while this one was asked:
+                // its answer says nothing about the pod now.
+                if self.pods.ztunnel_of(&c.uid) != Some(ztunnel) {
+                    waiting |= c.state == PodState::Enabled;
+                    continue;
+                }
                 let served = match &answer {
                     Answer::Known(k) => {
                         k.contains(&(c.want.namespace.clone(), c.want.name.clone()))
@@ -308,7 +333,8 @@ impl Node {
                 match dp.maps.set_state_if(c.cookie, c.state, to, boottime_ns()) {
                     Ok(true) if to == PodState::Served => {
                         if let Some(e) = entry {
-                            let waited = boottime_ns().saturating_sub(e.enrolled_at_ns);
+                            // Since it turned Enabled (acked): the wait for xDS.
+                            let waited = boottime_ns().saturating_sub(e.changed_at_ns);
                             self.metrics().time_to_served(Duration::from_nanos(waited));
                         }
                         if matches!(answer, Answer::AcksCount) {
