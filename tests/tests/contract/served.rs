@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{ensure, Context as _};
 use libtest_mimic::Trial;
 use serde_json::Value;
+use sluice::agent::node::FALLBACK_AFTER;
 use sluice_tests::{
     admin,
     agent::{free_port, http_get, AgentProc, PeerProc},
@@ -168,7 +169,16 @@ fn silent_admin() -> TestResult {
     let agent = AgentProc::start_with(&f.topo.pins, &["--metrics-addr", &addr])?;
     let peer = start_peer(&agent, &["--no-admin"])?;
     enroll(&agent, &f)?;
-    f.wait_state("Served")?;
+    // The fallback takes 3 failed asks over FALLBACK_AFTER: a longer deadline
+    // than the usual one, which only matters when the test fails.
+    wait::until(
+        "the pod Served by the fallback",
+        FALLBACK_AFTER + wait::DEADLINE,
+        || match f.pod_record().map(|r| r.state) {
+            Ok(Some("Served")) => Ok(()),
+            other => Err(format!("{other:?}")),
+        },
+    )?;
     let pid = peer.pid().context("pid")?;
     agent.wait_ztunnel(pid, "acks counted as served", |z| {
         z["served_check"]["check"] == "acks_count_as_served"
