@@ -70,6 +70,12 @@ pub enum Response {
     Error {
         message: String,
     },
+    /// Not carried out, on purpose: the request would tear down the capture
+    /// of a pod's live sandbox and does not come from the runtime that made
+    /// it (a forged CNI DEL). The one DEL answer the plugin fails on.
+    Refused {
+        message: String,
+    },
     Node(NodeStatus),
 }
 

@@ -329,6 +329,19 @@ pub fn repair(dp: &mut Dataplane, cookie: u64, takeover: bool) -> Result<Repair,
     })
 }
 
+/// The links a pod should have and has not (read only: nothing attached):
+/// what a CNI CHECK reports. Empty when its capture is complete.
+pub fn missing_links(dp: &Dataplane, cookie: u64) -> Result<Vec<String>, EnrollError> {
+    let netns = open_pod_netns(&dp.maps, cookie)?;
+    let path = dp.maps.meta(cookie).map(|m| m.netns).unwrap_or_default();
+    let dir = dp.pins.pod(cookie);
+    Ok(expected_links(&pod_interfaces(&netns, &path)?)
+        .into_iter()
+        .map(|spec| spec.pin_name())
+        .filter(|name| PinnedLink::from_pin(dir.join(name)).is_err())
+        .collect())
+}
+
 /// Removes the pin directories of pods that have no state entry (an enroll
 /// killed before its first step, or a teardown killed after its last):
 /// their links detach. Returns how many there were.

@@ -440,7 +440,9 @@ fn print_agent(resp: Response) -> anyhow::Result<()> {
             println!("not enrolled: {reason}");
             Ok(())
         }
-        Response::Error { message } => Err(anyhow::anyhow!(message)),
+        Response::Error { message } | Response::Refused { message } => {
+            Err(anyhow::anyhow!(message))
+        }
         Response::Node(n) => Err(anyhow::anyhow!("unexpected answer from the agent: {n:?}")),
     }
 }

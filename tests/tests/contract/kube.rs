@@ -174,20 +174,39 @@ fn admitted_with(f: &Fixture, records: &std::path::Path) -> TestResult {
         // Not ambient: passed through, nothing enrolled.
         let plain = PodRef { name: "plain".into(), namespace: "other".into(), uid: Some("u-plain".into()) };
         let r = node
-            .handle(control::Request::CniAdd { container_id: "c2".into(), netns: netns.clone(), pod: plain, ips: vec![] })
+            .handle(control::Request::CniAdd { container_id: "c2".into(), netns: netns.clone(), pod: plain.clone(), ips: vec![] })
             .await;
         ensure!(matches!(&r, control::Response::Skipped { reason } if reason.contains("neither the pod nor its namespace")), "{r:?}");
         // Its netns is remembered, for when it becomes ambient later.
         let recorded = std::fs::read_to_string(records.join("u-plain"))?;
         ensure!(recorded == netns.to_str().unwrap(), "recorded {recorded:?}");
 
-        // A forged DEL for the running pod (its sandbox alive) is refused.
-        let del = control::Request::CniDel { container_id: "c1".into(), netns: netns.clone(), pod: cart.clone() };
-        let r = node.handle(del.clone()).await;
-        ensure!(matches!(&r, control::Response::Error { message } if message.contains("refusing DEL")), "{r:?}");
-        ensure!(sluice::status::read(&f.topo.pins)?.len() == 1, "forged DEL removed capture");
+        // CHECK: the captured pod passes; a pod sluice does not manage passes.
+        let check = |pod: &PodRef| control::Request::CniCheck { pod: pod.clone() };
+        let r = node.handle(check(&cart)).await;
+        ensure!(matches!(&r, control::Response::Enrolled { .. }), "{r:?}");
+        let r = node.handle(check(&plain)).await;
+        ensure!(matches!(&r, control::Response::Skipped { .. }), "{r:?}");
+        // A link lost behind the agent's back: CHECK names it.
+        let cookie = sluice::status::read(&f.topo.pins)?[0].netns_cookie;
+        std::fs::remove_file(f.topo.pins.pod(cookie).join("lo"))?;
+        let r = node.handle(check(&cart)).await;
+        ensure!(matches!(&r, control::Response::Error { message } if message.contains("capture incomplete, missing links lo")), "{r:?}");
+        let n = node.clone();
+        tokio::task::spawn_blocking(move || n.verify_all(false)).await?;
+        let r = node.handle(check(&cart)).await;
+        ensure!(matches!(&r, control::Response::Enrolled { .. }), "repaired: {r:?}");
 
-        // The pod is being deleted: DEL goes through and the annotation goes.
+        // A forged DEL for the running pod (another container id, its
+        // sandbox alive) is refused.
+        let forged = control::Request::CniDel { container_id: "forged".into(), netns: netns.clone(), pod: cart.clone() };
+        let r = node.handle(forged).await;
+        ensure!(matches!(&r, control::Response::Refused { message } if message.contains("refusing DEL") && message.contains("container c1")), "{r:?}");
+        ensure!(sluice::status::read(&f.topo.pins)?.len() == 1, "forged DEL removed capture");
+        let del = control::Request::CniDel { container_id: "c1".into(), netns: netns.clone(), pod: cart.clone() };
+
+        // The runtime's own DEL (the pod is being deleted): it goes through
+        // and the annotation goes.
         *deleting.lock().unwrap() = true;
         let r = node.handle(del).await;
         ensure!(matches!(&r, control::Response::Unenrolled { .. }), "{r:?}");

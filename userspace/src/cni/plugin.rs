@@ -65,17 +65,30 @@ pub fn run(env: &Env, stdin: &[u8], call: &Call<'_>) -> Result<Option<String>, C
                 netns: env.netns.clone().into(),
                 pod: pod.clone(),
             };
+            // DEL never fails but for one answer (the spec: a runtime must be
+            // able to tear a sandbox down whatever state it is in). Whatever
+            // the agent could not do now, it finishes itself: an interrupted
+            // teardown at its next verification, a gone pod at its relist.
             match call(&socket, &req) {
-                // No agent: the pod is going away anyway and a restarted agent
-                // removes what belongs to pods that no longer exist.
-                Ok(None) => Ok(None),
-                Ok(Some(Response::Unenrolled { .. } | Response::Skipped { .. })) => Ok(None),
-                Ok(Some(other)) => Err(refused(&pod.namespace, &pod.name, other)),
-                Err(e) => Err(CniError::new(
-                    Code::TryAgainLater,
-                    "talking to the sluice agent",
-                    format!("{e:#}"),
-                )),
+                Ok(Some(r @ Response::Refused { .. })) => {
+                    Err(refused(&pod.namespace, &pod.name, r))
+                }
+                // No agent: the pod is going away anyway.
+                Ok(None | Some(Response::Unenrolled { .. } | Response::Skipped { .. })) => Ok(None),
+                Ok(Some(other)) => {
+                    eprintln!(
+                        "sluice-cni: DEL {}/{}: the agent answered {other:?}; succeeding (the agent finishes the teardown)",
+                        pod.namespace, pod.name
+                    );
+                    Ok(None)
+                }
+                Err(e) => {
+                    eprintln!(
+                        "sluice-cni: DEL {}/{}: talking to the sluice agent: {e:#}; succeeding (the agent finishes the teardown)",
+                        pod.namespace, pod.name
+                    );
+                    Ok(None)
+                }
             }
         }
         Command::Check => {
@@ -111,7 +124,7 @@ fn ask(call: &Call<'_>, socket: &Path, req: &Request) -> Result<Response, CniErr
 
 fn refused(namespace: &str, name: &str, r: Response) -> CniError {
     let details = match r {
-        Response::Error { message } => message,
+        Response::Error { message } | Response::Refused { message } => message,
         other => format!("unexpected answer {other:?}"),
     };
     CniError::new(
@@ -212,6 +225,25 @@ mod tests {
             run(&env("ADD", POD), unchained, &never).unwrap_err().code,
             Code::InvalidConfig
         );
+    }
+
+    #[test]
+    fn del_fails_only_when_the_agent_refuses_a_forged_one() {
+        let error = |_: &Path, _: &Request| {
+            Ok(Some(Response::Error {
+                message: "netns gone".into(),
+            }))
+        };
+        assert_eq!(run(&env("DEL", POD), CONF, &error).unwrap(), None);
+        let broken = |_: &Path, _: &Request| Err(anyhow::anyhow!("connection reset"));
+        assert_eq!(run(&env("DEL", POD), CONF, &broken).unwrap(), None);
+        let forged = |_: &Path, _: &Request| {
+            Ok(Some(Response::Refused {
+                message: "not the sandbox's container".into(),
+            }))
+        };
+        let e = run(&env("DEL", POD), CONF, &forged).unwrap_err();
+        assert_eq!(e.details, "not the sandbox's container");
     }
 
     #[test]

@@ -51,6 +51,9 @@ pub(super) struct Pod {
     /// `None` only for a pod whose netns could not be opened when a starting
     /// agent adopted it (it is then opened by path when needed).
     pub netns: Option<Arc<Netns>>,
+    /// The CNI container id (sandbox) whose ADD enrolled the pod, when a CNI
+    /// ADD did (not a control-socket enroll, not a pod adopted at start).
+    pub sandbox: Option<String>,
     /// The ztunnel whose add registers the pod's listeners (the one asked
     /// whether it serves the pod); `None` until this agent sends an add.
     pub ztunnel: Option<Ztunnel>,
@@ -106,6 +109,7 @@ impl PodTable {
                 cookie,
                 identity,
                 netns: netns.map(Arc::new),
+                sandbox: None,
                 ztunnel: None,
                 plan: Plan::Idle,
             },
@@ -208,6 +212,21 @@ impl PodTable {
         if let Some(p) = self.by_uid.lock().unwrap().get_mut(uid) {
             p.ztunnel = Some(Ztunnel::new(pid));
         }
+    }
+
+    /// Remembers the CNI container id whose ADD enrolled the pod.
+    pub(super) fn set_sandbox(&self, uid: &str, container_id: &str) {
+        if let Some(p) = self.by_uid.lock().unwrap().get_mut(uid) {
+            p.sandbox = Some(container_id.to_owned());
+        }
+    }
+
+    pub(super) fn sandbox_of(&self, uid: &str) -> Option<String> {
+        self.by_uid
+            .lock()
+            .unwrap()
+            .get(uid)
+            .and_then(|p| p.sandbox.clone())
     }
 
     /// The ztunnel that acked the pod last.

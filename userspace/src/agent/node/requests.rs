@@ -38,7 +38,7 @@ impl Node {
                 let span = info_span!("cni_add", pod = %format!("{}/{}", pod.namespace, pod.name), container = %container_id);
                 async {
                     info!(?ips, netns = %netns.display(), "CNI ADD");
-                    self.cni_add(netns, &pod).await
+                    self.cni_add(&container_id, netns, &pod).await
                 }
                 .instrument(span)
                 .await
@@ -52,34 +52,12 @@ impl Node {
                 pod,
             } => {
                 let span = info_span!("cni_del", pod = %format!("{}/{}", pod.namespace, pod.name), container = %container_id);
-                async {
-                    let uid = cni_uid(&pod)?;
-                    let Some(cookie) = self.cookie_of(&uid) else {
-                        return Ok(Response::Unenrolled {
-                            uid: uid.to_string(),
-                        });
-                    };
-                    if let Some(k) = &self.kube {
-                        k.admit_del(&pod, self.sandbox_alive(cookie)).await?;
-                    }
-                    if !self.del_names_enrolled_sandbox(cookie, &netns) {
-                        // A DEL for an older sandbox of this pod (the runtime
-                        // made a new one, which ADD already captured): not ours.
-                        info!(%uid, "CNI DEL for another sandbox of the pod: capture kept");
-                        return Ok(Response::Unenrolled {
-                            uid: uid.to_string(),
-                        });
-                    }
-                    self.unenroll(uid.as_str()).await?;
-                    Ok(Response::Unenrolled {
-                        uid: uid.to_string(),
+                async { self.cni_del(&container_id, &netns, &pod).await }
+                    .instrument(span)
+                    .await
+                    .unwrap_or_else(|e: anyhow::Error| Response::Error {
+                        message: crate::one_line(&e),
                     })
-                }
-                .instrument(span)
-                .await
-                .unwrap_or_else(|e: anyhow::Error| Response::Error {
-                    message: crate::one_line(&e),
-                })
             }
             Request::Status => Response::Node(NodeStatus {
                 condition_type: self.report.condition_type.clone(),
@@ -89,16 +67,107 @@ impl Node {
                 waiting: self.waiting(),
                 served_check: self.served.mode(),
             }),
-            Request::CniCheck { pod } => match cni_uid(&pod).map(|u| (self.cookie_of(&u), u)) {
-                Ok((Some(cookie), uid)) => self.enrolled(&uid, cookie),
-                Ok((None, uid)) => Response::Error {
-                    message: format!("pod {}/{} ({uid}) is not enrolled", pod.namespace, pod.name),
-                },
-                Err(e) => Response::Error {
-                    message: crate::one_line(&e),
-                },
-            },
+            Request::CniCheck { pod } => {
+                self.cni_check(&pod)
+                    .await
+                    .unwrap_or_else(|e| Response::Error {
+                        message: crate::one_line(&e),
+                    })
+            }
         }
+    }
+
+    /// CNI DEL. Refused (the one DEL answer the plugin fails on) only when
+    /// it would tear down the capture of the pod's live, enrolled sandbox
+    /// and does not come from the runtime that made it: its container id is
+    /// not the one whose ADD enrolled the pod. Everything else succeeds: a
+    /// pod not enrolled, a DEL for another (older) sandbox of the pod, a gone
+    /// sandbox.
+    pub(super) async fn cni_del(
+        self: &Arc<Self>,
+        container_id: &str,
+        netns: &std::path::Path,
+        pod: &crate::cni::spec::PodRef,
+    ) -> anyhow::Result<Response> {
+        let uid = cni_uid(pod)?;
+        let done = Response::Unenrolled {
+            uid: uid.to_string(),
+        };
+        let Some(cookie) = self.cookie_of(&uid) else {
+            return Ok(done);
+        };
+        if !self.del_names_enrolled_sandbox(cookie, netns) {
+            // A DEL for an older sandbox of this pod (the runtime made a new
+            // one, which ADD already captured): not ours.
+            info!(%uid, "CNI DEL for another sandbox of the pod: capture kept");
+            return Ok(done);
+        }
+        match self.pods.sandbox_of(uid.as_str()) {
+            Some(id) if id == container_id => {}
+            Some(id) if self.sandbox_alive(cookie) => {
+                return Ok(Response::Refused {
+                    message: format!(
+                        "pod {}/{}: DEL for container {container_id}, but the pod was enrolled by the ADD of container {id}, whose sandbox is alive: refusing DEL",
+                        pod.namespace, pod.name
+                    ),
+                })
+            }
+            // The enrolled sandbox is gone: nothing left to protect.
+            Some(_) => {}
+            // Enrolled otherwise (control socket, an earlier agent): ask the
+            // API whether the pod is going away.
+            None => {
+                if let Some(k) = &self.kube {
+                    if let Err(e) = k.admit_del(pod, self.sandbox_alive(cookie)).await {
+                        return Ok(Response::Refused {
+                            message: crate::one_line(&e),
+                        });
+                    }
+                }
+            }
+        }
+        self.unenroll(uid.as_str()).await?;
+        Ok(done)
+    }
+
+    /// CNI CHECK: success for a pod sluice does not manage; for one it does,
+    /// success only when its capture is complete (every link pinned).
+    pub(super) async fn cni_check(
+        self: &Arc<Self>,
+        pod: &crate::cni::spec::PodRef,
+    ) -> anyhow::Result<Response> {
+        let uid = cni_uid(pod)?;
+        let Some(cookie) = self.cookie_of(&uid) else {
+            // Not enrolled. Managed anyway if the API selects it (its ADD
+            // must have failed, or capture was removed behind our back).
+            if let Some(k) = &self.kube {
+                if let Admission::Enroll { .. } = k.admit_add(pod).await? {
+                    anyhow::bail!(
+                        "pod {}/{} is selected for ambient but not captured",
+                        pod.namespace,
+                        pod.name
+                    );
+                }
+            }
+            return Ok(Response::Skipped {
+                reason: "not managed by sluice".into(),
+            });
+        };
+        let this = self.clone();
+        let missing = tokio::task::spawn_blocking(move || {
+            enroll::missing_links(&this.dp.lock().unwrap(), cookie)
+        })
+        .await??;
+        if !missing.is_empty() {
+            anyhow::bail!(
+                "pod {}/{}: capture incomplete, missing links {}; the agent re-attaches them at its next verification (every {}s)",
+                pod.namespace,
+                pod.name,
+                missing.join(", "),
+                RESYNC.as_secs()
+            );
+        }
+        Ok(self.enrolled(&uid, cookie))
     }
 
     /// Whether a DEL (with the runtime's netns path, maybe empty) is about the
@@ -132,6 +201,7 @@ impl Node {
     /// replaces the old capture.
     pub(super) async fn cni_add(
         self: &Arc<Self>,
+        container_id: &str,
         netns: PathBuf,
         pod: &crate::cni::spec::PodRef,
     ) -> anyhow::Result<Response> {
@@ -155,12 +225,18 @@ impl Node {
         if let Some(cookie) = self.cookie_of(&uid) {
             let same = crate::netns::Netns::open(&netns)?.cookie()? == cookie;
             if same {
+                // A retried ADD (or the first one an agent restarted since
+                // sees): this container made the enrolled sandbox.
+                self.pods.set_sandbox(uid.as_str(), container_id);
                 return Ok(self.enrolled(&uid, cookie));
             }
             info!(%uid, "new sandbox for an enrolled pod: replacing its capture");
             self.unenroll(uid.as_str()).await?;
         }
-        self.enroll(netns, uid.as_str(), workload).await
+        let out = self.enroll(netns, uid.as_str(), workload).await?;
+        // Only this sandbox's runtime may tear it down again (CNI DEL).
+        self.pods.set_sandbox(uid.as_str(), container_id);
+        Ok(out)
     }
 
     pub(super) async fn enroll(
