@@ -117,6 +117,10 @@ pub struct NodeStatus {
     /// Pods left Pending by a failed attempt, retried with backoff.
     #[serde(default)]
     pub waiting: Vec<WaitingPod>,
+    /// How the agent came by the pinned programs (loaded, adopted, upgraded
+    /// in place, or another build's kept).
+    #[serde(default)]
+    pub dataplane: String,
     /// How the agent decides a pod is served (`--served-check`).
     #[serde(default = "auto")]
     pub served_check: crate::served::Mode,

@@ -18,6 +18,7 @@ pub mod migrate;
 pub mod netns;
 pub mod podns;
 pub mod readiness;
+pub mod relink;
 pub mod routes;
 pub mod served;
 pub mod sockets;

@@ -104,7 +104,59 @@ pub struct Dataplane {
     pub ingress: SchedClassifier,
     pub lo: SchedClassifier,
     pub maps: Maps,
+    /// What this process found pinned when it started.
+    pub adoption: Adoption,
 }
+
+/// How a process came by the dataplane.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Adoption {
+    /// Nothing was pinned: this process loaded and pinned its own build.
+    Loaded,
+    /// The pinned programs are this build's (same tags).
+    Same,
+    /// The pinned programs were another build's: every pod's links were
+    /// pointed at this build's programs in place (`BPF_LINK_UPDATE`, atomic
+    /// per link) and the program pins replaced.
+    Upgraded {
+        programs: Vec<&'static str>,
+        links: usize,
+    },
+    /// Another build's programs stay in place because this build's could not
+    /// be loaded beside them (why).
+    Kept(String),
+}
+
+impl std::fmt::Display for Adoption {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Adoption::Loaded => f.write_str("loaded by this agent"),
+            Adoption::Same => f.write_str("adopted (this build's programs)"),
+            Adoption::Upgraded { programs, links } => write!(
+                f,
+                "upgraded in place at start: {} replaced, {links} pod links switched",
+                programs.join(", ")
+            ),
+            Adoption::Kept(why) => write!(f, "running another build's programs: {why}"),
+        }
+    }
+}
+
+/// The program each link pin of a pod runs (its pin name says its role).
+fn program_of_link(pin_name: &str) -> Option<&'static str> {
+    match pin_name {
+        "steer" => Some(PROG_STEER),
+        "lo" => Some(PROG_LO),
+        n if n.starts_with("egress_") => Some(PROG_EGRESS),
+        n if n.starts_with("ingress_") => Some(PROG_INGRESS),
+        _ => None,
+    }
+}
+
+/// A replacement program is pinned under this suffix, then renamed over the
+/// old pin (bpffs renames replace atomically), so the program pins are never
+/// missing, even to a process killed in between.
+const NEXT: &str = "_next";
 
 impl Dataplane {
     /// Adopts the pinned dataplane, or loads and pins it if there is none.
@@ -112,9 +164,133 @@ impl Dataplane {
         ensure_bpffs(pins.root())?;
         let _lock = lock(&pins)?;
         if pins.is_loaded() {
-            return Self::adopt(pins);
+            let mut dp = Self::adopt(pins)?;
+            dp.adoption = match dp.upgrade() {
+                Ok(a) => a,
+                Err(e) => Adoption::Kept(crate::error_line(&e)),
+            };
+            return Ok(dp);
         }
         Self::load(pins)
+    }
+
+    /// Replaces pinned programs of another build with this build's, in place:
+    /// loads this build's programs against the pinned maps, compares tags,
+    /// points every pod link of a changed program at the new one, then swaps
+    /// the program pins. Idempotent: a process killed midway leaves links on
+    /// either build's programs (both work), and the next start finishes.
+    fn upgrade(&mut self) -> Result<Adoption, LoadError> {
+        if EBPF_OBJECT.is_empty() {
+            return Ok(Adoption::Same);
+        }
+        // Leftovers of a replacement killed before its rename.
+        for name in [PROG_STEER, PROG_EGRESS, PROG_INGRESS, PROG_LO] {
+            let _ = fs::remove_file(self.pins.progs().join(format!("{name}{NEXT}")));
+        }
+        let mut ebpf = EbpfLoader::new()
+            .default_map_pin_directory(self.pins.maps())
+            .load(EBPF_OBJECT)?;
+        let perr = |name: &'static str| {
+            move |source: ProgramError| LoadError::Program {
+                hint: kernel_hint(&source),
+                name,
+                source,
+            }
+        };
+        let missing = |name| perr(name)(ProgramError::NotLoaded);
+        {
+            let p: &mut SkLookup = ebpf
+                .program_mut(PROG_STEER)
+                .ok_or_else(|| missing(PROG_STEER))?
+                .try_into()
+                .map_err(perr(PROG_STEER))?;
+            p.load().map_err(perr(PROG_STEER))?;
+        }
+        for name in [PROG_EGRESS, PROG_INGRESS, PROG_LO] {
+            let p: &mut SchedClassifier = ebpf
+                .program_mut(name)
+                .ok_or_else(|| missing(name))?
+                .try_into()
+                .map_err(perr(name))?;
+            p.load().map_err(perr(name))?;
+        }
+        let tag = |name: &'static str| -> Result<u64, LoadError> {
+            let p = ebpf.program(name).ok_or_else(|| missing(name))?;
+            Ok(p.info().map_err(perr(name))?.tag())
+        };
+        let pinned = [
+            (
+                PROG_STEER,
+                self.steer.info().map_err(perr(PROG_STEER))?.tag(),
+            ),
+            (
+                PROG_EGRESS,
+                self.egress.info().map_err(perr(PROG_EGRESS))?.tag(),
+            ),
+            (
+                PROG_INGRESS,
+                self.ingress.info().map_err(perr(PROG_INGRESS))?.tag(),
+            ),
+            (PROG_LO, self.lo.info().map_err(perr(PROG_LO))?.tag()),
+        ];
+        let mut changed = Vec::new();
+        for (name, t) in pinned {
+            if tag(name)? != t {
+                changed.push(name);
+            }
+        }
+        if changed.is_empty() {
+            return Ok(Adoption::Same);
+        }
+        // Every pod's links of a changed program, each switched atomically.
+        let mut links = 0;
+        let pods = fs::read_dir(self.pins.pods()).map_err(|source| LoadError::Io {
+            what: format!("listing {}", self.pins.pods().display()),
+            source,
+        })?;
+        for pod in pods.flatten() {
+            for link in fs::read_dir(pod.path()).into_iter().flatten().flatten() {
+                let name = link.file_name();
+                let Some(prog) = program_of_link(&name.to_string_lossy()) else {
+                    continue;
+                };
+                if !changed.contains(&prog) {
+                    continue;
+                }
+                let p = ebpf.program(prog).ok_or_else(|| missing(prog))?;
+                let fd = p.fd().map_err(perr(prog))?;
+                crate::relink::update(&link.path(), std::os::fd::AsFd::as_fd(fd)).map_err(
+                    |source| LoadError::Io {
+                        what: format!("pointing {} at this build's {prog}", link.path().display()),
+                        source,
+                    },
+                )?;
+                links += 1;
+            }
+        }
+        // Then the program pins: new enrollments use this build's programs.
+        for &name in &changed {
+            let path = self.pins.progs().join(name);
+            let next = self.pins.progs().join(format!("{name}{NEXT}"));
+            let p = ebpf.program_mut(name).ok_or_else(|| missing(name))?;
+            p.pin(&next).map_err(|source| LoadError::Pin {
+                path: next.clone(),
+                source,
+            })?;
+            fs::rename(&next, &path).map_err(|source| LoadError::Io {
+                what: format!("replacing {}", path.display()),
+                source,
+            })?;
+        }
+        let fresh = Self::adopt(self.pins.clone())?;
+        self.steer = fresh.steer;
+        self.egress = fresh.egress;
+        self.ingress = fresh.ingress;
+        self.lo = fresh.lo;
+        Ok(Adoption::Upgraded {
+            programs: changed,
+            links,
+        })
     }
 
     fn adopt(pins: Pins) -> Result<Self, LoadError> {
@@ -133,6 +309,7 @@ impl Dataplane {
             lo: SchedClassifier::from_pin(prog(PROG_LO)).map_err(perr(PROG_LO))?,
             maps: Maps::open_pinned(&pins.maps())?,
             pins,
+            adoption: Adoption::Same,
         })
     }
 
@@ -172,6 +349,7 @@ impl Dataplane {
             ingress,
             lo,
             maps,
+            adoption: Adoption::Loaded,
         })
     }
 }

@@ -50,6 +50,9 @@ pub fn node_lines(n: &NodeView) -> String {
         }
         (Some(a), _) => {
             let _ = writeln!(out, "agent:      running");
+            if !a.dataplane.is_empty() {
+                let _ = writeln!(out, "dataplane:  {}", a.dataplane);
+            }
             let zt = if a.ztunnel_connected {
                 "connected"
             } else {

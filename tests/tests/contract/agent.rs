@@ -59,6 +59,10 @@ pub fn trials() -> Vec<Trial> {
             "agent::sigterm_leaves_capture_in_place_and_restart_adopts",
             sigterm,
         ),
+        trial(
+            "agent::restart_over_another_builds_programs_replaces_them_in_place_under_load",
+            programs_replaced,
+        ),
         trial("agent::unenroll_sends_del_and_removes_capture", unenroll),
         trial("agent::lifts_its_soft_open_files_limit", fd_limit),
         trial(
@@ -622,6 +626,103 @@ fn sigterm() -> TestResult {
     })?;
     f.wait_state("Served")?;
     ensure!(p.count("protocol_error") == 0);
+    Ok(())
+}
+
+/// Program id and tag of each pinned program, by pin name.
+fn pinned_programs(f: &Fixture) -> anyhow::Result<std::collections::BTreeMap<String, (u32, u64)>> {
+    use aya::programs::{SchedClassifier, SkLookup};
+    let mut out = std::collections::BTreeMap::new();
+    for e in std::fs::read_dir(f.topo.pins.progs())? {
+        let path = e?.path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let info = if name == sluice::loader::PROG_STEER {
+            SkLookup::from_pin(&path)?.info()?
+        } else {
+            SchedClassifier::from_pin(&path)?.info()?
+        };
+        out.insert(name, (info.id(), info.tag()));
+    }
+    Ok(out)
+}
+
+/// The program id each of the pod's pinned links runs, by link pin name.
+fn link_programs(f: &Fixture) -> anyhow::Result<std::collections::BTreeMap<String, u32>> {
+    let dir = f.topo.pins.pod(f.pod_record()?.netns_cookie);
+    let mut out = std::collections::BTreeMap::new();
+    for e in std::fs::read_dir(dir)? {
+        let path = e?.path();
+        let link =
+            aya::programs::links::FdLink::from(aya::programs::links::PinnedLink::from_pin(&path)?);
+        out.insert(
+            path.file_name().unwrap().to_string_lossy().into_owned(),
+            link.info()?.program_id(),
+        );
+    }
+    Ok(out)
+}
+
+/// An agent that starts over programs of another build (here: the egress
+/// and ingress pins swapped, so both tags differ from its own) points every
+/// pod link at its own programs in place, swaps the pins, and no connection
+/// fails meanwhile.
+fn programs_replaced() -> TestResult {
+    use sluice::loader::{PROG_EGRESS, PROG_INGRESS};
+    let f = Fixture::new("pr", None)?;
+    let mut agent = AgentProc::start(&f.topo.pins)?;
+    let _p = peer(&agent)?;
+    enroll_enabled(&agent, &f)?;
+    let own = pinned_programs(&f)?;
+    let clients = Clients::start(&f);
+    clients.wait_more(20, "before the restart")?;
+    ensure!(agent.terminate(), "agent did not exit cleanly");
+    let progs = f.topo.pins.progs();
+    std::fs::rename(progs.join(PROG_EGRESS), progs.join("swap"))?;
+    std::fs::rename(progs.join(PROG_INGRESS), progs.join(PROG_EGRESS))?;
+    std::fs::rename(progs.join("swap"), progs.join(PROG_INGRESS))?;
+    let links_before = link_programs(&f)?;
+    agent.restart()?;
+    // Started: the replacement ran before the agent served anything.
+    let now = pinned_programs(&f)?;
+    for name in [PROG_EGRESS, PROG_INGRESS] {
+        ensure!(
+            now[name].1 == own[name].1,
+            "{name}: pinned tag {:x}, this build's {:x}",
+            now[name].1,
+            own[name].1
+        );
+        ensure!(now[name].0 != own[name].0, "{name}: not a new program");
+    }
+    let links = link_programs(&f)?;
+    for (link, id) in &links {
+        let prog = match link.as_str() {
+            "steer" => sluice::loader::PROG_STEER,
+            "lo" => sluice::loader::PROG_LO,
+            l if l.starts_with("egress_") => PROG_EGRESS,
+            _ => PROG_INGRESS,
+        };
+        ensure!(
+            *id == now[prog].0,
+            "link {link} runs program {id}, the pinned {prog} is {}",
+            now[prog].0
+        );
+        if prog == PROG_EGRESS || prog == PROG_INGRESS {
+            ensure!(*id != links_before[link], "link {link} was not updated");
+        }
+    }
+    let n = agent.node_status()?;
+    let shown = n["dataplane"].as_str().unwrap_or_default();
+    ensure!(
+        shown.starts_with("upgraded in place at start") && shown.contains("2 pod links switched"),
+        "{n}"
+    );
+    clients.wait_more(20, "after the programs were replaced")?;
+    let (ok, failures) = clients.finish();
+    println!(
+        "programs replaced: {ok} connections completed, {} failed {failures:?}",
+        failures.len()
+    );
+    ensure!(failures.is_empty(), "{failures:?}\n{}", agent.log());
     Ok(())
 }
 

@@ -15,7 +15,7 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc};
 
 use anyhow::Context as _;
 use tokio::sync::watch;
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::{
     cni::install::CniInstall,
@@ -70,6 +70,10 @@ pub fn run(cfg: Config) -> anyhow::Result<()> {
 
 async fn serve(cfg: Config) -> anyhow::Result<()> {
     let dp = Dataplane::load_or_adopt(cfg.pins.clone()).context("loading the dataplane")?;
+    match &dp.adoption {
+        crate::loader::Adoption::Kept(_) => warn!(dataplane = %dp.adoption, "dataplane"),
+        a => info!(dataplane = %a, "dataplane"),
+    }
     let hub = Arc::new(Hub::default());
     let kube = match &cfg.node_name {
         Some(node) => Some(kube::KubeCtx {

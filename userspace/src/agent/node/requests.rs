@@ -66,6 +66,7 @@ impl Node {
                 ztunnels: self.ztunnels(),
                 waiting: self.waiting(),
                 served_check: self.served.mode(),
+                dataplane: self.dp.lock().unwrap().adoption.to_string(),
             }),
             Request::CniCheck { pod } => {
                 self.cni_check(&pod)
