@@ -266,8 +266,10 @@ impl Dataplane {
                     },
                 )?;
                 links += 1;
+                crate::fault::crash_point("upgrade_link");
             }
         }
+        crate::fault::crash_point("upgrade_links");
         // Then the program pins: new enrollments use this build's programs.
         for &name in &changed {
             let path = self.pins.progs().join(name);
@@ -277,10 +279,12 @@ impl Dataplane {
                 path: next.clone(),
                 source,
             })?;
+            crate::fault::crash_point("upgrade_pin_next");
             fs::rename(&next, &path).map_err(|source| LoadError::Io {
                 what: format!("replacing {}", path.display()),
                 source,
             })?;
+            crate::fault::crash_point("upgrade_pin");
         }
         let fresh = Self::adopt(self.pins.clone())?;
         self.steer = fresh.steer;

@@ -681,6 +681,28 @@ fn programs_replaced() -> TestResult {
     std::fs::rename(progs.join(PROG_INGRESS), progs.join(PROG_EGRESS))?;
     std::fs::rename(progs.join("swap"), progs.join(PROG_INGRESS))?;
     let links_before = link_programs(&f)?;
+    // Two processes killed midway through the replacement (after the first
+    // link switched; after the first new program pin, before its rename):
+    // capture holds, and the agent below finishes the job.
+    for step in ["upgrade_link", "upgrade_pin_next"] {
+        use std::os::unix::process::ExitStatusExt as _;
+        let st = std::process::Command::new(sluice_tests::harness::sluice_bin())
+            .arg("--bpf-root")
+            .arg(f.topo.pins.root())
+            .arg("--control-socket")
+            .arg(agent.dir.join("nobody.sock"))
+            .args(["register", "--uid", f.uid.as_str()])
+            .env("SLUICE_CRASH_AT", step)
+            .stderr(std::process::Stdio::null())
+            .status()?;
+        ensure!(st.signal() == Some(libc::SIGKILL), "{step}: {st}");
+        ensure!(
+            f.topo.pins.progs().join(PROG_EGRESS).exists()
+                && f.topo.pins.progs().join(PROG_INGRESS).exists(),
+            "{step}: a program pin is missing"
+        );
+        clients.wait_more(5, step)?;
+    }
     agent.restart()?;
     // Started: the replacement ran before the agent served anything.
     let now = pinned_programs(&f)?;
