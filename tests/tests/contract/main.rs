@@ -7,6 +7,7 @@ mod agent;
 mod cni;
 mod contract_rows;
 mod crash;
+mod cycles;
 mod differential;
 mod kube;
 mod lifecycle;
@@ -40,5 +41,6 @@ fn main() {
     trials.extend(kube::trials());
     trials.extend(readiness::trials());
     trials.extend(served::trials());
+    trials.extend(cycles::trials());
     libtest_mimic::run(&args, trials).exit();
 }

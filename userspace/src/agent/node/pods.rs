@@ -190,11 +190,6 @@ impl PodTable {
         });
     }
 
-    /// The pod is offered to ztunnel again `after` from now.
-    pub(super) fn schedule(&self, uid: &str, after: Duration) {
-        self.retry(uid, |r| r.due = Some(Instant::now() + after));
-    }
-
     /// An add for the pod went out now, as a first attempt (a new ztunnel
     /// starts the backoff afresh).
     pub(super) fn attempting(&self, uid: &str) {
@@ -335,7 +330,7 @@ mod tests {
             // A late answer or a snapshot cannot bring it back.
             t.failed("u1", "late nack");
             t.attempting("u1");
-            t.schedule("u1", Duration::ZERO);
+            t.waits_again("u1", "listeners gone");
         }
         assert!(t.waiting().is_empty());
         assert_eq!(t.cookie("u1"), Some(7), "still held until removed");

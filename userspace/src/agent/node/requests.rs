@@ -262,6 +262,9 @@ impl Node {
             if let Some(meta) = dp.maps.meta(cookie) {
                 this.pods.insert(cookie, meta, Some(ns));
             }
+            // Its first add goes out below: the supervision pass (which
+            // needs the dataplane, held here) must not send another.
+            this.pods.attempting(u.as_str());
             Ok(cookie)
         })
         .await?;
@@ -276,7 +279,7 @@ impl Node {
         info!(cookie, "capture attached (Pending)");
         let note = match self.hub.newest() {
             None => {
-                self.schedule(uid.as_str(), Duration::ZERO);
+                self.pods.waits_again(uid.as_str(), "no ztunnel connected");
                 Some(
                     "no ztunnel connected: it gets this pod in its snapshot when it connects"
                         .into(),

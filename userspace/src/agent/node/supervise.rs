@@ -22,10 +22,6 @@ impl Node {
         self.pods.failed(uid, why);
     }
 
-    pub(super) fn schedule(&self, uid: &str, after: Duration) {
-        self.pods.schedule(uid, after);
-    }
-
     /// Keeps the map's states true: Enabled pods whose listeners are gone
     /// (ztunnel exited) go back to Pending; Pending pods are offered to the
     /// newest ztunnel again, with backoff.

@@ -1,0 +1,170 @@
+//! Many enroll/unenroll cycles against one agent and one ztunnel leave
+//! nothing behind: the agent's descriptors, the links running sluice's
+//! programs, the pins, the pod netns's rules and routes and the map entries
+//! all count the same after as before, and the agent's memory stays bounded.
+
+use anyhow::{ensure, Context as _};
+use libtest_mimic::Trial;
+use sluice::{
+    control::{self, Request, Response},
+    state::Maps,
+    workload::Workload,
+};
+use sluice_tests::{
+    agent::{AgentProc, PeerProc},
+    harness::Fixture,
+};
+
+use crate::{trial, TestResult};
+
+const PEER: &str = env!("CARGO_BIN_EXE_sluice-zds-peer");
+/// Cycles after which the baseline is taken (lazily made descriptors and
+/// allocator pools exist by then).
+const WARM_UP: usize = 20;
+
+pub fn trials() -> Vec<Trial> {
+    vec![trial(
+        "cycles::enroll_unenroll_cycles_leak_nothing",
+        leak_nothing,
+    )]
+}
+
+fn cycles() -> usize {
+    // SLUICE_CYCLES: fewer for a quick local run; CI runs the 1,000.
+    std::env::var("SLUICE_CYCLES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000)
+}
+
+/// Everything the test counts.
+#[derive(Debug, PartialEq, Eq)]
+struct Counts {
+    agent_fds: usize,
+    links: usize,
+    pod_pins: usize,
+    pod_rules_and_routes: usize,
+    map_entries: usize,
+}
+
+fn count(f: &Fixture, agent_pid: u32, prog_ids: &[u32]) -> anyhow::Result<Counts> {
+    let links = aya::programs::loaded_links()
+        .filter_map(Result::ok)
+        .filter(|l| prog_ids.contains(&l.program_id()))
+        .count();
+    let pod_pins = std::fs::read_dir(f.topo.pins.pods())?.count();
+    let mut routes = 0;
+    for args in [
+        &["rule", "show"][..],
+        &["-6", "rule", "show"],
+        &["route", "show", "table", "all"],
+        &["-6", "route", "show", "table", "all"],
+    ] {
+        let out = std::process::Command::new("ip")
+            .args(["-n", f.topo.pod.as_str()])
+            .args(args)
+            .output()?;
+        ensure!(out.status.success(), "ip {args:?}: {out:?}");
+        routes += String::from_utf8_lossy(&out.stdout).lines().count();
+    }
+    let maps = Maps::open_pinned(&f.topo.pins.maps())?;
+    let map_entries = maps.cookies().len() + maps.pods().len();
+    Ok(Counts {
+        agent_fds: std::fs::read_dir(format!("/proc/{agent_pid}/fd"))?.count(),
+        links,
+        pod_pins,
+        pod_rules_and_routes: routes,
+        map_entries,
+    })
+}
+
+fn rss_kib(pid: u32) -> anyhow::Result<u64> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))?
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .context("no VmRSS")
+}
+
+fn cycle(agent: &AgentProc, f: &Fixture, i: usize) -> TestResult {
+    let root = Some(f.topo.pins.root());
+    let uid = format!("cycle-{i}");
+    let enrolled = control::call(
+        &agent.control,
+        root,
+        &Request::Enroll {
+            netns: f.topo.pod_netns_path(),
+            uid: uid.clone(),
+            workload: Workload::new("cycling", "ambient", "app-sa")?,
+        },
+    )?
+    .context("no agent")?;
+    ensure!(
+        matches!(&enrolled, Response::Enrolled { state, .. } if state == "Enabled" || state == "Served"),
+        "cycle {i}: {enrolled:?}\n{}",
+        agent.log()
+    );
+    let gone =
+        control::call(&agent.control, root, &Request::Unenroll { uid })?.context("no agent")?;
+    ensure!(
+        matches!(gone, Response::Unenrolled { .. }),
+        "cycle {i}: {gone:?}"
+    );
+    Ok(())
+}
+
+fn leak_nothing() -> TestResult {
+    let f = Fixture::new("cy", None)?;
+    let agent = AgentProc::start(&f.topo.pins)?;
+    let pid = agent.pid().context("agent pid")?;
+    let peer = PeerProc::start(std::path::Path::new(PEER), &agent.zds, &[])?;
+    agent.wait_ztunnel(peer.pid().context("peer pid")?, "the peer connected", |z| {
+        z["connected"] == true
+    })?;
+    let prog_ids: Vec<u32> = std::fs::read_dir(f.topo.pins.progs())?
+        .map(|e| -> anyhow::Result<u32> {
+            let path = e?.path();
+            let info = if path.ends_with(sluice::loader::PROG_STEER) {
+                aya::programs::SkLookup::from_pin(&path)?.info()?
+            } else {
+                aya::programs::SchedClassifier::from_pin(&path)?.info()?
+            };
+            Ok(info.id())
+        })
+        .collect::<anyhow::Result<_>>()?;
+    for i in 0..WARM_UP {
+        cycle(&agent, &f, i)?;
+    }
+    let before = count(&f, pid, &prog_ids)?;
+    let rss_before = rss_kib(pid)?;
+    let n = cycles();
+    for i in WARM_UP..WARM_UP + n {
+        cycle(&agent, &f, i)?;
+    }
+    let after = count(&f, pid, &prog_ids)?;
+    let rss_after = rss_kib(pid)?;
+    println!(
+        "{n} cycles: {before:?} → {after:?}; agent RSS {rss_before} KiB → {rss_after} KiB; peer adds {}",
+        peer.count("add")
+    );
+    ensure!(before == after, "leaked: {before:?} → {after:?}");
+    // One add per enrollment: no duplicate from the supervision pass while
+    // the enrollment's own add is out.
+    ensure!(
+        peer.count("add") == WARM_UP + n,
+        "{} adds for {} enrollments",
+        peer.count("add"),
+        WARM_UP + n
+    );
+    ensure!(
+        after.links == 0 && after.pod_pins == 0 && after.map_entries == 0,
+        "{after:?}"
+    );
+    // Bounded: a per-cycle leak of even 8 KiB would show as 8 MiB here.
+    ensure!(
+        rss_after <= rss_before + 8 * 1024,
+        "agent RSS grew from {rss_before} KiB to {rss_after} KiB over {n} cycles"
+    );
+    Ok(())
+}
