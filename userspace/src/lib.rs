@@ -5,6 +5,7 @@
 //! (ztunnel's listeners into the socket map) → [`state`] (the pinned maps that
 //! `status` reads).
 
+pub mod accept_errors;
 pub mod agent;
 pub mod cni;
 pub mod control;

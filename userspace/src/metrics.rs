@@ -253,6 +253,16 @@ impl Collector for MapCollector {
             "listener",
             &captured,
         )?;
+        let failures = ConstCounter::new(
+            crate::accept_errors::TOTAL.load(std::sync::atomic::Ordering::Relaxed),
+        );
+        let m = enc.encode_descriptor(
+            "accept_failures",
+            "Failed accepts on the agent's sockets (control, ZDS, admin), e.g. out of descriptors",
+            None,
+            failures.metric_type(),
+        )?;
+        failures.encode(m)?;
         counters(
             &mut enc,
             "bypassed_connections",

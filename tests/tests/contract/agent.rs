@@ -17,7 +17,7 @@ use libtest_mimic::Trial;
 use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, UnixAddr};
 use sluice::zds::{proto, wire};
 use sluice_tests::{
-    agent::{AgentProc, Out, PeerProc},
+    agent::{free_port, http_get, AgentProc, Out, PeerProc},
     app::App,
     flow::{connect as tcp, Opts, Reached},
     harness::{steering, Fixture, APP_PORT, REMOTE_PORT},
@@ -65,6 +65,10 @@ pub fn trials() -> Vec<Trial> {
         ),
         trial("agent::unenroll_sends_del_and_removes_capture", unenroll),
         trial("agent::lifts_its_soft_open_files_limit", fd_limit),
+        trial(
+            "agent::control_socket_survives_fd_exhaustion_and_bad_clients",
+            control_survives,
+        ),
         trial(
             "agent::cli_for_another_bpf_root_is_refused_by_the_agent",
             other_root,
@@ -796,6 +800,72 @@ fn fd_limit() -> TestResult {
         files.get(3) == Some(&"4096") && files.get(4) == Some(&"4096"),
         "soft limit not raised to the hard one: {files:?}"
     );
+    Ok(())
+}
+
+/// Out of descriptors (accept fails with EMFILE), the control socket keeps
+/// serving once they are back; an oversized request and a silent client each
+/// get an error and cost nothing else.
+fn control_survives() -> TestResult {
+    use std::io::{BufRead as _, Write as _};
+    use std::os::unix::net::UnixStream;
+    let f = Fixture::new("cs", None)?;
+    let port = free_port()?;
+    let addr = format!("127.0.0.1:{port}");
+    // A hard limit the agent cannot lift.
+    let agent = AgentProc::start_wrapped(
+        &f.topo.pins,
+        &["prlimit", "--nofile=64:64", "--"],
+        &["--metrics-addr", &addr],
+    )?;
+    let pid = agent.pid().context("pid")?;
+    let open = std::fs::read_dir(format!("/proc/{pid}/fd"))?.count();
+    // More waiting clients than the agent has descriptors left.
+    let held: Vec<UnixStream> = (0..(64 - open + 16))
+        .map(|_| UnixStream::connect(&agent.control))
+        .collect::<Result<_, _>>()?;
+    let failures = wait::until("accepts failing and counted", wait::DEADLINE, || {
+        let (_, text) = http_get(port, "/metrics").map_err(|e| e.to_string())?;
+        let n: f64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix("sluice_accept_failures_total "))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0);
+        if n >= 1.0 {
+            Ok(n)
+        } else {
+            Err(format!("{n} accept failures"))
+        }
+    })?;
+    drop(held);
+    // The agent itself answers (not the CLI's fallback to the pins).
+    let n = wait::until(
+        "the agent answering again",
+        wait::DEADLINE,
+        || match agent.node_status() {
+            Ok(n) if n.is_object() => Ok(n),
+            other => Err(format!("{other:?}")),
+        },
+    )?;
+    ensure!(n["condition_type"].is_string(), "{n}");
+    let ask = |bytes: &[u8]| -> anyhow::Result<String> {
+        let mut s = UnixStream::connect(&agent.control)?;
+        s.set_read_timeout(Some(std::time::Duration::from_secs(20)))?;
+        s.write_all(bytes)?;
+        let mut line = String::new();
+        std::io::BufReader::new(s).read_line(&mut line)?;
+        Ok(line)
+    };
+    let big = ask(&vec![b'a'; 100 * 1024])?;
+    ensure!(big.contains("request over 64 KiB"), "{big}");
+    // A silent client: others are served meanwhile, it gets a deadline.
+    let mut silent = UnixStream::connect(&agent.control)?;
+    ensure!(agent.node_status()?.is_object());
+    silent.set_read_timeout(Some(std::time::Duration::from_secs(20)))?;
+    let mut line = String::new();
+    std::io::BufReader::new(&mut silent).read_line(&mut line)?;
+    ensure!(line.contains("no complete request within 5s"), "{line}");
+    println!("accept failures counted while out of descriptors: {failures}");
     Ok(())
 }
 

@@ -15,7 +15,7 @@ use tokio::{
     net::TcpListener,
     sync::{watch, Semaphore},
 };
-use tracing::{info, warn};
+use tracing::info;
 
 use super::report::{Report, STALE};
 
@@ -37,6 +37,7 @@ pub async fn serve(listener: TcpListener, report: Arc<Report>, mut stop: watch::
         info!(addr = %a, "admin listener: /metrics /healthz /readyz");
     }
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let mut errors = crate::accept_errors::AcceptErrors::default();
     loop {
         let permit = tokio::select! {
             _ = stop.changed() => return,
@@ -45,11 +46,13 @@ pub async fn serve(listener: TcpListener, report: Arc<Report>, mut stop: watch::
         let (stream, _) = tokio::select! {
             _ = stop.changed() => return,
             r = listener.accept() => match r {
-                Ok(s) => s,
+                Ok(s) => {
+                    errors.ok();
+                    s
+                }
                 Err(e) => {
                     // Out of fds, usually: do not spin.
-                    warn!(error = %e, "admin accept failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    errors.failed("admin", e).await;
                     continue;
                 }
             },

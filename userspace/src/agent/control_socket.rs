@@ -9,14 +9,22 @@ use std::{
 };
 
 use tokio::{
-    io::{AsyncBufReadExt, AsyncWriteExt},
+    io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt},
     net::UnixListener,
     sync::watch,
 };
 use tracing::warn;
 
 use super::node::Node;
-use crate::control::{wrong_root, Envelope, Response};
+use crate::{
+    accept_errors::AcceptErrors,
+    control::{wrong_root, Envelope, Response},
+};
+
+/// The largest request line (enroll requests are well under 1 KiB).
+const MAX_REQUEST: u64 = 64 * 1024;
+/// How long a client has to send its request.
+const READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 pub fn bind(path: &Path) -> std::io::Result<std::os::unix::net::UnixListener> {
     if let Some(dir) = path.parent() {
@@ -41,18 +49,24 @@ pub async fn serve(
     mut stop: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
     let listener = UnixListener::from_std(listener)?;
+    let mut errors = AcceptErrors::default();
     loop {
         tokio::select! {
             _ = stop.changed() => break,
-            accepted = listener.accept() => {
-                let (stream, _) = accepted?;
-                let (node, root) = (node.clone(), root.clone());
-                tokio::spawn(async move {
-                    if let Err(e) = handle(stream, &root, node).await {
-                        warn!(error = %e, "control connection failed");
-                    }
-                });
-            }
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    errors.ok();
+                    let (node, root) = (node.clone(), root.clone());
+                    tokio::spawn(async move {
+                        if let Err(e) = handle(stream, &root, node).await {
+                            warn!(error = %e, "control connection failed");
+                        }
+                    });
+                }
+                // Out of descriptors, say: the socket keeps serving once
+                // they are back.
+                Err(e) => errors.failed("control socket", e).await,
+            },
         }
     }
     let _ = std::fs::remove_file(&path);
@@ -66,8 +80,27 @@ async fn handle(
 ) -> std::io::Result<()> {
     let (r, mut w) = stream.into_split();
     let mut line = String::new();
-    tokio::io::BufReader::new(r).read_line(&mut line).await?;
-    let resp = match serde_json::from_str::<Envelope>(&line) {
+    // One bounded line within a deadline: a client that sends too much or
+    // nothing costs one task for at most READ_TIMEOUT.
+    let mut reader = tokio::io::BufReader::new(r.take(MAX_REQUEST + 1));
+    let read = reader.read_line(&mut line);
+    let resp = match tokio::time::timeout(READ_TIMEOUT, read).await {
+        Err(_) => Response::Error {
+            message: format!("no complete request within {}s", READ_TIMEOUT.as_secs()),
+        },
+        Ok(Err(e)) => return Err(e),
+        Ok(Ok(n)) if n as u64 > MAX_REQUEST => Response::Error {
+            message: format!("request over {} KiB", MAX_REQUEST >> 10),
+        },
+        Ok(Ok(_)) => parse_and_handle(&line, root, node).await,
+    };
+    let mut out = serde_json::to_vec(&resp).expect("responses always serialise");
+    out.push(b'\n');
+    w.write_all(&out).await
+}
+
+async fn parse_and_handle(line: &str, root: &Path, node: Arc<Node>) -> Response {
+    match serde_json::from_str::<Envelope>(line) {
         Ok(Envelope {
             bpf_root: Some(asked),
             ..
@@ -78,8 +111,5 @@ async fn handle(
         Err(e) => Response::Error {
             message: format!("bad request: {e}"),
         },
-    };
-    let mut out = serde_json::to_vec(&resp).expect("responses always serialise");
-    out.push(b'\n');
-    w.write_all(&out).await
+    }
 }

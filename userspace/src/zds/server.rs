@@ -181,6 +181,7 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let listener = async_fd(listener)?;
     info!(socket = %path.display(), "ZDS server listening");
+    let mut errors = crate::accept_errors::AcceptErrors::default();
     loop {
         tokio::select! {
             _ = shutdown.changed() => break,
@@ -191,6 +192,7 @@ pub async fn serve(
                     nix::sys::socket::SockFlag::SOCK_CLOEXEC | nix::sys::socket::SockFlag::SOCK_NONBLOCK,
                 ) {
                     Ok(raw) => {
+                        errors.ok();
                         // SAFETY: accept4 returned a new fd that we now own.
                         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
                         let id = hub.next_id.fetch_add(1, Ordering::Relaxed) + 1;
@@ -208,7 +210,8 @@ pub async fn serve(
                         );
                     }
                     Err(nix::Error::EAGAIN) => guard.clear_ready(),
-                    Err(e) => warn!(error = %e, "accept on ZDS socket failed"),
+                    // The socket stays readable: back off instead of spinning.
+                    Err(e) => errors.failed("ZDS socket", e).await,
                 }
             }
         }
