@@ -66,6 +66,10 @@ pub fn trials() -> Vec<Trial> {
         trial("agent::unenroll_sends_del_and_removes_capture", unenroll),
         trial("agent::lifts_its_soft_open_files_limit", fd_limit),
         trial(
+            "agent::sockets_are_root_only_whatever_the_umask",
+            sockets_root_only,
+        ),
+        trial(
             "agent::control_socket_survives_fd_exhaustion_and_bad_clients",
             control_survives,
         ),
@@ -800,6 +804,29 @@ fn fd_limit() -> TestResult {
         files.get(3) == Some(&"4096") && files.get(4) == Some(&"4096"),
         "soft limit not raised to the hard one: {files:?}"
     );
+    Ok(())
+}
+
+/// Started with umask 000, the agent's ZDS socket (whose directory it shares
+/// with ztunnel) and control socket are still 0600: no other user can pose
+/// as ztunnel and receive pods' netns fds.
+fn sockets_root_only() -> TestResult {
+    use std::os::unix::fs::PermissionsExt as _;
+    let f = Fixture::new("um", None)?;
+    let agent = AgentProc::start_wrapped(
+        &f.topo.pins,
+        &["sh", "-c", "umask 000 && exec \"$@\"", "sh"],
+        &[],
+    )?;
+    let umask = std::fs::read_to_string(format!("/proc/{}/status", agent.pid().context("pid")?))?;
+    ensure!(
+        umask.contains("Umask:\t0000"),
+        "the agent did not run under umask 000: {umask}"
+    );
+    for sock in [&agent.zds, &agent.control] {
+        let mode = std::fs::metadata(sock)?.permissions().mode() & 0o777;
+        ensure!(mode == 0o600, "{}: mode {mode:o}", sock.display());
+    }
     Ok(())
 }
 

@@ -167,6 +167,9 @@ pub fn bind(path: &Path) -> std::io::Result<OwnedFd> {
         None,
     )?;
     bind(fd.as_raw_fd(), &UnixAddr::new(path)?)?;
+    // Root only, whatever the umask: a peer here receives pods' netns fds.
+    // Set before listen(), so no connection is ever taken under another mode.
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
     listen(&fd, Backlog::new(16).expect("valid backlog"))?;
     Ok(fd)
 }
