@@ -134,12 +134,16 @@ impl AgentProc {
         })
     }
 
-    /// `sluice status -o json`'s `node.agent` (the agent's own report).
-    pub fn node_status(&self) -> anyhow::Result<serde_json::Value> {
+    /// `sluice status -o json`, whole: `{"node": …, "pods": […]}`.
+    pub fn status_json(&self) -> anyhow::Result<serde_json::Value> {
         let out = self.sluice(&["status", "-o", "json"])?;
         ensure!(out.ok, "status: {}", out.stderr);
-        let v: serde_json::Value = serde_json::from_str(&out.stdout)?;
-        Ok(v["node"]["agent"].clone())
+        Ok(serde_json::from_str(&out.stdout)?)
+    }
+
+    /// `sluice status -o json`'s `node.agent` (the agent's own report).
+    pub fn node_status(&self) -> anyhow::Result<serde_json::Value> {
+        Ok(self.status_json()?["node"]["agent"].clone())
     }
 
     /// Waits until the agent reports ztunnel process `pid` (see

@@ -9,6 +9,7 @@ pub mod app;
 pub mod cni;
 pub mod flow;
 pub mod harness;
+pub mod inspect;
 pub mod istio;
 pub mod mockapi;
 pub mod ns;

@@ -32,6 +32,7 @@ use sluice_tests::{
     admin,
     agent::{AgentProc, PeerProc},
     harness::{is_root, peer_bin, REMOTE_PORT},
+    inspect::proc_status_kib,
     istio,
     ns::spawn_in,
     sink::{Mode, Sink},
@@ -517,7 +518,7 @@ fn memory(report: &mut Report) -> anyhow::Result<()> {
             );
         }
         let pid = agent_pid(&agent)?;
-        let rss_kib = proc_status_kib(pid, "VmRSS:")?;
+        let rss_kib = proc_status_kib(pid as u32, "VmRSS:")?;
         let map_bytes = map_memlock(pid)?;
         report.put("agent_rss_mib_250_pods", rss_kib as f64 / 1024.0);
         report.put(
@@ -689,15 +690,6 @@ fn agent_pid(agent: &AgentProc) -> anyhow::Result<i32> {
         }
     }
     anyhow::bail!("agent process not found")
-}
-
-fn proc_status_kib(pid: i32, field: &str) -> anyhow::Result<u64> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    s.lines()
-        .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .context("no such field in /proc/PID/status")
 }
 
 /// Sum of `memlock` over the BPF map fds the agent holds (from fdinfo).

@@ -637,23 +637,6 @@ fn sigterm() -> TestResult {
     Ok(())
 }
 
-/// Program id and tag of each pinned program, by pin name.
-fn pinned_programs(f: &Fixture) -> anyhow::Result<std::collections::BTreeMap<String, (u32, u64)>> {
-    use aya::programs::{SchedClassifier, SkLookup};
-    let mut out = std::collections::BTreeMap::new();
-    for e in std::fs::read_dir(f.topo.pins.progs())? {
-        let path = e?.path();
-        let name = path.file_name().unwrap().to_string_lossy().into_owned();
-        let info = if name == sluice::loader::PROG_STEER {
-            SkLookup::from_pin(&path)?.info()?
-        } else {
-            SchedClassifier::from_pin(&path)?.info()?
-        };
-        out.insert(name, (info.id(), info.tag()));
-    }
-    Ok(out)
-}
-
 /// The program id each of the pod's pinned links runs, by link pin name.
 fn link_programs(f: &Fixture) -> anyhow::Result<std::collections::BTreeMap<String, u32>> {
     let dir = f.topo.pins.pod(f.pod_record()?.netns_cookie);
@@ -680,7 +663,7 @@ fn programs_replaced() -> TestResult {
     let mut agent = AgentProc::start(&f.topo.pins)?;
     let _p = peer(&agent)?;
     enroll_enabled(&agent, &f)?;
-    let own = pinned_programs(&f)?;
+    let own = sluice_tests::inspect::pinned_programs(&f.topo.pins)?;
     let clients = Clients::start(&f);
     clients.wait_more(20, "before the restart")?;
     ensure!(agent.terminate(), "agent did not exit cleanly");
@@ -689,17 +672,20 @@ fn programs_replaced() -> TestResult {
     std::fs::rename(progs.join(PROG_INGRESS), progs.join(PROG_EGRESS))?;
     std::fs::rename(progs.join("swap"), progs.join(PROG_INGRESS))?;
     let links_before = link_programs(&f)?;
-    // Two processes killed midway through the replacement (after the first
-    // link switched; after the first new program pin, before its rename):
-    // capture holds, and the agent below finishes the job.
+    // Two agents killed midway through the replacement, before they serve
+    // (after the first link switched; after the first new program pin,
+    // before its rename): capture holds, and the agent below finishes.
     for step in ["upgrade_link", "upgrade_pin_next"] {
         use std::os::unix::process::ExitStatusExt as _;
         let st = std::process::Command::new(sluice_tests::harness::sluice_bin())
             .arg("--bpf-root")
             .arg(f.topo.pins.root())
             .arg("--control-socket")
-            .arg(agent.dir.join("nobody.sock"))
-            .args(["register", "--uid", f.uid.as_str()])
+            .arg(agent.dir.join("crashing.sock"))
+            .arg("agent")
+            .arg("--zds-socket")
+            .arg(agent.dir.join("crashing-zds.sock"))
+            .args(["--metrics-addr", "off"])
             .env("SLUICE_CRASH_AT", step)
             .stderr(std::process::Stdio::null())
             .status()?;
@@ -713,7 +699,7 @@ fn programs_replaced() -> TestResult {
     }
     agent.restart()?;
     // Started: the replacement ran before the agent served anything.
-    let now = pinned_programs(&f)?;
+    let now = sluice_tests::inspect::pinned_programs(&f.topo.pins)?;
     for name in [PROG_EGRESS, PROG_INGRESS] {
         ensure!(
             now[name].1 == own[name].1,

@@ -13,6 +13,7 @@ use sluice::{
 use sluice_tests::{
     agent::{AgentProc, PeerProc},
     harness::Fixture,
+    inspect::{pinned_programs, proc_status_kib},
 };
 
 use crate::{trial, TestResult};
@@ -78,24 +79,13 @@ fn count(f: &Fixture, agent_pid: u32, prog_ids: &[u32]) -> anyhow::Result<Counts
     })
 }
 
-fn rss_kib(pid: u32) -> anyhow::Result<u64> {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))?
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .context("no VmRSS")
-}
-
-fn cycle(agent: &AgentProc, f: &Fixture, i: usize) -> TestResult {
-    let root = Some(f.topo.pins.root());
-    let uid = format!("cycle-{i}");
+fn enroll(agent: &AgentProc, f: &Fixture, i: usize) -> TestResult {
     let enrolled = control::call(
         &agent.control,
-        root,
+        Some(f.topo.pins.root()),
         &Request::Enroll {
             netns: f.topo.pod_netns_path(),
-            uid: uid.clone(),
+            uid: format!("cycle-{i}"),
             workload: Workload::new("cycling", "ambient", "app-sa")?,
         },
     )?
@@ -105,13 +95,27 @@ fn cycle(agent: &AgentProc, f: &Fixture, i: usize) -> TestResult {
         "cycle {i}: {enrolled:?}\n{}",
         agent.log()
     );
-    let gone =
-        control::call(&agent.control, root, &Request::Unenroll { uid })?.context("no agent")?;
+    Ok(())
+}
+
+fn unenroll(agent: &AgentProc, f: &Fixture, i: usize) -> TestResult {
+    let uid = format!("cycle-{i}");
+    let gone = control::call(
+        &agent.control,
+        Some(f.topo.pins.root()),
+        &Request::Unenroll { uid },
+    )?
+    .context("no agent")?;
     ensure!(
         matches!(gone, Response::Unenrolled { .. }),
         "cycle {i}: {gone:?}"
     );
     Ok(())
+}
+
+fn cycle(agent: &AgentProc, f: &Fixture, i: usize) -> TestResult {
+    enroll(agent, f, i)?;
+    unenroll(agent, f, i)
 }
 
 fn leak_nothing() -> TestResult {
@@ -122,28 +126,39 @@ fn leak_nothing() -> TestResult {
     agent.wait_ztunnel(peer.pid().context("peer pid")?, "the peer connected", |z| {
         z["connected"] == true
     })?;
-    let prog_ids: Vec<u32> = std::fs::read_dir(f.topo.pins.progs())?
-        .map(|e| -> anyhow::Result<u32> {
-            let path = e?.path();
-            let info = if path.ends_with(sluice::loader::PROG_STEER) {
-                aya::programs::SkLookup::from_pin(&path)?.info()?
-            } else {
-                aya::programs::SchedClassifier::from_pin(&path)?.info()?
-            };
-            Ok(info.id())
-        })
-        .collect::<anyhow::Result<_>>()?;
-    for i in 0..WARM_UP {
+    let prog_ids: Vec<u32> = pinned_programs(&f.topo.pins)?
+        .values()
+        .map(|(id, _)| *id)
+        .collect();
+    // The counts see an enrolled pod: every link pinned for it runs one
+    // of the programs, and its pins, routes and map entries are there.
+    let idle = count(&f, pid, &prog_ids)?;
+    enroll(&agent, &f, 0)?;
+    let live = count(&f, pid, &prog_ids)?;
+    let pinned_links = std::fs::read_dir(f.topo.pins.pods())?
+        .flatten()
+        .map(|d| std::fs::read_dir(d.path()).map(|l| l.count()).unwrap_or(0))
+        .sum::<usize>();
+    ensure!(
+        live.links == pinned_links
+            && live.links >= 4
+            && live.pod_pins == 1
+            && live.map_entries > 0
+            && live.pod_rules_and_routes > idle.pod_rules_and_routes,
+        "an enrolled pod counts as {live:?} with {pinned_links} link pins"
+    );
+    unenroll(&agent, &f, 0)?;
+    for i in 1..WARM_UP {
         cycle(&agent, &f, i)?;
     }
     let before = count(&f, pid, &prog_ids)?;
-    let rss_before = rss_kib(pid)?;
+    let rss_before = proc_status_kib(pid, "VmRSS:")?;
     let n = cycles();
     for i in WARM_UP..WARM_UP + n {
         cycle(&agent, &f, i)?;
     }
     let after = count(&f, pid, &prog_ids)?;
-    let rss_after = rss_kib(pid)?;
+    let rss_after = proc_status_kib(pid, "VmRSS:")?;
     println!(
         "{n} cycles: {before:?} → {after:?}; agent RSS {rss_before} KiB → {rss_after} KiB; peer adds {}",
         peer.count("add")

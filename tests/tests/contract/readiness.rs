@@ -52,10 +52,7 @@ pub fn trials() -> Vec<Trial> {
 
 /// The node part of `sluice status -o json`.
 fn node_status(agent: &AgentProc) -> anyhow::Result<Value> {
-    let out = agent.sluice(&["status", "-o", "json"])?;
-    ensure!(out.ok, "status: {}", out.stderr);
-    let v: Value = serde_json::from_str(&out.stdout)?;
-    Ok(v["node"].clone())
+    Ok(agent.status_json()?["node"].clone())
 }
 
 fn wait_reason(agent: &AgentProc, want: &str) -> anyhow::Result<Value> {

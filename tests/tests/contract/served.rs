@@ -79,12 +79,6 @@ fn workload_of(f: &Fixture) -> Value {
     )
 }
 
-fn status(agent: &AgentProc) -> anyhow::Result<Value> {
-    let out = agent.sluice(&["status", "-o", "json"])?;
-    ensure!(out.ok, "status: {}", out.stderr);
-    Ok(serde_json::from_str(&out.stdout)?)
-}
-
 fn wait_condition(agent: &AgentProc, reason: &str) -> anyhow::Result<Value> {
     wait::until(
         &format!("the node condition's reason {reason}"),
@@ -147,7 +141,7 @@ fn unknown_then_known() -> TestResult {
     f.wait_state("Served")?;
     let n = wait_condition(&agent, "RedirectionReady")?;
     ensure!(n["condition"]["ready"] == true, "{n}");
-    let s = status(&agent)?;
+    let s = agent.status_json()?;
     ensure!(s["pods"][0]["served"] == true, "{s}");
     let table = agent.sluice(&["status"])?.stdout;
     ensure!(

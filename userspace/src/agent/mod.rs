@@ -69,7 +69,7 @@ pub fn run(cfg: Config) -> anyhow::Result<()> {
 }
 
 async fn serve(cfg: Config) -> anyhow::Result<()> {
-    let dp = Dataplane::load_or_adopt(cfg.pins.clone()).context("loading the dataplane")?;
+    let dp = Dataplane::load_adopt_or_upgrade(cfg.pins.clone()).context("loading the dataplane")?;
     match &dp.adoption {
         crate::loader::Adoption::Kept(_) => warn!(dataplane = %dp.adoption, "dataplane"),
         a => info!(dataplane = %a, "dataplane"),
