@@ -271,6 +271,14 @@ impl AgentProc {
         }
     }
 
+    /// SIGKILL (no cleanup of any kind) and reap.
+    pub fn kill(&mut self) -> anyhow::Result<()> {
+        let mut c = self.child.take().context("agent not running")?;
+        c.kill()?;
+        c.wait()?;
+        Ok(())
+    }
+
     /// Starts the agent again (after `terminate`).
     pub fn restart(&mut self) -> anyhow::Result<()> {
         self.terminate();

@@ -103,7 +103,7 @@ pub fn set_ipv6_transparent(s: &Socket) -> std::io::Result<()> {
     Ok(())
 }
 
-fn exchange(mut s: TcpStream) -> Reached {
+pub fn exchange(mut s: TcpStream) -> Reached {
     if let Err(e) = writeln!(s, "hello") {
         return Reached::Error(e.to_string());
     }
@@ -115,7 +115,7 @@ fn exchange(mut s: TcpStream) -> Reached {
     }
 }
 
-fn classify(e: std::io::Error) -> Reached {
+pub fn classify(e: std::io::Error) -> Reached {
     match e.kind() {
         std::io::ErrorKind::ConnectionRefused => Reached::Refused,
         std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => Reached::TimedOut,

@@ -123,6 +123,13 @@ enum Cmd {
         /// removed from xDS makes its pod not served).
         #[arg(long, default_value = "30s", value_parser = parse_duration, env = "SLUICE_SERVED_RECHECK")]
         served_recheck: Duration,
+        /// When ztunnel dies, its listeners leave the socket map at once (the
+        /// pod fails closed) but the agent holds them this long, so that
+        /// connections already queued on them (handshake done) move to the
+        /// next ztunnel's listeners instead of being reset. While held, no
+        /// other process can bind ztunnel's ports in the pod. 0s: close at once.
+        #[arg(long, default_value = "30s", value_parser = parse_duration, env = "SLUICE_ORPHAN_GRACE")]
+        orphan_grace: Duration,
     },
     /// Mark the node condition False (AgentNotRunning) when the agent stops
     /// answering /readyz: covers agent crashes. Runs beside the agent.
@@ -328,6 +335,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             served_check,
             ztunnel_admin_port,
             served_recheck,
+            orphan_grace,
         } => {
             init_tracing();
             anyhow::ensure!(
@@ -367,6 +375,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     admin_port: ztunnel_admin_port,
                     recheck: served_recheck,
                 },
+                orphan_grace,
             })?;
         }
         Cmd::Watchdog {

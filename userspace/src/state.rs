@@ -313,6 +313,15 @@ impl Maps {
             .map_err(merr("listeners"))
     }
 
+    /// Takes a pod's listener for `role` (both families) out of the socket map.
+    pub fn remove_listener(&mut self, cookie: u64, role: Role) {
+        for family in [FAMILY_V4, FAMILY_V6] {
+            let _ = self
+                .listeners
+                .remove(&ListenerKey::new(cookie, role, family));
+        }
+    }
+
     /// The pods that have a listener for every role, in one walk of the
     /// socket map.
     pub fn pods_with_every_listener(&self) -> std::collections::HashSet<u64> {

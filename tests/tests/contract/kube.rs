@@ -72,6 +72,7 @@ fn cluster_node_with(
         Some(k),
         sluice::readiness::DEFAULT_CONDITION_TYPE,
         served,
+        std::time::Duration::ZERO,
     );
     let (announcing, stop) = tokio::sync::watch::channel(false);
     tokio::spawn(node.clone().announcer(stop));

@@ -255,6 +255,7 @@ fn stop_marks_node() -> TestResult {
             None,
             DEFAULT_CONDITION_TYPE,
             Default::default(),
+            std::time::Duration::ZERO,
         );
         let (stop_tx, stop) = tokio::sync::watch::channel(false);
         let api = NodeApi {
@@ -351,6 +352,7 @@ fn untaint_when_ready() -> TestResult {
             None,
             DEFAULT_CONDITION_TYPE,
             Default::default(),
+            std::time::Duration::ZERO,
         );
         let (stop_tx, stop) = tokio::sync::watch::channel(false);
         let listener = server::bind(&zds)?;

@@ -14,12 +14,18 @@
 //!   (`net.ipv4.tcp_migrate_req=1`, set in every enrolled pod); or
 //! - its owner no longer holds it (closed it, or exited: asked with kcmp(2))
 //!   and no add for the pod is in flight to a newer ztunnel: then the pod
-//!   really has no ztunnel, the socket closes and the pod fails closed.
+//!   really has no ztunnel. The listener is *withdrawn*: taken out of the map
+//!   at once (the pod fails closed: new SYNs are dropped and retried by the
+//!   client) but still held, so connections the kernel had already queued on
+//!   it (handshake done, never accepted by the dead ztunnel) move to the next
+//!   ztunnel's listener when that one replaces it. Held at most
+//!   `--orphan-grace` (default 30 s); then it closes and those connections are reset.
 
 use std::{
     collections::{BTreeMap, HashMap},
     os::fd::OwnedFd,
     sync::Mutex,
+    time::{Duration, Instant},
 };
 
 use sluice_common::Role;
@@ -31,6 +37,8 @@ struct Held {
     pid: i32,
     owner_fd: i32,
     fd: OwnedFd,
+    /// When it was taken out of the map because its owner let go of it.
+    withdrawn: Option<Instant>,
 }
 
 impl Held {
@@ -40,12 +48,20 @@ impl Held {
 }
 
 /// Listener duplicates the agent holds, by pod uid.
-#[derive(Default)]
 pub struct Custody {
     held: Mutex<HashMap<String, Vec<Held>>>,
+    /// How long withdrawn listeners are held.
+    grace: Duration,
 }
 
 impl Custody {
+    pub fn new(grace: Duration) -> Self {
+        Self {
+            held: Mutex::default(),
+            grace,
+        }
+    }
+
     /// Takes the listeners just put in the map for `uid`; the ones they
     /// replace (same role) are released, after the map already points to the
     /// new ones.
@@ -65,35 +81,58 @@ impl Custody {
                 pid: l.pid,
                 owner_fd: l.owner_fd,
                 fd: l.fd,
+                withdrawn: None,
             }));
             gone
         };
         drop(replaced);
     }
 
-    /// Releases the listeners whose owner no longer holds them, for `only`
+    /// Withdraws the listeners whose owner no longer holds them, for `only`
     /// one pod or all, skipping pods for which `in_flight` says an add to a
     /// (newer) ztunnel is under way: that ztunnel's listeners replace them
-    /// first. Returns how many were released.
-    pub fn release_orphans(&self, only: Option<&str>, in_flight: impl Fn(&str) -> bool) -> usize {
-        let released: Vec<Held> = {
+    /// first. Returns the newly withdrawn (pod uid, role), which the caller
+    /// takes out of the socket map; they stay held until replaced or expired.
+    pub fn withdraw_orphans(
+        &self,
+        only: Option<&str>,
+        in_flight: impl Fn(&str) -> bool,
+    ) -> Vec<(String, Role)> {
+        let now = Instant::now();
+        let mut held = self.held.lock().unwrap();
+        let mut out = Vec::new();
+        for (uid, hs) in held.iter_mut() {
+            if only.is_some_and(|o| o != uid) || in_flight(uid) {
+                continue;
+            }
+            for h in hs.iter_mut().filter(|h| h.withdrawn.is_none()) {
+                if !h.owner_holds() {
+                    h.withdrawn = Some(now);
+                    out.push((uid.clone(), h.role));
+                }
+            }
+        }
+        out
+    }
+
+    /// Closes withdrawn listeners held longer than the grace (connections
+    /// still queued on them are reset). Returns how many.
+    pub fn expire(&self) -> usize {
+        let grace = self.grace;
+        let expired: Vec<Held> = {
             let mut held = self.held.lock().unwrap();
             let mut out = Vec::new();
-            for (uid, hs) in held.iter_mut() {
-                if only.is_some_and(|o| o != uid) || in_flight(uid) {
-                    continue;
-                }
-                let (orphans, kept) = std::mem::take(hs)
+            for hs in held.values_mut() {
+                let (old, kept) = std::mem::take(hs)
                     .into_iter()
-                    .partition(|h: &Held| !h.owner_holds());
+                    .partition(|h: &Held| h.withdrawn.is_some_and(|t| t.elapsed() >= grace));
                 *hs = kept;
-                out.extend(orphans);
+                out.extend(old);
             }
             held.retain(|_, hs| !hs.is_empty());
             out
         };
-        // Closing them (outside the lock) removes them from the map.
-        released.len()
+        expired.len()
     }
 
     /// Drops everything held for a pod that is no longer enrolled.
@@ -102,12 +141,17 @@ impl Custody {
         drop(gone);
     }
 
-    /// For each ztunnel process (pid), how many pods' listeners it owns.
+    /// For each ztunnel process (pid), how many pods' listeners it owns
+    /// (withdrawn ones not counted: their owner is gone).
     pub fn pods_by_owner(&self) -> BTreeMap<i32, usize> {
         let held = self.held.lock().unwrap();
         let mut out = BTreeMap::new();
         for hs in held.values() {
-            let mut pids: Vec<i32> = hs.iter().map(|h| h.pid).collect();
+            let mut pids: Vec<i32> = hs
+                .iter()
+                .filter(|h| h.withdrawn.is_none())
+                .map(|h| h.pid)
+                .collect();
             pids.sort_unstable();
             pids.dedup();
             for p in pids {

@@ -42,6 +42,9 @@ pub struct Config {
     pub metrics_addr: Option<SocketAddr>,
     /// How pods are found served by ztunnel.
     pub served: node::ServedConfig,
+    /// How long the listeners of a ztunnel that died keep connections queued
+    /// on them for the next ztunnel (see `custody`).
+    pub orphan_grace: std::time::Duration,
 }
 
 /// The agent holds a descriptor per pod netns and per ztunnel listener it
@@ -96,6 +99,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         kube,
         &cfg.report.condition_type,
         cfg.served.clone(),
+        cfg.orphan_grace,
     );
     // Before anything is served: every pod left by an earlier agent is
     // completely captured, or its teardown finished (crash safety).

@@ -128,6 +128,7 @@ impl Node {
         kube: Option<KubeCtx>,
         condition_type: &str,
         served: ServedConfig,
+        orphan_grace: Duration,
     ) -> Arc<Self> {
         let mut dp = dp;
         Arc::new_cyclic(|me: &Weak<Self>| {
@@ -137,7 +138,7 @@ impl Node {
                     n.on_transition(t);
                 }
             }));
-            Self::with(me, dp, hub, kube, condition_type, served)
+            Self::with(me, dp, hub, kube, condition_type, served, orphan_grace)
         })
     }
 
@@ -148,6 +149,7 @@ impl Node {
         kube: Option<KubeCtx>,
         condition_type: &str,
         served: ServedConfig,
+        orphan_grace: Duration,
     ) -> Self {
         let node_name = kube.as_ref().map(|k| k.node.clone());
         Self {
@@ -163,7 +165,7 @@ impl Node {
                 condition_type,
             )),
             retired: Mutex::new(Counters::default()),
-            custody: Custody::default(),
+            custody: Custody::new(orphan_grace),
             pods: pods::PodTable::default(),
             served: serve::Served::new(served, node_name),
         }

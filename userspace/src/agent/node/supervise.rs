@@ -5,15 +5,35 @@
 use super::*;
 
 impl Node {
-    /// Releases held listeners whose ztunnel let go of them, except for pods
-    /// with an add in flight (a newer ztunnel's listeners replace them first).
+    /// Withdraws held listeners whose ztunnel let go of them (out of the
+    /// socket map, so the pod fails closed; still held for the connections
+    /// queued on them), except for pods with an add in flight (a newer
+    /// ztunnel's listeners replace them first); closes those withdrawn longer
+    /// than `--orphan-grace`.
     pub(super) fn release_orphans(&self, only: Option<&str>) {
-        let n = self
+        let withdrawn = self
             .custody
-            .release_orphans(only, |uid| self.pods.in_flight(uid));
-        if n > 0 {
-            info!(listeners = n, "released listeners their ztunnel closed");
+            .withdraw_orphans(only, |uid| self.pods.in_flight(uid));
+        if !withdrawn.is_empty() {
+            let mut dp = self.dp.lock().unwrap();
+            for (uid, role) in &withdrawn {
+                if let Some(cookie) = self.pods.cookie(uid) {
+                    dp.maps.remove_listener(cookie, *role);
+                }
+            }
+            drop(dp);
+            info!(
+                listeners = withdrawn.len(),
+                "ztunnel let go of listeners: out of the socket map; connections queued on them wait for the next ztunnel"
+            );
             self.wake.notify_one();
+        }
+        let n = self.custody.expire();
+        if n > 0 {
+            warn!(
+                listeners = n,
+                "no ztunnel took over within the orphan grace: closed, connections queued on them were reset"
+            );
         }
     }
 
