@@ -224,6 +224,7 @@ FULL = {
         "nodeSelector": {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["mesh"]}]},
         "dryRun": True,
     },
+    "uninstall": {"hook": {"enabled": True}, "timeout": "300s"},
 }
 
 MINIMAL = {
@@ -236,6 +237,7 @@ MINIMAL = {
     "nodeSelector": {},
     "priorityClassName": "",
     "imagePullSecrets": [],
+    "uninstall": {"hook": {"enabled": False}},
 }
 
 BAD = {
@@ -331,6 +333,16 @@ def check_full(objs):
            and vols["cni-bin"] == "/home/kubernetes/bin", f"volumes {vols}")
     expect("full", pod["serviceAccountName"] == "sluice-sa", "serviceAccountName")
     expect("full", pod["priorityClassName"] == "system-cluster-critical", "priorityClassName")
+    job = objs.get("Job", [])
+    expect("full", len(job) == 1 and job[0]["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete",
+           f"uninstall hook Job: {job}")
+    if job:
+        ja = job[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+        for flag in ["uninstall-cluster", f"--condition-type={v['readiness']['conditionType']}",
+                     f"--taint={v['nodeReadinessRule']['taint']['key']}", "--timeout=300s",
+                     f"--daemonset={ds['metadata']['name']}"]:
+            expect("full", flag in ja, f"uninstall Job args lack {flag}: {ja}")
+    expect("full", f"--daemonset={ds['metadata']['name']}" in a, f"agent args lack --daemonset: {a}")
     nrr = objs.get("NodeReadinessRule", [])
     expect("full", len(nrr) == 1 and nrr[0]["spec"]["enforcementMode"] == "bootstrap-only"
            and nrr[0]["spec"]["conditions"][0]["type"] == v["readiness"]["conditionType"],
@@ -343,8 +355,9 @@ def check_minimal(objs):
     pod = ds["spec"]["template"]["spec"]
     expect("minimal", container(ds, "watchdog") is None, "watchdog rendered although disabled")
     expect("minimal", "--install-cni" not in args_of(ds, "agent"), "--install-cni despite cni.install=false")
-    expect("minimal", not ({"ServiceAccount", "ClusterRole", "ClusterRoleBinding"} & set(objs)),
-           f"RBAC rendered although disabled: {sorted(objs)}")
+    expect("minimal", not ({"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role",
+                            "RoleBinding", "Job"} & set(objs)),
+           f"RBAC or the uninstall hook rendered although disabled: {sorted(objs)}")
     expect("minimal", pod["serviceAccountName"] == "existing", "serviceAccountName")
     expect("minimal", "NodeReadinessRule" not in objs, "NodeReadinessRule rendered by default")
     ok("chart (minimal): optional parts are left out")
@@ -395,10 +408,14 @@ def check_agreement(plain, rendered):
             for f in CONTAINER_FIELDS:
                 if pc.get(f) != rc.get(f):
                     fail("plain vs chart", f"{kind} {pc['name']}: {f} differs:\n  plain {pc.get(f)}\n  chart {rc.get(f)}")
-    prules = [cr["rules"] for cr in plain.get("ClusterRole", [])]
-    rrules = [cr["rules"] for cr in rendered.get("ClusterRole", [])]
-    if prules != rrules:
-        fail("plain vs chart", f"ClusterRole rules differ:\n  plain {prules}\n  chart {rrules}")
+    def rules(objs, kind):
+        # The uninstall hook's roles have no plain counterpart.
+        return [o["rules"] for o in objs.get(kind, [])
+                if "helm.sh/hook" not in o["metadata"].get("annotations", {})]
+    for kind in ("ClusterRole", "Role"):
+        prules, rrules = rules(plain, kind), rules(rendered, kind)
+        if prules != rrules:
+            fail("plain vs chart", f"{kind} rules differ:\n  plain {prules}\n  chart {rrules}")
     ok("plain vs chart: same pod, containers (args, capabilities, mounts, probes) and RBAC rules")
 
 

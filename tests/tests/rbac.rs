@@ -2,8 +2,9 @@
 //! by `deploy/rbac.yaml` (check-deploy checks that the chart grants the same),
 //! and nothing is granted that no request needs. The functions called here are
 //! all the places userspace builds a kube `Api` (kube::{condition, taint,
-//! annotate, gate, verify}, agent::kube::{admit_add, observe, changed}); a new
-//! one must be added here. They run against a recording mock API; each request
+//! annotate, gate, verify}, kube::uninstall::{decide, clean (one node)},
+//! agent::kube::{admit_add, observe, changed}); a new one must be added here.
+//! (`sluice uninstall-cluster`, the Helm hook, runs with the hook's own role.) They run against a recording mock API; each request
 //! is mapped to the resource and verb RBAC checks it as.
 
 use std::{
@@ -19,7 +20,7 @@ use serde_json::{json, Value};
 use sluice::{
     agent::kube::KubeCtx,
     cni::spec::PodRef,
-    kube::{annotate, condition::ConditionWriter, gate, taint, verify},
+    kube::{annotate, condition::ConditionWriter, gate, taint, uninstall, verify},
     readiness::Condition,
 };
 use sluice_common::PodState;
@@ -28,6 +29,14 @@ type Seen = Arc<Mutex<BTreeSet<(String, String)>>>;
 
 /// The (resource, verb) RBAC checks a request as.
 fn needed(method: &Method, path: &str, query: &str) -> (String, String) {
+    if let Some(rest) = path.strip_prefix("/apis/apps/v1/namespaces/") {
+        let parts: Vec<&str> = rest.split('/').collect();
+        assert!(
+            matches!(parts.as_slice(), [_, "daemonsets", _]) && method == Method::GET,
+            "unexpected apps request {method} {path}"
+        );
+        return ("apps/daemonsets".into(), "get".into());
+    }
     let parts: Vec<&str> = path
         .strip_prefix("/api/v1/")
         .unwrap_or_else(|| panic!("not a core API path: {path}"))
@@ -58,18 +67,25 @@ fn granted() -> BTreeSet<(String, String)> {
     let mut out = BTreeSet::new();
     for doc in serde_yaml::Deserializer::from_str(&text) {
         let v: Value = serde_json::Value::deserialize(doc).unwrap();
-        if v["kind"] != "ClusterRole" {
+        if v["kind"] != "ClusterRole" && v["kind"] != "Role" {
             continue;
         }
         for rule in v["rules"].as_array().unwrap() {
-            assert_eq!(
-                rule["apiGroups"],
-                json!([""]),
-                "only the core group is used"
-            );
+            let group = match rule["apiGroups"].as_array().map(Vec::as_slice) {
+                Some([g]) if g == "" => "",
+                // Only the agent's own DaemonSet, in its namespace.
+                Some([g]) if g == "apps" && v["kind"] == "Role" => {
+                    assert_eq!(rule["resourceNames"], json!(["sluice"]));
+                    "apps/"
+                }
+                other => panic!("unexpected API groups {other:?}"),
+            };
             for r in rule["resources"].as_array().unwrap() {
                 for verb in rule["verbs"].as_array().unwrap() {
-                    out.insert((r.as_str().unwrap().into(), verb.as_str().unwrap().into()));
+                    out.insert((
+                        format!("{group}{}", r.as_str().unwrap()),
+                        verb.as_str().unwrap().into(),
+                    ));
                 }
             }
         }
@@ -88,6 +104,10 @@ fn recording_api(seen: Seen) -> kube::Client {
             seen.lock().unwrap().insert(needed(&method, &path, &query));
             let body = if query.contains("watch=true") {
                 Value::Null
+            } else if path.contains("/daemonsets/") {
+                json!({"apiVersion": "apps/v1", "kind": "DaemonSet",
+                    "metadata": {"name": "sluice", "namespace": "istio-system"},
+                    "spec": {"selector": {}, "template": {}}})
             } else if path.ends_with("/pods") || path.ends_with("/namespaces") {
                 json!({"apiVersion": "v1", "kind": "List", "metadata": {"resourceVersion": "5"}, "items": []})
             } else if path.starts_with("/api/v1/nodes/") {
@@ -143,6 +163,21 @@ async fn rbac_grants_exactly_what_the_agent_and_watchdog_use() {
             .unwrap()
     );
     verify::fetch(client.clone(), "shop", "cart").await.unwrap();
+    // Uninstall: the DaemonSet read, then this node's objects cleared.
+    assert_eq!(
+        uninstall::decide(client.clone(), "istio-system", "sluice")
+            .await
+            .unwrap(),
+        None
+    );
+    uninstall::clean(
+        client.clone(),
+        "sluice.dev/RedirectionReady",
+        &[],
+        Some("node-a"),
+    )
+    .await
+    .unwrap();
     let k = KubeCtx {
         client: client.clone(),
         node: "node-a".into(),

@@ -48,6 +48,10 @@ pub enum Request {
     },
     /// The node-level state, for `sluice status`.
     Status,
+    /// Remove sluice from this node (`sluice uninstall`); answered at once
+    /// with `Uninstalling`, carried out after the agent's tasks stopped
+    /// (`Status` then says how it went).
+    Uninstall,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -77,6 +81,8 @@ pub enum Response {
         message: String,
     },
     Node(NodeStatus),
+    /// The uninstall was started (or already had been).
+    Uninstalling,
 }
 
 /// One request on the wire. `bpf_root` is the pin root the caller works on
@@ -124,6 +130,10 @@ pub struct NodeStatus {
     /// How the agent decides a pod is served (`--served-check`).
     #[serde(default = "auto")]
     pub served_check: crate::served::Mode,
+    /// Whether sluice is being removed from the node: `no`, `in progress
+    /// (…)`, `done (…)`, `failed (…): …`.
+    #[serde(default)]
+    pub uninstall: String,
 }
 
 fn auto() -> crate::served::Mode {

@@ -79,8 +79,38 @@ enum Cmd {
         #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table)]
         output: Output,
     },
-    /// Unenroll every pod and remove all of sluice's pins from this node.
-    Uninstall,
+    /// Remove sluice from this node: sluice-cni from the CNI config and bin
+    /// dir, every pod's capture (pods keep working, uncaptured), all pins.
+    /// Through the running agent when there is one (it also clears its node
+    /// condition and this node's pod annotations), else directly.
+    Uninstall {
+        #[command(flatten)]
+        cni: CniDirs,
+    },
+    /// The Helm pre-delete hook: marks the agents' DaemonSet for uninstall,
+    /// waits until every node running an agent has removed sluice (its node
+    /// condition gone), then clears sluice's annotations, readiness-gate
+    /// conditions, node conditions and taints across the cluster.
+    UninstallCluster {
+        /// The agents' DaemonSet.
+        #[arg(long)]
+        daemonset: String,
+        #[arg(long, env = "POD_NAMESPACE", default_value = "istio-system")]
+        namespace: String,
+        /// Label selector of the agent pods.
+        #[arg(long)]
+        selector: String,
+        #[command(flatten)]
+        readiness: ReadinessArgs,
+        /// Taints to remove from every node (e.g. the NodeReadinessRule's;
+        /// repeatable).
+        #[arg(long = "taint", value_name = "KEY")]
+        taints: Vec<String>,
+        /// How long to wait for the nodes; the API objects are cleared after
+        /// it either way, and the nodes still pending are named.
+        #[arg(long, default_value = "120s", value_parser = parse_duration)]
+        timeout: Duration,
+    },
     /// Run the node agent: serve ZDS to ztunnel and enroll pods through it.
     Agent {
         /// Where ztunnel connects (its INPOD_UDS).
@@ -130,6 +160,14 @@ enum Cmd {
         /// other process can bind ztunnel's ports in the pod. 0s: close at once.
         #[arg(long, default_value = "30s", value_parser = parse_duration, env = "SLUICE_ORPHAN_GRACE")]
         orphan_grace: Duration,
+        /// The agents' DaemonSet, read every 5 s and at SIGTERM: marked
+        /// `sluice.dev/uninstall` (the Helm pre-delete hook), being deleted or
+        /// gone, the agent removes sluice from its node. Needs --node-name.
+        #[arg(long, requires = "node_name")]
+        daemonset: Option<String>,
+        /// The DaemonSet's namespace (the agent's own).
+        #[arg(long, env = "POD_NAMESPACE", default_value = "istio-system")]
+        namespace: String,
     },
     /// Mark the node condition False (AgentNotRunning) when the agent stops
     /// answering /readyz: covers agent crashes. Runs beside the agent.
@@ -336,6 +374,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             ztunnel_admin_port,
             served_recheck,
             orphan_grace,
+            daemonset,
+            namespace,
         } => {
             init_tracing();
             anyhow::ensure!(
@@ -376,6 +416,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     recheck: served_recheck,
                 },
                 orphan_grace,
+                daemonset: daemonset.map(|d| (namespace, d)),
             })?;
         }
         Cmd::Watchdog {
@@ -418,11 +459,119 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 anyhow::Ok(())
             })?;
         }
-        Cmd::Uninstall => {
+        Cmd::Uninstall { cni } => {
+            if let Some(resp) =
+                control::call(&cli.control_socket, Some(pins.root()), &Request::Uninstall)?
+            {
+                return uninstall_via_agent(&cli.control_socket, pins.root(), resp);
+            }
+            cni.install(&cli.control_socket)?.uninstall()?;
             let n = enroll::uninstall(&pins)?;
-            println!("removed sluice from this node ({n} pods unenrolled)");
+            println!("removed sluice from this node ({n} pods unenrolled; sluice-cni removed)");
+        }
+        Cmd::UninstallCluster {
+            daemonset,
+            namespace,
+            selector,
+            readiness,
+            taints,
+            timeout,
+        } => {
+            init_tracing();
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .context("starting the tokio runtime")?;
+            rt.block_on(uninstall_cluster(
+                &daemonset,
+                &namespace,
+                &selector,
+                &readiness.condition_type,
+                &taints,
+                timeout,
+            ))?;
         }
     }
+    Ok(())
+}
+
+/// Waits for the agent's uninstall to finish (read from its status).
+fn uninstall_via_agent(
+    socket: &std::path::Path,
+    root: &std::path::Path,
+    first: Response,
+) -> anyhow::Result<()> {
+    if let Response::Error { message } | Response::Refused { message } = first {
+        anyhow::bail!(message);
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let mut last = String::new();
+    while std::time::Instant::now() < deadline {
+        if let Ok(Some(Response::Node(n))) = control::call(socket, Some(root), &Request::Status) {
+            if n.uninstall.starts_with("done") {
+                println!(
+                    "removed sluice from this node via the agent: {}",
+                    n.uninstall
+                );
+                return Ok(());
+            }
+            if n.uninstall.starts_with("failed") {
+                anyhow::bail!("the agent's uninstall {}", n.uninstall);
+            }
+            last = n.uninstall;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    anyhow::bail!("the agent did not finish the uninstall within 60 s (last: {last:?})")
+}
+
+async fn uninstall_cluster(
+    daemonset: &str,
+    namespace: &str,
+    selector: &str,
+    condition_type: &str,
+    taints: &[String],
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    use sluice::kube::uninstall;
+    let client = kube::Client::try_default()
+        .await
+        .context("connecting to the Kubernetes API (in-cluster config or KUBECONFIG)")?;
+    uninstall::request(client.clone(), namespace, daemonset)
+        .await
+        .with_context(|| format!("marking DaemonSet {namespace}/{daemonset} for uninstall"))?;
+    tracing::info!(%daemonset, "uninstall asked; waiting for the nodes");
+    let deadline = tokio::time::Instant::now() + timeout;
+    let pending = loop {
+        let pending =
+            uninstall::pending_nodes(client.clone(), namespace, selector, condition_type).await;
+        match pending {
+            Ok(p) if p.is_empty() => break p,
+            Ok(p) if tokio::time::Instant::now() >= deadline => break p,
+            Err(e) if tokio::time::Instant::now() >= deadline => {
+                return Err(e).context("listing the nodes that still run sluice")
+            }
+            Ok(p) => tracing::info!(nodes = ?p, "nodes still removing sluice"),
+            Err(e) => tracing::warn!(error = %e, "listing the nodes that still run sluice"),
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    };
+    if !pending.is_empty() {
+        tracing::warn!(
+            nodes = ?pending,
+            "these nodes did not remove sluice in time: run `sluice uninstall` on each"
+        );
+    }
+    let done = uninstall::clean(client, condition_type, taints, None)
+        .await
+        .context("clearing sluice's marks on pods and nodes")?;
+    tracing::info!(
+        annotations = done.annotations,
+        gates = done.gates,
+        conditions = done.conditions,
+        taints = done.taints,
+        "API objects cleared"
+    );
     Ok(())
 }
 
@@ -452,6 +601,8 @@ fn print_agent(resp: Response) -> anyhow::Result<()> {
         Response::Error { message } | Response::Refused { message } => {
             Err(anyhow::anyhow!(message))
         }
-        Response::Node(n) => Err(anyhow::anyhow!("unexpected answer from the agent: {n:?}")),
+        other @ (Response::Node(_) | Response::Uninstalling) => Err(anyhow::anyhow!(
+            "unexpected answer from the agent: {other:?}"
+        )),
     }
 }

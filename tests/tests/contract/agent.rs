@@ -68,6 +68,10 @@ pub fn trials() -> Vec<Trial> {
             programs_replaced,
         ),
         trial("agent::unenroll_sends_del_and_removes_capture", unenroll),
+        trial(
+            "agent::uninstall_removes_everything_and_pods_keep_working",
+            uninstall,
+        ),
         trial("agent::lifts_its_soft_open_files_limit", fd_limit),
         trial(
             "agent::sockets_are_root_only_whatever_the_umask",
@@ -788,6 +792,117 @@ fn sigkill_restart() -> TestResult {
     );
     ensure!(failures.is_empty(), "{failures:?}\n{}", agent.log());
     Ok(())
+}
+
+/// `sluice uninstall` with an agent running, while connections flow both
+/// ways: sluice-cni leaves the conflist (restored byte for byte) and the bin
+/// dir, every pod's capture and every pin goes, no connection fails (the pod
+/// is never blackholed: it keeps working, uncaptured), and the agent stays up
+/// answering `uninstalled` without installing anything again.
+fn uninstall() -> TestResult {
+    let f = Fixture::new("ui", None)?;
+    let dir = std::path::PathBuf::from(format!("/tmp/sluice-uninstall-{}", std::process::id()));
+    let (conf_dir, bin_dir) = (dir.join("net.d"), dir.join("bin"));
+    std::fs::create_dir_all(&conf_dir)?;
+    let _cleanup = RemoveDir(dir.clone());
+    let primary = conf_dir.join("10-ptp.conflist");
+    let original = r#"{"cniVersion":"1.0.0","name":"k8s","plugins":[{"type":"ptp","ipam":{"type":"host-local","subnet":"10.99.0.0/24"}}]}"#;
+    std::fs::write(&primary, original)?;
+    let port = free_port()?;
+    let metrics = format!("127.0.0.1:{port}");
+    let cni_flags = [
+        "--cni-conf-dir",
+        conf_dir.to_str().context("path")?,
+        "--cni-bin-dir",
+        bin_dir.to_str().context("path")?,
+    ];
+    let mut flags = vec!["--install-cni", "--metrics-addr", &metrics];
+    flags.extend(cni_flags);
+    let mut agent = AgentProc::start_with(&f.topo.pins, &flags)?;
+    wait::until("sluice-cni installed", wait::DEADLINE, || {
+        let conf = std::fs::read_to_string(&primary).unwrap_or_default();
+        (conf.contains("sluice-cni") && bin_dir.join("sluice-cni").exists())
+            .then_some(())
+            .ok_or(conf)
+    })?;
+    let p = peer(&agent)?;
+    enroll_enabled(&agent, &f)?;
+    let clients = Clients::start(&f);
+    clients.wait_more(20, "before the uninstall")?;
+    let mut args = vec!["uninstall"];
+    args.extend(cni_flags);
+    let out = agent.sluice(&args)?;
+    ensure!(out.ok, "sluice uninstall: {}{}", out.stdout, out.stderr);
+    ensure!(out.stdout.contains("via the agent"), "{}", out.stdout);
+    let through_ztunnel = inbound_accepts(&p);
+    clients.wait_more(20, "after the uninstall")?;
+    let (ok, failures) = clients.finish();
+    println!(
+        "uninstall under load: {ok} connections completed, {} failed {failures:?}",
+        failures.len()
+    );
+    ensure!(failures.is_empty(), "{failures:?}\n{}", agent.log());
+    // Uncaptured now: straight to the app, not through ztunnel.
+    ensure!(inbound(&f).reply().is_some());
+    ensure!(
+        inbound_accepts(&p) == through_ztunnel,
+        "connections still went through ztunnel after the uninstall"
+    );
+    ensure!(
+        !sluice_tests::topology::has_redirect_rule(&f.topo.pod)?,
+        "the pod's policy rule is still there"
+    );
+    let as_json = |t: &str| serde_json::from_str::<serde_json::Value>(t).unwrap_or_default();
+    let now = std::fs::read_to_string(&primary)?;
+    ensure!(
+        as_json(&now) == as_json(original),
+        "conflist not restored: {now}"
+    );
+    ensure!(!bin_dir.join("sluice-cni").exists(), "plugin binary left");
+    let left: Vec<_> = walk(f.topo.pins.root());
+    ensure!(left.is_empty(), "pins left: {left:?}");
+    // The agent stays, says so, refuses work and installs nothing again.
+    let n = agent.node_status()?;
+    ensure!(
+        n["uninstall"]
+            .as_str()
+            .is_some_and(|u| u.starts_with("done")),
+        "{n}"
+    );
+    ensure!(http_get(port, "/readyz")? == (200, "uninstalled\n".into()));
+    let again = enroll(&agent, &f)?;
+    ensure!(
+        !again.ok && again.stderr.contains("being removed"),
+        "{}{}",
+        again.stdout,
+        again.stderr
+    );
+    ensure!(agent.terminate(), "agent did not exit cleanly");
+    ensure!(as_json(&std::fs::read_to_string(&primary)?) == as_json(original));
+    ensure!(walk(f.topo.pins.root()).is_empty());
+    Ok(())
+}
+
+/// Files under `dir` (bpffs pins), recursively.
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
+struct RemoveDir(std::path::PathBuf);
+
+impl Drop for RemoveDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 /// The program id each of the pod's pinned links runs, by link pin name.

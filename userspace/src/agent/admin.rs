@@ -99,6 +99,9 @@ async fn answer(report: Arc<Report>, req: Request<Incoming>) -> Response<Full<by
                 ),
             }
         }
+        "/healthz" | "/readyz" if report.is_uninstalled() => {
+            reply(StatusCode::OK, text, "uninstalled\n".into())
+        }
         "/healthz" => match report.age() {
             Some(age) if age > STUCK => reply(
                 StatusCode::SERVICE_UNAVAILABLE,

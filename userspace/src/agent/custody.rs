@@ -135,6 +135,12 @@ impl Custody {
         expired.len()
     }
 
+    /// Drops everything held (sluice is leaving the node).
+    pub fn forget_all(&self) {
+        let gone = std::mem::take(&mut *self.held.lock().unwrap());
+        drop(gone);
+    }
+
     /// Drops everything held for a pod that is no longer enrolled.
     pub fn forget(&self, uid: &str) {
         let gone = self.held.lock().unwrap().remove(uid);

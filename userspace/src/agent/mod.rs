@@ -2,7 +2,9 @@
 //! ztunnel, and keeps each pod's state in the pinned pod-state map (never only
 //! in memory). It reports the node's readiness (`report`) and serves
 //! metrics (`admin`). On SIGTERM it marks the node not ready, stops serving
-//! and leaves capture in place.
+//! and leaves capture in place — unless sluice is being uninstalled (its
+//! DaemonSet marked, being deleted or gone, or `sluice uninstall`): then it
+//! removes sluice from the node first (`node::uninstall`).
 
 pub mod admin;
 pub mod control_socket;
@@ -45,6 +47,56 @@ pub struct Config {
     /// How long the listeners of a ztunnel that died keep connections queued
     /// on them for the next ztunnel (see `custody`).
     pub orphan_grace: std::time::Duration,
+    /// The agents' DaemonSet (namespace, name), watched for uninstall (with
+    /// `node_name`).
+    pub daemonset: Option<(String, String)>,
+}
+
+/// How often the DaemonSet is read for the uninstall mark.
+const DAEMONSET_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Whether the DaemonSet says uninstall; `None` also when it cannot be read
+/// (capture stays on a doubt).
+async fn uninstall_reason(
+    client: &::kube::Client,
+    (namespace, name): &(String, String),
+) -> Option<crate::kube::uninstall::Reason> {
+    let read = tokio::time::timeout(
+        crate::kube::API_TIMEOUT,
+        crate::kube::uninstall::decide(client.clone(), namespace, name),
+    )
+    .await;
+    match read {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => {
+            warn!(daemonset = %name, error = %e, "cannot read the DaemonSet: taken as not uninstalling");
+            None
+        }
+        Err(_) => {
+            warn!(daemonset = %name, "reading the DaemonSet timed out: taken as not uninstalling");
+            None
+        }
+    }
+}
+
+/// Reads the DaemonSet until it says uninstall, then asks the node.
+async fn watch_daemonset(
+    client: ::kube::Client,
+    ds: (String, String),
+    node: Arc<node::Node>,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        if let Some(r) = uninstall_reason(&client, &ds).await {
+            info!(why = r.as_str(), "uninstall asked");
+            node.request_uninstall(r);
+            return;
+        }
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tokio::time::sleep(DAEMONSET_EVERY) => {}
+        }
+    }
 }
 
 /// The agent holds a descriptor per pod netns and per ztunnel listener it
@@ -129,6 +181,17 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     // The report stops first, on its own signal: the node is marked not
     // ready while everything else still serves.
     let (report_stop_tx, report_stop) = watch::channel(false);
+    // The control and admin listeners stop last: they answer during an
+    // uninstall and after it.
+    let (listen_stop_tx, listen_stop) = watch::channel(false);
+    let kube_client = node.kube_client();
+    // An agent started after the uninstall mark (a restart midway) finishes it.
+    if let (Some(c), Some(ds)) = (&kube_client, &cfg.daemonset) {
+        if let Some(r) = uninstall_reason(c, ds).await {
+            node.request_uninstall(r);
+        }
+    }
+    let uninstalling = node.uninstall_state() != node::Uninstall::No;
 
     let zds_task = tokio::spawn(server::serve(
         zds,
@@ -142,7 +205,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         cfg.control_socket.clone(),
         cfg.pins.root().to_owned(),
         node.clone(),
-        stop.clone(),
+        listen_stop.clone(),
     ));
     let reconcile_task = tokio::spawn(node.clone().reconcile(stop.clone()));
     let announce_task = tokio::spawn(node.clone().announcer(stop.clone()));
@@ -156,26 +219,46 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         report_stop,
     ));
     let admin_task =
-        admin.map(|l| tokio::spawn(admin::serve(l, node.report().clone(), stop.clone())));
+        admin.map(|l| tokio::spawn(admin::serve(l, node.report().clone(), listen_stop.clone())));
     let api_task = tokio::spawn(node.clone().reconcile_with_api(stop.clone()));
     // Removing the plugin is not part of stopping: pods must keep going
     // through it while the agent restarts (see `sluice uninstall-cni`).
     let cni_task = cfg
         .cni
         .clone()
+        .filter(|_| !uninstalling)
         .map(|c| tokio::spawn(c.keep_installed(stop.clone())));
+    let ds_task = match (&kube_client, &cfg.daemonset) {
+        (Some(c), Some(ds)) if !uninstalling => Some(tokio::spawn(watch_daemonset(
+            c.clone(),
+            ds.clone(),
+            node.clone(),
+            stop.clone(),
+        ))),
+        _ => None,
+    };
     info!(pods = node.pod_count(), "sluice agent running");
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    tokio::select! {
-        _ = term.recv() => info!("SIGTERM"),
-        _ = tokio::signal::ctrl_c() => info!("SIGINT"),
+    let mut asked = node.watch_uninstall();
+    let signalled = tokio::select! {
+        _ = term.recv() => { info!("SIGTERM"); true }
+        _ = tokio::signal::ctrl_c() => { info!("SIGINT"); true }
+        _ = asked.wait_for(|u| *u != node::Uninstall::No) => false,
+    };
+    // Stopped without being asked: an uninstall if the DaemonSet is going
+    // (`kubectl delete daemonset`), else a restart or an upgrade.
+    if signalled && node.uninstall_state() == node::Uninstall::No {
+        if let (Some(c), Some(ds)) = (&kube_client, &cfg.daemonset) {
+            if let Some(r) = uninstall_reason(c, ds).await {
+                node.request_uninstall(r);
+            }
+        }
     }
     let _ = report_stop_tx.send(true);
     let _ = report_task.await;
     let _ = stop_tx.send(true);
     let _ = zds_task.await;
-    let _ = control_task.await;
     let _ = reconcile_task.await;
     let _ = announce_task.await;
     let _ = served_task.await;
@@ -183,9 +266,28 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     if let Some(t) = cni_task {
         let _ = t.await;
     }
+    if let Some(t) = ds_task {
+        let _ = t.await;
+    }
+    if let node::Uninstall::Started(r) = node.uninstall_state() {
+        node.uninstall_node(cfg.cni.as_ref(), r).await;
+        if !signalled {
+            // Exiting would only have the DaemonSet start the agent again.
+            info!("sluice removed from this node; waiting to be stopped");
+            tokio::select! {
+                _ = term.recv() => info!("SIGTERM"),
+                _ = tokio::signal::ctrl_c() => info!("SIGINT"),
+            }
+        }
+    }
+    let _ = listen_stop_tx.send(true);
+    let _ = control_task.await;
     if let Some(t) = admin_task {
         let _ = t.await;
     }
-    info!("agent stopped; capture stays in place (pins kept)");
+    match node.uninstall_state() {
+        node::Uninstall::No => info!("agent stopped; capture stays in place (pins kept)"),
+        u => info!(uninstall = %u, "agent stopped"),
+    }
     Ok(())
 }

@@ -53,6 +53,8 @@ pub struct Report {
     pub metrics: Arc<Metrics>,
     pub condition_type: String,
     current: Mutex<Option<(Condition, Instant)>>,
+    /// sluice was removed from this node: nothing is reported any more.
+    uninstalled: std::sync::atomic::AtomicBool,
 }
 
 impl Report {
@@ -61,7 +63,20 @@ impl Report {
             metrics,
             condition_type: condition_type.to_owned(),
             current: Mutex::new(None),
+            uninstalled: Default::default(),
         }
+    }
+
+    /// sluice was removed from the node: `/readyz` and `/healthz` answer
+    /// 200 `uninstalled` (the watchdog must not mark the node, the kubelet
+    /// must not restart the agent into installing again).
+    pub fn set_uninstalled(&self) {
+        self.uninstalled
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    pub fn is_uninstalled(&self) -> bool {
+        self.uninstalled.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// The last computed condition (`None` before the first pass).

@@ -2,7 +2,8 @@
 //! (`selection`), the `ambient.istio.io/redirection` annotation (`annotate`),
 //! whether a CNI request matches a real pod on this node (`verify`), the node
 //! condition (`condition`), the startup taint (`taint`) and the pods'
-//! readiness-gate condition (`gate`).
+//! readiness-gate condition (`gate`), and clearing all of it on uninstall
+//! (`uninstall`).
 //! Decisions are pure functions over API objects; the writers are thin.
 
 pub mod annotate;
@@ -11,6 +12,7 @@ pub mod gate;
 pub mod reconcile;
 pub mod selection;
 pub mod taint;
+pub mod uninstall;
 pub mod verify;
 
 use std::{future::Future, time::Duration};

@@ -45,6 +45,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
   valueFrom:
     fieldRef:
       fieldPath: status.hostIP
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
 - name: RUST_LOG
   value: {{ .Values.logLevel | quote }}
 {{- end -}}

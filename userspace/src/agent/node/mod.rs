@@ -52,7 +52,10 @@ mod relist;
 mod requests;
 mod serve;
 mod supervise;
+mod uninstall;
 mod zds;
+
+pub use uninstall::Uninstall;
 
 /// How often Enabled pods are checked for their listeners, at most.
 const CHECK_EVERY: Duration = Duration::from_millis(200);
@@ -85,6 +88,8 @@ pub struct Node {
     pods: pods::PodTable,
     /// Whether ztunnel can serve the pods it acked.
     served: serve::Served,
+    /// Whether sluice is being (or was) removed from this node.
+    uninstall: watch::Sender<uninstall::Uninstall>,
 }
 
 pub use serve::{ServedConfig, DEFAULT_RECHECK, FALLBACK_AFTER};
@@ -168,6 +173,7 @@ impl Node {
             custody: Custody::new(orphan_grace),
             pods: pods::PodTable::default(),
             served: serve::Served::new(served, node_name),
+            uninstall: watch::Sender::new(uninstall::Uninstall::No),
         }
     }
 

@@ -6,7 +6,37 @@ use super::*;
 impl Node {
     /// Serves one control request.
     pub async fn handle(self: &Arc<Self>, req: Request) -> Response {
+        if self.uninstall_state() != Uninstall::No {
+            return match req {
+                Request::Status | Request::Uninstall => self.answer(req).await,
+                // A pod the runtime creates meanwhile starts uncaptured, as
+                // every pod will once sluice is gone; a DEL has nothing left
+                // to undo.
+                Request::CniAdd { .. } | Request::CniDel { .. } | Request::CniCheck { .. } => {
+                    Response::Skipped {
+                        reason: format!(
+                            "sluice is being removed from this node ({})",
+                            self.uninstall_state()
+                        ),
+                    }
+                }
+                Request::Enroll { .. } | Request::Unenroll { .. } => Response::Error {
+                    message: format!(
+                        "sluice is being removed from this node ({})",
+                        self.uninstall_state()
+                    ),
+                },
+            };
+        }
+        self.answer(req).await
+    }
+
+    async fn answer(self: &Arc<Self>, req: Request) -> Response {
         match req {
+            Request::Uninstall => {
+                self.request_uninstall(crate::kube::uninstall::Reason::Command);
+                Response::Uninstalling
+            }
             Request::Enroll {
                 netns,
                 uid,
@@ -67,6 +97,7 @@ impl Node {
                 waiting: self.waiting(),
                 served_check: self.served.mode(),
                 dataplane: self.dp.lock().unwrap().adoption.to_string(),
+                uninstall: self.uninstall_state().to_string(),
             }),
             Request::CniCheck { pod } => {
                 self.cni_check(&pod)
