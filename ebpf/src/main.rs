@@ -21,21 +21,38 @@ use aya_ebpf::{
 
 #[sk_lookup]
 pub fn sluice_steer(ctx: SkLookupContext) -> u32 {
+    // Never true (ports fit 16 bits): only makes the variant's instructions differ.
+    #[cfg(feature = "upgrade-variant")]
+    if unsafe { (*ctx.lookup).local_port } == u32::MAX {
+        return aya_ebpf::bindings::sk_action::SK_PASS;
+    }
     steer::steer(&ctx)
 }
 
 #[classifier]
 pub fn sluice_egress(ctx: TcContext) -> i32 {
+    #[cfg(feature = "upgrade-variant")]
+    if ctx.len() == u32::MAX {
+        return aya_ebpf::bindings::TC_ACT_OK;
+    }
     capture::egress(&ctx)
 }
 
 #[classifier]
 pub fn sluice_ingress(ctx: TcContext) -> i32 {
+    #[cfg(feature = "upgrade-variant")]
+    if ctx.len() == u32::MAX {
+        return aya_ebpf::bindings::TC_ACT_OK;
+    }
     capture::ingress(&ctx)
 }
 
 #[classifier]
 pub fn sluice_lo(ctx: TcContext) -> i32 {
+    #[cfg(feature = "upgrade-variant")]
+    if ctx.len() == u32::MAX {
+        return aya_ebpf::bindings::TC_ACT_OK;
+    }
     capture::lo_ingress(&ctx)
 }
 

@@ -271,6 +271,15 @@ impl AgentProc {
         }
     }
 
+    /// Sets (or with `None` removes) a variable of the agent's environment
+    /// for its next start.
+    pub fn set_env(&mut self, key: &str, value: Option<&str>) {
+        self.env.retain(|(k, _)| k != key);
+        if let Some(v) = value {
+            self.env.push((key.to_owned(), v.to_owned()));
+        }
+    }
+
     /// SIGKILL (no cleanup of any kind) and reap.
     pub fn kill(&mut self) -> anyhow::Result<()> {
         let mut c = self.child.take().context("agent not running")?;

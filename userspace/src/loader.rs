@@ -22,7 +22,23 @@ use aya::{
 use crate::state::{Maps, StateError};
 
 /// The eBPF object built by `cargo xtask build-ebpf`, embedded at compile time.
-static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(env!("SLUICE_EBPF_OBJECT"));
+static EMBEDDED_OBJECT: &[u8] = aya::include_bytes_aligned!(env!("SLUICE_EBPF_OBJECT"));
+
+/// The object this process loads: the embedded one, or in a test build
+/// (`fault-injection`) the file `SLUICE_EBPF_OBJECT_FILE` names — so the
+/// upgrade tests can run "another build" of the programs.
+fn ebpf_object() -> std::borrow::Cow<'static, [u8]> {
+    #[cfg(feature = "fault-injection")]
+    if let Some(path) = std::env::var_os("SLUICE_EBPF_OBJECT_FILE") {
+        return std::borrow::Cow::Owned(fs::read(&path).unwrap_or_else(|e| {
+            panic!(
+                "SLUICE_EBPF_OBJECT_FILE {}: {e}",
+                Path::new(&path).display()
+            )
+        }));
+    }
+    std::borrow::Cow::Borrowed(EMBEDDED_OBJECT)
+}
 
 pub const DEFAULT_ROOT: &str = "/sys/fs/bpf/sluice";
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
@@ -196,7 +212,8 @@ impl Dataplane {
     /// the program pins. Idempotent: a process killed midway leaves links on
     /// either build's programs (both work), and the next start finishes.
     fn upgrade(&mut self) -> Result<Adoption, LoadError> {
-        if EBPF_OBJECT.is_empty() {
+        let object = ebpf_object();
+        if object.is_empty() {
             return Ok(Adoption::Same);
         }
         // Leftovers of a replacement killed before its rename.
@@ -205,7 +222,7 @@ impl Dataplane {
         }
         let mut ebpf = EbpfLoader::new()
             .default_map_pin_directory(self.pins.maps())
-            .load(EBPF_OBJECT)?;
+            .load(&object)?;
         let perr = |name: &'static str| {
             move |source: ProgramError| LoadError::Program {
                 hint: kernel_hint(&source),
@@ -323,7 +340,8 @@ impl Dataplane {
     }
 
     fn load(pins: Pins) -> Result<Self, LoadError> {
-        if EBPF_OBJECT.is_empty() {
+        let object = ebpf_object();
+        if object.is_empty() {
             return Err(LoadError::NoObject);
         }
         for d in [pins.progs(), pins.maps(), pins.pods()] {
@@ -334,7 +352,7 @@ impl Dataplane {
         }
         let mut ebpf = EbpfLoader::new()
             .default_map_pin_directory(pins.maps())
-            .load(EBPF_OBJECT)?;
+            .load(&object)?;
         let result = (|| {
             let steer = load_prog::<SkLookup>(&mut ebpf, PROG_STEER, &pins)?;
             let egress = load_prog::<SchedClassifier>(&mut ebpf, PROG_EGRESS, &pins)?;

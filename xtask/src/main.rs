@@ -25,7 +25,12 @@ enum Cmd {
     /// rust-src, bpf-linker built against rustc's own LLVM, Debian packages.
     Setup,
     /// Build the eBPF object (release, bpfel-unknown-none).
-    BuildEbpf,
+    BuildEbpf {
+        /// Also the upgrade tests' variant build (target/ebpf-variant);
+        /// `cargo xtask test` builds it itself.
+        #[arg(long)]
+        variant: bool,
+    },
     /// Setup, build, lint and run every test (root: the dataplane tests need it).
     Test {
         /// Run the tests this many times in a row (after one setup, build
@@ -58,7 +63,13 @@ enum Cmd {
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Setup => setup::run(),
-        Cmd::BuildEbpf => build_ebpf(),
+        Cmd::BuildEbpf { variant } => {
+            build_ebpf()?;
+            if variant {
+                build_ebpf_variant()?;
+            }
+            Ok(())
+        }
         Cmd::Test {
             repeat,
             cpu_hog,
@@ -109,6 +120,23 @@ fn build_ebpf() -> Result<()> {
     ebpf_cargo("build", &[])
 }
 
+/// Where the upgrade tests find "another build" of the programs.
+pub const VARIANT_TARGET_DIR: &str = "target/ebpf-variant";
+
+/// The programs with the `upgrade-variant` feature (different instructions,
+/// same maps and behaviour), in a target dir of their own.
+fn build_ebpf_variant() -> Result<()> {
+    ebpf_cargo(
+        "build",
+        &[
+            "--features",
+            "upgrade-variant",
+            "--target-dir",
+            VARIANT_TARGET_DIR,
+        ],
+    )
+}
+
 fn cargo(args: &[&str]) -> Result<()> {
     run(Command::new("cargo")
         .current_dir(workspace_root())
@@ -118,6 +146,7 @@ fn cargo(args: &[&str]) -> Result<()> {
 fn test(extra: &[String], repeat: u32, cpu_hog: bool) -> Result<()> {
     setup::run()?;
     build_ebpf()?;
+    build_ebpf_variant()?;
     cargo(&["fmt", "--all", "--", "--check"])?;
     ebpf_cargo("clippy", &["--", "-D", "warnings"])?;
     // The eBPF crate only builds for the BPF target (above).

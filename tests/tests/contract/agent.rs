@@ -29,6 +29,12 @@ use sluice_tests::{
 use crate::{trial, TestResult};
 
 const PEER: &str = env!("CARGO_BIN_EXE_sluice-zds-peer");
+/// "Another build" of the programs: the `upgrade-variant` feature (same maps
+/// and behaviour, different instructions), built by `cargo xtask test`.
+const VARIANT: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../target/ebpf-variant/bpfel-unknown-none/release/sluice-ebpf"
+);
 
 pub fn trials() -> Vec<Trial> {
     vec![
@@ -67,6 +73,20 @@ pub fn trials() -> Vec<Trial> {
             "agent::restart_over_another_builds_programs_replaces_them_in_place_under_load",
             programs_replaced,
         ),
+        {
+            let t = trial(
+                "agent::upgrade_to_another_build_and_back_under_load_loses_no_connection",
+                another_build,
+            );
+            if Path::new(VARIANT).exists() {
+                t
+            } else {
+                eprintln!(
+                    "skipping the upgrade-to-another-build test: {VARIANT} is missing (`cargo xtask build-ebpf --variant` builds it; `cargo xtask test` does)"
+                );
+                t.with_ignored_flag(true)
+            }
+        },
         trial("agent::unenroll_sends_del_and_removes_capture", unenroll),
         trial(
             "agent::uninstall_removes_everything_and_pods_keep_working",
@@ -903,6 +923,79 @@ impl Drop for RemoveDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
+}
+
+/// Every link of the pod runs the pinned program of its role; returns the
+/// link → program id map.
+fn links_follow_pins(f: &Fixture) -> anyhow::Result<std::collections::BTreeMap<String, u32>> {
+    let pinned = sluice_tests::inspect::pinned_programs(&f.topo.pins)?;
+    let links = link_programs(f)?;
+    for (link, id) in &links {
+        let prog = match link.as_str() {
+            "steer" => sluice::loader::PROG_STEER,
+            "lo" => sluice::loader::PROG_LO,
+            l if l.starts_with("egress_") => sluice::loader::PROG_EGRESS,
+            _ => sluice::loader::PROG_INGRESS,
+        };
+        ensure!(
+            *id == pinned[prog].0,
+            "link {link} runs program {id}, the pinned {prog} is {}",
+            pinned[prog].0
+        );
+    }
+    Ok(links)
+}
+
+/// A DaemonSet rollout to a build whose programs differ (every one of the
+/// four), then back (a downgrade), while connections flow both ways: each
+/// new agent points every pod link at its own programs in place before it
+/// serves; no connection fails.
+fn another_build() -> TestResult {
+    let f = Fixture::new("ab", None)?;
+    let mut agent = AgentProc::start(&f.topo.pins)?;
+    let _p = peer(&agent)?;
+    enroll_enabled(&agent, &f)?;
+    let ours = sluice_tests::inspect::pinned_programs(&f.topo.pins)?;
+    let clients = Clients::start(&f);
+    clients.wait_more(20, "before the upgrade")?;
+    let mut seen = vec![links_follow_pins(&f)?];
+    for (step, object) in [("upgrade", Some(VARIANT)), ("downgrade", None)] {
+        ensure!(
+            agent.terminate(),
+            "{step}: the old agent did not exit cleanly"
+        );
+        agent.set_env("SLUICE_EBPF_OBJECT_FILE", object);
+        agent.restart()?;
+        let now = sluice_tests::inspect::pinned_programs(&f.topo.pins)?;
+        for (name, (id, tag)) in &now {
+            let (_, our_tag) = ours[name];
+            // Upgraded: the variant's tag; downgraded: this build's again.
+            ensure!(
+                (*tag == our_tag) == object.is_none(),
+                "{step}: {name} has tag {tag:x} (this build's: {our_tag:x})"
+            );
+            ensure!(
+                seen.iter().all(|links| !links.values().any(|l| l == id)),
+                "{step}: {name} is not a new program"
+            );
+        }
+        let links = links_follow_pins(&f)?;
+        let shown = agent.node_status()?["dataplane"].to_string();
+        ensure!(
+            shown.contains("upgraded in place at start")
+                && shown.contains(&format!("{} pod links switched", links.len())),
+            "{step}: {shown}"
+        );
+        seen.push(links);
+        clients.wait_more(20, step)?;
+    }
+    let (ok, failures) = clients.finish();
+    println!(
+        "upgrade to another build and back: {ok} connections completed, {} failed {failures:?}",
+        failures.len()
+    );
+    ensure!(failures.is_empty(), "{failures:?}\n{}", agent.log());
+    Ok(())
 }
 
 /// The program id each of the pod's pinned links runs, by link pin name.
