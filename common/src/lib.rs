@@ -322,6 +322,23 @@ pub struct PodMeta {
     pub service_account: [u8; SERVICE_ACCOUNT_LEN],
 }
 
+/// `STAMP_MAGIC` marks a written [`Stamp`].
+pub const STAMP_MAGIC: u64 = u64::from_be_bytes(*b"sluice01");
+pub const STAMP_VERSION_LEN: usize = 48;
+
+/// The single value of the pinned `stamp` map: which sluice build pinned
+/// the dataplane, and the layout of the maps it pinned. User space only.
+/// This layout is frozen: every build must be able to read every other's.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Stamp {
+    pub magic: u64,
+    /// Digest of every map's type, key and value size, max entries and flags.
+    pub layout: u64,
+    /// NUL-padded version of the build (`0.1.0+obj.1a2b3c4d`).
+    pub version: [u8; STAMP_VERSION_LEN],
+}
+
 #[cfg(feature = "user")]
 mod user {
     use super::*;
@@ -334,12 +351,20 @@ mod user {
     unsafe impl aya::Pod for FlowHint {}
     unsafe impl aya::Pod for PodMeta {}
     unsafe impl aya::Pod for AddrKey {}
+    unsafe impl aya::Pod for Stamp {}
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use core::mem::size_of;
+
+    #[test]
+    fn the_stamp_layout_never_changes() {
+        assert_eq!(size_of::<Stamp>(), 64);
+        assert_eq!(core::mem::offset_of!(Stamp, layout), 8);
+        assert_eq!(core::mem::offset_of!(Stamp, version), 16);
+    }
 
     #[test]
     fn map_layouts_have_no_implicit_padding() {

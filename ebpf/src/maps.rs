@@ -4,12 +4,21 @@
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     macros::map,
-    maps::{HashMap, LruHashMap, PerCpuHashMap, SockHash},
+    maps::{Array, HashMap, LruHashMap, PerCpuHashMap, SockHash},
 };
-use sluice_common::{AddrKey, Counters, FlowHint, FlowKey, ListenerKey, PodEntry, PodMeta};
+use sluice_common::{AddrKey, Counters, FlowHint, FlowKey, ListenerKey, PodEntry, PodMeta, Stamp};
 
 /// Upper bound on pods per node (Kubernetes' default max-pods is 110).
+#[cfg(not(feature = "layout-variant"))]
 const MAX_PODS: u32 = 4096;
+/// The upgrade tests' build with another map layout (never shipped).
+#[cfg(feature = "layout-variant")]
+const MAX_PODS: u32 = 8192;
+
+/// Which build pinned the dataplane (see [`Stamp`]). User space only; its
+/// layout never changes.
+#[map(name = "stamp")]
+pub static STAMP: Array<Stamp> = Array::pinned(1, 0);
 
 /// The shared pod-state map, the single source of truth for enrollment.
 /// Key: pod netns cookie. Written by user space only.

@@ -15,6 +15,7 @@ use std::{
 };
 
 use aya::{
+    maps::MapData,
     programs::{ProgramError, SchedClassifier, SkLookup},
     Ebpf, EbpfLoader,
 };
@@ -38,6 +39,11 @@ fn ebpf_object() -> std::borrow::Cow<'static, [u8]> {
         }));
     }
     std::borrow::Cow::Borrowed(EMBEDDED_OBJECT)
+}
+
+/// The object compiled into this binary.
+pub fn embedded_object() -> &'static [u8] {
+    EMBEDDED_OBJECT
 }
 
 pub const DEFAULT_ROOT: &str = "/sys/fs/bpf/sluice";
@@ -139,6 +145,11 @@ pub enum Adoption {
         programs: Vec<&'static str>,
         links: usize,
     },
+    /// The pinned maps had another layout (size or flags): this build's
+    /// maps were created beside them, the state copied (listeners
+    /// re-registered from the pods' netns), every pod link pointed at this
+    /// build's programs and the map and program pins replaced.
+    Migrated { maps: Vec<String>, links: usize },
     /// Another build's programs stay in place because this build's could not
     /// be loaded beside them (why).
     Kept(String),
@@ -153,6 +164,11 @@ impl std::fmt::Display for Adoption {
                 f,
                 "upgraded in place at start: {} replaced, {links} pod links switched",
                 programs.join(", ")
+            ),
+            Adoption::Migrated { maps, links } => write!(
+                f,
+                "migrated at start to this build's map layout ({}), {links} pod links switched",
+                maps.join("; ")
             ),
             Adoption::Kept(why) => write!(f, "running another build's programs: {why}"),
         }
@@ -174,6 +190,19 @@ fn program_of_link(pin_name: &str) -> Option<&'static str> {
 /// old pin (bpffs renames replace atomically), so the program pins are never
 /// missing, even to a process killed in between.
 const NEXT: &str = "_next";
+
+/// Where a migration creates this build's maps before their pins replace the
+/// old ones (under the bpffs root).
+const MAPS_NEXT: &str = "maps_next";
+
+/// Maps a migration does not copy: ztunnel's listeners (re-registered from
+/// the pods' netns: a socket map cannot be read from user space) and flow
+/// hints (each lives microseconds).
+const REBUILT: [&str; 2] = ["listeners", "flow_hints"];
+
+/// Per-CPU map types (`BPF_MAP_TYPE_PERCPU_HASH`, `_PERCPU_ARRAY`,
+/// `_LRU_PERCPU_HASH`): user space reads one value per possible CPU.
+const PER_CPU: [u32; 3] = [5, 6, 10];
 
 impl Dataplane {
     /// Adopts the pinned dataplane as it is, or loads and pins it if there
@@ -209,20 +238,57 @@ impl Dataplane {
     /// Replaces pinned programs of another build with this build's, in place:
     /// loads this build's programs against the pinned maps, compares tags,
     /// points every pod link of a changed program at the new one, then swaps
-    /// the program pins. Idempotent: a process killed midway leaves links on
-    /// either build's programs (both work), and the next start finishes.
+    /// the program pins. When a pinned map has another size or flags than
+    /// this build's, migrates first: this build's version of that map is
+    /// created under `maps_next/`, the entries copied (ztunnel's listeners
+    /// re-registered from the pods' netns; flow hints, which live
+    /// microseconds, not copied), every link is pointed at this build's
+    /// programs, then the map pins are renamed over the old ones. Idempotent:
+    /// a process killed midway leaves every link on a working build's
+    /// programs, the old pinned maps authoritative until their renames, and
+    /// the next start finishes.
     fn upgrade(&mut self) -> Result<Adoption, LoadError> {
         let object = ebpf_object();
         if object.is_empty() {
             return Ok(Adoption::Same);
         }
-        // Leftovers of a replacement killed before its rename.
+        let next_dir = self.pins.root().join(MAPS_NEXT);
+        // Leftovers of a replacement killed before its renames.
         for name in [PROG_STEER, PROG_EGRESS, PROG_INGRESS, PROG_LO] {
             let _ = fs::remove_file(self.pins.progs().join(format!("{name}{NEXT}")));
         }
-        let mut ebpf = EbpfLoader::new()
-            .default_map_pin_directory(self.pins.maps())
-            .load(&object)?;
+        for e in fs::read_dir(&next_dir).into_iter().flatten().flatten() {
+            let _ = fs::remove_file(e.path());
+        }
+        let layout_err = |what: &str, e: String| LoadError::Io {
+            what: what.to_owned(),
+            source: std::io::Error::other(e),
+        };
+        let ours = crate::stamp::of_object(&object)
+            .map_err(|e| layout_err("reading this build's map layout", e.to_string()))?;
+        let pinned = crate::stamp::of_pinned(&self.pins.maps(), ours.keys())
+            .map_err(|e| layout_err("reading the pinned maps' layout", e.to_string()))?;
+        let changes = crate::stamp::changes(&ours, &pinned);
+        if let Some(c) = changes
+            .iter()
+            .find(|c| !c.copyable() && !REBUILT.contains(&c.map.as_str()))
+        {
+            return Ok(Adoption::Kept(format!(
+                "the pinned maps have a layout this build cannot migrate ({c}); the pinned build keeps running"
+            )));
+        }
+        if !changes.is_empty() {
+            fs::create_dir_all(&next_dir).map_err(|source| LoadError::Io {
+                what: format!("creating {}", next_dir.display()),
+                source,
+            })?;
+        }
+        let mut loader = EbpfLoader::new();
+        loader.default_map_pin_directory(self.pins.maps());
+        for c in &changes {
+            loader.map_pin_path(c.map.as_str(), next_dir.join(&c.map));
+        }
+        let mut ebpf = loader.load(&object)?;
         let perr = |name: &'static str| {
             move |source: ProgramError| LoadError::Program {
                 hint: kernel_hint(&source),
@@ -247,6 +313,10 @@ impl Dataplane {
                 .map_err(perr(name))?;
             p.load().map_err(perr(name))?;
         }
+        if !changes.is_empty() {
+            self.fill_next(&changes, &next_dir)?;
+            crate::fault::crash_point("migrate_filled");
+        }
         let tag = |name: &'static str| -> Result<u64, LoadError> {
             let p = ebpf.program(name).ok_or_else(|| missing(name))?;
             Ok(p.info().map_err(perr(name))?.tag())
@@ -266,13 +336,21 @@ impl Dataplane {
             ),
             (PROG_LO, self.lo.info().map_err(perr(PROG_LO))?.tag()),
         ];
+        // A program's tag ignores which maps it uses: after a migration every
+        // program is replaced, since the new maps are only the new programs'.
         let mut changed = Vec::new();
         for (name, t) in pinned {
-            if tag(name)? != t {
+            if !changes.is_empty() || tag(name)? != t {
                 changed.push(name);
             }
         }
+        let stamp = |pins: &Pins| {
+            if let Err(e) = crate::stamp::write(&pins.maps(), &object, &ours) {
+                tracing::warn!(error = %e, "could not write the dataplane stamp");
+            }
+        };
         if changed.is_empty() {
+            stamp(&self.pins);
             return Ok(Adoption::Same);
         }
         // Every pod's links of a changed program, each switched atomically.
@@ -319,11 +397,95 @@ impl Dataplane {
             })?;
             crate::fault::crash_point("upgrade_pin");
         }
+        // Last the map pins (bpffs renames replace atomically).
+        for c in &changes {
+            let to = self.pins.maps().join(&c.map);
+            fs::rename(next_dir.join(&c.map), &to).map_err(|source| LoadError::Io {
+                what: format!("replacing {}", to.display()),
+                source,
+            })?;
+            crate::fault::crash_point("migrate_map_pin");
+        }
+        let _ = fs::remove_dir(&next_dir);
         (self.steer, self.egress, self.ingress, self.lo) = pinned_programs(&self.pins)?;
-        Ok(Adoption::Upgraded {
-            programs: changed,
-            links,
+        if !changes.is_empty() {
+            self.maps = Maps::open_pinned(&self.pins.maps())?;
+        }
+        stamp(&self.pins);
+        Ok(if changes.is_empty() {
+            Adoption::Upgraded {
+                programs: changed,
+                links,
+            }
+        } else {
+            Adoption::Migrated {
+                maps: changes.iter().map(ToString::to_string).collect(),
+                links,
+            }
         })
+    }
+
+    /// Fills this build's maps under `next_dir` from the pinned ones: a byte
+    /// copy of every entry, then ztunnel's listeners of every pod, found
+    /// again in its netns (a socket map cannot be read back from user space).
+    fn fill_next(
+        &self,
+        changes: &[crate::stamp::Change],
+        next_dir: &Path,
+    ) -> Result<(), LoadError> {
+        use std::os::fd::AsFd as _;
+        let io = |what: String| move |source| LoadError::Io { what, source };
+        for c in changes {
+            if REBUILT.contains(&c.map.as_str()) {
+                continue;
+            }
+            let open = |dir: &Path| {
+                MapData::from_pin(dir.join(&c.map)).map_err(|e| LoadError::Io {
+                    what: format!("opening map {}", c.map),
+                    source: std::io::Error::other(e),
+                })
+            };
+            let (from, to) = (open(&self.pins.maps())?, open(next_dir)?);
+            let bytes =
+                crate::mapcopy::value_bytes(c.ours.value_size, PER_CPU.contains(&c.ours.map_type))
+                    .map_err(io("counting CPUs".into()))?;
+            let n =
+                crate::mapcopy::copy(from.fd().as_fd(), to.fd().as_fd(), c.ours.key_size, bytes)
+                    .map_err(io(format!("copying map {} ({c})", c.map)))?;
+            tracing::info!(map = %c.map, entries = n, "map migrated");
+        }
+        if changes.iter().any(|c| c.map == "listeners") {
+            let changed = |n: &str| changes.iter().any(|c| c.map == n);
+            let mut next = Maps::from_maps(|name| {
+                let dir = if changed(name) {
+                    next_dir.to_owned()
+                } else {
+                    self.pins.maps()
+                };
+                let data = MapData::from_pin(dir.join(name))
+                    .map_err(|source| StateError::Map { name, source })?;
+                aya::maps::Map::from_map_data(data)
+                    .map_err(|source| StateError::Map { name, source })
+            })?;
+            for cookie in next.cookies() {
+                let path = next.meta(cookie).map(|m| m.netns).unwrap_or_default();
+                let Ok(ns) = crate::netns::Netns::open(Path::new(&path)) else {
+                    continue;
+                };
+                if ns.cookie().ok() != Some(cookie) {
+                    continue;
+                }
+                for l in crate::sockets::take_listeners(&ns, cookie, None).unwrap_or_default() {
+                    for &family in &l.families {
+                        next.insert_listener(
+                            sluice_common::ListenerKey::new(cookie, l.role, family),
+                            &l.fd,
+                        )?;
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     fn adopt(pins: Pins) -> Result<Self, LoadError> {
@@ -369,6 +531,14 @@ impl Dataplane {
             }
         };
         let maps = Maps::from_maps(|name| ebpf.take_map(name).ok_or(StateError::Missing(name)))?;
+        match crate::stamp::of_object(&object) {
+            Ok(layout) => {
+                if let Err(e) = crate::stamp::write(&pins.maps(), &object, &layout) {
+                    tracing::warn!(error = %e, "could not write the dataplane stamp");
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "could not read this build's map layout"),
+        }
         Ok(Self {
             pins,
             steer,
@@ -517,4 +687,32 @@ fn lock(pins: &Pins) -> Result<nix::fcntl::Flock<fs::File>, LoadError> {
             source: e.into(),
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn this_builds_object_parses_and_its_stamp_map_is_frozen() {
+        let object = super::embedded_object();
+        assert!(
+            !object.is_empty(),
+            "built without the eBPF object: `cargo xtask build-ebpf`, then test again"
+        );
+        let layout = crate::stamp::of_object(object).unwrap();
+        let stamp = layout["stamp"];
+        assert_eq!(
+            (stamp.key_size, stamp.value_size, stamp.max_entries),
+            (4, 64, 1)
+        );
+        for m in [
+            "pod_state",
+            "pod_meta",
+            "pod_addrs",
+            "listeners",
+            "counters",
+            "flow_hints",
+        ] {
+            assert!(layout.contains_key(m), "{m} missing from {layout:?}");
+        }
+    }
 }

@@ -348,6 +348,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             };
             let node = status::NodeView {
                 programs_loaded: pins.is_loaded(),
+                stamp: sluice::stamp::read(&pins.maps()).map(|s| s.to_string()),
                 agent,
                 agent_error,
             };

@@ -17,6 +17,10 @@ use crate::{
 #[derive(Debug, Clone, Serialize)]
 pub struct NodeView {
     pub programs_loaded: bool,
+    /// Which build pinned the dataplane (version, map layout digest), from
+    /// the pinned stamp; `None` for a build from before stamps.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stamp: Option<String>,
     pub agent: Option<NodeStatus>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub agent_error: Option<String>,
@@ -38,6 +42,9 @@ pub fn node_lines(n: &NodeView) -> String {
         "not loaded"
     };
     let _ = writeln!(out, "programs:   {loaded}");
+    if let Some(s) = &n.stamp {
+        let _ = writeln!(out, "stamp:      {s}");
+    }
     match (&n.agent, &n.agent_error) {
         (None, Some(e)) => {
             let _ = writeln!(out, "agent:      not answering ({e})");

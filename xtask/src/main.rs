@@ -26,7 +26,8 @@ enum Cmd {
     Setup,
     /// Build the eBPF object (release, bpfel-unknown-none).
     BuildEbpf {
-        /// Also the upgrade tests' variant build (target/ebpf-variant);
+        /// Also the upgrade tests' variant builds (target/ebpf-variant,
+        /// target/ebpf-layout);
         /// `cargo xtask test` builds it itself.
         #[arg(long)]
         variant: bool,
@@ -120,8 +121,10 @@ fn build_ebpf() -> Result<()> {
     ebpf_cargo("build", &[])
 }
 
-/// Where the upgrade tests find "another build" of the programs.
+/// Where the upgrade tests find "another build" of the programs, and one
+/// with another map layout.
 pub const VARIANT_TARGET_DIR: &str = "target/ebpf-variant";
+pub const LAYOUT_TARGET_DIR: &str = "target/ebpf-layout";
 
 /// The programs with the `upgrade-variant` feature (different instructions,
 /// same maps and behaviour), in a target dir of their own.
@@ -133,6 +136,15 @@ fn build_ebpf_variant() -> Result<()> {
             "upgrade-variant",
             "--target-dir",
             VARIANT_TARGET_DIR,
+        ],
+    )?;
+    ebpf_cargo(
+        "build",
+        &[
+            "--features",
+            "layout-variant",
+            "--target-dir",
+            LAYOUT_TARGET_DIR,
         ],
     )
 }

@@ -87,6 +87,20 @@ pub fn trials() -> Vec<Trial> {
                 t.with_ignored_flag(true)
             }
         },
+        {
+            let t = trial(
+                "agent::migrate_to_another_map_layout_and_back_under_load_loses_no_connection",
+                another_layout,
+            );
+            if Path::new(LAYOUT).exists() {
+                t
+            } else {
+                eprintln!(
+                    "skipping the map-layout migration test: {LAYOUT} is missing (`cargo xtask build-ebpf --variant` builds it; `cargo xtask test` does)"
+                );
+                t.with_ignored_flag(true)
+            }
+        },
         trial("agent::unenroll_sends_del_and_removes_capture", unenroll),
         trial(
             "agent::uninstall_removes_everything_and_pods_keep_working",
@@ -923,6 +937,128 @@ impl Drop for RemoveDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
+}
+
+/// "Another build" whose maps have another size (`layout-variant`: twice the
+/// pods per node), built by `cargo xtask test`.
+const LAYOUT: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../target/ebpf-layout/bpfel-unknown-none/release/sluice-ebpf"
+);
+
+fn max_entries(f: &Fixture, map: &str) -> anyhow::Result<u32> {
+    Ok(aya::maps::MapInfo::from_pin(f.topo.pins.maps().join(map))?.max_entries())
+}
+
+/// Runs an agent over the pins that kills itself at crash point `step`.
+fn crash_agent_at(agent: &AgentProc, f: &Fixture, step: &str, object: Option<&str>) -> TestResult {
+    use std::os::unix::process::ExitStatusExt as _;
+    let mut cmd = std::process::Command::new(sluice_tests::harness::sluice_bin());
+    cmd.arg("--bpf-root")
+        .arg(f.topo.pins.root())
+        .arg("--control-socket")
+        .arg(agent.dir.join("crashing.sock"))
+        .arg("agent")
+        .arg("--zds-socket")
+        .arg(agent.dir.join("crashing-zds.sock"))
+        .args(["--metrics-addr", "off"])
+        .env("SLUICE_CRASH_AT", step)
+        .stderr(std::process::Stdio::null());
+    if let Some(o) = object {
+        cmd.env("SLUICE_EBPF_OBJECT_FILE", o);
+    }
+    let st = cmd.status()?;
+    ensure!(st.signal() == Some(libc::SIGKILL), "{step}: {st}");
+    Ok(())
+}
+
+/// A rollout to a build whose maps are sized differently, then back, while
+/// connections flow both ways: each new agent creates its maps beside the
+/// pinned ones, copies the state, re-registers ztunnel's listeners, points
+/// every link at its programs and replaces the pins — and on the way back two
+/// agents are killed midway first. No connection fails; the pod stays Served.
+fn another_layout() -> TestResult {
+    let f = Fixture::new("ml", None)?;
+    let mut agent = AgentProc::start(&f.topo.pins)?;
+    let _p = peer(&agent)?;
+    enroll_enabled(&agent, &f)?;
+    let ours = max_entries(&f, "pod_state")?;
+    let stamp_before = sluice::stamp::read(&f.topo.pins.maps()).context("no stamp")?;
+    let clients = Clients::start(&f);
+    clients.wait_more(20, "before the migration")?;
+    for (step, object, want) in [
+        ("migration", Some(LAYOUT), ours * 2),
+        ("migration back", None, ours),
+    ] {
+        ensure!(
+            agent.terminate(),
+            "{step}: the old agent did not exit cleanly"
+        );
+        if object.is_none() {
+            for crash in ["migrate_filled", "migrate_map_pin"] {
+                crash_agent_at(&agent, &f, crash, object)?;
+                clients.wait_more(5, crash)?;
+            }
+        }
+        agent.set_env("SLUICE_EBPF_OBJECT_FILE", object);
+        agent.restart()?;
+        for (map, per_pod) in [
+            ("pod_state", 1),
+            ("pod_meta", 1),
+            ("counters", 1),
+            ("pod_addrs", 8),
+        ] {
+            let n = max_entries(&f, map)?;
+            ensure!(
+                n == want * per_pod,
+                "{step}: {map} holds {n} entries at most, want {}",
+                want * per_pod
+            );
+        }
+        ensure!(
+            max_entries(&f, "listeners")? == want * 6,
+            "{step}: listeners not migrated"
+        );
+        let shown = agent.node_status()?["dataplane"].to_string();
+        ensure!(shown.contains("migrated at start"), "{step}: {shown}");
+        // `sluice status` names the build that pinned the dataplane.
+        let built = match object {
+            Some(o) => sluice::stamp::version_of(&std::fs::read(o)?),
+            None => sluice::stamp::version_of(sluice::loader::embedded_object()),
+        };
+        let out = agent.sluice(&["status", "-o", "json"])?;
+        let status: serde_json::Value = serde_json::from_str(&out.stdout)?;
+        ensure!(
+            status["node"]["stamp"]
+                .as_str()
+                .is_some_and(|s| s.contains(&built)),
+            "{step}: stamp {} is not build {built}",
+            status["node"]["stamp"]
+        );
+        let rec = f.pod_record()?;
+        ensure!(
+            rec.state == Some("Served") && rec.listeners.len() >= 3,
+            "{step}: {rec:?}"
+        );
+        links_follow_pins(&f)?;
+        ensure!(
+            !f.topo.pins.root().join("maps_next").exists(),
+            "{step}: maps_next left behind"
+        );
+        clients.wait_more(20, step)?;
+    }
+    let stamp_after = sluice::stamp::read(&f.topo.pins.maps()).context("no stamp")?;
+    ensure!(
+        stamp_after == stamp_before,
+        "{stamp_before} → {stamp_after}"
+    );
+    let (ok, failures) = clients.finish();
+    println!(
+        "map-layout migration and back: {ok} connections completed, {} failed {failures:?}",
+        failures.len()
+    );
+    ensure!(failures.is_empty(), "{failures:?}\n{}", agent.log());
+    Ok(())
 }
 
 /// Every link of the pod runs the pinned program of its role; returns the

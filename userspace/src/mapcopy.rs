@@ -1,0 +1,107 @@
+//! Copying every entry of one BPF map into another of the same key and value
+//! size (the new one sized or flagged differently): how a build whose maps
+//! changed size takes over the pinned state. Raw `bpf(2)` on byte buffers,
+//! because the map types are only known at run time here (aya's typed maps
+//! need them at compile time).
+
+use std::{
+    io,
+    os::fd::{AsRawFd, BorrowedFd},
+};
+
+const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
+const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
+const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
+const BPF_ANY: u64 = 0;
+
+/// `union bpf_attr` for the element commands:
+/// `{ u32 map_fd; u32 pad; u64 key; u64 value_or_next_key; u64 flags; }`.
+fn elem(
+    cmd: libc::c_long,
+    map: BorrowedFd<'_>,
+    key: *const u8,
+    value: *mut u8,
+    flags: u64,
+) -> io::Result<()> {
+    let mut attr: [u64; 4] = [
+        map.as_raw_fd() as u32 as u64,
+        key as u64,
+        value as u64,
+        flags,
+    ];
+    // SAFETY: `attr` is laid out for the element commands; `key` and `value`
+    // point to buffers of the map's key and (per-CPU) value size, or key is
+    // null for the first GET_NEXT_KEY.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            attr.as_mut_ptr(),
+            std::mem::size_of_val(&attr),
+        )
+    };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// Bytes of one value as user space reads it: per-CPU maps hand over one
+/// 8-byte-aligned slot per possible CPU.
+pub fn value_bytes(value_size: u32, per_cpu: bool) -> io::Result<usize> {
+    if !per_cpu {
+        return Ok(value_size as usize);
+    }
+    let cpus = aya::util::nr_cpus().map_err(|(_, e)| e)?;
+    Ok((value_size as usize).div_ceil(8) * 8 * cpus)
+}
+
+/// Copies every entry of `from` into `to`; returns how many. An entry that
+/// does not fit (`to` full) is an error: nothing is dropped silently.
+pub fn copy(
+    from: BorrowedFd<'_>,
+    to: BorrowedFd<'_>,
+    key_size: u32,
+    value_bytes: usize,
+) -> io::Result<usize> {
+    let mut key = vec![0u8; key_size as usize];
+    let mut next = vec![0u8; key_size as usize];
+    let mut value = vec![0u8; value_bytes];
+    let mut n = 0;
+    let mut first = true;
+    loop {
+        let prev = if first {
+            std::ptr::null()
+        } else {
+            key.as_ptr()
+        };
+        match elem(BPF_MAP_GET_NEXT_KEY, from, prev, next.as_mut_ptr(), 0) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(n),
+            Err(e) => return Err(e),
+        }
+        first = false;
+        std::mem::swap(&mut key, &mut next);
+        match elem(
+            BPF_MAP_LOOKUP_ELEM,
+            from,
+            key.as_ptr(),
+            value.as_mut_ptr(),
+            0,
+        ) {
+            Ok(()) => {}
+            // Deleted between the two calls.
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue,
+            Err(e) => return Err(e),
+        }
+        elem(
+            BPF_MAP_UPDATE_ELEM,
+            to,
+            key.as_ptr(),
+            value.as_mut_ptr(),
+            BPF_ANY,
+        )?;
+        n += 1;
+    }
+}
