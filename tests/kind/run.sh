@@ -281,4 +281,20 @@ echo "ok: late started once the agent was back, captured"
 long_connection_alive || die "the long-lived connection broke while the agent was away"
 echo "ok: the long-lived connection survived the agent's absence too"
 
+log "helm uninstall leaves working pods and nothing of sluice"
+helm --kube-context "kind-$CLUSTER" uninstall sluice --namespace "$SYS" --wait --timeout 5m
+for n in $(k get nodes -o name); do
+  [[ -z $(node_condition "${n#node/}") ]] || die "${n#node/} still has $CONDITION"
+  docker exec "${n#node/}" sh -c '! ls /sys/fs/bpf/sluice 2>/dev/null | grep -q . && ! grep -rqs sluice-cni /etc/cni/net.d && [ ! -e /opt/cni/bin/sluice-cni ]' ||
+    die "${n#node/}: sluice's pins, CNI entry or plugin left behind"
+done
+for pod in "$server" client late; do
+  [[ -z $(redirection "$pod") ]] || die "$pod: redirection annotation still '$(redirection "$pod")'"
+done
+gate_reason=$(k -n "$NS" get pod late -o jsonpath='{.status.conditions[?(@.type=="sluice.dev/redirected")].reason}')
+[[ $gate_reason == SluiceUninstalled ]] || die "late: readiness gate reason is '$gate_reason' after uninstall"
+k -n "$NS" wait pod/late --for=condition=Ready --timeout=60s
+wait_for 60 "client reaches server, uncaptured" probe
+echo "ok: sluice removed from every node; pods keep working uncaptured"
+
 log "all checks passed"

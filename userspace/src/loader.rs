@@ -2,10 +2,14 @@
 //! processes adopt the pins. Enrolling a pod then costs only link attaches and
 //! map writes (a per-pod load + verify would cost 65–100 ms).
 //!
+//! The agent's start also replaces the programs of another build in place,
+//! and migrates maps of another size (see `upgrade`).
+//!
 //! Layout under the bpffs root (default `/sys/fs/bpf/sluice`):
 //! ```text
 //! progs/{steer,egress,ingress,lo}   the four programs
-//! maps/{pod_state,pod_meta,listeners,counters,flow_hints}
+//! maps/{pod_state,pod_meta,pod_addrs,listeners,counters,flow_hints,stamp}
+//! maps_next/                        only during a migration
 //! pods/<netns cookie>/{steer,egress_<if>,ingress_<if>,lo}   a pod's links
 //! ```
 
@@ -714,5 +718,31 @@ mod tests {
         ] {
             assert!(layout.contains_key(m), "{m} missing from {layout:?}");
         }
+    }
+
+    /// A migration copies entries byte for byte: a build that changes a
+    /// map's type, key or value size cannot take over a node running the
+    /// previous one (it keeps that build running). Such a change must come
+    /// with a conversion in `Dataplane::fill_next`; then update this table.
+    #[test]
+    fn map_entries_keep_their_layout() {
+        let layout = crate::stamp::of_object(super::embedded_object()).unwrap();
+        let seen: std::collections::BTreeMap<&str, (u32, u32, u32)> = layout
+            .iter()
+            .map(|(n, l)| (n.as_str(), (l.map_type, l.key_size, l.value_size)))
+            .collect();
+        let want = std::collections::BTreeMap::from([
+            ("counters", (5, 8, 48)),
+            ("flow_hints", (9, 40, 24)),
+            ("listeners", (18, 16, 4)),
+            ("pod_addrs", (1, 20, 8)),
+            ("pod_meta", (1, 8, 828)),
+            ("pod_state", (1, 8, 24)),
+            ("stamp", (2, 4, 64)),
+        ]);
+        assert_eq!(
+            seen, want,
+            "a map's entry layout changed: see this test's comment"
+        );
     }
 }
