@@ -886,7 +886,12 @@ fn uninstall() -> TestResult {
         !sluice_tests::topology::has_redirect_rule(&f.topo.pod)?,
         "the pod's policy rule is still there"
     );
-    let as_json = |t: &str| serde_json::from_str::<serde_json::Value>(t).unwrap_or_default();
+    // Same plugins, same settings, keys in the same order (only whitespace
+    // may differ: the file is rewritten pretty-printed).
+    let as_json = |t: &str| {
+        serde_json::to_string(&serde_json::from_str::<serde_json::Value>(t).unwrap_or_default())
+            .unwrap_or_default()
+    };
     let now = std::fs::read_to_string(&primary)?;
     ensure!(
         as_json(&now) == as_json(original),
