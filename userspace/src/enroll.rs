@@ -38,6 +38,8 @@ pub enum EnrollError {
     NetnsReplaced(String),
     #[error("netns path {0:?} is too long (max {max} bytes) or not UTF-8", max = NETNS_PATH_LEN - 1)]
     BadPath(String),
+    #[error("netns {path} is {why}: sluice never captures it")]
+    HostNetns { path: String, why: &'static str },
     #[error("netns {0} has no interface besides lo: nothing to capture")]
     NoInterface(String),
     #[error("attaching {what}: {source}")]
@@ -96,6 +98,9 @@ pub fn attach_pod(
         .ok_or_else(|| EnrollError::BadPath(netns_path.display().to_string()))?
         .to_owned();
     let netns = Netns::open(netns_path)?;
+    if let Some(why) = netns.host_like() {
+        return Err(EnrollError::HostNetns { path, why });
+    }
     let cookie = netns.cookie()?;
     if let Some(cookie) = dp.maps.find_uid(uid) {
         return Err(EnrollError::AlreadyEnrolled {

@@ -99,6 +99,14 @@ impl Netns {
         })
     }
 
+    /// Why this netns must never be captured, if it must not: it is the
+    /// host's (pid 1's: also every hostNetwork pod's) or this process's own.
+    pub fn host_like(&self) -> Option<&'static str> {
+        use std::os::unix::fs::MetadataExt as _;
+        let me = self.file.metadata().ok().map(|m| (m.dev(), m.ino()))?;
+        host_like_id(me)
+    }
+
     /// The kernel's netns cookie: the key the programs derive with
     /// bpf_get_netns_cookie() in this netns.
     pub fn cookie(&self) -> Result<u64, NetnsError> {
@@ -115,6 +123,27 @@ impl AsFd for Netns {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.file.as_fd()
     }
+}
+
+/// Why the netns with nsfs identity `id` (device, inode) must never be
+/// captured, if it must not.
+fn host_like_id(id: (u64, u64)) -> Option<&'static str> {
+    use std::os::unix::fs::MetadataExt as _;
+    let of = |p: &str| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+    if of("/proc/1/ns/net") == Some(id) {
+        Some("the host's network namespace (pid 1's, shared by hostNetwork pods)")
+    } else if of("/proc/self/ns/net") == Some(id) {
+        Some("sluice's own network namespace")
+    } else {
+        None
+    }
+}
+
+/// [`Netns::host_like`] for a netns path, without opening it as a handle.
+pub fn path_is_host_like(path: &Path) -> Option<&'static str> {
+    use std::os::unix::fs::MetadataExt as _;
+    let m = std::fs::metadata(path).ok()?;
+    host_like_id((m.dev(), m.ino()))
 }
 
 fn udp_socket() -> std::io::Result<OwnedFd> {

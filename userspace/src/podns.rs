@@ -22,12 +22,15 @@ pub fn in_pod_cgroup(cgroup: &str, uid: &str) -> bool {
         .any(|l| l.contains(&format!("pod{uid}")) || l.contains(&format!("pod{systemd}")))
 }
 
-/// The netns path of pod `uid`, if one of its processes runs here.
+/// The netns path of pod `uid`, if one of its processes runs here. A
+/// process of the pod's cgroup in the host's network namespace (a runtime
+/// shim such as conmon) or in sluice's own is never taken for the pod's.
 pub fn find(uid: &str) -> Option<PathBuf> {
     let pid = fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
         let pid: u32 = e.file_name().to_str()?.parse().ok()?;
         let cg = fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
-        in_pod_cgroup(&cg, uid).then_some(pid)
+        let ns = PathBuf::from(format!("/proc/{pid}/ns/net"));
+        (in_pod_cgroup(&cg, uid) && crate::netns::path_is_host_like(&ns).is_none()).then_some(pid)
     })?;
     let proc_path = PathBuf::from(format!("/proc/{pid}/ns/net"));
     let ino = fs::metadata(&proc_path).ok()?.ino();

@@ -101,6 +101,11 @@ pub fn trials() -> Vec<Trial> {
                 t.with_ignored_flag(true)
             }
         },
+        trial("agent::host_and_own_netns_are_never_captured", never_host),
+        trial(
+            "agent::pod_netns_discovery_skips_pod_processes_in_the_host_netns",
+            discovery_skips_host,
+        ),
         trial("agent::unenroll_sends_del_and_removes_capture", unenroll),
         trial(
             "agent::uninstall_removes_everything_and_pods_keep_working",
@@ -920,6 +925,101 @@ fn uninstall() -> TestResult {
     ensure!(as_json(&std::fs::read_to_string(&primary)?) == as_json(original));
     ensure!(walk(f.topo.pins.root()).is_empty());
     Ok(())
+}
+
+/// The agent runs inside a netns that plays the node (never the machine's
+/// own). Its own netns — by its /run/netns name or as /proc/PID/ns/net — is
+/// refused through the control socket, and by the CLI working on the pins
+/// directly; nothing is attached there and the "node" keeps its traffic. A
+/// real pod still enrolls through the same agent.
+fn never_host() -> TestResult {
+    let f = Fixture::new("hn", None)?;
+    let node = f.topo.client.clone();
+    let agent = AgentProc::start_wrapped(&f.topo.pins, &["ip", "netns", "exec", &node], &[])?;
+    let pid = agent.pid().context("agent pid")?;
+    for path in [format!("/run/netns/{node}"), format!("/proc/{pid}/ns/net")] {
+        let out = agent.enroll(Path::new(&path), "pod-hn-node", "default", "node")?;
+        ensure!(
+            !out.ok
+                && out.stderr.contains("sluice's own network namespace")
+                && out.stderr.contains(&path),
+            "enrolling {path} through the agent: {}{}",
+            out.stdout,
+            out.stderr
+        );
+    }
+    // The CLI without an agent (another control socket), run in the node netns.
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", &node])
+        .arg(sluice_tests::harness::sluice_bin())
+        .arg("--bpf-root")
+        .arg(f.topo.pins.root())
+        .arg("--control-socket")
+        .arg(agent.dir.join("nobody-listens.sock"))
+        .args([
+            "enroll",
+            "--uid",
+            "pod-hn-node",
+            "--netns",
+            &format!("/run/netns/{node}"),
+        ])
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        !out.status.success() && stderr.contains("sluice's own network namespace"),
+        "the CLI enrolling its own netns: {stderr}"
+    );
+    ensure!(
+        !sluice_tests::topology::has_redirect_rule(&node)?,
+        "a policy rule appeared in the node netns"
+    );
+    ensure!(
+        walk(&f.topo.pins.pods()).is_empty(),
+        "links pinned: {:?}",
+        walk(&f.topo.pins.pods())
+    );
+    // The node's own traffic is untouched (client → app, uncaptured).
+    ensure!(inbound(&f).reply().is_some_and(|r| r.starts_with("app:")));
+    let out = enroll(&agent, &f)?;
+    ensure!(out.ok, "a real pod: {}{}", out.stdout, out.stderr);
+    Ok(())
+}
+
+/// A pod's cgroup holds a process in the host's network namespace (as a
+/// runtime shim can), started first so that it is found first: discovery
+/// takes the pod's netns from the other process, never the host's.
+fn discovery_skips_host() -> TestResult {
+    let f = Fixture::new("dh", None)?;
+    let uid = "5c1d2e3f-0000-4000-8000-00000000dh01";
+    let cg = ["/sys/fs/cgroup/pids", "/sys/fs/cgroup"]
+        .iter()
+        .map(|r| Path::new(r).join(format!("sluice-test-pod{uid}")))
+        .find(|d| std::fs::create_dir(d).is_ok() && d.join("cgroup.procs").exists())
+        .context("no writable cgroup hierarchy (pids v1 or v2) to make a pod cgroup in")?;
+    let mut shim = std::process::Command::new("sleep").arg("60").spawn()?;
+    let mut app = std::process::Command::new("ip")
+        .args(["netns", "exec", &f.topo.pod, "sleep", "60"])
+        .spawn()?;
+    let result = (|| -> TestResult {
+        for p in [shim.id(), app.id()] {
+            std::fs::write(cg.join("cgroup.procs"), p.to_string())?;
+        }
+        let found = sluice::podns::find(uid).context("no netns found")?;
+        let want = f.topo.pod_netns_path();
+        ensure!(
+            found == want,
+            "found {}, want {}",
+            found.display(),
+            want.display()
+        );
+        Ok(())
+    })();
+    let _ = shim.kill();
+    let _ = app.kill();
+    let _ = shim.wait();
+    let _ = app.wait();
+    let _ = std::fs::remove_dir(&cg);
+    result
 }
 
 /// Files under `dir` (bpffs pins), recursively.

@@ -35,7 +35,7 @@ pub fn trials() -> Vec<Trial> {
         trial("cni::errors_are_spec_shaped", errors),
         trial("cni::agent_keeps_the_plugin_in_the_conflist", conflist),
         trial(
-            "cni::del_of_an_old_sandbox_keeps_the_new_capture",
+            "cni::neither_an_old_sandboxs_del_nor_unenroll_removes_the_live_capture",
             sandbox_swap,
         ),
     ]
@@ -406,6 +406,15 @@ fn sandbox_swap() -> TestResult {
             "capture of the new sandbox lost: {pods:?}\n{}",
             agent.log()
         );
+        // Nor may the control socket's unenroll (the same guard).
+        let out = agent.sluice(&["unenroll", "--uid", &pods[0].uid])?;
+        ensure!(
+            !out.ok && out.stderr.contains("only the runtime's DEL"),
+            "unenroll of a live CNI-enrolled pod: {}{}",
+            out.stdout,
+            out.stderr
+        );
+        ensure!(sluice::status::read(&n.pins)?.len() == 1);
         ensure!(
             Exec {
                 container_id: "sandbox-b",

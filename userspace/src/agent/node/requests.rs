@@ -51,6 +51,9 @@ impl Node {
                     })
             }
             Request::Unenroll { uid } => {
+                if let Some(refused) = self.unenroll_guard(&uid) {
+                    return refused;
+                }
                 let span = info_span!("pod", %uid);
                 match self.unenroll(&uid).instrument(span).await {
                     Ok(()) => Response::Unenrolled { uid },
@@ -160,6 +163,19 @@ impl Node {
         }
         self.unenroll(uid.as_str()).await?;
         Ok(done)
+    }
+
+    /// The forged-DEL guard, for the control socket's unenroll: the capture
+    /// of a sandbox its runtime enrolled (CNI ADD) and that is alive is torn
+    /// down only by that runtime's DEL (or by uninstalling sluice).
+    fn unenroll_guard(&self, uid: &str) -> Option<Response> {
+        let cookie = self.cookie_of(&PodUid::new(uid).ok()?)?;
+        let sandbox = self.pods.sandbox_of(uid)?;
+        self.sandbox_alive(cookie).then(|| Response::Refused {
+            message: format!(
+                "pod {uid} was enrolled by its runtime (CNI ADD of container {sandbox}) and its sandbox is alive: only the runtime's DEL removes its capture. To take the pod out of the mesh, label it istio.io/dataplane-mode=none; `sluice uninstall` removes sluice from the node"
+            ),
+        })
     }
 
     /// CNI CHECK: success for a pod sluice does not manage; for one it does,
