@@ -26,7 +26,7 @@ use sluice_common::{
 use crate::{
     addr::{is_loopback, is_probe},
     maps::{count, FLOW_HINTS, LISTENERS, POD_ADDRS, POD_STATE},
-    packet::{parse_tcp, Tcp},
+    packet::{parse, parse_tcp, Parsed, Tcp},
 };
 
 const TC_OK: i32 = TC_ACT_OK;
@@ -53,8 +53,22 @@ fn pod_of(family: u8, daddr: &[u32; 4]) -> Option<u64> {
 
 /// Egress on the pod's interface: the app's outbound TCP.
 pub fn egress(ctx: &TcContext) -> i32 {
-    let Some(t) = parse_tcp(ctx) else {
-        return TC_OK; // row O5
+    let t = match parse(ctx) {
+        Parsed::Tcp(t) => t,
+        Parsed::Other => return TC_OK, // row O5
+        // IPv6 whose headers hide what it carries: it could be a SYN around
+        // ztunnel, so it does not leave an enrolled pod (ztunnel's own aside).
+        Parsed::Opaque => {
+            if mark(ctx) & MARK_MASK == MARK_ZTUNNEL {
+                return TC_OK;
+            }
+            let cookie = netns_cookie(ctx);
+            if unsafe { POD_STATE.get(cookie) }.is_some() {
+                count(cookie, |c: &mut Counters| &mut c.dropped_fail_closed);
+                return TC_SHOT;
+            }
+            return TC_OK;
+        }
     };
     // Rows O4/O6: ztunnel's own sockets (and what they accepted) leave untouched.
     if mark(ctx) & MARK_MASK == MARK_ZTUNNEL {

@@ -1,7 +1,11 @@
 //! Minimal, bounds-checked header parsing for the tc programs.
 //!
 //! Only what the programs decide on: address family, addresses, TCP ports and
-//! flags. IPv6 extension headers are not walked: such packets read as non-TCP.
+//! flags. IPv6 extension headers (an app may add them with setsockopt
+//! IPV6_HOPOPTS/IPV6_DSTOPTS/IPV6_RTHDR) are walked, up to
+//! [`MAX_EXT_HEADERS`]: a chain longer than that, or cut short, is
+//! [`Parsed::Opaque`], which the egress program drops rather than let a TCP
+//! segment it could not see leave uncaptured.
 
 use aya_ebpf::programs::TcContext;
 use sluice_common::{FAMILY_V4, FAMILY_V6};
@@ -10,6 +14,14 @@ const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86dd;
 const IPPROTO_TCP: u8 = 6;
+const IPPROTO_HOPOPTS: u8 = 0;
+const IPPROTO_ROUTING: u8 = 43;
+const IPPROTO_FRAGMENT: u8 = 44;
+const IPPROTO_AH: u8 = 51;
+const IPPROTO_DSTOPTS: u8 = 60;
+/// The Linux stack adds at most hop-by-hop, destination (twice), routing and
+/// fragment headers to what it sends; 6 covers it with room to spare.
+pub const MAX_EXT_HEADERS: usize = 6;
 
 const TCP_FIN: u8 = 0x01;
 const TCP_SYN: u8 = 0x02;
@@ -81,20 +93,80 @@ struct TcpHead {
     flags: u8,
 }
 
-/// Parses an Ethernet frame carrying TCP over IPv4 or IPv6; `None` otherwise.
+/// What a frame is, as far as the programs care.
+pub enum Parsed {
+    Tcp(Tcp),
+    /// Not TCP (or not the first fragment of a TCP segment).
+    Other,
+    /// IPv6 whose extension-header chain could not be walked to its end.
+    Opaque,
+}
+
+/// The first bytes of an IPv6 extension header.
+#[repr(C)]
+struct ExtHead {
+    nexthdr: u8,
+    len: u8,
+}
+
+/// Walks the IPv6 extension headers after the fixed header: the upper-layer
+/// protocol and its offset, or `None` for a chain too long or cut short.
 #[inline(always)]
-pub fn parse_tcp(ctx: &TcContext) -> Option<Tcp> {
-    let proto: u16 = u16::from_be(unsafe { *ptr_at::<u16>(ctx, 12)? });
+fn ipv6_upper(ctx: &TcContext, first: u8) -> Option<(u8, usize)> {
+    let mut next = first;
+    let mut off = ETH_HLEN + 40;
+    for _ in 0..MAX_EXT_HEADERS {
+        let len = match next {
+            IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS => {
+                let h = unsafe { &*ptr_at::<ExtHead>(ctx, off)? };
+                next = h.nexthdr;
+                (h.len as usize + 1) * 8
+            }
+            IPPROTO_AH => {
+                let h = unsafe { &*ptr_at::<ExtHead>(ctx, off)? };
+                next = h.nexthdr;
+                (h.len as usize + 2) * 4
+            }
+            IPPROTO_FRAGMENT => {
+                let h = unsafe { &*ptr_at::<[u8; 4]>(ctx, off)? };
+                next = h[0];
+                // A later fragment carries no upper-layer header.
+                let frag_off = u16::from_be_bytes([h[2], h[3]]) & 0xfff8;
+                if frag_off != 0 {
+                    return Some((u8::MAX, 0));
+                }
+                8
+            }
+            upper => return Some((upper, off)),
+        };
+        off += len;
+    }
+    match next {
+        IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS | IPPROTO_AH | IPPROTO_FRAGMENT => None,
+        upper => Some((upper, off)),
+    }
+}
+
+/// Parses an Ethernet frame carrying TCP over IPv4 or IPv6.
+#[inline(always)]
+pub fn parse(ctx: &TcContext) -> Parsed {
+    let Some(proto) = ptr_at::<u16>(ctx, 12) else {
+        return Parsed::Other;
+    };
+    let proto = u16::from_be(unsafe { *proto });
     let (family, saddr, daddr, l4) = match proto {
         ETH_P_IP => {
-            let ip = ptr_at::<Ipv4Hdr>(ctx, ETH_HLEN)?;
+            let Some(ip) = ptr_at::<Ipv4Hdr>(ctx, ETH_HLEN) else {
+                return Parsed::Other;
+            };
             let ip = unsafe { &*ip };
-            if ip.protocol != IPPROTO_TCP {
-                return None;
+            // Only the first fragment carries the TCP header.
+            if ip.protocol != IPPROTO_TCP || u16::from_be(ip.frag_off) & 0x1fff != 0 {
+                return Parsed::Other;
             }
             let ihl = ((ip.ver_ihl & 0x0f) as usize) * 4;
             if ihl < 20 {
-                return None;
+                return Parsed::Other;
             }
             (
                 FAMILY_V4,
@@ -104,17 +176,23 @@ pub fn parse_tcp(ctx: &TcContext) -> Option<Tcp> {
             )
         }
         ETH_P_IPV6 => {
-            let ip = ptr_at::<Ipv6Hdr>(ctx, ETH_HLEN)?;
+            let Some(ip) = ptr_at::<Ipv6Hdr>(ctx, ETH_HLEN) else {
+                return Parsed::Other;
+            };
             let ip = unsafe { &*ip };
-            if ip.nexthdr != IPPROTO_TCP {
-                return None;
+            match ipv6_upper(ctx, ip.nexthdr) {
+                Some((IPPROTO_TCP, off)) => (FAMILY_V6, ip.saddr, ip.daddr, off),
+                Some(_) => return Parsed::Other,
+                None => return Parsed::Opaque,
             }
-            (FAMILY_V6, ip.saddr, ip.daddr, ETH_HLEN + 40)
         }
-        _ => return None,
+        _ => return Parsed::Other,
     };
-    let tcp = unsafe { &*ptr_at::<TcpHead>(ctx, l4)? };
-    Some(Tcp {
+    let Some(tcp) = ptr_at::<TcpHead>(ctx, l4) else {
+        return Parsed::Opaque;
+    };
+    let tcp = unsafe { &*tcp };
+    Parsed::Tcp(Tcp {
         family,
         saddr,
         daddr,
@@ -122,4 +200,13 @@ pub fn parse_tcp(ctx: &TcContext) -> Option<Tcp> {
         dport: u16::from_be(tcp.dport),
         flags: tcp.flags,
     })
+}
+
+/// [`parse`], for the programs that treat anything but TCP alike.
+#[inline(always)]
+pub fn parse_tcp(ctx: &TcContext) -> Option<Tcp> {
+    match parse(ctx) {
+        Parsed::Tcp(t) => Some(t),
+        _ => None,
+    }
 }

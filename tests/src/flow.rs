@@ -21,6 +21,16 @@ pub struct Opts {
     /// Connect timeout (default 3 s: enough for two SYN retransmits' worth
     /// of a dropped first SYN to be visible, see `Reached::TimedOut`).
     pub timeout: Option<Duration>,
+    /// An IPv6 extension header on every segment (sticky setsockopt), as an
+    /// app may add to hide its TCP from a parser that stops at the fixed header.
+    pub ipv6_ext: Option<Ipv6Ext>,
+}
+
+/// Which IPv6 extension header [`Opts::ipv6_ext`] adds (an empty PadN option).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ipv6Ext {
+    HopByHop,
+    Destination,
 }
 
 /// The outcome of one connection attempt.
@@ -78,11 +88,38 @@ pub fn try_connect(dst: SocketAddr, opts: &Opts) -> std::io::Result<TcpStream> {
     if let Some(b) = opts.bind {
         s.bind(&SocketAddr::new(b, 0).into())?;
     }
+    if let Some(ext) = opts.ipv6_ext {
+        set_ipv6_ext(&s, ext)?;
+    }
     let timeout = opts.timeout.unwrap_or(Duration::from_secs(3));
     s.connect_timeout(&dst.into(), timeout)?;
     let s: TcpStream = s.into();
     s.set_read_timeout(Some(Duration::from_secs(5)))?;
     Ok(s)
+}
+
+/// Adds an IPv6 extension header holding one PadN option to every segment.
+pub fn set_ipv6_ext(s: &Socket, ext: Ipv6Ext) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let opt = match ext {
+        Ipv6Ext::HopByHop => libc::IPV6_HOPOPTS,
+        Ipv6Ext::Destination => libc::IPV6_DSTOPTS,
+    };
+    // Next header (the kernel fills it), length 0 (8 bytes), PadN of 4.
+    let hdr: [u8; 8] = [0, 0, 1, 4, 0, 0, 0, 0];
+    let rc = unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::IPPROTO_IPV6,
+            opt,
+            hdr.as_ptr() as *const libc::c_void,
+            hdr.len() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 pub fn set_ipv6_transparent(s: &Socket) -> std::io::Result<()> {

@@ -252,7 +252,7 @@ fn proxy(c: TcpStream, a: Accepted) {
                 mark: Some(MARK_ZTUNNEL),
                 bind: Some(a.peer.ip()),
                 transparent: true,
-                timeout: None,
+                ..Opts::default()
             },
         ),
         // Outbound: to the original destination, marked so it is not captured.

@@ -48,6 +48,10 @@ pub fn trials() -> Vec<Trial> {
         "contract::ipv4::i1_with_ipv4_only_listeners",
         i1_v4_only,
     ));
+    v.push(trial(
+        "contract::ipv6::x1_extension_headers_do_not_hide_tcp_from_capture",
+        x1,
+    ));
     v
 }
 
@@ -225,6 +229,44 @@ fn o1(fam: Family) -> TestResult {
     );
     ensure!(acc[0].peer.ip() == fam.pod());
     ensure!(f.pod_record()?.counters.captured_outbound == 1);
+    Ok(())
+}
+
+/// An app (or a client) that puts a hop-by-hop or destination options
+/// header in front of its TCP: outbound it is still steered to 15001 (never
+/// straight to the remote), inbound to 15006.
+fn x1() -> TestResult {
+    use sluice_tests::flow::Ipv6Ext;
+    let fam = Family::V6;
+    let f = enabled("x1", Bind::DualStack)?;
+    for ext in [Ipv6Ext::HopByHop, Ipv6Ext::Destination] {
+        let opts = || Opts {
+            ipv6_ext: Some(ext),
+            ..Opts::default()
+        };
+        // The reply would look the same uncaptured: what counts is that
+        // ztunnel's listener took the connection.
+        let dst = sa(fam.client(), REMOTE_PORT);
+        let before = f.standin().accepted().len();
+        let r = connect(&f.topo.pod, dst, opts());
+        expect_reply(&r, &format!("app:{REMOTE_PORT} peer={}", peer(fam.pod())))
+            .with_context(|| format!("outbound with {ext:?}"))?;
+        let acc = f.standin().accepted();
+        ensure!(
+            acc.len() == before + 1
+                && acc[before].role == Role::Outbound
+                && acc[before].local == dst,
+            "outbound with {ext:?} was not captured: {acc:?}"
+        );
+        let r = connect(&f.topo.client, sa(fam.pod(), APP_PORT), opts());
+        expect_reply(&r, &format!("app:{APP_PORT} peer={}", peer(fam.client())))
+            .with_context(|| format!("inbound with {ext:?}"))?;
+        let acc = f.standin().accepted();
+        ensure!(
+            acc.len() == before + 2 && acc[before + 1].role == Role::Inbound,
+            "inbound with {ext:?} was not captured: {acc:?}"
+        );
+    }
     Ok(())
 }
 
