@@ -402,7 +402,15 @@ pub fn refresh_addrs(maps: &mut Maps, netns: &Netns, cookie: u64) -> Result<(), 
         what: "listing the pod's addresses".into(),
         source,
     })?;
-    maps.set_addrs(cookie, &addrs)?;
+    let refused = maps.set_addrs(cookie, &addrs)?;
+    if !refused.is_empty() {
+        tracing::warn!(
+            cookie,
+            addresses = ?refused,
+            netns = %netns.path().display(),
+            "the pod has addresses another enrolled pod owns: not taken over"
+        );
+    }
     Ok(())
 }
 

@@ -276,13 +276,25 @@ impl Maps {
     /// Makes the pod's addresses known to the ingress programs. An address
     /// held by another cookie is taken over: that netns is gone (addresses are
     /// unique on a node) and its entry is stale.
-    pub fn set_addrs(&mut self, cookie: u64, addrs: &[IpAddr]) -> Result<(), StateError> {
+    /// Publishes pod `cookie`'s addresses to the ingress programs. An
+    /// address another enrolled pod already has is not taken over (a pod that
+    /// adds a neighbour's address to its interface must not capture or
+    /// blackhole the neighbour's traffic): it is returned, refused.
+    pub fn set_addrs(&mut self, cookie: u64, addrs: &[IpAddr]) -> Result<Vec<IpAddr>, StateError> {
+        let mut refused = Vec::new();
         for a in addrs {
+            let key = addr_key(a);
+            if let Ok(owner) = self.pod_addrs.get(&key, 0) {
+                if owner != cookie && self.pod_state.get(&owner, 0).is_ok() {
+                    refused.push(*a);
+                    continue;
+                }
+            }
             self.pod_addrs
-                .insert(addr_key(a), cookie, 0)
+                .insert(key, cookie, 0)
                 .map_err(merr("pod_addrs"))?;
         }
-        Ok(())
+        Ok(refused)
     }
 
     /// Every pod's addresses, in one walk of the address map.

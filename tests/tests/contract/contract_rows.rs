@@ -52,6 +52,15 @@ pub fn trials() -> Vec<Trial> {
         "contract::ipv6::x1_extension_headers_do_not_hide_tcp_from_capture",
         x1,
     ));
+    for fam in [Family::V4, Family::V6] {
+        v.push(trial(
+            format!(
+                "contract::{}::x2_a_pod_claiming_a_neighbours_address_takes_nothing",
+                fam.name()
+            ),
+            move || x2(fam),
+        ));
+    }
     v
 }
 
@@ -268,6 +277,47 @@ fn x1() -> TestResult {
         );
     }
     Ok(())
+}
+
+/// Pod B adds pod A's address to its own interface before it is enrolled
+/// on the same node (one set of pins): the address stays A's in the
+/// node-wide address map, and A's inbound traffic is still captured by A's
+/// ztunnel listener.
+fn x2(fam: Family) -> TestResult {
+    let a = enabled("x2a", Bind::DualStack)?;
+    let b = Fixture::in_subnet("x2b", Some(Bind::DualStack), 1)?;
+    let stolen = match fam {
+        Family::V4 => format!("{}/32", fam_pod(&a, fam)),
+        Family::V6 => format!("{}/128", fam_pod(&a, fam)),
+    };
+    let mut args = vec!["-n", &b.topo.pod, "addr", "add", &stolen, "dev", "eth0"];
+    if fam == Family::V6 {
+        args.push("nodad");
+    }
+    sluice_tests::topology::ip(&args)?;
+    let mut dp = a.dataplane()?;
+    let e = sluice::enroll::enroll(&mut dp, &b.topo.pod_netns_path(), &b.uid, &b.workload())?;
+    ensure!(e.state == PodState::Enabled, "{e:?}");
+    let owner = dp
+        .maps
+        .addrs_by_pod()
+        .into_iter()
+        .find(|(_, ks)| {
+            ks.iter()
+                .any(|k| *k == sluice::state::addr_key(&fam_pod(&a, fam)))
+        })
+        .map(|(c, _)| c);
+    let a_cookie = a.pod_record()?.netns_cookie;
+    ensure!(
+        owner == Some(a_cookie),
+        "{} is mapped to pod {owner:?}, not to its owner {a_cookie}",
+        fam_pod(&a, fam)
+    );
+    inbound_captured(&a, fam)
+}
+
+fn fam_pod(f: &Fixture, fam: Family) -> std::net::IpAddr {
+    f.topo.pod_ip(fam)
 }
 
 fn o2(fam: Family) -> TestResult {
