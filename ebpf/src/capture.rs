@@ -163,7 +163,15 @@ pub fn lo_ingress(ctx: &TcContext) -> i32 {
         if t.is_syn() && !is_loopback(t.family, &t.daddr) {
             // The cookie only serves the counters: 0 (unknown) is fine here.
             let cookie = pod_of(t.family, &t.daddr).unwrap_or(0);
-            put_hint(cookie, &t, HintVerdict::Local);
+            // Only ztunnel's marked connections (row I4) and the pod's own
+            // traffic to its own address (row O2) are exempt. A SYN with
+            // another, spoofed source plants no hint: it could otherwise
+            // exempt a later real inbound connection with the same tuple.
+            let own = is_loopback(t.family, &t.saddr)
+                || (cookie != 0 && pod_of(t.family, &t.saddr) == Some(cookie));
+            if own || mark(ctx) & MARK_MASK == MARK_ZTUNNEL {
+                put_hint(cookie, &t, HintVerdict::Local);
+            }
         }
     }
     TC_OK

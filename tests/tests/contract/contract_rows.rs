@@ -55,6 +55,13 @@ pub fn trials() -> Vec<Trial> {
     for fam in [Family::V4, Family::V6] {
         v.push(trial(
             format!(
+                "contract::{}::x3_spoofed_source_over_lo_is_not_exempt",
+                fam.name()
+            ),
+            move || x3(fam),
+        ));
+        v.push(trial(
+            format!(
                 "contract::{}::x2_a_pod_claiming_a_neighbours_address_takes_nothing",
                 fam.name()
             ),
@@ -314,6 +321,45 @@ fn x2(fam: Family) -> TestResult {
         fam_pod(&a, fam)
     );
     inbound_captured(&a, fam)
+}
+
+/// A process in the pod (with CAP_NET_ADMIN) connects to the app over lo
+/// from a spoofed outside address without ztunnel's mark: it is not taken
+/// for ztunnel's connection (no exemption hint is planted that a real
+/// inbound connection with that tuple could later use): sk_lookup refuses it.
+fn x3(fam: Family) -> TestResult {
+    let f = enabled("x3", Bind::DualStack)?;
+    let r = connect(
+        &f.topo.pod,
+        sa(fam.pod(), APP_PORT),
+        Opts {
+            bind: Some(fam.client()),
+            transparent: true,
+            timeout: Some(std::time::Duration::from_millis(1500)),
+            ..Opts::default()
+        },
+    );
+    ensure!(
+        matches!(r, Reached::TimedOut | Reached::Refused),
+        "spoofed connection over lo: {r:?}"
+    );
+    ensure!(
+        f.app.peers().is_empty(),
+        "it reached the app: {:?}",
+        f.app.peers()
+    );
+    // ztunnel's own (marked) spoofed connection still reaches the app (I4).
+    let r = connect(
+        &f.topo.pod,
+        sa(fam.pod(), APP_PORT),
+        Opts {
+            bind: Some(fam.client()),
+            transparent: true,
+            mark: Some(sluice_common::MARK_ZTUNNEL),
+            ..Opts::default()
+        },
+    );
+    expect_reply(&r, &format!("app:{APP_PORT} peer={}", peer(fam.client())))
 }
 
 fn fam_pod(f: &Fixture, fam: Family) -> std::net::IpAddr {
