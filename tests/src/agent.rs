@@ -87,6 +87,23 @@ impl AgentProc {
     }
 
     fn spawn(&mut self) -> anyhow::Result<()> {
+        self.spawn_process()?;
+        wait::until("the agent to bind its sockets", wait::DEADLINE, || {
+            match (self.control.exists(), self.zds.exists()) {
+                (true, true) => Ok(()),
+                seen => Err((seen, self.log())),
+            }
+        })
+    }
+
+    /// Starts the agent again without waiting for its sockets (an agent
+    /// that only reports, e.g. over a dataplane it cannot take over).
+    pub fn restart_reporting_only(&mut self) -> anyhow::Result<()> {
+        self.terminate();
+        self.spawn_process()
+    }
+
+    fn spawn_process(&mut self) -> anyhow::Result<()> {
         // A killed agent leaves its socket files: the new one's must be
         // waited for, not the stale ones.
         let _ = std::fs::remove_file(&self.control);
@@ -126,12 +143,7 @@ impl AgentProc {
             .spawn()
             .context("starting sluice agent")?;
         self.child = Some(child);
-        wait::until("the agent to bind its sockets", wait::DEADLINE, || {
-            match (self.control.exists(), self.zds.exists()) {
-                (true, true) => Ok(()),
-                seen => Err((seen, self.log())),
-            }
-        })
+        Ok(())
     }
 
     /// `sluice status -o json`, whole: `{"node": …, "pods": […]}`.

@@ -90,6 +90,12 @@ pub enum LoadError {
     NoObject,
     #[error("sluice is not loaded on this node (nothing pinned under {0}); enroll a pod first")]
     NotLoaded(PathBuf),
+    #[error(
+        "the pinned dataplane's maps have a layout this build cannot take over ({0}); the \
+         pinned build's programs keep capturing every enrolled pod. Deploy the previous build \
+         or one that converts these maps"
+    )]
+    Incompatible(String),
 }
 
 /// Where everything lives in bpffs.
@@ -229,13 +235,21 @@ impl Dataplane {
         if !pins.is_loaded() {
             return Self::load(pins);
         }
-        let mut dp = Self::adopt(pins)?;
-        if upgrade {
-            dp.adoption = match dp.upgrade() {
+        // Before the maps are opened as this build's types: a migration may
+        // have to replace them first.
+        let adoption = if upgrade {
+            match Self::upgrade(&pins) {
                 Ok(a) => a,
                 Err(e) => Adoption::Kept(crate::error_line(&e)),
-            };
-        }
+            }
+        } else {
+            Adoption::Same
+        };
+        let mut dp = Self::adopt(pins.clone()).map_err(|e| match incompatible(&pins) {
+            Some(why) => LoadError::Incompatible(why),
+            None => e,
+        })?;
+        dp.adoption = adoption;
         Ok(dp)
     }
 
@@ -251,15 +265,15 @@ impl Dataplane {
     /// a process killed midway leaves every link on a working build's
     /// programs, the old pinned maps authoritative until their renames, and
     /// the next start finishes.
-    fn upgrade(&mut self) -> Result<Adoption, LoadError> {
+    fn upgrade(pins: &Pins) -> Result<Adoption, LoadError> {
         let object = ebpf_object();
         if object.is_empty() {
             return Ok(Adoption::Same);
         }
-        let next_dir = self.pins.root().join(MAPS_NEXT);
+        let next_dir = pins.root().join(MAPS_NEXT);
         // Leftovers of a replacement killed before its renames.
         for name in [PROG_STEER, PROG_EGRESS, PROG_INGRESS, PROG_LO] {
-            let _ = fs::remove_file(self.pins.progs().join(format!("{name}{NEXT}")));
+            let _ = fs::remove_file(pins.progs().join(format!("{name}{NEXT}")));
         }
         for e in fs::read_dir(&next_dir).into_iter().flatten().flatten() {
             let _ = fs::remove_file(e.path());
@@ -270,7 +284,7 @@ impl Dataplane {
         };
         let ours = crate::stamp::of_object(&object)
             .map_err(|e| layout_err("reading this build's map layout", e.to_string()))?;
-        let pinned = crate::stamp::of_pinned(&self.pins.maps(), ours.keys())
+        let pinned = crate::stamp::of_pinned(&pins.maps(), ours.keys())
             .map_err(|e| layout_err("reading the pinned maps' layout", e.to_string()))?;
         let changes = crate::stamp::changes(&ours, &pinned);
         if let Some(c) = changes
@@ -288,7 +302,7 @@ impl Dataplane {
             })?;
         }
         let mut loader = EbpfLoader::new();
-        loader.default_map_pin_directory(self.pins.maps());
+        loader.default_map_pin_directory(pins.maps());
         for c in &changes {
             loader.map_pin_path(c.map.as_str(), next_dir.join(&c.map));
         }
@@ -318,27 +332,22 @@ impl Dataplane {
             p.load().map_err(perr(name))?;
         }
         if !changes.is_empty() {
-            self.fill_next(&changes, &next_dir)?;
+            Self::fill_next(pins, &changes, &next_dir)?;
             crate::fault::crash_point("migrate_filled");
         }
         let tag = |name: &'static str| -> Result<u64, LoadError> {
             let p = ebpf.program(name).ok_or_else(|| missing(name))?;
             Ok(p.info().map_err(perr(name))?.tag())
         };
+        let (steer, egress, ingress, lo) = pinned_programs(pins)?;
         let pinned = [
-            (
-                PROG_STEER,
-                self.steer.info().map_err(perr(PROG_STEER))?.tag(),
-            ),
-            (
-                PROG_EGRESS,
-                self.egress.info().map_err(perr(PROG_EGRESS))?.tag(),
-            ),
+            (PROG_STEER, steer.info().map_err(perr(PROG_STEER))?.tag()),
+            (PROG_EGRESS, egress.info().map_err(perr(PROG_EGRESS))?.tag()),
             (
                 PROG_INGRESS,
-                self.ingress.info().map_err(perr(PROG_INGRESS))?.tag(),
+                ingress.info().map_err(perr(PROG_INGRESS))?.tag(),
             ),
-            (PROG_LO, self.lo.info().map_err(perr(PROG_LO))?.tag()),
+            (PROG_LO, lo.info().map_err(perr(PROG_LO))?.tag()),
         ];
         // A program's tag ignores which maps it uses: after a migration every
         // program is replaced, since the new maps are only the new programs'.
@@ -354,13 +363,13 @@ impl Dataplane {
             }
         };
         if changed.is_empty() {
-            stamp(&self.pins);
+            stamp(pins);
             return Ok(Adoption::Same);
         }
         // Every pod's links of a changed program, each switched atomically.
         let mut links = 0;
-        let pods = fs::read_dir(self.pins.pods()).map_err(|source| LoadError::Io {
-            what: format!("listing {}", self.pins.pods().display()),
+        let pods = fs::read_dir(pins.pods()).map_err(|source| LoadError::Io {
+            what: format!("listing {}", pins.pods().display()),
             source,
         })?;
         for pod in pods.flatten() {
@@ -387,8 +396,8 @@ impl Dataplane {
         crate::fault::crash_point("upgrade_links");
         // Then the program pins: new enrollments use this build's programs.
         for &name in &changed {
-            let path = self.pins.progs().join(name);
-            let next = self.pins.progs().join(format!("{name}{NEXT}"));
+            let path = pins.progs().join(name);
+            let next = pins.progs().join(format!("{name}{NEXT}"));
             let p = ebpf.program_mut(name).ok_or_else(|| missing(name))?;
             p.pin(&next).map_err(|source| LoadError::Pin {
                 path: next.clone(),
@@ -403,7 +412,7 @@ impl Dataplane {
         }
         // Last the map pins (bpffs renames replace atomically).
         for c in &changes {
-            let to = self.pins.maps().join(&c.map);
+            let to = pins.maps().join(&c.map);
             fs::rename(next_dir.join(&c.map), &to).map_err(|source| LoadError::Io {
                 what: format!("replacing {}", to.display()),
                 source,
@@ -411,11 +420,7 @@ impl Dataplane {
             crate::fault::crash_point("migrate_map_pin");
         }
         let _ = fs::remove_dir(&next_dir);
-        (self.steer, self.egress, self.ingress, self.lo) = pinned_programs(&self.pins)?;
-        if !changes.is_empty() {
-            self.maps = Maps::open_pinned(&self.pins.maps())?;
-        }
-        stamp(&self.pins);
+        stamp(pins);
         Ok(if changes.is_empty() {
             Adoption::Upgraded {
                 programs: changed,
@@ -433,7 +438,7 @@ impl Dataplane {
     /// copy of every entry, then ztunnel's listeners of every pod, found
     /// again in its netns (a socket map cannot be read back from user space).
     fn fill_next(
-        &self,
+        pins: &Pins,
         changes: &[crate::stamp::Change],
         next_dir: &Path,
     ) -> Result<(), LoadError> {
@@ -449,7 +454,7 @@ impl Dataplane {
                     source: std::io::Error::other(e),
                 })
             };
-            let (from, to) = (open(&self.pins.maps())?, open(next_dir)?);
+            let (from, to) = (open(&pins.maps())?, open(next_dir)?);
             let bytes =
                 crate::mapcopy::value_bytes(c.ours.value_size, PER_CPU.contains(&c.ours.map_type))
                     .map_err(io("counting CPUs".into()))?;
@@ -464,7 +469,7 @@ impl Dataplane {
                 let dir = if changed(name) {
                     next_dir.to_owned()
                 } else {
-                    self.pins.maps()
+                    pins.maps()
                 };
                 let data = MapData::from_pin(dir.join(name))
                     .map_err(|source| StateError::Map { name, source })?;
@@ -553,6 +558,20 @@ impl Dataplane {
             adoption: Adoption::Loaded,
         })
     }
+}
+
+/// What in the pinned maps this build cannot open as its own types (another
+/// map type, key or value size), if anything.
+fn incompatible(pins: &Pins) -> Option<String> {
+    let object = ebpf_object();
+    let ours = crate::stamp::of_object(&object).ok()?;
+    let pinned = crate::stamp::of_pinned(&pins.maps(), ours.keys()).ok()?;
+    let bad: Vec<String> = crate::stamp::changes(&ours, &pinned)
+        .iter()
+        .filter(|c| !c.copyable())
+        .map(ToString::to_string)
+        .collect();
+    (!bad.is_empty()).then(|| bad.join("; "))
 }
 
 /// Handles on the four pinned programs.

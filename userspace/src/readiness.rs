@@ -50,6 +50,9 @@ pub enum Reason {
     AgentStopped,
     /// Written by the watchdog when the agent stops answering.
     AgentNotRunning,
+    /// The agent cannot take over the pinned dataplane (another build's
+    /// maps it cannot open or migrate): capture stays as that build left it.
+    DataplaneIncompatible,
 }
 
 impl Reason {
@@ -64,13 +67,14 @@ impl Reason {
             Reason::PodsNotServed => "PodsNotServed",
             Reason::AgentStopped => "AgentStopped",
             Reason::AgentNotRunning => "AgentNotRunning",
+            Reason::DataplaneIncompatible => "DataplaneIncompatible",
         }
     }
 }
 
 impl Reason {
     /// Every reason, for metrics that show each.
-    pub const ALL: [Reason; 8] = [
+    pub const ALL: [Reason; 9] = [
         Reason::Ready,
         Reason::ProgramsNotLoaded,
         Reason::CniPluginMissing,
@@ -79,6 +83,7 @@ impl Reason {
         Reason::PodsNotServed,
         Reason::AgentStopped,
         Reason::AgentNotRunning,
+        Reason::DataplaneIncompatible,
     ];
 }
 

@@ -106,6 +106,10 @@ pub fn trials() -> Vec<Trial> {
             "agent::pod_netns_discovery_skips_pod_processes_in_the_host_netns",
             discovery_skips_host,
         ),
+        trial(
+            "agent::pinned_maps_it_cannot_take_over_are_reported_not_crash_looped_on",
+            incompatible_maps,
+        ),
         trial("agent::unenroll_sends_del_and_removes_capture", unenroll),
         trial(
             "agent::uninstall_removes_everything_and_pods_keep_working",
@@ -1163,6 +1167,81 @@ fn another_layout() -> TestResult {
         failures.len()
     );
     ensure!(failures.is_empty(), "{failures:?}\n{}", agent.log());
+    Ok(())
+}
+
+/// Pins a fresh hash map (8-byte keys, 16-byte values) at `path`: a map of
+/// a shape no build of sluice has, made with raw bpf(2).
+fn pin_foreign_map(path: &Path) -> TestResult {
+    use std::os::fd::{FromRawFd as _, OwnedFd};
+    // BPF_MAP_CREATE: map_type HASH, key 8, value 16, 16 entries.
+    let mut attr = [0u32; 16];
+    attr[..4].copy_from_slice(&[1, 8, 16, 16]);
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            0,
+            attr.as_mut_ptr(),
+            std::mem::size_of_val(&attr),
+        )
+    };
+    ensure!(
+        fd >= 0,
+        "BPF_MAP_CREATE: {}",
+        std::io::Error::last_os_error()
+    );
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    // BPF_OBJ_PIN: pathname, bpf_fd.
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())?;
+    let mut pin = [c.as_ptr() as u64, fd.as_raw_fd() as u64];
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            6,
+            pin.as_mut_ptr(),
+            std::mem::size_of_val(&pin),
+        )
+    };
+    ensure!(r == 0, "BPF_OBJ_PIN: {}", std::io::Error::last_os_error());
+    Ok(())
+}
+
+/// A node whose pins hold a map this build cannot open or migrate (another
+/// value size): the agent does not exit into a restart loop and leaves the
+/// pinned capture alone; it says why on /readyz (and in the node condition)
+/// while /healthz stays 200, and connections keep being captured.
+fn incompatible_maps() -> TestResult {
+    let f = Fixture::new("im", None)?;
+    let port = free_port()?;
+    let metrics = format!("127.0.0.1:{port}");
+    let mut agent = AgentProc::start_with(&f.topo.pins, &["--metrics-addr", &metrics])?;
+    let p = peer(&agent)?;
+    enroll_enabled(&agent, &f)?;
+    ensure!(agent.terminate());
+    let meta = f.topo.pins.maps().join("pod_meta");
+    std::fs::remove_file(&meta)?;
+    pin_foreign_map(&meta)?;
+    agent.restart_reporting_only()?;
+    let (code, body) = wait::until("/readyz to say why", wait::DEADLINE, || {
+        match http_get(port, "/readyz") {
+            Ok((503, b)) if b.contains("DataplaneIncompatible") => Ok((503, b)),
+            other => Err(format!("{other:?}")),
+        }
+    })?;
+    println!("/readyz {code}: {}", body.trim());
+    ensure!(http_get(port, "/healthz")?.0 == 200, "healthz");
+    ensure!(agent.pid().is_some(), "the agent exited:\n{}", agent.log());
+    // The pinned build's capture is untouched: still through ztunnel.
+    let before = inbound_accepts(&p);
+    ensure!(inbound(&f).reply().is_some());
+    p.wait_for("the connection accepted by ztunnel", |_| {
+        inbound_accepts(&p) == before + 1
+    })?;
+    ensure!(
+        agent.log().contains("pod_meta: value size 16 → 828"),
+        "the log does not name the map:\n{}",
+        agent.log()
+    );
     Ok(())
 }
 

@@ -123,8 +123,86 @@ pub fn run(cfg: Config) -> anyhow::Result<()> {
     rt.block_on(serve(cfg))
 }
 
+/// No pods to sample (an agent holding an incompatible dataplane).
+struct NoPods;
+
+impl crate::metrics::Source for NoPods {
+    fn sample(&self) -> crate::metrics::Sample {
+        crate::metrics::Sample::default()
+    }
+}
+
+/// The pinned dataplane is another build's that this one cannot take over:
+/// capture stays exactly as that build left it (its programs keep running),
+/// and the agent only reports why — node condition False
+/// `DataplaneIncompatible`, `/readyz` 503 with the reason, `/healthz` 200 —
+/// until it is stopped, instead of exiting into a restart loop.
+async fn hold_incompatible(cfg: Config, why: String) -> anyhow::Result<()> {
+    use crate::readiness::{Condition, Reason};
+    tracing::error!(%why, "cannot take over the pinned dataplane; reporting only");
+    let condition = Condition {
+        ready: false,
+        reason: Reason::DataplaneIncompatible,
+        message: format!(
+            "this sluice build cannot take over the dataplane pinned by another build ({why}); that build's capture stays in place, nothing new is enrolled"
+        ),
+    };
+    let report = Arc::new(report::Report::new(
+        Arc::new(crate::metrics::Metrics::new(Arc::new(NoPods))),
+        &cfg.report.condition_type,
+    ));
+    report.hold(condition.clone());
+    if let Some(node) = &cfg.node_name {
+        match ::kube::Client::try_default().await {
+            Ok(client) => {
+                let w = crate::kube::condition::ConditionWriter::new(
+                    client,
+                    node,
+                    &cfg.report.condition_type,
+                    cfg.report.heartbeat,
+                );
+                if let Err(e) = w.write(&condition).await {
+                    warn!(error = %e, "could not write the node condition");
+                }
+            }
+            Err(e) => warn!(error = %e, "no Kubernetes API: the node condition is not written"),
+        }
+    }
+    let (stop_tx, stop) = watch::channel(false);
+    let admin_task = match cfg.metrics_addr {
+        Some(a) => Some(tokio::spawn(admin::serve(
+            admin::bind(a)
+                .await
+                .with_context(|| format!("binding the metrics address {a}"))?,
+            report.clone(),
+            stop,
+        ))),
+        None => None,
+    };
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    loop {
+        tokio::select! {
+            _ = term.recv() => break,
+            _ = tokio::signal::ctrl_c() => break,
+            // Kept fresh, so /healthz does not take it for a stuck loop.
+            _ = tokio::time::sleep(std::time::Duration::from_secs(5)) => report.hold(condition.clone()),
+        }
+    }
+    let _ = stop_tx.send(true);
+    if let Some(t) = admin_task {
+        let _ = t.await;
+    }
+    Ok(())
+}
+
 async fn serve(cfg: Config) -> anyhow::Result<()> {
-    let dp = Dataplane::load_adopt_or_upgrade(cfg.pins.clone()).context("loading the dataplane")?;
+    let dp = match Dataplane::load_adopt_or_upgrade(cfg.pins.clone()) {
+        Ok(dp) => dp,
+        Err(crate::loader::LoadError::Incompatible(why)) => {
+            return hold_incompatible(cfg, why).await
+        }
+        Err(e) => return Err(e).context("loading the dataplane"),
+    };
     match &dp.adoption {
         crate::loader::Adoption::Kept(_) => warn!(dataplane = %dp.adoption, "dataplane"),
         a => info!(dataplane = %a, "dataplane"),

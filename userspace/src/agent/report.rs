@@ -67,6 +67,12 @@ impl Report {
         }
     }
 
+    /// Sets the condition from outside the readiness loop (an agent that
+    /// cannot run one: see `agent::hold_incompatible`).
+    pub fn hold(&self, c: Condition) {
+        self.set(c);
+    }
+
     /// sluice was removed from the node: `/readyz` and `/healthz` answer
     /// 200 `uninstalled` (the watchdog must not mark the node, the kubelet
     /// must not restart the agent into installing again).
