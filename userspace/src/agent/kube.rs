@@ -38,8 +38,10 @@ pub enum Admission {
 }
 
 impl KubeCtx {
-    /// Remembers the netns the runtime gave a pod we did not capture.
-    pub fn record_netns(&self, uid: &str, netns: &std::path::Path) {
+    /// Remembers the netns the runtime gave a pod we did not capture. The
+    /// uid names a file: only a validated one (no `/`, no `..` path).
+    pub fn record_netns(&self, uid: &PodUid, netns: &std::path::Path) {
+        let uid = uid.as_str();
         let Some(dir) = &self.cni_records else { return };
         let write = std::fs::create_dir_all(dir)
             .and_then(|_| std::fs::write(dir.join(uid), netns.as_os_str().as_encoded_bytes()));
@@ -49,8 +51,8 @@ impl KubeCtx {
     }
 
     /// The recorded netns path of pod `uid`, if it still names a netns.
-    pub fn recorded_netns(&self, uid: &str) -> Option<std::path::PathBuf> {
-        let p = std::fs::read_to_string(self.cni_records.as_ref()?.join(uid)).ok()?;
+    pub fn recorded_netns(&self, uid: &PodUid) -> Option<std::path::PathBuf> {
+        let p = std::fs::read_to_string(self.cni_records.as_ref()?.join(uid.as_str())).ok()?;
         let path = std::path::PathBuf::from(p);
         crate::netns::Netns::open(&path).is_ok().then_some(path)
     }

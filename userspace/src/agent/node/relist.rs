@@ -75,7 +75,10 @@ impl Node {
                 } => {
                     let span = info_span!("pod", %uid, pod = %format!("{namespace}/{name}"));
                     async {
-                        let found = k.recorded_netns(&uid).or_else(|| crate::podns::find(&uid));
+                        let found = PodUid::new(&uid)
+                            .ok()
+                            .and_then(|u| k.recorded_netns(&u))
+                            .or_else(|| crate::podns::find(&uid));
                         let Some(netns) = found else {
                             warn!("ambient pod without capture, but none of its processes runs here yet");
                             return;

@@ -262,8 +262,12 @@ impl Node {
             Some(k) => match k.admit_add(pod).await? {
                 Admission::Skip(reason) => {
                     info!(%reason, "not capturing");
-                    if let Some(uid) = &pod.uid {
-                        k.record_netns(uid, &netns);
+                    // K8S_POD_UID comes from the runtime's CNI_ARGS: a file
+                    // name only once validated.
+                    match pod.uid.as_deref().map(PodUid::new) {
+                        Some(Ok(uid)) => k.record_netns(&uid, &netns),
+                        Some(Err(e)) => warn!(error = %e, "K8S_POD_UID not recorded"),
+                        None => {}
                     }
                     return Ok(Response::Skipped { reason });
                 }
