@@ -251,6 +251,13 @@ fn init_tracing() {
         .init();
 }
 
+fn current_thread_runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 enum Output {
     Table,
@@ -428,11 +435,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             failures,
         } => {
             init_tracing();
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .context("starting the tokio runtime")?;
-            rt.block_on(async {
+            current_thread_runtime()?.block_on(async {
                 let client = kube::Client::try_default().await.context(
                     "connecting to the Kubernetes API (in-cluster config or KUBECONFIG)",
                 )?;
@@ -479,11 +482,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             timeout,
         } => {
             init_tracing();
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .context("starting the tokio runtime")?;
-            rt.block_on(uninstall_cluster(
+            current_thread_runtime()?.block_on(uninstall_cluster(
                 &daemonset,
                 &namespace,
                 &selector,

@@ -401,6 +401,18 @@ impl Clients {
             .collect()
     }
 
+    /// Stops the loops, prints what `name` cost, and fails on any failed
+    /// connection (with the agent's log).
+    fn finish_without_failures(self, name: &str, agent: &AgentProc) -> TestResult {
+        let (ok, failures) = self.finish();
+        println!(
+            "{name}: {ok} connections completed, {} failed {failures:?}",
+            failures.len()
+        );
+        ensure!(failures.is_empty(), "{failures:?}\n{}", agent.log());
+        Ok(())
+    }
+
     /// Stops the loops: (completed, failures).
     fn finish(mut self) -> (usize, Vec<Failure>) {
         self.stop.store(true, Ordering::Relaxed);
@@ -828,12 +840,7 @@ fn sigkill_restart() -> TestResult {
     })?;
     f.wait_state("Served")?;
     clients.wait_more(20, "after the restart")?;
-    let (ok, failures) = clients.finish();
-    println!(
-        "agent SIGKILL and restart: {ok} connections completed, {} failed {failures:?}",
-        failures.len()
-    );
-    ensure!(failures.is_empty(), "{failures:?}\n{}", agent.log());
+    clients.finish_without_failures("agent SIGKILL and restart", &agent)?;
     Ok(())
 }
 
@@ -879,12 +886,7 @@ fn uninstall() -> TestResult {
     ensure!(out.stdout.contains("via the agent"), "{}", out.stdout);
     let through_ztunnel = inbound_accepts(&p);
     clients.wait_more(20, "after the uninstall")?;
-    let (ok, failures) = clients.finish();
-    println!(
-        "uninstall under load: {ok} connections completed, {} failed {failures:?}",
-        failures.len()
-    );
-    ensure!(failures.is_empty(), "{failures:?}\n{}", agent.log());
+    clients.finish_without_failures("uninstall under load", &agent)?;
     // Uncaptured now: straight to the app, not through ztunnel.
     ensure!(inbound(&f).reply().is_some());
     ensure!(
@@ -1161,12 +1163,7 @@ fn another_layout() -> TestResult {
         stamp_after == stamp_before,
         "{stamp_before} → {stamp_after}"
     );
-    let (ok, failures) = clients.finish();
-    println!(
-        "map-layout migration and back: {ok} connections completed, {} failed {failures:?}",
-        failures.len()
-    );
-    ensure!(failures.is_empty(), "{failures:?}\n{}", agent.log());
+    clients.finish_without_failures("map-layout migration and back", &agent)?;
     Ok(())
 }
 
@@ -1309,12 +1306,7 @@ fn another_build() -> TestResult {
         seen.push(links);
         clients.wait_more(20, step)?;
     }
-    let (ok, failures) = clients.finish();
-    println!(
-        "upgrade to another build and back: {ok} connections completed, {} failed {failures:?}",
-        failures.len()
-    );
-    ensure!(failures.is_empty(), "{failures:?}\n{}", agent.log());
+    clients.finish_without_failures("upgrade to another build and back", &agent)?;
     Ok(())
 }
 
@@ -1357,20 +1349,7 @@ fn programs_replaced() -> TestResult {
     // (after the first link switched; after the first new program pin,
     // before its rename): capture holds, and the agent below finishes.
     for step in ["upgrade_link", "upgrade_pin_next"] {
-        use std::os::unix::process::ExitStatusExt as _;
-        let st = std::process::Command::new(sluice_tests::harness::sluice_bin())
-            .arg("--bpf-root")
-            .arg(f.topo.pins.root())
-            .arg("--control-socket")
-            .arg(agent.dir.join("crashing.sock"))
-            .arg("agent")
-            .arg("--zds-socket")
-            .arg(agent.dir.join("crashing-zds.sock"))
-            .args(["--metrics-addr", "off"])
-            .env("SLUICE_CRASH_AT", step)
-            .stderr(std::process::Stdio::null())
-            .status()?;
-        ensure!(st.signal() == Some(libc::SIGKILL), "{step}: {st}");
+        crash_agent_at(&agent, &f, step, None)?;
         ensure!(
             f.topo.pins.progs().join(PROG_EGRESS).exists()
                 && f.topo.pins.progs().join(PROG_INGRESS).exists(),
@@ -1414,12 +1393,7 @@ fn programs_replaced() -> TestResult {
         "{n}"
     );
     clients.wait_more(20, "after the programs were replaced")?;
-    let (ok, failures) = clients.finish();
-    println!(
-        "programs replaced: {ok} connections completed, {} failed {failures:?}",
-        failures.len()
-    );
-    ensure!(failures.is_empty(), "{failures:?}\n{}", agent.log());
+    clients.finish_without_failures("programs replaced", &agent)?;
     Ok(())
 }
 
