@@ -533,45 +533,23 @@ async fn uninstall_cluster(
     taints: &[String],
     timeout: Duration,
 ) -> anyhow::Result<()> {
-    use sluice::kube::uninstall;
     let client = kube::Client::try_default()
         .await
         .context("connecting to the Kubernetes API (in-cluster config or KUBECONFIG)")?;
-    uninstall::request(client.clone(), namespace, daemonset)
-        .await
-        .with_context(|| format!("marking DaemonSet {namespace}/{daemonset} for uninstall"))?;
-    tracing::info!(%daemonset, "uninstall asked; waiting for the nodes");
-    let deadline = tokio::time::Instant::now() + timeout;
-    let pending = loop {
-        let pending =
-            uninstall::pending_nodes(client.clone(), namespace, selector, condition_type).await;
-        match pending {
-            Ok(p) if p.is_empty() => break p,
-            Ok(p) if tokio::time::Instant::now() >= deadline => break p,
-            Err(e) if tokio::time::Instant::now() >= deadline => {
-                return Err(e).context("listing the nodes that still run sluice")
-            }
-            Ok(p) => tracing::info!(nodes = ?p, "nodes still removing sluice"),
-            Err(e) => tracing::warn!(error = %e, "listing the nodes that still run sluice"),
-        }
-        tokio::time::sleep(Duration::from_secs(2)).await;
+    let cluster = sluice::kube::uninstall::Cluster {
+        daemonset,
+        namespace,
+        selector,
+        condition_type,
+        taints,
     };
-    if !pending.is_empty() {
+    let left = cluster.uninstall(client, timeout).await?;
+    if !left.is_empty() {
         tracing::warn!(
-            nodes = ?pending,
+            nodes = ?left,
             "these nodes did not remove sluice in time: run `sluice uninstall` on each"
         );
     }
-    let done = uninstall::clean(client, condition_type, taints, None)
-        .await
-        .context("clearing sluice's marks on pods and nodes")?;
-    tracing::info!(
-        annotations = done.annotations,
-        gates = done.gates,
-        conditions = done.conditions,
-        taints = done.taints,
-        "API objects cleared"
-    );
     Ok(())
 }
 

@@ -223,6 +223,71 @@ pub async fn clean(
     Ok(done)
 }
 
+/// What `sluice uninstall-cluster` (the Helm pre-delete hook) works on.
+pub struct Cluster<'a> {
+    pub daemonset: &'a str,
+    pub namespace: &'a str,
+    /// Label selector of the agent pods.
+    pub selector: &'a str,
+    pub condition_type: &'a str,
+    /// Taints to remove from every node.
+    pub taints: &'a [String],
+}
+
+/// How often the hook looks at the nodes while they remove sluice.
+const NODES_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
+
+impl Cluster<'_> {
+    /// Marks the DaemonSet, waits (up to `timeout`) until every node running
+    /// an agent has removed sluice, then clears the API objects. Returns the
+    /// nodes that had not finished in time (cleared on the API side anyway).
+    pub async fn uninstall(
+        &self,
+        client: kube::Client,
+        timeout: std::time::Duration,
+    ) -> anyhow::Result<BTreeSet<String>> {
+        use anyhow::Context as _;
+        request(client.clone(), self.namespace, self.daemonset)
+            .await
+            .with_context(|| {
+                format!(
+                    "marking DaemonSet {}/{} for uninstall",
+                    self.namespace, self.daemonset
+                )
+            })?;
+        tracing::info!(daemonset = %self.daemonset, "uninstall asked; waiting for the nodes");
+        let deadline = tokio::time::Instant::now() + timeout;
+        let left = loop {
+            let pending = pending_nodes(
+                client.clone(),
+                self.namespace,
+                self.selector,
+                self.condition_type,
+            )
+            .await;
+            let late = tokio::time::Instant::now() >= deadline;
+            match pending {
+                Ok(p) if p.is_empty() || late => break p,
+                Err(e) if late => return Err(e).context("listing the nodes that still run sluice"),
+                Ok(p) => tracing::info!(nodes = ?p, "nodes still removing sluice"),
+                Err(e) => tracing::warn!(error = %e, "listing the nodes that still run sluice"),
+            }
+            tokio::time::sleep(NODES_EVERY).await;
+        };
+        let done = clean(client, self.condition_type, self.taints, None)
+            .await
+            .context("clearing sluice's marks on pods and nodes")?;
+        tracing::info!(
+            annotations = done.annotations,
+            gates = done.gates,
+            conditions = done.conditions,
+            taints = done.taints,
+            "API objects cleared"
+        );
+        Ok(left)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use http::Method;
@@ -293,6 +358,57 @@ mod tests {
             Some(Reason::Gone)
         );
         server.await.unwrap();
+    }
+
+    /// The hook's whole run: mark, a node still busy, then done, then the
+    /// cluster-wide cleanup (nothing left to clear here).
+    #[tokio::test(start_paused = true)]
+    async fn the_hook_marks_waits_for_the_nodes_then_clears_the_api() {
+        let (client, mut handle) = mock::client();
+        let server = tokio::spawn(async move {
+            let mut seen = Vec::new();
+            let pods = json!({"apiVersion": "v1", "kind": "PodList", "metadata": {},
+                "items": [{"metadata": {"name": "a1"}, "spec": {"nodeName": "a", "containers": []}}]});
+            let busy = json!({"apiVersion": "v1", "kind": "NodeList", "metadata": {},
+                "items": [{"metadata": {"name": "a"},
+                    "status": {"conditions": [{"type": "T", "status": "False"}]}}]});
+            let clean = json!({"apiVersion": "v1", "kind": "NodeList", "metadata": {},
+                "items": [{"metadata": {"name": "a"}, "status": {"conditions": []}}]});
+            let empty_pods =
+                json!({"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": []});
+            let ds = json!({"apiVersion": "apps/v1", "kind": "DaemonSet",
+                "metadata": {"name": "sluice"}, "spec": {"selector": {}, "template": {}}});
+            for answer in [&ds, &pods, &busy, &pods, &clean, &empty_pods, &clean] {
+                let (req, send) = handle.next_request().await.unwrap();
+                seen.push(format!("{} {}", req.method(), req.uri().path()));
+                reply(send, 200, answer);
+            }
+            seen
+        });
+        let cluster = Cluster {
+            daemonset: "sluice",
+            namespace: "istio-system",
+            selector: "app=sluice",
+            condition_type: "T",
+            taints: &[],
+        };
+        let left = cluster
+            .uninstall(client, std::time::Duration::from_secs(120))
+            .await
+            .unwrap();
+        assert!(left.is_empty(), "{left:?}");
+        assert_eq!(
+            server.await.unwrap(),
+            [
+                "PATCH /apis/apps/v1/namespaces/istio-system/daemonsets/sluice",
+                "GET /api/v1/namespaces/istio-system/pods",
+                "GET /api/v1/nodes",
+                "GET /api/v1/namespaces/istio-system/pods",
+                "GET /api/v1/nodes",
+                "GET /api/v1/pods",
+                "GET /api/v1/nodes",
+            ]
+        );
     }
 
     #[tokio::test]
