@@ -3,6 +3,7 @@
 //! and nothing is granted that no request needs. The functions called here are
 //! all the places userspace builds a kube `Api` (kube::{condition, taint,
 //! annotate, gate, verify}, kube::uninstall::{decide, clean (one node)},
+//! kube::node_identity::verify,
 //! agent::kube::{admit_add, observe, changed}); a new one must be added here.
 //! (`sluice uninstall-cluster`, the Helm hook, runs with the hook's own role.) They run against a recording mock API; each request
 //! is mapped to the resource and verb RBAC checks it as.
@@ -163,6 +164,11 @@ async fn rbac_grants_exactly_what_the_agent_and_watchdog_use() {
             .unwrap()
     );
     verify::fetch(client.clone(), "shop", "cart").await.unwrap();
+    // --node-name checked against the Node (boot id).
+    sluice::kube::node_identity::verify(client.clone(), "node-a")
+        .await
+        .unwrap()
+        .unwrap();
     // Uninstall: the DaemonSet read, then this node's objects cleared.
     assert_eq!(
         uninstall::decide(client.clone(), "istio-system", "sluice")

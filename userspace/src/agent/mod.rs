@@ -52,6 +52,26 @@ pub struct Config {
     pub daemonset: Option<(String, String)>,
 }
 
+/// The API client, once `node` is known to name this host (refused when it
+/// names another; an API that cannot answer now is not waited for).
+async fn checked_client(node: &str) -> anyhow::Result<::kube::Client> {
+    let client = ::kube::Client::try_default()
+        .await
+        .context("connecting to the Kubernetes API (in-cluster config or KUBECONFIG)")?;
+    let checked = tokio::time::timeout(
+        crate::kube::API_TIMEOUT,
+        crate::kube::node_identity::verify(client.clone(), node),
+    )
+    .await;
+    match checked {
+        Ok(Ok(Ok(()))) => {}
+        Ok(Ok(Err(wrong))) => return Err(wrong.into()),
+        Ok(Err(e)) => warn!(error = %e, "could not check --node-name against the Node: going on"),
+        Err(_) => warn!("checking --node-name against the Node timed out: going on"),
+    }
+    Ok(client)
+}
+
 /// How often the DaemonSet is read for the uninstall mark.
 const DAEMONSET_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -210,9 +230,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     let hub = Arc::new(Hub::default());
     let kube = match &cfg.node_name {
         Some(node) => Some(kube::KubeCtx {
-            client: ::kube::Client::try_default()
-                .await
-                .context("connecting to the Kubernetes API (in-cluster config or KUBECONFIG)")?,
+            client: checked_client(node).await?,
             node: node.clone(),
             // Beside the control socket: host tmpfs, survives agent restarts.
             cni_records: cfg.control_socket.parent().map(|d| d.join("cni-pods")),

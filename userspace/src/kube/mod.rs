@@ -9,6 +9,7 @@
 pub mod annotate;
 pub mod condition;
 pub mod gate;
+pub mod node_identity;
 pub mod reconcile;
 pub mod selection;
 pub mod taint;
