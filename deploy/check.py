@@ -333,6 +333,11 @@ def check_full(objs):
            and vols["cni-bin"] == "/home/kubernetes/bin", f"volumes {vols}")
     expect("full", pod["serviceAccountName"] == "sluice-sa", "serviceAccountName")
     expect("full", pod["priorityClassName"] == "system-cluster-critical", "priorityClassName")
+    roles = [r for r in objs.get("ClusterRole", [])
+             if "helm.sh/hook" not in r["metadata"].get("annotations", {})]
+    node_verbs = [v for r in roles for rule in r["rules"] if rule["resources"] == ["nodes"]
+                  for v in rule["verbs"]]
+    expect("full", "patch" in node_verbs, f"readiness.untaint set but no patch on nodes: {node_verbs}")
     job = objs.get("Job", [])
     expect("full", len(job) == 1 and job[0]["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete",
            f"uninstall hook Job: {job}")

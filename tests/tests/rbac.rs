@@ -149,11 +149,15 @@ async fn rbac_grants_exactly_what_the_agent_and_watchdog_use() {
         Duration::from_secs(60),
     );
     w.update(&Condition::agent_stopped()).await.unwrap();
-    assert!(
-        taint::remove(client.clone(), "node-a", &["cni.istio.io/not-ready".into()])
-            .await
-            .unwrap()
-    );
+    // --untaint, recorded apart: granted only when the feature is on.
+    let untaint_seen: Seen = Arc::default();
+    assert!(taint::remove(
+        recording_api(untaint_seen.clone()),
+        "node-a",
+        &["cni.istio.io/not-ready".into()]
+    )
+    .await
+    .unwrap());
     // The pod annotation and readiness gate, the CNI cross-checks.
     annotate::write(client.clone(), "shop", "cart", Some(PodState::Enabled))
         .await
@@ -228,4 +232,16 @@ async fn rbac_grants_exactly_what_the_agent_and_watchdog_use() {
     );
     let unused: Vec<_> = granted.difference(&seen).collect();
     assert!(unused.is_empty(), "granted but never used: {unused:?}");
+    // What --untaint needs beyond that: exactly `patch` on nodes, which the
+    // chart adds with readiness.untaint (check-deploy checks it renders).
+    let extra: BTreeSet<_> = untaint_seen
+        .lock()
+        .unwrap()
+        .difference(&granted)
+        .cloned()
+        .collect();
+    assert_eq!(
+        extra,
+        BTreeSet::from([("nodes".to_string(), "patch".to_string())])
+    );
 }
