@@ -23,22 +23,51 @@ pub enum MigrateError {
     Exec { cmd: String, source: std::io::Error },
     #[error("{cmd} failed in the pod netns: {stderr}")]
     Failed { cmd: String, stderr: String },
+    #[error("{cmd} did not finish within {secs} s in the pod netns: killed", secs = CHILD_TIMEOUT.as_secs())]
+    TimedOut { cmd: String },
 }
 
+/// An iptables tool answers a pod netns in milliseconds; one that hangs (a
+/// stuck xtables lock, a broken binary) is killed after this, and the
+/// enrollment backs out with the reason instead of holding the dataplane.
+pub const CHILD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Runs an iptables tool (in the calling thread's netns: the child inherits
-/// it); `None` when the tool is not installed.
+/// it), killed after [`CHILD_TIMEOUT`]; `None` when the tool is not installed.
 fn run(bin: &str, args: &[&str]) -> Result<Option<(bool, String, String)>, MigrateError> {
-    match Command::new(bin).args(args).output() {
-        Ok(o) => Ok(Some((
+    let cmd = || format!("{bin} {}", args.join(" "));
+    let child = match Command::new(bin)
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+    {
+        Ok(c) => c,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => return Err(MigrateError::Exec { cmd: cmd(), source }),
+    };
+    let pid = child.id() as i32;
+    // The output is read to the end by a thread of its own (a full pipe
+    // must not stall the tool), and waited for here with a deadline.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(CHILD_TIMEOUT) {
+        Ok(Ok(o)) => Ok(Some((
             o.status.success(),
             String::from_utf8_lossy(&o.stdout).into_owned(),
             String::from_utf8_lossy(&o.stderr).into_owned(),
         ))),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(source) => Err(MigrateError::Exec {
-            cmd: format!("{bin} {}", args.join(" ")),
-            source,
-        }),
+        Ok(Err(source)) => Err(MigrateError::Exec { cmd: cmd(), source }),
+        Err(_) => {
+            // SAFETY: kill(2) on the child's pid. It is reaped only by the
+            // thread above, once it has died: a pid reused in between would
+            // need the tool to exit within this very instant.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            Err(MigrateError::TimedOut { cmd: cmd() })
+        }
     }
 }
 

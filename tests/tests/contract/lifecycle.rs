@@ -44,6 +44,10 @@ pub fn trials() -> Vec<Trial> {
             "lifecycle::unenroll_after_the_netns_is_gone",
             unenroll_after_netns_gone,
         ),
+        trial(
+            "lifecycle::a_hung_iptables_tool_is_killed_and_the_enroll_backs_out",
+            hung_iptables,
+        ),
     ]
 }
 
@@ -217,6 +221,80 @@ fn bad_input() -> TestResult {
         "{r:?}"
     );
     Ok(())
+}
+
+/// The take-over check runs the iptables tools in the pod netns; one that
+/// never answers is killed after its timeout, and the enrollment backs out
+/// completely with the reason (nothing half-applied, nothing left running).
+fn hung_iptables() -> TestResult {
+    let f = Fixture::new("hang", None)?;
+    let dir = std::path::PathBuf::from(format!("/tmp/sluice-hang-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let pidfile = dir.join("pid");
+    let result = (|| -> TestResult {
+        for tool in ["iptables-nft-save", "iptables-legacy-save", "iptables-save"] {
+            let path = dir.join(tool);
+            std::fs::write(
+                &path,
+                format!(
+                    "#!/bin/sh\necho $$ > {}\nexec sleep 600\n",
+                    pidfile.display()
+                ),
+            )?;
+            use std::os::unix::fs::PermissionsExt as _;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))?;
+        }
+        let netns = f.topo.pod_netns_path();
+        let out = Command::new(sluice_bin())
+            .arg("--bpf-root")
+            .arg(f.topo.pins.root())
+            .arg("--control-socket")
+            .arg(NO_AGENT)
+            .args([
+                "enroll",
+                "--netns",
+                netns.to_str().unwrap(),
+                "--uid",
+                f.uid.as_str(),
+            ])
+            .env(
+                "PATH",
+                format!(
+                    "{}:{}",
+                    dir.display(),
+                    std::env::var("PATH").unwrap_or_default()
+                ),
+            )
+            .output()?;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        ensure!(
+            !out.status.success() && stderr.contains("did not finish within"),
+            "enroll with a hung iptables-save: {stderr}"
+        );
+        ensure!(
+            std::fs::read_dir(f.topo.pins.pods())?.next().is_none(),
+            "pod pins left behind"
+        );
+        ensure!(
+            !sluice_tests::topology::has_redirect_rule(&f.topo.pod)?,
+            "policy rule left behind"
+        );
+        let pid = std::fs::read_to_string(&pidfile)?.trim().to_owned();
+        sluice_tests::wait::until(
+            "the hung tool to be gone",
+            sluice_tests::wait::DEADLINE,
+            || {
+                let alive = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                    .is_ok_and(|s| !s.contains(") Z "));
+                (!alive)
+                    .then_some(())
+                    .ok_or(format!("pid {pid} still runs"))
+            },
+        )?;
+        Ok(())
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
 }
 
 fn failed_enroll_rolls_back() -> TestResult {
