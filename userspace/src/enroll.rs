@@ -535,10 +535,16 @@ fn teardown(
 }
 
 /// Unpins (and so detaches) every link of a pod and removes its directory.
+/// sk_lookup goes first: while the tc programs of a `Draining` pod still drop
+/// new SYNs from outside, connections over lo (ztunnel's to the app, for a
+/// connection it already accepted) must not meet an sk_lookup whose `lo`
+/// hint is already gone, which would refuse them.
 fn remove_links(pins: &Pins, cookie: u64) -> Result<(), EnrollError> {
     let dir = pins.pod(cookie);
     if let Ok(entries) = fs::read_dir(&dir) {
-        for e in entries.flatten() {
+        let mut entries: Vec<_> = entries.flatten().collect();
+        entries.sort_by_key(|e| e.file_name() != "steer");
+        for e in entries {
             match PinnedLink::from_pin(e.path()) {
                 // Unpinned and dropped: the last reference goes, the link detaches.
                 Ok(link) => drop(link.unpin()),
