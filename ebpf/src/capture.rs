@@ -167,9 +167,11 @@ pub fn lo_ingress(ctx: &TcContext) -> i32 {
             // traffic to its own address (row O2) are exempt. A SYN with
             // another, spoofed source plants no hint: it could otherwise
             // exempt a later real inbound connection with the same tuple.
-            let own = is_loopback(t.family, &t.saddr)
+            // ztunnel's mark first: it spares ztunnel's SYNs the address lookup.
+            let exempt = mark(ctx) & MARK_MASK == MARK_ZTUNNEL
+                || is_loopback(t.family, &t.saddr)
                 || (cookie != 0 && pod_of(t.family, &t.saddr) == Some(cookie));
-            if own || mark(ctx) & MARK_MASK == MARK_ZTUNNEL {
+            if exempt {
                 put_hint(cookie, &t, HintVerdict::Local);
             }
         }
