@@ -186,6 +186,7 @@ FULL = {
     "controlSocket": "/run/sluice-test/agent.sock",
     "zdsSocket": "/var/run/ztunnel-test/ztunnel.sock",
     "cni": {"install": True, "confDir": "/etc/cni/net.d.test", "binDir": "/home/kubernetes/bin"},
+    "probes": {"hostSide": False},
     "readiness": {
         "conditionType": "example.com/Redirection",
         "pendingGrace": "30s",
@@ -318,6 +319,7 @@ def check_full(objs):
         "--untaint=example.com/startup",
         "--metrics-addr=127.0.0.1:15031",
         "--some-flag=x",
+        "--node-netns=off",
     ]:
         expect("full", flag in a, f"agent args lack {flag}: {a}")
     w = args_of(ds, "watchdog")

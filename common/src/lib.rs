@@ -253,6 +253,10 @@ pub enum HintVerdict {
     Inbound = 3,
     /// The SYN arrived on the pod's interface for port 15008: steer to 15008.
     Hbone = 4,
+    /// A socket of the node's own netns sent the SYN (kubelet's probes, any
+    /// host process): the program on the host side of the pod's interface
+    /// saw it leave; never captured (Istio's host-side probe rule).
+    Host = 5,
 }
 
 impl HintVerdict {
@@ -262,6 +266,7 @@ impl HintVerdict {
             2 => Some(Self::Outbound),
             3 => Some(Self::Inbound),
             4 => Some(Self::Hbone),
+            5 => Some(Self::Host),
             _ => None,
         }
     }

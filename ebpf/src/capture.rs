@@ -9,7 +9,9 @@
 
 use aya_ebpf::{
     bindings::bpf_sock_tuple,
-    bindings::{BPF_F_CURRENT_NETNS, BPF_F_INGRESS, TC_ACT_OK, TC_ACT_SHOT},
+    bindings::{
+        tcx_action_base::TCX_NEXT, BPF_F_CURRENT_NETNS, BPF_F_INGRESS, TC_ACT_OK, TC_ACT_SHOT,
+    },
     helpers::{
         bpf_get_netns_cookie, bpf_ktime_get_ns, bpf_map_lookup_elem, bpf_redirect, bpf_sk_release,
         bpf_skc_lookup_tcp,
@@ -25,7 +27,7 @@ use sluice_common::{
 
 use crate::{
     addr::{is_loopback, is_probe},
-    maps::{count, FLOW_HINTS, LISTENERS, POD_ADDRS, POD_STATE},
+    maps::{count, FLOW_HINTS, LISTENERS, NODE_NETNS, POD_ADDRS, POD_STATE},
     packet::{parse, parse_tcp, Parsed, Tcp},
 };
 
@@ -135,6 +137,11 @@ pub fn ingress(ctx: &TcContext) -> i32 {
         count(cookie, |c: &mut Counters| &mut c.bypassed);
         return TC_OK; // row I3
     }
+    // Row I3h: the node's own socket sent it (the host-side program said
+    // so): sk_lookup lets it through on that hint, in any pod state.
+    if host_hinted(cookie, &t) {
+        return TC_OK;
+    }
     let Some(pod) = (unsafe { POD_STATE.get(cookie) }) else {
         return TC_OK;
     };
@@ -179,16 +186,56 @@ pub fn lo_ingress(ctx: &TcContext) -> i32 {
     TC_OK
 }
 
+/// Egress on the host side of a pod's veth, in the node's netns: a SYN that
+/// a socket of the node netns itself sent (kubelet's probes, any host
+/// process) is hinted as exempt, which the pod's ingress program leaves in
+/// place. Forwarded SYNs (other nodes, NodePort after masquerading) carry no
+/// socket and pods' SYNs (bridged) another netns's: they are captured as
+/// usual. The origin decides, not the source address — what istio-cni's
+/// `-m owner --socket-exists` host rule decides.
+///
+/// A guest on the host's interface: it never drops or redirects, and says
+/// `TCX_NEXT` so that programs after it (the primary CNI's) still run.
+pub fn host_egress(ctx: &TcContext) -> i32 {
+    let Some(t) = parse_tcp(ctx) else {
+        return TCX_NEXT;
+    };
+    if !t.is_syn() || unsafe { (*ctx.skb.skb).__bindgen_anon_2.sk }.is_null() {
+        return TCX_NEXT;
+    }
+    let node = NODE_NETNS.get(0).copied().unwrap_or(0);
+    if node == 0 || netns_cookie(ctx) != node {
+        return TCX_NEXT;
+    }
+    if let Some(cookie) = pod_of(t.family, &t.daddr) {
+        put_hint(cookie, &t, HintVerdict::Host);
+    }
+    TCX_NEXT
+}
+
+/// Did the host-side program hint this SYN as the node's own (for this pod)?
 #[inline(always)]
-fn put_hint(cookie: u64, t: &Tcp, verdict: HintVerdict) {
-    let key = FlowKey {
+fn host_hinted(cookie: u64, t: &Tcp) -> bool {
+    let key = flow_key(t);
+    unsafe { FLOW_HINTS.get(key) }
+        .is_some_and(|h| h.verdict == HintVerdict::Host as u32 && h.netns_cookie == cookie)
+}
+
+#[inline(always)]
+fn flow_key(t: &Tcp) -> FlowKey {
+    FlowKey {
         remote_addr: t.saddr,
         local_addr: t.daddr,
         remote_port: t.sport,
         local_port: t.dport,
         family: t.family,
         _pad: [0; 3],
-    };
+    }
+}
+
+#[inline(always)]
+fn put_hint(cookie: u64, t: &Tcp, verdict: HintVerdict) {
+    let key = flow_key(t);
     let hint = FlowHint {
         verdict: verdict as u32,
         _pad: 0,

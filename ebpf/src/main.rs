@@ -2,7 +2,10 @@
 //! - `sluice_steer`   (sk_lookup, netns link): assigns ztunnel's listeners;
 //! - `sluice_egress`  (tcx egress, pod interface): captures outbound TCP;
 //! - `sluice_ingress` (tcx ingress, pod interface): fails closed on inbound SYNs;
-//! - `sluice_lo`      (tcx ingress, pod `lo`): marks in-pod connections as exempt.
+//! - `sluice_lo`      (tcx ingress, pod `lo`): marks in-pod connections as exempt;
+//! - `sluice_host`    (tcx egress, the host side of a pod's veth, in the node
+//!   netns): marks connections the node's own sockets open (kubelet's probes)
+//!   as exempt.
 //!
 //! All inputs come from maps written by user space (see `maps.rs`).
 #![no_std]
@@ -54,6 +57,15 @@ pub fn sluice_lo(ctx: TcContext) -> i32 {
         return aya_ebpf::bindings::TC_ACT_OK;
     }
     capture::lo_ingress(&ctx)
+}
+
+#[classifier]
+pub fn sluice_host(ctx: TcContext) -> i32 {
+    #[cfg(feature = "upgrade-variant")]
+    if ctx.len() == u32::MAX {
+        return aya_ebpf::bindings::tcx_action_base::TCX_NEXT;
+    }
+    capture::host_egress(&ctx)
 }
 
 #[link_section = "license"]

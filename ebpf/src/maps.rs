@@ -53,6 +53,11 @@ pub static FLOW_HINTS: LruHashMap<FlowKey, FlowHint> = LruHashMap::pinned(8192, 
 #[map(name = "pod_meta")]
 pub static POD_META: HashMap<u64, PodMeta> = HashMap::pinned(MAX_PODS, BPF_F_NO_PREALLOC);
 
+/// The node's netns cookie (entry 0; 0 = not set): the host-side program
+/// exempts SYNs whose socket lives there. Written by user space.
+#[map(name = "node_netns")]
+pub static NODE_NETNS: Array<u64> = Array::pinned(1, 0);
+
 /// Adds one to a pod's counter, creating the entry on first use.
 #[inline(always)]
 pub fn count(cookie: u64, field: impl Fn(&mut Counters) -> &mut u64) {

@@ -61,8 +61,9 @@ pub fn steer(ctx: &SkLookupContext) -> u32 {
     };
     let cookie = hint.netns_cookie;
     let role = match HintVerdict::from_u32(hint.verdict) {
-        // Rows O2/I4: arrived over the pod's lo (in-pod, or ztunnel's own connection).
-        Some(HintVerdict::Local) => {
+        // Rows O2/I4: arrived over the pod's lo (in-pod, or ztunnel's own
+        // connection); row I3h: sent by a socket of the node (kubelet).
+        Some(HintVerdict::Local | HintVerdict::Host) => {
             if cookie != 0 {
                 count(cookie, |c: &mut Counters| &mut c.bypassed);
             }

@@ -73,6 +73,21 @@ impl Fixture {
         )?)
     }
 
+    /// Enrolls with the client netns as the node's: its sockets' connections
+    /// to the pod are the host's own (kubelet's), exempt from capture.
+    pub fn enroll_with_node(&self) -> anyhow::Result<Enrolled> {
+        let mut dp = self.dataplane()?;
+        dp.set_node(sluice::hostside::Node::open(&crate::ns::netns_path(
+            &self.topo.client,
+        ))?)?;
+        Ok(enroll::enroll(
+            &mut dp,
+            &self.topo.pod_netns_path(),
+            &self.uid,
+            &self.workload(),
+        )?)
+    }
+
     pub fn workload(&self) -> Workload {
         Workload::new(self.uid.as_str(), "default", "default").expect("valid workload")
     }

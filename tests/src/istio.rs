@@ -113,3 +113,56 @@ pub fn apply_with(ns: &str, backend: Backend) -> anyhow::Result<()> {
     ])?;
     Ok(())
 }
+
+/// istio-cni's host-side probe rule in the node netns `ns`: TCP that a local
+/// socket sends to an enrolled pod is SNATed to the probe address. Istio
+/// matches the pod addresses with an ipset (`istio-inpod-probes-v4/-v6`);
+/// here `-d` names the one pod.
+pub fn apply_host_probe_snat(
+    ns: &str,
+    pod_v4: std::net::Ipv4Addr,
+    pod_v6: std::net::Ipv6Addr,
+) -> anyhow::Result<()> {
+    let rules = [
+        ("iptables", pod_v4.to_string() + "/32", "169.254.7.127"),
+        (
+            "ip6tables",
+            pod_v6.to_string() + "/128",
+            "fd16:9254:7127:1337:ffff:ffff:ffff:ffff",
+        ),
+    ];
+    for (tool, dst, to) in rules {
+        let run = |args: &[&str]| -> anyhow::Result<()> {
+            let out = Command::new("ip")
+                .args(["netns", "exec", ns, tool, "-w", "-t", "nat"])
+                .args(args)
+                .output()
+                .with_context(|| format!("running {tool}"))?;
+            ensure!(
+                out.status.success(),
+                "{tool} {} in {ns}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+            Ok(())
+        };
+        run(&["-N", "ISTIO_POSTRT"])?;
+        run(&["-A", "POSTROUTING", "-j", "ISTIO_POSTRT"])?;
+        run(&[
+            "-A",
+            "ISTIO_POSTRT",
+            "-p",
+            "tcp",
+            "-m",
+            "owner",
+            "--socket-exists",
+            "-d",
+            &dst,
+            "-j",
+            "SNAT",
+            "--to-source",
+            to,
+        ])?;
+    }
+    Ok(())
+}

@@ -13,6 +13,7 @@ pub mod inspect;
 pub mod istio;
 pub mod mockapi;
 pub mod ns;
+pub mod routed;
 pub mod sink;
 pub mod standin;
 pub mod topology;

@@ -127,6 +127,9 @@ pub struct NodeStatus {
     /// in place, or another build's kept).
     #[serde(default)]
     pub dataplane: String,
+    /// How kubelet's probes reach pods uncaptured (see `Dataplane::probes`).
+    #[serde(default)]
+    pub probes: String,
     /// How the agent decides a pod is served (`--served-check`).
     #[serde(default = "auto")]
     pub served_check: crate::served::Mode,

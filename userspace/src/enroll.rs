@@ -13,6 +13,7 @@ use sluice_common::{ListenerKey, PodState, Role, NETNS_PATH_LEN};
 
 use crate::{
     fault::crash_point,
+    hostside::{self, HostPeer},
     loader::{Dataplane, Pins},
     netns::{addresses, interfaces, Netns, NetnsError},
     routes::{self, RouteError},
@@ -152,6 +153,8 @@ pub enum LinkSpec {
     Ingress(String),
     /// tcx ingress on the pod's `lo`.
     Lo,
+    /// tcx egress on the host side (node netns) of a pod interface.
+    Host(HostPeer),
 }
 
 impl LinkSpec {
@@ -162,19 +165,39 @@ impl LinkSpec {
             LinkSpec::Egress(i) => format!("egress_{}", i.replace('.', "_")),
             LinkSpec::Ingress(i) => format!("ingress_{}", i.replace('.', "_")),
             LinkSpec::Lo => "lo".into(),
+            LinkSpec::Host(p) => format!("host_{}", p.pod_iface.replace('.', "_")),
         }
     }
 }
 
-/// Every link a pod with interfaces `ifaces` (not `lo`) has, in attach order.
-pub fn expected_links(ifaces: &[String]) -> Vec<LinkSpec> {
+/// Every link a pod with interfaces `ifaces` (not `lo`) and node-side peers
+/// `peers` has, in attach order.
+pub fn expected_links(ifaces: &[String], peers: &[HostPeer]) -> Vec<LinkSpec> {
     let mut v = vec![LinkSpec::Steer];
     for i in ifaces {
         v.push(LinkSpec::Egress(i.clone()));
         v.push(LinkSpec::Ingress(i.clone()));
     }
     v.push(LinkSpec::Lo);
+    v.extend(peers.iter().cloned().map(LinkSpec::Host));
     v
+}
+
+/// The node-side peers of the pod's interfaces, when the dataplane knows the
+/// node netns. A failure to find them costs only the host-side probe
+/// exemption (the pod is captured as before): it is logged, not fatal.
+fn host_peers(dp: &Dataplane, netns: &Netns, ifaces: &[String]) -> Vec<HostPeer> {
+    let (Some(node), Some(_)) = (&dp.node, &dp.host) else {
+        return Vec::new();
+    };
+    hostside::peers(netns, node, ifaces).unwrap_or_else(|e| {
+        tracing::warn!(
+            netns = %netns.path().display(),
+            error = %e,
+            "cannot find the host side of the pod's interfaces: host-originated probes are captured"
+        );
+        Vec::new()
+    })
 }
 
 /// The pod's interfaces besides `lo`, read inside its netns.
@@ -223,7 +246,8 @@ fn attach(
     // Each tcx attach swaps the device's program array and waits for an RCU
     // grace period under RTNL (≈ 10–20 ms here): most of an enrollment's
     // cost, and threads would not help (RTNL serialises).
-    for spec in expected_links(&ifaces) {
+    let peers = host_peers(dp, netns, &ifaces);
+    for spec in expected_links(&ifaces, &peers) {
         attach_link(dp, netns, &dir, &spec)?;
         crash_point(&format!("enroll:link:{}", spec.pin_name()));
     }
@@ -260,6 +284,25 @@ fn attach_link(
         LinkSpec::Lo => {
             let prog = &mut dp.lo;
             netns.run(|| attach_tc(prog, "lo", TcAttachType::Ingress))??
+        }
+        // In the node netns, first in the chain: it only writes hints and
+        // passes every packet on (TCX_NEXT), so the primary CNI's programs
+        // on the same device still see everything.
+        LinkSpec::Host(peer) => {
+            let (Some(node), Some(prog)) = (&dp.node, dp.host.as_mut()) else {
+                return Err(EnrollError::Pin {
+                    what: spec.pin_name(),
+                    reason: "no node netns or host-side program".into(),
+                });
+            };
+            node.netns.run(|| {
+                attach_tc_ordered(
+                    prog,
+                    &peer.host_iface,
+                    TcAttachType::Egress,
+                    LinkOrder::first(),
+                )
+            })??
         }
     };
     pin(link, &dir.join(spec.pin_name()))
@@ -307,7 +350,8 @@ pub fn repair(dp: &mut Dataplane, cookie: u64, takeover: bool) -> Result<Repair,
         source,
     })?;
     let mut relinked = Vec::new();
-    for spec in expected_links(&ifaces) {
+    let peers = host_peers(dp, &netns, &ifaces);
+    for spec in expected_links(&ifaces, &peers) {
         let pin_path = dir.join(spec.pin_name());
         if PinnedLink::from_pin(&pin_path).is_ok() {
             continue;
@@ -340,7 +384,9 @@ pub fn missing_links(dp: &Dataplane, cookie: u64) -> Result<Vec<String>, EnrollE
     let netns = open_pod_netns(&dp.maps, cookie)?;
     let path = dp.maps.meta(cookie).map(|m| m.netns).unwrap_or_default();
     let dir = dp.pins.pod(cookie);
-    Ok(expected_links(&pod_interfaces(&netns, &path)?)
+    let ifaces = pod_interfaces(&netns, &path)?;
+    let peers = host_peers(dp, &netns, &ifaces);
+    Ok(expected_links(&ifaces, &peers)
         .into_iter()
         .map(|spec| spec.pin_name())
         .filter(|name| PinnedLink::from_pin(dir.join(name)).is_err())
@@ -367,11 +413,22 @@ pub fn remove_orphan_pins(pins: &Pins, maps: &Maps) -> Result<usize, EnrollError
     Ok(n)
 }
 
-/// Attaches a tc program with a tcx link (in the calling thread's netns).
+/// Attaches a tc program with a tcx link (in the calling thread's netns),
+/// after the device's other programs.
 fn attach_tc(
     prog: &mut aya::programs::SchedClassifier,
     iface: &str,
     kind: TcAttachType,
+) -> Result<FdLink, EnrollError> {
+    attach_tc_ordered(prog, iface, kind, LinkOrder::default())
+}
+
+/// [`attach_tc`] at position `order` in the device's chain.
+fn attach_tc_ordered(
+    prog: &mut aya::programs::SchedClassifier,
+    iface: &str,
+    kind: TcAttachType,
+    order: LinkOrder,
 ) -> Result<FdLink, EnrollError> {
     let what = || format!("tc {kind:?} on {iface}");
     let aerr = |source| EnrollError::Attach {
@@ -379,7 +436,7 @@ fn attach_tc(
         source,
     };
     let id = prog
-        .attach_with_options(iface, kind, TcAttachOptions::TcxOrder(LinkOrder::default()))
+        .attach_with_options(iface, kind, TcAttachOptions::TcxOrder(order))
         .map_err(aerr)?;
     let link = prog.take_link(id).map_err(aerr)?;
     FdLink::try_from(link).map_err(|e| EnrollError::Pin {

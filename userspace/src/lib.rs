@@ -11,6 +11,7 @@ pub mod cni;
 pub mod control;
 pub mod enroll;
 pub mod fault;
+pub mod hostside;
 pub mod kube;
 pub mod lifecycle;
 pub mod loader;

@@ -7,10 +7,10 @@
 //!
 //! Layout under the bpffs root (default `/sys/fs/bpf/sluice`):
 //! ```text
-//! progs/{steer,egress,ingress,lo}   the four programs
-//! maps/{pod_state,pod_meta,pod_addrs,listeners,counters,flow_hints,stamp}
+//! progs/{steer,egress,ingress,lo,host}   the five programs
+//! maps/{pod_state,pod_meta,pod_addrs,listeners,counters,flow_hints,node_netns,stamp}
 //! maps_next/                        only during a migration
-//! pods/<netns cookie>/{steer,egress_<if>,ingress_<if>,lo}   a pod's links
+//! pods/<netns cookie>/{steer,egress_<if>,ingress_<if>,lo,host_<if>}   a pod's links
 //! ```
 
 use std::{
@@ -58,6 +58,7 @@ pub const PROG_STEER: &str = "sluice_steer";
 pub const PROG_EGRESS: &str = "sluice_egress";
 pub const PROG_INGRESS: &str = "sluice_ingress";
 pub const PROG_LO: &str = "sluice_lo";
+pub const PROG_HOST: &str = "sluice_host";
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -128,13 +129,19 @@ impl Pins {
     }
 }
 
-/// The node's dataplane: the four programs and the shared maps.
+/// The node's dataplane: the programs and the shared maps.
 pub struct Dataplane {
     pub pins: Pins,
     pub steer: SkLookup,
     pub egress: SchedClassifier,
     pub ingress: SchedClassifier,
     pub lo: SchedClassifier,
+    /// The host-side program; `None` only on pins of a build before it that
+    /// this (non-upgrading) process adopted.
+    pub host: Option<SchedClassifier>,
+    /// The node's netns, where the host side of pods' interfaces lives; set
+    /// by [`Dataplane::set_node`]. Without it no host-side link is attached.
+    pub node: Option<crate::hostside::Node>,
     pub maps: Maps,
     /// What this process found pinned when it started.
     pub adoption: Adoption,
@@ -192,6 +199,7 @@ fn program_of_link(pin_name: &str) -> Option<&'static str> {
         "lo" => Some(PROG_LO),
         n if n.starts_with("egress_") => Some(PROG_EGRESS),
         n if n.starts_with("ingress_") => Some(PROG_INGRESS),
+        n if n.starts_with("host_") => Some(PROG_HOST),
         _ => None,
     }
 }
@@ -272,7 +280,7 @@ impl Dataplane {
         }
         let next_dir = pins.root().join(MAPS_NEXT);
         // Leftovers of a replacement killed before its renames.
-        for name in [PROG_STEER, PROG_EGRESS, PROG_INGRESS, PROG_LO] {
+        for name in [PROG_STEER, PROG_EGRESS, PROG_INGRESS, PROG_LO, PROG_HOST] {
             let _ = fs::remove_file(pins.progs().join(format!("{name}{NEXT}")));
         }
         for e in fs::read_dir(&next_dir).into_iter().flatten().flatten() {
@@ -323,7 +331,7 @@ impl Dataplane {
                 .map_err(perr(PROG_STEER))?;
             p.load().map_err(perr(PROG_STEER))?;
         }
-        for name in [PROG_EGRESS, PROG_INGRESS, PROG_LO] {
+        for name in [PROG_EGRESS, PROG_INGRESS, PROG_LO, PROG_HOST] {
             let p: &mut SchedClassifier = ebpf
                 .program_mut(name)
                 .ok_or_else(|| missing(name))?
@@ -348,6 +356,15 @@ impl Dataplane {
                 ingress.info().map_err(perr(PROG_INGRESS))?.tag(),
             ),
             (PROG_LO, lo.info().map_err(perr(PROG_LO))?.tag()),
+            // Pins of a build before the host-side program have none: it
+            // counts as changed (pinned, no link to switch).
+            (
+                PROG_HOST,
+                match pinned_host(pins) {
+                    Some(h) => h.info().map_err(perr(PROG_HOST))?.tag(),
+                    None => 0,
+                },
+            ),
         ];
         // A program's tag ignores which maps it uses: after a migration every
         // program is replaced, since the new maps are only the new programs'.
@@ -504,6 +521,8 @@ impl Dataplane {
             egress,
             ingress,
             lo,
+            host: pinned_host(&pins),
+            node: None,
             maps: Maps::open_pinned(&pins.maps())?,
             pins,
             adoption: Adoption::Same,
@@ -529,9 +548,10 @@ impl Dataplane {
             let egress = load_prog::<SchedClassifier>(&mut ebpf, PROG_EGRESS, &pins)?;
             let ingress = load_prog::<SchedClassifier>(&mut ebpf, PROG_INGRESS, &pins)?;
             let lo = load_prog::<SchedClassifier>(&mut ebpf, PROG_LO, &pins)?;
-            Ok((steer, egress, ingress, lo))
+            let host = load_prog::<SchedClassifier>(&mut ebpf, PROG_HOST, &pins)?;
+            Ok((steer, egress, ingress, lo, host))
         })();
-        let (steer, egress, ingress, lo) = match result {
+        let (steer, egress, ingress, lo, host) = match result {
             Ok(p) => p,
             Err(e) => {
                 // Leave nothing half-loaded: the next attempt starts clean.
@@ -554,9 +574,40 @@ impl Dataplane {
             egress,
             ingress,
             lo,
+            host: Some(host),
+            node: None,
             maps,
             adoption: Adoption::Loaded,
         })
+    }
+}
+
+impl Dataplane {
+    /// Names the node's netns (where kubelet lives and the host side of pods'
+    /// veths is): from now on enrollments also attach the host-side program
+    /// there, and the programs learn its cookie.
+    pub fn set_node(
+        &mut self,
+        node: crate::hostside::Node,
+    ) -> Result<(), crate::hostside::HostSideError> {
+        if self.host.is_none() {
+            return Err(crate::hostside::HostSideError::NoProgram);
+        }
+        node.publish(&self.pins.maps())?;
+        self.node = Some(node);
+        Ok(())
+    }
+
+    /// How kubelet's probes reach pods without capture, in words.
+    pub fn probes(&self) -> String {
+        match &self.node {
+            Some(n) => format!(
+                "exempt when a socket of the node netns ({}, cookie {}) opens them, and from 169.254.7.127",
+                n.netns.path().display(),
+                n.cookie
+            ),
+            None => "exempt only from 169.254.7.127 / fd16:9254:7127:1337:ffff:ffff:ffff:ffff (istio-cni's host SNAT); other host connections are captured".into(),
+        }
     }
 }
 
@@ -574,7 +625,12 @@ fn incompatible(pins: &Pins) -> Option<String> {
     (!bad.is_empty()).then(|| bad.join("; "))
 }
 
-/// Handles on the four pinned programs.
+/// The pinned host-side program, if these pins have one.
+fn pinned_host(pins: &Pins) -> Option<SchedClassifier> {
+    SchedClassifier::from_pin(pins.progs().join(PROG_HOST)).ok()
+}
+
+/// Handles on the four pinned programs every build has.
 fn pinned_programs(
     pins: &Pins,
 ) -> Result<(SkLookup, SchedClassifier, SchedClassifier, SchedClassifier), LoadError> {
@@ -754,6 +810,7 @@ mod tests {
             ("counters", (5, 8, 48)),
             ("flow_hints", (9, 40, 24)),
             ("listeners", (18, 16, 4)),
+            ("node_netns", (2, 4, 8)),
             ("pod_addrs", (1, 20, 8)),
             ("pod_meta", (1, 8, 828)),
             ("pod_state", (1, 8, 24)),

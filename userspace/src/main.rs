@@ -168,6 +168,14 @@ enum Cmd {
         /// The DaemonSet's namespace (the agent's own).
         #[arg(long, env = "POD_NAMESPACE", default_value = "istio-system")]
         namespace: String,
+        /// The node's network namespace: where kubelet and other host
+        /// processes live and the host side of pods' veths is. Connections
+        /// its own sockets open to a pod (kubelet's HTTP/TCP probes) are not
+        /// captured; forwarded ones are. The default is the agent's own
+        /// (a hostNetwork pod). `off`: only probes from 169.254.7.127 (what
+        /// istio-cni's host rules SNAT them to) are exempt.
+        #[arg(long, default_value = "/proc/self/ns/net", env = "SLUICE_NODE_NETNS")]
+        node_netns: String,
     },
     /// Mark the node condition False (AgentNotRunning) when the agent stops
     /// answering /readyz: covers agent crashes. Runs beside the agent.
@@ -384,6 +392,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             orphan_grace,
             daemonset,
             namespace,
+            node_netns,
         } => {
             init_tracing();
             anyhow::ensure!(
@@ -425,6 +434,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 },
                 orphan_grace,
                 daemonset: daemonset.map(|d| (namespace, d)),
+                node_netns: (node_netns != "off").then(|| PathBuf::from(node_netns)),
             })?;
         }
         Cmd::Watchdog {

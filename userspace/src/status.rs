@@ -60,6 +60,9 @@ pub fn node_lines(n: &NodeView) -> String {
             if !a.dataplane.is_empty() {
                 let _ = writeln!(out, "dataplane:  {}", a.dataplane);
             }
+            if !a.probes.is_empty() {
+                let _ = writeln!(out, "probes:     {}", a.probes);
+            }
             let zt = if a.ztunnel_connected {
                 "connected"
             } else {

@@ -15,6 +15,7 @@ use sluice_tests::{
     flow::{connect, udp, Held, Opts, Reached},
     harness::{Fixture, APP_PORT, REMOTE_PORT, UDP_PORT},
     istio,
+    routed::Behind,
     standin::Bind,
     topology::Family,
 };
@@ -22,15 +23,21 @@ use sluice_tests::{
 use crate::{trial, TestResult};
 
 pub fn trials() -> Vec<Trial> {
-    [Family::V4, Family::V6]
-        .into_iter()
-        .map(|fam| {
-            trial(
-                format!("differential::{}::istio_rules_vs_sluice", fam.name()),
-                move || differential(fam),
-            )
-        })
-        .collect()
+    let mut v = Vec::new();
+    for fam in [Family::V4, Family::V6] {
+        v.push(trial(
+            format!("differential::{}::istio_rules_vs_sluice", fam.name()),
+            move || differential(fam),
+        ));
+        v.push(trial(
+            format!(
+                "differential::{}::host_probes_istio_rules_vs_sluice",
+                fam.name()
+            ),
+            move || host_probes(fam),
+        ));
+    }
+    v
 }
 
 /// What one connection attempt came to, in terms both twins share.
@@ -356,5 +363,77 @@ fn differential(fam: Family) -> TestResult {
             "{name}: sluice must drop the SYN, got {s}"
         );
     }
+    Ok(())
+}
+
+/// Kubelet's probes: Istio's host rule (SNAT of local sockets' TCP to a pod,
+/// to 169.254.7.127) plus its in-pod rules in one twin, sluice with the
+/// host-side program in the other; the client netns plays the node and a
+/// netns behind it stands for forwarded (masqueraded) traffic.
+fn host_probes(fam: Family) -> TestResult {
+    let sluice = Fixture::new("dhs", Some(Bind::DualStack))?;
+    let istio_twin = Fixture::new("dhi", Some(Bind::DualStack))?;
+    let pod = |f: &Fixture, fam: Family| f.topo.pod_ip(fam);
+    let (IpAddr::V4(v4), IpAddr::V6(v6)) =
+        (pod(&istio_twin, Family::V4), pod(&istio_twin, Family::V6))
+    else {
+        anyhow::bail!("pod addresses of the wrong family");
+    };
+    // Before the masquerade rule of `Behind`, which the SNAT chain precedes.
+    istio::apply_host_probe_snat(&istio_twin.topo.client, v4, v6)?;
+    istio::apply(&istio_twin.topo.pod)?;
+    ensure!(sluice.enroll_with_node()?.state == PodState::Enabled);
+    let behind = [Behind::new(&istio_twin.topo)?, Behind::new(&sluice.topo)?];
+
+    let app = SocketAddr::new(fam.pod(), APP_PORT);
+    let node_socket = |f: &Fixture| {
+        observe(
+            f,
+            &(Box::new(move |f: &Fixture| connect(&f.topo.client, app, Opts::default())) as Flow),
+        )
+    };
+    let (i, s) = (node_socket(&istio_twin), node_socket(&sluice));
+    println!("\n{} host probes: Istio's rules vs sluice", fam.name());
+    println!("| row | Istio rules | sluice |\n|---|---|---|");
+    println!("| I3h node socket → pod:P | {i} | {s} |");
+    // Neither captures; the app sees the probe address under Istio (its
+    // SNAT), the node's own address under sluice (no NAT: as without a mesh).
+    ensure!(
+        i == Outcome {
+            captured: None,
+            end: End::Service {
+                port: APP_PORT,
+                peer: fam.probe()
+            }
+        },
+        "Istio twin, node socket: {i}"
+    );
+    ensure!(
+        s == Outcome {
+            captured: None,
+            end: End::Service {
+                port: APP_PORT,
+                peer: fam.client()
+            }
+        },
+        "sluice, node socket: {s}"
+    );
+    let forwarded = |f: &Fixture, b: &Behind| {
+        let ns = b.ns.clone();
+        observe(
+            f,
+            &(Box::new(move |_: &Fixture| connect(&ns, app, Opts::default())) as Flow),
+        )
+    };
+    let (i, s) = (
+        forwarded(&istio_twin, &behind[0]),
+        forwarded(&sluice, &behind[1]),
+    );
+    println!("| I3f forwarded, masqueraded → pod:P | {i} | {s} |");
+    ensure!(i == s, "forwarded: Istio {i}, sluice {s}");
+    ensure!(
+        i.captured == Some((Role::Inbound, app)),
+        "forwarded traffic must be captured: {i}"
+    );
     Ok(())
 }

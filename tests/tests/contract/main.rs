@@ -11,6 +11,7 @@ mod cycles;
 mod differential;
 mod kube;
 mod lifecycle;
+mod probes;
 mod readiness;
 mod served;
 
@@ -35,6 +36,7 @@ fn main() {
     trials.extend(contract_rows::trials());
     trials.extend(differential::trials());
     trials.extend(lifecycle::trials());
+    trials.extend(probes::trials());
     trials.extend(agent::trials());
     trials.extend(crash::trials());
     trials.extend(cni::trials());

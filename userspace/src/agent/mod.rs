@@ -50,6 +50,8 @@ pub struct Config {
     /// The agents' DaemonSet (namespace, name), watched for uninstall (with
     /// `node_name`).
     pub daemonset: Option<(String, String)>,
+    /// The node's netns, for host-originated probes (`None`: address-only).
+    pub node_netns: Option<PathBuf>,
 }
 
 /// The API client, once `node` is known to name this host (refused when it
@@ -216,7 +218,7 @@ async fn hold_incompatible(cfg: Config, why: String) -> anyhow::Result<()> {
 }
 
 async fn serve(cfg: Config) -> anyhow::Result<()> {
-    let dp = match Dataplane::load_adopt_or_upgrade(cfg.pins.clone()) {
+    let mut dp = match Dataplane::load_adopt_or_upgrade(cfg.pins.clone()) {
         Ok(dp) => dp,
         Err(crate::loader::LoadError::Incompatible(why)) => {
             return hold_incompatible(cfg, why).await
@@ -227,6 +229,14 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         crate::loader::Adoption::Kept(_) => warn!(dataplane = %dp.adoption, "dataplane"),
         a => info!(dataplane = %a, "dataplane"),
     }
+    if let Some(path) = &cfg.node_netns {
+        let node = crate::hostside::Node::open(path)
+            .with_context(|| format!("--node-netns {}", path.display()))?;
+        if let Some(why) = dp.set_node(node).err() {
+            warn!(error = %why, "host-originated probes stay captured");
+        }
+    }
+    info!(probes = %dp.probes(), "kubelet probes");
     let hub = Arc::new(Hub::default());
     let kube = match &cfg.node_name {
         Some(node) => Some(kube::KubeCtx {

@@ -92,16 +92,25 @@ impl Node {
                         message: crate::one_line(&e),
                     })
             }
-            Request::Status => Response::Node(NodeStatus {
-                condition_type: self.report.condition_type.clone(),
-                condition: self.report.condition(),
-                ztunnel_connected: self.hub.is_connected(),
-                ztunnels: self.ztunnels(),
-                waiting: self.waiting(),
-                served_check: self.served.mode(),
-                dataplane: self.dp.lock().unwrap().adoption.to_string(),
-                uninstall: self.uninstall_state().to_string(),
-            }),
+            Request::Status => {
+                // One lock: a second in the same expression would deadlock
+                // (temporaries live to the end of the statement).
+                let (dataplane, probes) = {
+                    let dp = self.dp.lock().unwrap();
+                    (dp.adoption.to_string(), dp.probes())
+                };
+                Response::Node(NodeStatus {
+                    condition_type: self.report.condition_type.clone(),
+                    condition: self.report.condition(),
+                    ztunnel_connected: self.hub.is_connected(),
+                    ztunnels: self.ztunnels(),
+                    waiting: self.waiting(),
+                    served_check: self.served.mode(),
+                    dataplane,
+                    probes,
+                    uninstall: self.uninstall_state().to_string(),
+                })
+            }
             Request::CniCheck { pod } => {
                 self.cni_check(&pod)
                     .await

@@ -1,0 +1,147 @@
+//! A client that reaches a pod only through the node: a netns "behind" the
+//! topology's client netns (which then plays the node), whose connections
+//! the node forwards and masquerades to its own address — what kube-proxy
+//! does to NodePort traffic with `externalTrafficPolicy: Cluster`. Removed
+//! on drop; the masquerade rules go with the node netns.
+
+use std::{
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    process::Command,
+};
+
+use anyhow::ensure;
+
+use crate::topology::{ip, Family, Topology};
+
+pub struct Behind {
+    pub ns: String,
+    subnet: u8,
+}
+
+impl Behind {
+    /// Builds the netns, its veth to the node (`veth-r` there) and the
+    /// node's forwarding and masquerade (both families).
+    pub fn new(topo: &Topology) -> anyhow::Result<Self> {
+        let b = Self {
+            ns: topo.client.replacen("slc-", "slr-", 1),
+            subnet: topo.subnet,
+        };
+        ip(&["netns", "add", &b.ns])?;
+        // From here on, Drop removes the netns (and the veth with it).
+        b.build(&topo.client)?;
+        Ok(b)
+    }
+
+    fn build(&self, node: &str) -> anyhow::Result<()> {
+        let r = self.ns.as_str();
+        ip(&[
+            "link", "add", "veth-r", "netns", node, "type", "veth", "peer", "name", "eth0",
+            "netns", r,
+        ])?;
+        ip(&["-n", r, "link", "set", "lo", "up"])?;
+        ip(&["-n", r, "link", "set", "eth0", "up"])?;
+        ip(&["-n", node, "link", "set", "veth-r", "up"])?;
+        let (n4, r4) = (self.node_ip(Family::V4), self.ip(Family::V4));
+        let (n6, r6) = (self.node_ip(Family::V6), self.ip(Family::V6));
+        ip(&[
+            "-n",
+            node,
+            "addr",
+            "add",
+            &format!("{n4}/24"),
+            "dev",
+            "veth-r",
+        ])?;
+        ip(&["-n", r, "addr", "add", &format!("{r4}/24"), "dev", "eth0"])?;
+        ip(&[
+            "-n",
+            node,
+            "addr",
+            "add",
+            &format!("{n6}/64"),
+            "dev",
+            "veth-r",
+            "nodad",
+        ])?;
+        ip(&[
+            "-n",
+            r,
+            "addr",
+            "add",
+            &format!("{r6}/64"),
+            "dev",
+            "eth0",
+            "nodad",
+        ])?;
+        ip(&["-n", r, "route", "add", "default", "via", &n4.to_string()])?;
+        ip(&[
+            "-n",
+            r,
+            "-6",
+            "route",
+            "add",
+            "default",
+            "via",
+            &n6.to_string(),
+        ])?;
+        for (tool, sysctl) in [
+            ("iptables", "net.ipv4.ip_forward=1"),
+            ("ip6tables", "net.ipv6.conf.all.forwarding=1"),
+        ] {
+            run(node, &["sysctl", "-qw", sysctl])?;
+            run(
+                node,
+                &[
+                    tool,
+                    "-w",
+                    "-t",
+                    "nat",
+                    "-A",
+                    "POSTROUTING",
+                    "-o",
+                    "veth-c",
+                    "-j",
+                    "MASQUERADE",
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// This client's own address.
+    pub fn ip(&self, fam: Family) -> IpAddr {
+        match fam {
+            Family::V4 => Ipv4Addr::new(10, 201, self.subnet, 2).into(),
+            Family::V6 => Ipv6Addr::new(0xfd00, 0x201, self.subnet.into(), 0, 0, 0, 0, 2).into(),
+        }
+    }
+
+    /// The node's address on this client's side.
+    fn node_ip(&self, fam: Family) -> IpAddr {
+        match fam {
+            Family::V4 => Ipv4Addr::new(10, 201, self.subnet, 1).into(),
+            Family::V6 => Ipv6Addr::new(0xfd00, 0x201, self.subnet.into(), 0, 0, 0, 0, 1).into(),
+        }
+    }
+}
+
+/// Runs a command inside netns `ns`.
+fn run(ns: &str, cmd: &[&str]) -> anyhow::Result<()> {
+    let out = Command::new("ip")
+        .args(["netns", "exec", ns])
+        .args(cmd)
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "{} (in {ns}): {}",
+        cmd.join(" "),
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    Ok(())
+}
+
+impl Drop for Behind {
+    fn drop(&mut self) {
+        let _ = ip(&["netns", "del", &self.ns]);
+    }
+}

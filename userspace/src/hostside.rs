@@ -1,0 +1,277 @@
+//! The host side of a pod's interfaces: the node's netns, and the veth peer of
+//! each pod interface in it. A tc program on that peer's egress sees which
+//! SYNs a socket of the node itself sent (kubelet's probes) — the one place
+//! where that origin is still visible — and exempts them from capture.
+//!
+//! A peer counts only when both ends agree: the pod interface's link (index
+//! and netns id) names the node's interface, and that interface's link names
+//! the pod's back. An interface with no such peer (no veth, or a peer in
+//! another netns) gets no host-side link; its pod keeps the address-only
+//! probe exemption (169.254.7.127).
+
+use std::{os::fd::AsRawFd, path::Path};
+
+use aya::maps::{Array, MapData};
+use netlink_packet_core::{
+    NetlinkHeader, NetlinkMessage, NetlinkPayload, NLM_F_ACK, NLM_F_REQUEST,
+};
+use netlink_packet_route::{
+    link::{InfoKind, LinkAttribute, LinkInfo, LinkMessage},
+    nsid::{NsidAttribute, NsidMessage},
+    RouteNetlinkMessage,
+};
+use netlink_sys::{protocols::NETLINK_ROUTE, Socket};
+
+use crate::netns::{Netns, NetnsError};
+
+/// Name of the map holding the node's netns cookie.
+pub const NODE_MAP: &str = "node_netns";
+
+#[derive(Debug, thiserror::Error)]
+pub enum HostSideError {
+    #[error(transparent)]
+    Netns(#[from] NetnsError),
+    #[error("rtnetlink {what}: {source}")]
+    Netlink {
+        what: &'static str,
+        source: std::io::Error,
+    },
+    #[error(
+        "the pinned dataplane predates the host-side program (an agent of this build loads it)"
+    )]
+    NoProgram,
+    #[error("writing the node netns cookie to {path}: {reason}")]
+    Map { path: String, reason: String },
+}
+
+/// The node's network namespace: where host processes (kubelet) live and
+/// the host side of pods' interfaces is.
+#[derive(Debug)]
+pub struct Node {
+    pub netns: Netns,
+    pub cookie: u64,
+}
+
+impl Node {
+    /// Opens the node netns at `path` (for the agent: its own, as a
+    /// hostNetwork pod; tests pass a netns that plays the node).
+    pub fn open(path: &Path) -> Result<Self, HostSideError> {
+        let netns = Netns::open(path)?;
+        let cookie = netns.cookie()?;
+        Ok(Self { netns, cookie })
+    }
+
+    /// Tells the host-side program which netns is the node's.
+    pub fn publish(&self, maps_dir: &Path) -> Result<(), HostSideError> {
+        let path = maps_dir.join(NODE_MAP);
+        let err = |reason: String| HostSideError::Map {
+            path: path.display().to_string(),
+            reason,
+        };
+        let data = MapData::from_pin(&path).map_err(|e| err(e.to_string()))?;
+        let mut map: Array<MapData, u64> =
+            Array::try_from(aya::maps::Map::Array(data)).map_err(|e| err(e.to_string()))?;
+        map.set(0, self.cookie, 0).map_err(|e| err(e.to_string()))
+    }
+}
+
+/// The node-side peer of one pod interface.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostPeer {
+    pub pod_iface: String,
+    /// The peer's name and index in the node netns.
+    pub host_iface: String,
+    pub host_index: u32,
+}
+
+/// One interface as rtnetlink describes it.
+#[derive(Debug, Clone, Default)]
+struct Link {
+    index: u32,
+    name: String,
+    veth: bool,
+    /// IFLA_LINK: the peer's index (in the peer's netns).
+    peer_index: Option<u32>,
+    /// IFLA_LINK_NETNSID: the peer's netns, as this netns numbers it.
+    peer_nsid: Option<i32>,
+}
+
+impl Link {
+    fn from_message(m: &LinkMessage) -> Self {
+        let mut l = Link {
+            index: m.header.index,
+            ..Link::default()
+        };
+        for a in &m.attributes {
+            match a {
+                LinkAttribute::IfName(n) => l.name = n.clone(),
+                LinkAttribute::Link(i) => l.peer_index = Some(*i),
+                LinkAttribute::NetnsId(id) => l.peer_nsid = Some(*id),
+                LinkAttribute::LinkInfo(infos) => {
+                    l.veth = infos
+                        .iter()
+                        .any(|i| matches!(i, LinkInfo::Kind(InfoKind::Veth)));
+                }
+                _ => {}
+            }
+        }
+        l
+    }
+}
+
+/// The node-side peers of the pod's interfaces `ifaces` that have one.
+pub fn peers(pod: &Netns, node: &Node, ifaces: &[String]) -> Result<Vec<HostPeer>, HostSideError> {
+    // Seen from the pod: each interface, and the id it gives the node netns.
+    let node_fd = raw_fd(&node.netns);
+    let (links, node_id) = pod.run(|| -> Result<_, HostSideError> {
+        let nl = Rtnl::open()?;
+        let mut links = Vec::new();
+        for i in ifaces {
+            if let Some(l) = nl.link_by_name(i)? {
+                links.push(l);
+            }
+        }
+        Ok((links, nl.nsid_of(node_fd)?))
+    })??;
+    let Some(node_id) = node_id else {
+        return Ok(Vec::new());
+    };
+    let candidates: Vec<Link> = links
+        .into_iter()
+        .filter(|l| l.veth && l.peer_nsid == Some(node_id) && l.peer_index.is_some())
+        .collect();
+    if candidates.is_empty() {
+        return Ok(Vec::new());
+    }
+    // Seen from the node: the peer points back at the pod interface.
+    let pod_fd = raw_fd(pod);
+    node.netns.run(|| -> Result<_, HostSideError> {
+        let nl = Rtnl::open()?;
+        let Some(pod_id) = nl.nsid_of(pod_fd)? else {
+            return Ok(Vec::new());
+        };
+        let mut out = Vec::new();
+        for l in candidates {
+            let Some(peer) = nl.link_by_index(l.peer_index.unwrap_or(0))? else {
+                continue;
+            };
+            if peer.veth && peer.peer_index == Some(l.index) && peer.peer_nsid == Some(pod_id) {
+                out.push(HostPeer {
+                    pod_iface: l.name,
+                    host_iface: peer.name,
+                    host_index: peer.index,
+                });
+            }
+        }
+        Ok(out)
+    })?
+}
+
+/// A blocking rtnetlink socket in the calling thread's netns (one request at
+/// a time: a handful per enrollment, no runtime needed).
+struct Rtnl {
+    sock: Socket,
+}
+
+impl Rtnl {
+    fn open() -> Result<Self, HostSideError> {
+        let err = |source| HostSideError::Netlink {
+            what: "socket",
+            source,
+        };
+        let mut sock = Socket::new(NETLINK_ROUTE).map_err(err)?;
+        sock.bind_auto().map_err(err)?;
+        sock.connect(&netlink_sys::SocketAddr::new(0, 0))
+            .map_err(err)?;
+        Ok(Self { sock })
+    }
+
+    /// Sends one request and returns its one answer; `Ok(None)` when the
+    /// kernel answers ENODEV/ENOENT (no such link, no id).
+    fn request(
+        &self,
+        what: &'static str,
+        msg: RouteNetlinkMessage,
+    ) -> Result<Option<RouteNetlinkMessage>, HostSideError> {
+        let err = |source| HostSideError::Netlink { what, source };
+        let mut header = NetlinkHeader::default();
+        header.flags = NLM_F_REQUEST | NLM_F_ACK;
+        header.sequence_number = 1;
+        let mut nl = NetlinkMessage::new(header, NetlinkPayload::from(msg));
+        nl.finalize();
+        let mut buf = vec![0u8; nl.buffer_len()];
+        nl.serialize(&mut buf);
+        self.sock.send(&buf, 0).map_err(err)?;
+        let mut answer = None;
+        loop {
+            let mut rbuf: Vec<u8> = Vec::with_capacity(1 << 16);
+            let n = self.sock.recv(&mut rbuf, 0).map_err(err)?;
+            let mut off = 0;
+            while off < n {
+                let m = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&rbuf[off..n])
+                    .map_err(|e| err(std::io::Error::other(e.to_string())))?;
+                let len = m.header.length as usize;
+                match m.payload {
+                    NetlinkPayload::InnerMessage(inner) => answer = Some(inner),
+                    NetlinkPayload::Error(e) => {
+                        return match e.code {
+                            None => Ok(answer),
+                            Some(c) if [libc::ENODEV, libc::ENOENT].contains(&-c.get()) => Ok(None),
+                            Some(_) => Err(err(e.to_io())),
+                        }
+                    }
+                    NetlinkPayload::Done(_) => return Ok(answer),
+                    _ => {}
+                }
+                if len == 0 {
+                    break;
+                }
+                off += len;
+            }
+        }
+    }
+
+    fn link(&self, msg: LinkMessage) -> Result<Option<Link>, HostSideError> {
+        Ok(
+            match self.request("get link", RouteNetlinkMessage::GetLink(msg))? {
+                Some(RouteNetlinkMessage::NewLink(m)) => Some(Link::from_message(&m)),
+                _ => None,
+            },
+        )
+    }
+
+    fn link_by_name(&self, name: &str) -> Result<Option<Link>, HostSideError> {
+        let mut msg = LinkMessage::default();
+        msg.attributes.push(LinkAttribute::IfName(name.to_owned()));
+        self.link(msg)
+    }
+
+    fn link_by_index(&self, index: u32) -> Result<Option<Link>, HostSideError> {
+        let mut msg = LinkMessage::default();
+        msg.header.index = index;
+        self.link(msg)
+    }
+
+    /// The id this netns gives the netns open as `fd`, if it has one.
+    fn nsid_of(&self, fd: i32) -> Result<Option<i32>, HostSideError> {
+        let mut msg = NsidMessage::default();
+        msg.attributes.push(NsidAttribute::Fd(fd as u32));
+        Ok(
+            match self.request("get netns id", RouteNetlinkMessage::GetNsId(msg))? {
+                Some(RouteNetlinkMessage::NewNsId(m)) => {
+                    m.attributes.iter().find_map(|a| match a {
+                        NsidAttribute::Id(id) if *id >= 0 => Some(*id),
+                        _ => None,
+                    })
+                }
+                _ => None,
+            },
+        )
+    }
+}
+
+/// A netns's raw fd, for requests that name a netns by fd (valid while
+/// `ns` lives).
+fn raw_fd(ns: &Netns) -> i32 {
+    std::os::fd::AsFd::as_fd(ns).as_raw_fd()
+}
