@@ -185,7 +185,8 @@ FULL = {
     "bpfRoot": "/sys/fs/bpf/sluice-test",
     "controlSocket": "/run/sluice-test/agent.sock",
     "zdsSocket": "/var/run/ztunnel-test/ztunnel.sock",
-    "cni": {"install": True, "confDir": "/etc/cni/net.d.test", "binDir": "/home/kubernetes/bin"},
+    "cni": {"install": True, "confDir": "/etc/cni/net.d.test", "binDir": "/home/kubernetes/bin",
+            "excludeNamespaces": ["kube-system", "monitoring"]},
     "probes": {"hostSide": False},
     "readiness": {
         "conditionType": "example.com/Redirection",
@@ -243,6 +244,7 @@ MINIMAL = {
 
 BAD = {
     "bpfRoot outside /sys/fs/bpf": {"bpfRoot": "/tmp/bpf"},
+    "unknown platform": {"platform": "aks-classic"},
     "unknown enforcementMode": {"nodeReadinessRule": {"enabled": True, "enforcementMode": "sometimes"}},
     "metrics.address off (the probes need the listener)": {"metrics": {"address": "off"}},
 }
@@ -320,6 +322,7 @@ def check_full(objs):
         "--metrics-addr=127.0.0.1:15031",
         "--some-flag=x",
         "--node-netns=off",
+        "--exclude-namespaces=kube-system,monitoring",
     ]:
         expect("full", flag in a, f"agent args lack {flag}: {a}")
     w = args_of(ds, "watchdog")
@@ -368,6 +371,45 @@ def check_minimal(objs):
     expect("minimal", pod["serviceAccountName"] == "existing", "serviceAccountName")
     expect("minimal", "NodeReadinessRule" not in objs, "NodeReadinessRule rendered by default")
     ok("chart (minimal): optional parts are left out")
+
+
+def check_platforms(chart):
+    """platform: the CNI dirs (flags, mounts, host paths), GKE's quota and
+    OpenShift's SELinux type; explicit cni dirs still win."""
+    cases = [
+        ("", "/etc/cni/net.d", "/opt/cni/bin"),
+        ("gke", "/etc/cni/net.d", "/home/kubernetes/bin"),
+        ("k3s", "/var/lib/rancher/k3s/agent/etc/cni/net.d", "/var/lib/rancher/k3s/data/cni"),
+        ("openshift", "/etc/cni/multus/net.d", "/var/lib/cni/bin"),
+    ]
+    for platform, conf, bin_dir in cases:
+        label = f"platform {platform or '(none)'}"
+        objs = render(chart, label, {"platform": platform})
+        if not objs:
+            continue
+        ds = objs["DaemonSet"][0]
+        a = args_of(ds, "agent")
+        expect(label, f"--cni-conf-dir={conf}" in a and f"--cni-bin-dir={bin_dir}" in a, f"agent args {a}")
+        vols = {x["name"]: x["hostPath"]["path"] for x in ds["spec"]["template"]["spec"]["volumes"]}
+        mounts = {m["name"]: m["mountPath"] for m in container(ds, "agent")["volumeMounts"]}
+        expect(label, vols["cni-conf"] == conf == mounts["cni-conf"]
+               and vols["cni-bin"] == bin_dir == mounts["cni-bin"], f"volumes {vols} mounts {mounts}")
+        quota = objs.get("ResourceQuota", [])
+        expect(label, bool(quota) == (platform == "gke"), f"ResourceQuota {quota}")
+        if quota:
+            sel = quota[0]["spec"]["scopeSelector"]["matchExpressions"][0]
+            expect(label, sel["scopeName"] == "PriorityClass" and sel["values"] == ["system-node-critical"],
+                   f"quota scope {sel}")
+        se = container(ds, "agent")["securityContext"].get("seLinuxOptions")
+        expect(label, se == ({"type": "spc_t"} if platform == "openshift" else None), f"seLinuxOptions {se}")
+    objs = render(chart, "platform gke, explicit dirs",
+                  {"platform": "gke", "cni": {"binDir": "/opt/x/bin"}, "agent": {"seLinuxOptions": {"level": "s0"}}})
+    if objs:
+        ds = objs["DaemonSet"][0]
+        expect("explicit dirs", "--cni-bin-dir=/opt/x/bin" in args_of(ds, "agent"), "cni.binDir does not win")
+        se = container(ds, "agent")["securityContext"].get("seLinuxOptions")
+        expect("explicit dirs", se == {"level": "s0"}, f"seLinuxOptions {se}")
+    ok("chart platforms: CNI dirs, GKE quota, OpenShift SELinux type")
 
 
 def check_rule_defaults(objs, plain):
@@ -443,6 +485,7 @@ def check_chart(chart_dir, plain):
         check_minimal(minimal)
     if rule:
         check_rule_defaults(rule, plain)
+    check_platforms(chart)
     for label, values in BAD.items():
         try:
             chart.render(values, name=RELEASE, namespace=NAMESPACE)
@@ -489,10 +532,17 @@ def check_kind_skips(root):
     installed but no engine answers (stubs: the real suite never starts)."""
     script = os.path.join(root, "tests", "kind", "run.sh")
     stub = "#!/bin/sh\n" + 'echo "Cannot connect to the Docker daemon" >&2; exit 1\n'
+    # `docker info --format ...` of an engine with this kernel and options.
+    engine = lambda answer: "#!/bin/sh\n" + f"echo '{answer}'\n"
+    tools = lambda docker: {"docker": docker, "kind": stub, "kubectl": stub, "helm": stub}
     cases = [
         ("without its tools", {}, "skipped: needs Docker and kind (missing: docker kind kubectl helm)"),
-        ("without a Docker engine", {"docker": stub, "kind": stub, "kubectl": stub, "helm": stub},
+        ("without a Docker engine", tools(stub),
          "skipped: needs Docker and kind (docker info failed: Cannot connect to the Docker daemon)"),
+        ("under rootless Docker", tools(engine('6.18.1 ["name=seccomp,profile=builtin","name=rootless"]')),
+         "skipped: rootless Docker (kind nodes cannot load eBPF programs or use the host's bpffs)"),
+        ("with an engine on an old kernel", tools(engine('5.15.0-1052-azure ["name=seccomp,profile=builtin"]')),
+         "skipped: needs Linux >= 6.15 for sluice's programs (kind nodes share the Docker engine's kernel: 5.15.0-1052-azure)"),
     ]
     for label, stubs, want in cases:
         with tempfile.TemporaryDirectory() as bare:

@@ -257,6 +257,9 @@ pub enum HintVerdict {
     /// host process): the program on the host side of the pod's interface
     /// saw it leave; never captured (Istio's host-side probe rule).
     Host = 5,
+    /// An inbound SYN of a pod that asked for no inbound capture
+    /// (`ambient.istio.io/bypass-inbound-capture`): delivered as addressed.
+    Bypass = 6,
 }
 
 impl HintVerdict {
@@ -267,10 +270,17 @@ impl HintVerdict {
             3 => Some(Self::Inbound),
             4 => Some(Self::Hbone),
             5 => Some(Self::Host),
+            6 => Some(Self::Bypass),
             _ => None,
         }
     }
 }
+
+/// Bits of a pod's entry in the `pod_flags` map (absent entry: none set).
+pub const POD_FLAG_BYPASS_INBOUND: u32 = 1 << 0;
+/// Size of a `pod_reroute` value: interface names, comma-separated,
+/// NUL-padded (four 15-byte names fit).
+pub const REROUTE_LEN: usize = 64;
 
 /// Key of the flow-hint map: the connection as sk_lookup sees it
 /// (remote = the SYN's source, local = the SYN's destination). Pod addresses

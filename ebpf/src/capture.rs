@@ -13,8 +13,8 @@ use aya_ebpf::{
         tcx_action_base::TCX_NEXT, BPF_F_CURRENT_NETNS, BPF_F_INGRESS, TC_ACT_OK, TC_ACT_SHOT,
     },
     helpers::{
-        bpf_get_netns_cookie, bpf_ktime_get_ns, bpf_map_lookup_elem, bpf_redirect, bpf_sk_release,
-        bpf_skc_lookup_tcp,
+        bpf_get_netns_cookie, bpf_ktime_get_ns, bpf_map_lookup_elem, bpf_redirect, bpf_sk_assign,
+        bpf_sk_release, bpf_skc_lookup_tcp,
     },
     programs::TcContext,
     EbpfContext,
@@ -22,12 +22,12 @@ use aya_ebpf::{
 use core::ffi::c_void;
 use sluice_common::{
     AddrKey, Counters, FlowHint, FlowKey, HintVerdict, ListenerKey, Role, FAMILY_V4, MARK_MASK,
-    MARK_REDIRECT, MARK_ZTUNNEL, PORT_HBONE,
+    MARK_REDIRECT, MARK_ZTUNNEL, POD_FLAG_BYPASS_INBOUND, PORT_HBONE, PORT_OUTBOUND,
 };
 
 use crate::{
     addr::{is_loopback, is_probe},
-    maps::{count, FLOW_HINTS, LISTENERS, NODE_NETNS, POD_ADDRS, POD_STATE},
+    maps::{count, FLOW_HINTS, LISTENERS, NODE_NETNS, POD_ADDRS, POD_FLAGS, POD_STATE},
     packet::{parse, parse_tcp, Parsed, Tcp},
 };
 
@@ -142,6 +142,12 @@ pub fn ingress(ctx: &TcContext) -> i32 {
     if host_hinted(cookie, &t) {
         return TC_OK;
     }
+    // Row I6: the pod asked for no inbound capture (Istio's "ingress mode"):
+    // its SYNs go where they are addressed; HBONE still reaches ztunnel.
+    if t.dport != PORT_HBONE && pod_flags(cookie) & POD_FLAG_BYPASS_INBOUND != 0 {
+        put_hint(cookie, &t, HintVerdict::Bypass);
+        return TC_OK;
+    }
     let Some(pod) = (unsafe { POD_STATE.get(cookie) }) else {
         return TC_OK;
     };
@@ -160,6 +166,85 @@ pub fn ingress(ctx: &TcContext) -> i32 {
     }
     put_hint(cookie, &t, verdict);
     TC_OK
+}
+
+/// Ingress on a pod interface named in `istio.io/reroute-virtual-interfaces`
+/// (a VM's tap in the pod, KubeVirt): TCP arriving there is the VM's
+/// outbound, captured to 15001 as Istio's `-i IFACE -j REDIRECT --to-ports
+/// 15001` does (row I7). The SYN is assigned to ztunnel's 15001 listener
+/// (found in this netns through loopback, which sk_lookup leaves alone) and
+/// marked for local delivery; the listener's netns names the pod. Later
+/// packets of flows ztunnel terminates are delivered locally the same way;
+/// no listener, or a pod that does not steer, drops the SYN (fail closed).
+pub fn reroute_ingress(ctx: &TcContext) -> i32 {
+    let t = match parse(ctx) {
+        Parsed::Tcp(t) => t,
+        Parsed::Other => return TC_OK,
+        // A SYN could hide there: nothing opaque passes a captured interface.
+        Parsed::Opaque => return TC_SHOT,
+    };
+    if !t.is_syn() {
+        if terminated_locally(ctx, &t) {
+            ctx.set_mark((mark(ctx) & !MARK_MASK) | MARK_REDIRECT);
+        }
+        return TC_OK;
+    }
+    let Some(listener) = outbound_listener(ctx, &t) else {
+        return TC_SHOT;
+    };
+    let assigned = unsafe { bpf_sk_assign(ctx.as_ptr(), listener, 0) };
+    unsafe { bpf_sk_release(listener) };
+    if assigned != 0 {
+        return TC_SHOT;
+    }
+    // The packet's socket is now the listener: its netns is the pod's.
+    let cookie = netns_cookie(ctx);
+    if !unsafe { POD_STATE.get(cookie) }.is_some_and(|p| p.steers()) {
+        count(cookie, |c: &mut Counters| &mut c.dropped_fail_closed);
+        return TC_SHOT;
+    }
+    count(cookie, |c: &mut Counters| &mut c.captured_outbound);
+    ctx.set_mark((mark(ctx) & !MARK_MASK) | MARK_REDIRECT);
+    TC_OK
+}
+
+/// The 15001 listener of this netns (referenced: the caller releases it),
+/// looked up at loopback so that sk_lookup passes the lookup through.
+#[inline(always)]
+fn outbound_listener(ctx: &TcContext, t: &Tcp) -> Option<*mut c_void> {
+    let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
+    let size = if t.family == FAMILY_V4 {
+        let v4 = unsafe { &mut tuple.__bindgen_anon_1.ipv4 };
+        v4.saddr = t.saddr[0];
+        v4.daddr = u32::from_ne_bytes([127, 0, 0, 1]);
+        v4.sport = t.sport.to_be();
+        v4.dport = PORT_OUTBOUND.to_be();
+        core::mem::size_of_val(v4)
+    } else {
+        let v6 = unsafe { &mut tuple.__bindgen_anon_1.ipv6 };
+        v6.saddr = t.saddr;
+        v6.daddr = [0, 0, 0, u32::from_ne_bytes([0, 0, 0, 1])];
+        v6.sport = t.sport.to_be();
+        v6.dport = PORT_OUTBOUND.to_be();
+        core::mem::size_of_val(v6)
+    };
+    let sk = unsafe {
+        bpf_skc_lookup_tcp(
+            ctx.as_ptr(),
+            &mut tuple,
+            size as u32,
+            BPF_F_CURRENT_NETNS as u64,
+            0,
+        )
+    };
+    if sk.is_null() {
+        return None;
+    }
+    if unsafe { (*sk).state } != BPF_TCP_LISTEN {
+        unsafe { bpf_sk_release(sk as *mut c_void) };
+        return None;
+    }
+    Some(sk as *mut c_void)
 }
 
 /// Ingress on the pod's `lo`: Istio exempts `-i lo` traffic (the app to its own
@@ -211,6 +296,11 @@ pub fn host_egress(ctx: &TcContext) -> i32 {
         put_hint(cookie, &t, HintVerdict::Host);
     }
     TCX_NEXT
+}
+
+#[inline(always)]
+fn pod_flags(cookie: u64) -> u32 {
+    unsafe { POD_FLAGS.get(cookie) }.copied().unwrap_or(0)
 }
 
 /// Did the host-side program hint this SYN as the node's own (for this pod)?

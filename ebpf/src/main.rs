@@ -3,6 +3,8 @@
 //! - `sluice_egress`  (tcx egress, pod interface): captures outbound TCP;
 //! - `sluice_ingress` (tcx ingress, pod interface): fails closed on inbound SYNs;
 //! - `sluice_lo`      (tcx ingress, pod `lo`): marks in-pod connections as exempt;
+//! - `sluice_reroute` (tcx ingress, a pod's virtual interface, e.g. a VM's
+//!   tap): the VM's TCP is the pod's outbound, captured to 15001;
 //! - `sluice_host`    (tcx egress, the host side of a pod's veth, in the node
 //!   netns): marks connections the node's own sockets open (kubelet's probes)
 //!   as exempt.
@@ -57,6 +59,15 @@ pub fn sluice_lo(ctx: TcContext) -> i32 {
         return aya_ebpf::bindings::TC_ACT_OK;
     }
     capture::lo_ingress(&ctx)
+}
+
+#[classifier]
+pub fn sluice_reroute(ctx: TcContext) -> i32 {
+    #[cfg(feature = "upgrade-variant")]
+    if ctx.len() == u32::MAX {
+        return aya_ebpf::bindings::TC_ACT_OK;
+    }
+    capture::reroute_ingress(&ctx)
 }
 
 #[classifier]

@@ -6,7 +6,9 @@ use aya_ebpf::{
     macros::map,
     maps::{Array, HashMap, LruHashMap, PerCpuHashMap, SockHash},
 };
-use sluice_common::{AddrKey, Counters, FlowHint, FlowKey, ListenerKey, PodEntry, PodMeta, Stamp};
+use sluice_common::{
+    AddrKey, Counters, FlowHint, FlowKey, ListenerKey, PodEntry, PodMeta, Stamp, REROUTE_LEN,
+};
 
 /// Upper bound on pods per node (Kubernetes' default max-pods is 110).
 #[cfg(not(feature = "layout-variant"))]
@@ -52,6 +54,18 @@ pub static FLOW_HINTS: LruHashMap<FlowKey, FlowHint> = LruHashMap::pinned(8192, 
 /// Not preallocated: entries are large and few.
 #[map(name = "pod_meta")]
 pub static POD_META: HashMap<u64, PodMeta> = HashMap::pinned(MAX_PODS, BPF_F_NO_PREALLOC);
+
+/// Per-pod capture options from the pod's annotations (`POD_FLAG_*` bits),
+/// by netns cookie; no entry means none. Written by user space.
+#[map(name = "pod_flags")]
+pub static POD_FLAGS: HashMap<u64, u32> = HashMap::pinned(MAX_PODS, BPF_F_NO_PREALLOC);
+
+/// The interfaces of each pod whose TCP is rerouted to 15001
+/// (`istio.io/reroute-virtual-interfaces`). User space only: it decides
+/// which program each interface gets, also when a restarted agent repairs.
+#[map(name = "pod_reroute")]
+pub static POD_REROUTE: HashMap<u64, [u8; REROUTE_LEN]> =
+    HashMap::pinned(MAX_PODS, BPF_F_NO_PREALLOC);
 
 /// The node's netns cookie (entry 0; 0 = not set): the host-side program
 /// exempts SYNs whose socket lives there. Written by user space.

@@ -63,7 +63,8 @@ pub fn steer(ctx: &SkLookupContext) -> u32 {
     let role = match HintVerdict::from_u32(hint.verdict) {
         // Rows O2/I4: arrived over the pod's lo (in-pod, or ztunnel's own
         // connection); row I3h: sent by a socket of the node (kubelet).
-        Some(HintVerdict::Local | HintVerdict::Host) => {
+        // Row I6: a pod that bypasses inbound capture.
+        Some(HintVerdict::Local | HintVerdict::Host | HintVerdict::Bypass) => {
             if cookie != 0 {
                 count(cookie, |c: &mut Counters| &mut c.bypassed);
             }

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # End-to-end suite: Istio ambient on a kind cluster with sluice in place of
 # istio-cni's node agent. Needs Docker (a running engine), kind, kubectl, helm,
-# network access (Istio's charts and images, python:3.12-alpine) and a host
-# kernel sluice runs on (>= 6.15: kind nodes share the host's kernel).
+# network access (Istio's charts and images, python:3.12-alpine) and a Docker
+# engine whose kernel sluice runs on (>= 6.15: kind nodes share the engine's
+# kernel, which is not this shell's with Docker Desktop or a remote engine).
+# Rootless Docker cannot run it (no host bpffs, no BPF in the nodes).
 # Without them it prints "skipped: ..." and exits 0. Not part of .ci/run.
 #
 # Istio is installed from its Helm charts, version $ISTIO_VERSION:
@@ -12,14 +14,17 @@
 #                    which sluice serves)
 # and NOT istio/cni: sluice's chart (deploy/helm/sluice) takes its place.
 #
-# Environment: ISTIO_VERSION, CLUSTER (kind cluster name), IMAGE (tag built
-# and loaded), KEEP_CLUSTER=1 (leave the cluster for inspection).
+# Environment: ISTIO_VERSION, KIND_NODE_IMAGE (a Kubernetes version Istio
+# $ISTIO_VERSION supports), CLUSTER (kind cluster name), IMAGE (tag built and
+# loaded), KEEP_CLUSTER=1 (leave the cluster for inspection).
 set -euo pipefail
 shopt -s inherit_errexit
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 ISTIO_VERSION=${ISTIO_VERSION:-1.28.0}
+# Kubernetes 1.33: inside Istio 1.28's supported range (1.30-1.34).
+KIND_NODE_IMAGE=${KIND_NODE_IMAGE:-kindest/node:v1.33.1}
 ISTIO_CHARTS=https://istio-release.storage.googleapis.com/charts
 CLUSTER=${CLUSTER:-sluice-e2e}
 IMAGE=${IMAGE:-sluice:e2e}
@@ -45,15 +50,20 @@ if ((${#missing[@]})); then
   echo "skipped: needs Docker and kind (missing: ${missing[*]})"
   exit 0
 fi
-if ! docker_err=$(docker info 2>&1 >/dev/null); then
-  echo "skipped: needs Docker and kind (docker info failed: ${docker_err%%$'\n'*})"
+# The engine's kernel and security options, not this shell's.
+if ! info=$(docker info --format '{{.KernelVersion}} {{json .SecurityOptions}}' 2>&1); then
+  echo "skipped: needs Docker and kind (docker info failed: ${info%%$'\n'*})"
   exit 0
 fi
-kernel=$(uname -r)
+kernel=${info%% *}
+if [[ $info == *rootless* ]]; then
+  echo "skipped: rootless Docker (kind nodes cannot load eBPF programs or use the host's bpffs)"
+  exit 0
+fi
 IFS=. read -r kmajor kminor _ <<<"$kernel"
 kminor=${kminor%%[!0-9]*}
-if ((kmajor < 6 || (kmajor == 6 && kminor < 15))); then
-  echo "skipped: needs Linux >= 6.15 for sluice's programs (kind nodes share the host kernel; this is $kernel)"
+if ! [[ $kmajor =~ ^[0-9]+$ && $kminor =~ ^[0-9]+$ ]] || ((kmajor < 6 || (kmajor == 6 && kminor < 15))); then
+  echo "skipped: needs Linux >= 6.15 for sluice's programs (kind nodes share the Docker engine's kernel: $kernel)"
   exit 0
 fi
 
@@ -157,7 +167,7 @@ log "building the image $IMAGE"
 (cd "$ROOT" && cargo xtask image --tag "$IMAGE")
 
 log "creating kind cluster $CLUSTER"
-kind create cluster --name "$CLUSTER" --config "$HERE/kind-config.yaml" --wait 120s
+kind create cluster --name "$CLUSTER" --image "$KIND_NODE_IMAGE" --config "$HERE/kind-config.yaml" --wait 120s
 for node in $(kind get nodes --name "$CLUSTER"); do
   # sluice pins on the node's bpffs; make sure one is mounted.
   docker exec "$node" sh -c \

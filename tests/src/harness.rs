@@ -73,6 +73,18 @@ impl Fixture {
         )?)
     }
 
+    /// Enrolls with the pod's capture options (its annotations).
+    pub fn enroll_with(&self, options: sluice::options::PodOptions) -> anyhow::Result<Enrolled> {
+        let mut dp = self.dataplane()?;
+        Ok(enroll::enroll_with(
+            &mut dp,
+            &self.topo.pod_netns_path(),
+            &self.uid,
+            &self.workload(),
+            &options,
+        )?)
+    }
+
     /// Enrolls with the client netns as the node's: its sockets' connections
     /// to the pod are the host's own (kubelet's), exempt from capture.
     pub fn enroll_with_node(&self) -> anyhow::Result<Enrolled> {

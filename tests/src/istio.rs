@@ -61,6 +61,23 @@ pub fn apply(ns: &str) -> anyhow::Result<()> {
     apply_with(ns, Backend::Default)
 }
 
+/// Istio's rules for a pod annotated `ambient.istio.io/bypass-inbound-capture:
+/// "true"` ("ingress mode"): the reference set without its inbound
+/// (`ISTIO_PRERT`) rules, as istio-cni writes it.
+pub fn apply_ingress_mode(ns: &str) -> anyhow::Result<()> {
+    ensure!(netns_path(ns).exists(), "no netns {ns}");
+    let (v4, v6) = rules()?;
+    let strip = |r: &str| -> String {
+        r.lines()
+            .filter(|l| !l.starts_with("-A ISTIO_PRERT"))
+            .map(|l| format!("{l}\n"))
+            .collect()
+    };
+    restore("iptables-restore", ns, &strip(&v4))?;
+    restore("ip6tables-restore", ns, &strip(&v6))?;
+    policy_route(ns)
+}
+
 /// Same, with the given iptables backend.
 pub fn apply_with(ns: &str, backend: Backend) -> anyhow::Result<()> {
     ensure!(netns_path(ns).exists(), "no netns {ns}");
@@ -71,6 +88,11 @@ pub fn apply_with(ns: &str, backend: Backend) -> anyhow::Result<()> {
     };
     restore(r4, ns, &v4)?;
     restore(r6, ns, &v6)?;
+    policy_route(ns)
+}
+
+/// istio-cni's policy routing: marked packets are delivered locally.
+fn policy_route(ns: &str) -> anyhow::Result<()> {
     ip(&[
         "-n",
         ns,

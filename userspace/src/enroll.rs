@@ -16,6 +16,7 @@ use crate::{
     hostside::{self, HostPeer},
     loader::{Dataplane, Pins},
     netns::{addresses, interfaces, Netns, NetnsError},
+    options::PodOptions,
     routes::{self, RouteError},
     sockets::{self, SocketError},
     state::{boottime_ns, Maps, StateError},
@@ -80,7 +81,18 @@ pub fn enroll(
     uid: &PodUid,
     workload: &Workload,
 ) -> Result<Enrolled, EnrollError> {
-    let (netns, cookie) = attach_pod(dp, netns_path, uid, workload)?;
+    enroll_with(dp, netns_path, uid, workload, &PodOptions::default())
+}
+
+/// [`enroll`] with the pod's capture options.
+pub fn enroll_with(
+    dp: &mut Dataplane,
+    netns_path: &Path,
+    uid: &PodUid,
+    workload: &Workload,
+    options: &PodOptions,
+) -> Result<Enrolled, EnrollError> {
+    let (netns, cookie) = attach_pod(dp, netns_path, uid, workload, options)?;
     register(&mut dp.maps, &netns, cookie, None)
 }
 
@@ -92,6 +104,7 @@ pub fn attach_pod(
     netns_path: &Path,
     uid: &PodUid,
     workload: &Workload,
+    options: &PodOptions,
 ) -> Result<(Netns, u64), EnrollError> {
     let path = netns_path
         .to_str()
@@ -119,7 +132,7 @@ pub fn attach_pod(
         teardown(&dp.pins, &mut dp.maps, Some(&netns), cookie)?;
     }
 
-    if let Err(e) = attach(dp, &netns, cookie, uid, &path, workload) {
+    if let Err(e) = attach(dp, &netns, cookie, uid, &path, workload, options) {
         let _ = teardown(&dp.pins, &mut dp.maps, Some(&netns), cookie);
         return Err(e);
     }
@@ -155,6 +168,9 @@ pub enum LinkSpec {
     Lo,
     /// tcx egress on the host side (node netns) of a pod interface.
     Host(HostPeer),
+    /// tcx ingress on a pod interface whose TCP is rerouted to 15001 (in
+    /// place of `Ingress`).
+    Reroute(String),
 }
 
 impl LinkSpec {
@@ -166,17 +182,22 @@ impl LinkSpec {
             LinkSpec::Ingress(i) => format!("ingress_{}", i.replace('.', "_")),
             LinkSpec::Lo => "lo".into(),
             LinkSpec::Host(p) => format!("host_{}", p.pod_iface.replace('.', "_")),
+            LinkSpec::Reroute(i) => format!("reroute_{}", i.replace('.', "_")),
         }
     }
 }
 
-/// Every link a pod with interfaces `ifaces` (not `lo`) and node-side peers
-/// `peers` has, in attach order.
-pub fn expected_links(ifaces: &[String], peers: &[HostPeer]) -> Vec<LinkSpec> {
+/// Every link a pod with interfaces `ifaces` (not `lo`), node-side peers
+/// `peers` and rerouted interfaces `reroute` has, in attach order.
+pub fn expected_links(ifaces: &[String], peers: &[HostPeer], reroute: &[String]) -> Vec<LinkSpec> {
     let mut v = vec![LinkSpec::Steer];
     for i in ifaces {
         v.push(LinkSpec::Egress(i.clone()));
-        v.push(LinkSpec::Ingress(i.clone()));
+        v.push(if reroute.contains(i) {
+            LinkSpec::Reroute(i.clone())
+        } else {
+            LinkSpec::Ingress(i.clone())
+        });
     }
     v.push(LinkSpec::Lo);
     v.extend(peers.iter().cloned().map(LinkSpec::Host));
@@ -229,9 +250,14 @@ fn attach(
     uid: &PodUid,
     path: &str,
     workload: &Workload,
+    options: &PodOptions,
 ) -> Result<(), EnrollError> {
     dp.maps
         .insert_pod(cookie, uid, path, workload, boottime_ns())?;
+    // Before any link: a pod that bypasses inbound capture never has its
+    // inbound captured. (Killed right here, the pod is enrolled without its
+    // options: captured fully, the fail-closed side.)
+    dp.maps.set_options(cookie, options)?;
     crash_point("enroll:state");
     refresh_addrs(&mut dp.maps, netns, cookie)?;
     crash_point("enroll:addrs");
@@ -247,7 +273,7 @@ fn attach(
     // grace period under RTNL (≈ 10–20 ms here): most of an enrollment's
     // cost, and threads would not help (RTNL serialises).
     let peers = host_peers(dp, netns, &ifaces);
-    for spec in expected_links(&ifaces, &peers) {
+    for spec in expected_links(&ifaces, &peers, &options.reroute) {
         attach_link(dp, netns, &dir, &spec)?;
         crash_point(&format!("enroll:link:{}", spec.pin_name()));
     }
@@ -284,6 +310,15 @@ fn attach_link(
         LinkSpec::Lo => {
             let prog = &mut dp.lo;
             netns.run(|| attach_tc(prog, "lo", TcAttachType::Ingress))??
+        }
+        LinkSpec::Reroute(i) => {
+            let Some(prog) = dp.reroute.as_mut() else {
+                return Err(EnrollError::Pin {
+                    what: spec.pin_name(),
+                    reason: "the pinned dataplane predates the reroute program".into(),
+                });
+            };
+            netns.run(|| attach_tc(prog, i, TcAttachType::Ingress))??
         }
         // In the node netns, first in the chain: it only writes hints and
         // passes every packet on (TCX_NEXT), so the primary CNI's programs
@@ -351,7 +386,8 @@ pub fn repair(dp: &mut Dataplane, cookie: u64, takeover: bool) -> Result<Repair,
     })?;
     let mut relinked = Vec::new();
     let peers = host_peers(dp, &netns, &ifaces);
-    for spec in expected_links(&ifaces, &peers) {
+    let reroute = dp.maps.options(cookie).reroute;
+    for spec in expected_links(&ifaces, &peers, &reroute) {
         let pin_path = dir.join(spec.pin_name());
         if PinnedLink::from_pin(&pin_path).is_ok() {
             continue;
@@ -386,7 +422,8 @@ pub fn missing_links(dp: &Dataplane, cookie: u64) -> Result<Vec<String>, EnrollE
     let dir = dp.pins.pod(cookie);
     let ifaces = pod_interfaces(&netns, &path)?;
     let peers = host_peers(dp, &netns, &ifaces);
-    Ok(expected_links(&ifaces, &peers)
+    let reroute = dp.maps.options(cookie).reroute;
+    Ok(expected_links(&ifaces, &peers, &reroute)
         .into_iter()
         .map(|spec| spec.pin_name())
         .filter(|name| PinnedLink::from_pin(dir.join(name)).is_err())

@@ -19,6 +19,7 @@ pub mod mapcopy;
 pub mod metrics;
 pub mod migrate;
 pub mod netns;
+pub mod options;
 pub mod podns;
 pub mod readiness;
 pub mod relink;

@@ -7,10 +7,10 @@
 //!
 //! Layout under the bpffs root (default `/sys/fs/bpf/sluice`):
 //! ```text
-//! progs/{steer,egress,ingress,lo,host}   the five programs
-//! maps/{pod_state,pod_meta,pod_addrs,listeners,counters,flow_hints,node_netns,stamp}
+//! progs/{steer,egress,ingress,lo,host,reroute}   the six programs
+//! maps/{pod_state,pod_meta,pod_addrs,pod_flags,pod_reroute,listeners,counters,flow_hints,node_netns,stamp}
 //! maps_next/                        only during a migration
-//! pods/<netns cookie>/{steer,egress_<if>,ingress_<if>,lo,host_<if>}   a pod's links
+//! pods/<netns cookie>/{steer,egress_<if>,ingress_<if> or reroute_<if>,lo,host_<if>}   a pod's links
 //! ```
 
 use std::{
@@ -59,6 +59,7 @@ pub const PROG_EGRESS: &str = "sluice_egress";
 pub const PROG_INGRESS: &str = "sluice_ingress";
 pub const PROG_LO: &str = "sluice_lo";
 pub const PROG_HOST: &str = "sluice_host";
+pub const PROG_REROUTE: &str = "sluice_reroute";
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -139,6 +140,8 @@ pub struct Dataplane {
     /// The host-side program; `None` only on pins of a build before it that
     /// this (non-upgrading) process adopted.
     pub host: Option<SchedClassifier>,
+    /// The reroute program (virtual interfaces); `None` as `host`.
+    pub reroute: Option<SchedClassifier>,
     /// The node's netns, where the host side of pods' interfaces lives; set
     /// by [`Dataplane::set_node`]. Without it no host-side link is attached.
     pub node: Option<crate::hostside::Node>,
@@ -200,6 +203,7 @@ fn program_of_link(pin_name: &str) -> Option<&'static str> {
         n if n.starts_with("egress_") => Some(PROG_EGRESS),
         n if n.starts_with("ingress_") => Some(PROG_INGRESS),
         n if n.starts_with("host_") => Some(PROG_HOST),
+        n if n.starts_with("reroute_") => Some(PROG_REROUTE),
         _ => None,
     }
 }
@@ -280,7 +284,14 @@ impl Dataplane {
         }
         let next_dir = pins.root().join(MAPS_NEXT);
         // Leftovers of a replacement killed before its renames.
-        for name in [PROG_STEER, PROG_EGRESS, PROG_INGRESS, PROG_LO, PROG_HOST] {
+        for name in [
+            PROG_STEER,
+            PROG_EGRESS,
+            PROG_INGRESS,
+            PROG_LO,
+            PROG_HOST,
+            PROG_REROUTE,
+        ] {
             let _ = fs::remove_file(pins.progs().join(format!("{name}{NEXT}")));
         }
         for e in fs::read_dir(&next_dir).into_iter().flatten().flatten() {
@@ -331,7 +342,7 @@ impl Dataplane {
                 .map_err(perr(PROG_STEER))?;
             p.load().map_err(perr(PROG_STEER))?;
         }
-        for name in [PROG_EGRESS, PROG_INGRESS, PROG_LO, PROG_HOST] {
+        for name in [PROG_EGRESS, PROG_INGRESS, PROG_LO, PROG_HOST, PROG_REROUTE] {
             let p: &mut SchedClassifier = ebpf
                 .program_mut(name)
                 .ok_or_else(|| missing(name))?
@@ -360,8 +371,15 @@ impl Dataplane {
             // counts as changed (pinned, no link to switch).
             (
                 PROG_HOST,
-                match pinned_host(pins) {
+                match pinned_optional(pins, PROG_HOST) {
                     Some(h) => h.info().map_err(perr(PROG_HOST))?.tag(),
+                    None => 0,
+                },
+            ),
+            (
+                PROG_REROUTE,
+                match pinned_optional(pins, PROG_REROUTE) {
+                    Some(h) => h.info().map_err(perr(PROG_REROUTE))?.tag(),
                     None => 0,
                 },
             ),
@@ -521,7 +539,8 @@ impl Dataplane {
             egress,
             ingress,
             lo,
-            host: pinned_host(&pins),
+            host: pinned_optional(&pins, PROG_HOST),
+            reroute: pinned_optional(&pins, PROG_REROUTE),
             node: None,
             maps: Maps::open_pinned(&pins.maps())?,
             pins,
@@ -549,9 +568,10 @@ impl Dataplane {
             let ingress = load_prog::<SchedClassifier>(&mut ebpf, PROG_INGRESS, &pins)?;
             let lo = load_prog::<SchedClassifier>(&mut ebpf, PROG_LO, &pins)?;
             let host = load_prog::<SchedClassifier>(&mut ebpf, PROG_HOST, &pins)?;
-            Ok((steer, egress, ingress, lo, host))
+            let reroute = load_prog::<SchedClassifier>(&mut ebpf, PROG_REROUTE, &pins)?;
+            Ok((steer, egress, ingress, lo, host, reroute))
         })();
-        let (steer, egress, ingress, lo, host) = match result {
+        let (steer, egress, ingress, lo, host, reroute) = match result {
             Ok(p) => p,
             Err(e) => {
                 // Leave nothing half-loaded: the next attempt starts clean.
@@ -575,6 +595,7 @@ impl Dataplane {
             ingress,
             lo,
             host: Some(host),
+            reroute: Some(reroute),
             node: None,
             maps,
             adoption: Adoption::Loaded,
@@ -625,9 +646,9 @@ fn incompatible(pins: &Pins) -> Option<String> {
     (!bad.is_empty()).then(|| bad.join("; "))
 }
 
-/// The pinned host-side program, if these pins have one.
-fn pinned_host(pins: &Pins) -> Option<SchedClassifier> {
-    SchedClassifier::from_pin(pins.progs().join(PROG_HOST)).ok()
+/// A pinned tc program that pins of an older build may lack.
+fn pinned_optional(pins: &Pins, name: &str) -> Option<SchedClassifier> {
+    SchedClassifier::from_pin(pins.progs().join(name)).ok()
 }
 
 /// Handles on the four pinned programs every build has.
@@ -811,6 +832,8 @@ mod tests {
             ("flow_hints", (9, 40, 24)),
             ("listeners", (18, 16, 4)),
             ("node_netns", (2, 4, 8)),
+            ("pod_flags", (1, 8, 4)),
+            ("pod_reroute", (1, 8, 64)),
             ("pod_addrs", (1, 20, 8)),
             ("pod_meta", (1, 8, 828)),
             ("pod_state", (1, 8, 24)),

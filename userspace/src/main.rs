@@ -42,6 +42,9 @@ struct Cli {
     cmd: Cmd,
 }
 
+// Parsed once per process: the agent's many flags making its variant large
+// cost nothing worth a Box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Cmd {
     /// Capture a pod netns: attach the programs and register ztunnel's
@@ -176,6 +179,20 @@ enum Cmd {
         /// istio-cni's host rules SNAT them to) are exempt.
         #[arg(long, default_value = "/proc/self/ns/net", env = "SLUICE_NODE_NETNS")]
         node_netns: String,
+        /// Namespaces whose pods are never captured, comma-separated (istio-cni's
+        /// `excludeNamespaces`); the agent's own namespace is always one. Their
+        /// pods never reach the agent: they start while it is down.
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "kube-system",
+            env = "SLUICE_EXCLUDE_NAMESPACES"
+        )]
+        exclude_namespaces: Vec<String>,
+        /// With --install-cni: how often the CNI config is checked besides
+        /// the inotify watch that sees the primary CNI's rewrites at once.
+        #[arg(long, default_value = "5s", value_parser = parse_duration)]
+        cni_recheck: Duration,
     },
     /// Mark the node condition False (AgentNotRunning) when the agent stops
     /// answering /readyz: covers agent crashes. Runs beside the agent.
@@ -222,6 +239,8 @@ impl CniDirs {
             bin_dir: self.cni_bin_dir,
             plugin: exe.with_file_name(install::PLUGIN_TYPE),
             agent_socket: agent_socket.to_owned(),
+            exclude_namespaces: Vec::new(),
+            recheck: install::RECHECK,
         })
     }
 }
@@ -393,8 +412,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             daemonset,
             namespace,
             node_netns,
+            exclude_namespaces,
+            cni_recheck,
         } => {
             init_tracing();
+            let mut excluded: std::collections::BTreeSet<String> = exclude_namespaces
+                .into_iter()
+                .map(|n| n.trim().to_owned())
+                .filter(|n| !n.is_empty())
+                .collect();
+            excluded.insert(namespace.clone());
             anyhow::ensure!(
                 served_recheck >= Duration::from_secs(1),
                 "--served-recheck {served_recheck:?}: at least 1s (each recheck reads ztunnel's whole config_dump)"
@@ -410,7 +437,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 })?),
             };
             let cni = if install_cni {
-                Some(cni.install(&cli.control_socket)?)
+                let mut i = cni.install(&cli.control_socket)?;
+                i.exclude_namespaces = excluded.iter().cloned().collect();
+                i.recheck = cni_recheck;
+                Some(i)
             } else {
                 None
             };
@@ -435,6 +465,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 orphan_grace,
                 daemonset: daemonset.map(|d| (namespace, d)),
                 node_netns: (node_netns != "off").then(|| PathBuf::from(node_netns)),
+                excluded,
             })?;
         }
         Cmd::Watchdog {

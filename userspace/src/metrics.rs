@@ -72,6 +72,7 @@ pub struct Metrics {
     time_to_served: Histogram,
     served_checks: Family<Labels, Counter>,
     served_fallbacks: Gauge,
+    captured_late: Counter,
 }
 
 impl Metrics {
@@ -90,6 +91,7 @@ impl Metrics {
             time_to_served: Histogram::new(exponential_buckets(0.01, 2.0, 15)),
             served_checks: Family::default(),
             served_fallbacks: Gauge::default(),
+            captured_late: Counter::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -149,6 +151,11 @@ impl Metrics {
             "ztunnels whose admin API does not answer, so their acks count as served (0 when the check works)",
             m.served_fallbacks.clone(),
         );
+        registry.register(
+            "captured_after_start",
+            "Running ambient pods captured by the API reconcile rather than at their CNI ADD (the plugin was not in the conflist when their sandbox was made, they were labelled later, or they ran before sluice)",
+            m.captured_late.clone(),
+        );
         registry.register_collector(Box::new(MapCollector(source)));
         Self { registry, ..m }
     }
@@ -156,6 +163,11 @@ impl Metrics {
     pub fn enrolled(&self, attach: std::time::Duration) {
         self.enrollments.inc();
         self.attach_seconds.observe(attach.as_secs_f64());
+    }
+
+    /// A running pod was captured by the reconcile, not at its CNI ADD.
+    pub fn captured_after_start(&self) {
+        self.captured_late.inc();
     }
 
     pub fn failed(&self, why: Failure) {

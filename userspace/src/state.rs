@@ -10,12 +10,13 @@ use std::net::IpAddr;
 
 use sluice_common::{
     AddrKey, Counters, FlowHint, FlowKey, ListenerKey, PodEntry, PodMeta, PodState, Role,
-    FAMILY_V4, FAMILY_V6, NAMESPACE_LEN, NETNS_PATH_LEN, POD_NAME_LEN, POD_UID_LEN,
+    FAMILY_V4, FAMILY_V6, NAMESPACE_LEN, NETNS_PATH_LEN, POD_NAME_LEN, POD_UID_LEN, REROUTE_LEN,
     SERVICE_ACCOUNT_LEN,
 };
 
 use crate::{
     lifecycle::{self, IllegalTransition, Observer, Transition},
+    options::PodOptions,
     uid::PodUid,
     workload::Workload,
 };
@@ -46,6 +47,10 @@ pub struct Maps {
     listeners: SockHash<MapData, ListenerKey>,
     counters: PerCpuHashMap<MapData, u64, Counters>,
     flow_hints: HashMap<MapData, FlowKey, FlowHint>,
+    /// Per-pod options; `None` on pins of a build before it (a CLI adopting
+    /// them: the agent's upgrade creates the map).
+    pod_flags: Option<HashMap<MapData, u64, u32>>,
+    pod_reroute: Option<HashMap<MapData, u64, [u8; REROUTE_LEN]>>,
     /// Told of every state change (the agent; none for the CLI).
     observer: Option<Observer>,
 }
@@ -67,6 +72,11 @@ pub struct PodRecord {
     /// Registered listeners as "role/family", e.g. "inbound/ipv4".
     pub listeners: Vec<String>,
     pub counters: CounterView,
+    /// `ambient.istio.io/bypass-inbound-capture`: inbound not captured.
+    pub bypass_inbound: bool,
+    /// `istio.io/reroute-virtual-interfaces`: interfaces whose TCP is the
+    /// pod's outbound.
+    pub reroute: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
@@ -113,6 +123,8 @@ impl Maps {
             listeners: take("listeners")?.try_into().map_err(merr("listeners"))?,
             counters: take("counters")?.try_into().map_err(merr("counters"))?,
             flow_hints: take("flow_hints")?.try_into().map_err(merr("flow_hints"))?,
+            pod_flags: take("pod_flags").ok().and_then(|m| m.try_into().ok()),
+            pod_reroute: take("pod_reroute").ok().and_then(|m| m.try_into().ok()),
             observer: None,
         })
     }
@@ -368,7 +380,49 @@ impl Maps {
         sum
     }
 
+    /// Writes a pod's options for the programs (nothing to write: no entry).
+    pub fn set_options(&mut self, cookie: u64, o: &PodOptions) -> Result<(), StateError> {
+        let flags = o.flags();
+        match &mut self.pod_flags {
+            Some(m) if flags != 0 => m.insert(cookie, flags, 0).map_err(merr("pod_flags"))?,
+            Some(m) => drop(m.remove(&cookie)),
+            None if flags == 0 => {}
+            None => return Err(StateError::Missing("pod_flags")),
+        }
+        match &mut self.pod_reroute {
+            Some(m) if !o.reroute.is_empty() => m
+                .insert(cookie, o.reroute_bytes(), 0)
+                .map_err(merr("pod_reroute")),
+            Some(m) => {
+                let _ = m.remove(&cookie);
+                Ok(())
+            }
+            None if o.reroute.is_empty() => Ok(()),
+            None => Err(StateError::Missing("pod_reroute")),
+        }
+    }
+
+    /// A pod's options as they were written at its enrollment.
+    pub fn options(&self, cookie: u64) -> PodOptions {
+        let flags = self
+            .pod_flags
+            .as_ref()
+            .and_then(|m| m.get(&cookie, 0).ok())
+            .unwrap_or(0);
+        let reroute = self
+            .pod_reroute
+            .as_ref()
+            .and_then(|m| m.get(&cookie, 0).ok());
+        PodOptions::from_maps(flags, reroute.as_ref())
+    }
+
     fn remove_entries(&mut self, cookie: u64) {
+        if let Some(m) = &mut self.pod_flags {
+            let _ = m.remove(&cookie);
+        }
+        if let Some(m) = &mut self.pod_reroute {
+            let _ = m.remove(&cookie);
+        }
         for role in Role::ALL {
             for family in [FAMILY_V4, FAMILY_V6] {
                 let _ = self
@@ -464,6 +518,8 @@ impl Maps {
                     changed_at_ns: e.changed_at_ns,
                     listeners,
                     counters: self.counters(cookie).into(),
+                    bypass_inbound: self.options(cookie).bypass_inbound,
+                    reroute: self.options(cookie).reroute,
                 }
             })
             .collect();

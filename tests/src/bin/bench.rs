@@ -437,7 +437,13 @@ fn enrollment(report: &mut Report) -> anyhow::Result<()> {
         for (i, p) in pods.iter().enumerate() {
             let uid = PodUid::new(&format!("en-{i}"))?;
             let t = Instant::now();
-            enroll::attach_pod(&mut dp, &ns_path(&p.name), &uid, &workload(&p.name))?;
+            enroll::attach_pod(
+                &mut dp,
+                &ns_path(&p.name),
+                &uid,
+                &workload(&p.name),
+                &Default::default(),
+            )?;
             sluice_ms.push(t.elapsed().as_secs_f64() * 1e3);
             enroll::unenroll(&dp.pins, &mut dp.maps, &uid)?;
             let t = Instant::now();
@@ -472,7 +478,13 @@ fn scale(report: &mut Report) -> anyhow::Result<()> {
         let mut dp = Dataplane::load_or_adopt(crowded.topo.pins.clone())?;
         for (i, p) in others.iter().enumerate() {
             let uid = PodUid::new(&format!("sc-{i}"))?;
-            enroll::attach_pod(&mut dp, &ns_path(&p.name), &uid, &workload(&p.name))?;
+            enroll::attach_pod(
+                &mut dp,
+                &ns_path(&p.name),
+                &uid,
+                &workload(&p.name),
+                &Default::default(),
+            )?;
         }
         ensure!(
             dp.maps.pods().len() == SCALE_PODS,

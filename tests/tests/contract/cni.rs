@@ -33,6 +33,10 @@ pub fn trials() -> Vec<Trial> {
             chain,
         ),
         trial("cni::errors_are_spec_shaped", errors),
+        trial(
+            "cni::with_the_agent_down_only_ambient_pods_wait",
+            agent_down,
+        ),
         trial("cni::agent_keeps_the_plugin_in_the_conflist", conflist),
         trial(
             "cni::neither_an_old_sandboxs_del_nor_unenroll_removes_the_live_capture",
@@ -147,7 +151,10 @@ fn chain() -> TestResult {
 
     let pods = sluice::status::read(&n.pins)?;
     ensure!(
-        pods.len() == 1 && pods[0].uid == "5a1e-cart" && pods[0].state == Some("Enabled"),
+        // Enabled, or already Served: the served check may have run since.
+        pods.len() == 1
+            && pods[0].uid == "5a1e-cart"
+            && matches!(pods[0].state, Some("Enabled" | "Served")),
         "{pods:?}"
     );
     ensure!(
@@ -318,14 +325,29 @@ fn conflist() -> TestResult {
         conf_dir.to_str().unwrap(),
         "--cni-bin-dir",
         bin_dir.to_str().unwrap(),
+        // No periodic check within the test: only the inotify watch can put
+        // the entry back after the rewrite below.
+        "--cni-recheck",
+        "600m",
     ];
     let mut agent = AgentProc::start_with(&n.pins, &flags)?;
     wait("the plugin in the conflist", || ours(&read()))?;
+    // Its entry carries the excluded namespaces (the default, plus the
+    // agent's own): the plugin decides those pods without the agent.
+    let entry = read()["plugins"]
+        .as_array()
+        .and_then(|p| p.last().cloned())
+        .unwrap_or_default();
+    ensure!(
+        entry["excludeNamespaces"] == json!(["istio-system", "kube-system"]),
+        "{entry}"
+    );
     ensure!(
         bin_dir.join("sluice-cni").exists(),
         "plugin binary not copied"
     );
-    // The primary CNI rewrites its file without us: we come back.
+    // The primary CNI rewrites its file without us: we come back, woken by
+    // the watch.
     std::fs::write(&primary, original.to_string())?;
     wait("re-insertion after the primary CNI's rewrite", || {
         ours(&read())
@@ -435,4 +457,73 @@ fn sandbox_swap() -> TestResult {
     })();
     let _ = ip(&["netns", "del", &second]);
     result
+}
+
+/// Pods that must never wait for sluice: with the agent down, a pod of a
+/// namespace that is not ambient (the agent's last selection snapshot) and a
+/// pod of an excluded namespace start; an ambient pod waits (code 11) until
+/// the agent is back, then is captured.
+fn agent_down() -> TestResult {
+    let n = Node::new("down")?;
+    let cni = sluice_cni();
+    let pod_path = n.pod_path();
+    let ptp_conf = n.ptp_conf();
+    let ptp = n
+        .exec(&plugin("ptp"), "ADD", &ptp_conf, Some(&pod_path))
+        .run()?;
+    ensure!(ptp.ok, "ptp ADD: {} {}", ptp.stdout, ptp.stderr);
+    let prev = ptp.json()?;
+    let mut agent = AgentProc::start(&n.pins)?;
+    agent.terminate();
+    // What the agent last saw: "shop" is ambient.
+    sluice::cni::snapshot::write_if_changed(
+        &agent.dir.join(sluice::cni::snapshot::FILE_NAME),
+        &["shop".to_string()].into(),
+    )?;
+    let conf = json!({
+        "cniVersion": "1.0.0", "name": "sluice-test", "type": "sluice-cni",
+        "agentSocket": agent.control, "excludeNamespaces": ["kube-system"], "prevResult": prev,
+    });
+    let add = |args: &str| {
+        Exec {
+            args,
+            ..n.exec(&cni, "ADD", &conf, Some(&pod_path))
+        }
+        .run()
+    };
+    for (ns, why) in [("other", "not ambient"), ("kube-system", "excluded")] {
+        let args = format!("K8S_POD_NAMESPACE={ns};K8S_POD_NAME=p;K8S_POD_UID=u-{ns}");
+        let inv = add(&args)?;
+        ensure!(
+            inv.ok && inv.json()? == prev,
+            "{ns} ({why}) did not start: {} {}",
+            inv.stdout,
+            inv.stderr
+        );
+    }
+    ensure!(
+        sluice::status::read(&n.pins)
+            .map(|p| p.is_empty())
+            .unwrap_or(true),
+        "captured without an agent"
+    );
+    let inv = add(ARGS)?;
+    ensure!(!inv.ok, "an ambient pod started without the agent");
+    let err = inv.json()?;
+    ensure!(err["code"] == 11, "{err}");
+    ensure!(
+        err["details"]
+            .as_str()
+            .is_some_and(|d| d.contains("namespace shop is ambient")),
+        "{err}"
+    );
+    agent.restart()?;
+    let inv = add(ARGS)?;
+    ensure!(inv.ok, "{} {}\n{}", inv.stdout, inv.stderr, agent.log());
+    let pods = sluice::status::read(&n.pins)?;
+    ensure!(
+        pods.len() == 1 && pods[0].uid == "5a1e-cart",
+        "not captured after the agent returned: {pods:?}"
+    );
+    Ok(())
 }

@@ -52,7 +52,7 @@ fn cluster_node(
     client: kube::Client,
     cni_records: Option<std::path::PathBuf>,
 ) -> anyhow::Result<(Arc<Node>, tokio::sync::watch::Sender<bool>)> {
-    cluster_node_with(f, client, cni_records, Default::default())
+    cluster_node_with(f, client, cni_records, Default::default(), None)
 }
 
 fn cluster_node_with(
@@ -60,11 +60,14 @@ fn cluster_node_with(
     client: kube::Client,
     cni_records: Option<std::path::PathBuf>,
     served: ServedConfig,
+    selection_file: Option<std::path::PathBuf>,
 ) -> anyhow::Result<(Arc<Node>, tokio::sync::watch::Sender<bool>)> {
     let k = KubeCtx {
         client,
         node: "node-a".into(),
         cni_records,
+        excluded: ["kube-system".to_string()].into(),
+        selection_file,
     };
     let node = Node::new(
         f.dataplane()?,
@@ -95,10 +98,13 @@ fn api(deleting: Arc<Mutex<bool>>, patches: Arc<Mutex<Vec<(String, Value)>>>) ->
                 if *deleting.lock().unwrap() {
                     p["metadata"]["deletionTimestamp"] = json!("2026-11-22T00:00:00Z");
                 }
-                // cart asks for sluice's readiness gate.
+                // cart asks for sluice's readiness gate, and for no inbound
+                // capture.
                 if name == "cart" {
                     p["spec"]["readinessGates"] =
                         json!([{"conditionType": "sluice.dev/redirected"}]);
+                    p["metadata"]["annotations"] =
+                        json!({"ambient.istio.io/bypass-inbound-capture": "true"});
                 }
                 p
             };
@@ -159,6 +165,8 @@ fn admitted_with(f: &Fixture, records: &std::path::Path) -> TestResult {
         let pods = sluice::status::read(&f.topo.pins)?;
         let rec = pods.first().ok_or_else(|| anyhow::anyhow!("no pod enrolled"))?;
         ensure!(rec.workload.as_ref().is_some_and(|w| w.service_account == "cart-sa"), "{rec:?}");
+        // Its annotation reached the programs.
+        ensure!(rec.bypass_inbound, "bypass-inbound-capture not applied: {rec:?}");
         wait_patch(&patches, 2).await?;
         ensure!(
             patches.lock().unwrap()[0] == ("/api/v1/namespaces/shop/pods/cart/status".into(), json!({"metadata": {"annotations": {"ambient.istio.io/redirection": "pending"}}})),
@@ -322,6 +330,7 @@ fn relist() -> TestResult {
             &stale.topo.pod_netns_path(),
             &sluice::uid::PodUid::new("stale-uid")?,
             &w,
+            &Default::default(),
         )?;
     }
     let rt = tokio::runtime::Runtime::new()?;
@@ -339,10 +348,16 @@ fn relist() -> TestResult {
                         json!({"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": [{
                             "metadata": {"name": "web", "namespace": "mesh", "uid": u2},
                             "spec": {"nodeName": "node-a", "serviceAccountName": "web-sa", "containers": [{"name": "app"}]},
+                            "status": {"phase": "Running"}}, {
+                            // Labelled ambient, but its namespace is excluded: never captured.
+                            "metadata": {"name": "dns", "namespace": "kube-system", "uid": "u-dns", "labels": {"istio.io/dataplane-mode": "ambient"}},
+                            "spec": {"nodeName": "node-a", "containers": [{"name": "app"}]},
                             "status": {"phase": "Running"}}]})
                     }
                     (Method::GET, "/api/v1/namespaces") => json!({"apiVersion": "v1", "kind": "NamespaceList", "metadata": {}, "items": [
-                        {"metadata": {"name": "mesh", "labels": {"istio.io/dataplane-mode": "ambient"}}}]}),
+                        {"metadata": {"name": "mesh", "labels": {"istio.io/dataplane-mode": "ambient"}}},
+                        {"metadata": {"name": "kube-system", "labels": {"istio.io/dataplane-mode": "ambient"}}},
+                        {"metadata": {"name": "plain"}}]}),
                     (Method::PATCH, p) if p.ends_with("/status") => {
                         p2.lock().unwrap().push((p.to_owned(), serde_json::from_slice::<Value>(&body).unwrap()));
                         json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"}})
@@ -361,10 +376,32 @@ fn relist() -> TestResult {
                 mockapi::reply(send, 200, &reply);
             }
         });
-        let (node, _announcing) = cluster_node(&f, kube::Client::new(svc, "default"), None)?;
+        let dir = std::env::temp_dir().join(format!("sluice-relist-{}", std::process::id()));
+        let selection = dir.join(sluice::cni::snapshot::FILE_NAME);
+        let (node, _announcing) = cluster_node_with(
+            &f,
+            kube::Client::new(svc, "default"),
+            None,
+            Default::default(),
+            Some(selection.clone()),
+        )?;
         node.reconcile_once(std::time::Duration::ZERO).await?;
         let pods = sluice::status::read(&f.topo.pins)?;
         ensure!(pods.len() == 1 && pods[0].uid == uid, "{pods:?}");
+        // The CNI plugin's view for when the agent is down: ambient
+        // namespaces, the excluded one left out.
+        let snap = sluice::cni::snapshot::read(&selection)?;
+        let _ = std::fs::remove_dir_all(&dir);
+        ensure!(
+            snap.ambient_namespaces == ["mesh".to_string()].into(),
+            "{snap:?}"
+        );
+        // Captured by the reconcile, not at a CNI ADD: counted.
+        let text = node.report().metrics.render();
+        ensure!(
+            text.lines().any(|l| l == "sluice_captured_after_start_total 1"),
+            "{text}"
+        );
         ensure!(pods[0].netns == f.topo.pod_netns_path().to_str().unwrap());
         ensure!(pods[0].workload.as_ref().is_some_and(|w| w.service_account == "web-sa"));
         wait_patch(&patches, 1).await?;
@@ -499,7 +536,7 @@ fn gate_follows_served_in(f: &Fixture, dir: &std::path::Path) -> TestResult {
             recheck: std::time::Duration::from_millis(200),
             ..Default::default()
         };
-        let (node, _announcing) = cluster_node_with(f, client, None, served)?;
+        let (node, _announcing) = cluster_node_with(f, client, None, served, None)?;
         let (stop_tx, stop) = tokio::sync::watch::channel(false);
         let hub = node.hub();
         let serving = tokio::spawn(server::serve(

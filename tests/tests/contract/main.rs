@@ -11,6 +11,7 @@ mod cycles;
 mod differential;
 mod kube;
 mod lifecycle;
+mod options;
 mod probes;
 mod readiness;
 mod served;
@@ -37,6 +38,7 @@ fn main() {
     trials.extend(differential::trials());
     trials.extend(lifecycle::trials());
     trials.extend(probes::trials());
+    trials.extend(options::trials());
     trials.extend(agent::trials());
     trials.extend(crash::trials());
     trials.extend(cni::trials());

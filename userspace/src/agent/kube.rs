@@ -29,11 +29,20 @@ pub struct KubeCtx {
     /// captured later — also after an agent restart, and for runtimes with no
     /// process left in the pod. `None`: not recorded.
     pub cni_records: Option<std::path::PathBuf>,
+    /// Namespaces whose pods are never captured (`--exclude-namespaces`).
+    pub excluded: std::collections::BTreeSet<String>,
+    /// Where the namespaces' selection is kept for the CNI plugin to decide
+    /// while the agent is down (see `cni::snapshot`). `None`: not written.
+    pub selection_file: Option<std::path::PathBuf>,
 }
 
 /// What to do with a pod a CNI ADD names.
 pub enum Admission {
-    Enroll { uid: PodUid, workload: Workload },
+    Enroll {
+        uid: PodUid,
+        workload: Workload,
+        options: crate::options::PodOptions,
+    },
     Skip(String),
 }
 
@@ -92,6 +101,32 @@ impl KubeCtx {
         Ok((pods, namespaces))
     }
 
+    /// Keeps the CNI plugin's selection snapshot in step with the
+    /// namespaces' labels (excluded namespaces are never ambient).
+    pub fn write_selection(&self, namespaces: &NamespaceLabels) {
+        let Some(path) = &self.selection_file else {
+            return;
+        };
+        let ambient = namespaces
+            .iter()
+            .filter(|(name, labels)| {
+                !self.excluded.contains(*name)
+                    && labels.get(selection::DATAPLANE_MODE).map(String::as_str)
+                        == Some(selection::AMBIENT)
+            })
+            .map(|(name, _)| name.clone())
+            .collect();
+        match crate::cni::snapshot::write_if_changed(path, &ambient) {
+            Ok(true) => {
+                tracing::info!(path = %path.display(), namespaces = ?ambient, "ambient namespaces written for the CNI plugin")
+            }
+            Ok(false) => {}
+            Err(e) => {
+                warn!(path = %path.display(), error = %e, "could not write the CNI plugin's selection snapshot")
+            }
+        }
+    }
+
     /// CNI ADD: the pod must exist on this node; it is enrolled when Istio's
     /// selection says ambient, with its real service account.
     pub async fn admit_add(&self, pod: &PodRef) -> anyhow::Result<Admission> {
@@ -113,7 +148,12 @@ impl KubeCtx {
         let ns = Api::<Namespace>::all(self.client.clone())
             .get(&pod.namespace)
             .await?;
-        match selection::select(&found, ns.metadata.labels.as_ref(), &self.node) {
+        match selection::select(
+            &found,
+            ns.metadata.labels.as_ref(),
+            &self.node,
+            &self.excluded,
+        ) {
             Verdict::Skip(s) => Ok(Admission::Skip(s.reason().into())),
             Verdict::Enroll => {
                 let uid = found
@@ -129,6 +169,8 @@ impl KubeCtx {
                 Ok(Admission::Enroll {
                     uid: PodUid::new(uid)?,
                     workload: Workload::new(&pod.name, &pod.namespace, &sa)?,
+                    options: selection::options(&found)
+                        .map_err(|e| anyhow::anyhow!("pod {}/{}: {e}", pod.namespace, pod.name))?,
                 })
             }
         }

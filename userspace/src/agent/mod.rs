@@ -52,6 +52,8 @@ pub struct Config {
     pub daemonset: Option<(String, String)>,
     /// The node's netns, for host-originated probes (`None`: address-only).
     pub node_netns: Option<PathBuf>,
+    /// Namespaces whose pods are never captured.
+    pub excluded: std::collections::BTreeSet<String>,
 }
 
 /// The API client, once `node` is known to name this host (refused when it
@@ -244,6 +246,8 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
             node: node.clone(),
             // Beside the control socket: host tmpfs, survives agent restarts.
             cni_records: cfg.control_socket.parent().map(|d| d.join("cni-pods")),
+            excluded: cfg.excluded.clone(),
+            selection_file: Some(crate::cni::snapshot::path_for(&cfg.control_socket)),
         }),
         None => None,
     };

@@ -19,8 +19,12 @@ use tracing::{info, warn};
 pub const PLUGIN_TYPE: &str = "sluice-cni";
 pub const DEFAULT_CONF_DIR: &str = "/etc/cni/net.d";
 pub const DEFAULT_BIN_DIR: &str = "/opt/cni/bin";
-/// How often the conf dir is checked for a primary CNI that rewrote its file.
-pub const RECHECK: Duration = Duration::from_secs(1);
+/// How often the conf dir is checked when no change was seen: a safety net
+/// behind the inotify watch (the default of `--cni-recheck`).
+pub const RECHECK: Duration = Duration::from_secs(5);
+/// How often a conf dir that cannot be watched yet (not created yet) is
+/// checked.
+pub const POLL: Duration = Duration::from_secs(1);
 
 #[derive(Debug, thiserror::Error)]
 pub enum InstallError {
@@ -48,6 +52,10 @@ pub struct CniInstall {
     pub plugin: PathBuf,
     /// Put into our config entry for the plugin to find the agent.
     pub agent_socket: PathBuf,
+    /// Put into our config entry: pods the plugin never asks the agent about.
+    pub exclude_namespaces: Vec<String>,
+    /// The safety-net check interval behind the watch ([`RECHECK`]).
+    pub recheck: Duration,
 }
 
 /// What one pass changed.
@@ -98,11 +106,20 @@ impl CniInstall {
             let mut conf = conf;
             let plugins = plugins_mut(&mut conf, &primary)?;
             match plugins.iter().position(is_ours) {
-                Some(i) if i == plugins.len() - 1 => return Ok(Outcome::AlreadyInstalled(primary)),
                 Some(i) => {
-                    // Ours, but no longer last: move it to the end.
+                    // Ours, but maybe no longer last, or written with other
+                    // settings: rewritten at the end (keeping its origin).
                     let ours = plugins.remove(i);
-                    plugins.push(ours);
+                    let converted = ours
+                        .pointer("/sluice/convertedFrom")
+                        .and_then(Value::as_str)
+                        .map(str::to_owned);
+                    let want = self.entry(converted.as_deref());
+                    let unchanged = ours == want && i == plugins.len();
+                    plugins.push(want);
+                    if unchanged {
+                        return Ok(Outcome::AlreadyInstalled(primary));
+                    }
                 }
                 None => plugins.push(self.entry(None)),
             }
@@ -174,10 +191,19 @@ impl CniInstall {
     }
 
     /// Keeps the plugin installed until `stop`: re-inserts it whenever the
-    /// primary CNI rewrites (or first writes) its config.
+    /// primary CNI rewrites (or first writes) its config — at once, from an
+    /// inotify watch on the conf dir (kindnet, Calico and others rewrite
+    /// theirs on restart; a sandbox created in between would miss the
+    /// plugin), with a check every `recheck` behind it. A conf dir that does
+    /// not exist yet is polled until it can be watched.
     pub async fn keep_installed(self, mut stop: watch::Receiver<bool>) {
+        let (tx, mut changed) = tokio::sync::mpsc::channel::<()>(1);
+        let mut watcher: Option<notify::RecommendedWatcher> = None;
         let mut warned = false;
         loop {
+            if watcher.is_none() {
+                watcher = self.watch(tx.clone());
+            }
             let this = self.clone();
             match tokio::task::spawn_blocking(move || this.install()).await {
                 Ok(Ok(Outcome::Inserted(p))) => {
@@ -191,11 +217,33 @@ impl CniInstall {
                 }
                 _ => {}
             }
+            let wait = if watcher.is_some() {
+                self.recheck
+            } else {
+                POLL
+            };
             tokio::select! {
                 _ = stop.changed() => return,
-                _ = tokio::time::sleep(RECHECK) => {}
+                _ = changed.recv() => {}
+                _ = tokio::time::sleep(wait) => {}
             }
         }
+    }
+
+    /// An inotify watch on the conf dir that wakes `keep_installed` on any
+    /// change (our own writes too: the pass after them finds nothing to do).
+    fn watch(&self, tx: tokio::sync::mpsc::Sender<()>) -> Option<notify::RecommendedWatcher> {
+        use notify::Watcher as _;
+        let mut w = notify::recommended_watcher(move |ev: notify::Result<notify::Event>| {
+            if ev.is_ok() {
+                // A wake-up already queued covers this one too.
+                let _ = tx.try_send(());
+            }
+        })
+        .ok()?;
+        w.watch(&self.conf_dir, notify::RecursiveMode::NonRecursive)
+            .ok()?;
+        Some(w)
     }
 
     fn entry(&self, converted_from: Option<&str>) -> Value {
@@ -203,6 +251,9 @@ impl CniInstall {
             "type": PLUGIN_TYPE,
             "agentSocket": self.agent_socket,
         });
+        if !self.exclude_namespaces.is_empty() {
+            e["excludeNamespaces"] = json!(self.exclude_namespaces);
+        }
         if let Some(orig) = converted_from {
             e["sluice"] = json!({ "convertedFrom": orig });
         }
@@ -294,6 +345,8 @@ mod tests {
             bin_dir: root.join("bin"),
             plugin: root.join("sluice-cni-src"),
             agent_socket: "/run/sluice/agent.sock".into(),
+            exclude_namespaces: vec!["kube-system".into()],
+            recheck: RECHECK,
         };
         (Dirs(root), i)
     }
@@ -314,7 +367,21 @@ mod tests {
         assert_eq!(plugins.len(), 3);
         assert_eq!(plugins[2]["type"], PLUGIN_TYPE);
         assert_eq!(plugins[2]["agentSocket"], "/run/sluice/agent.sock");
+        assert_eq!(plugins[2]["excludeNamespaces"], json!(["kube-system"]));
         assert!(i.is_installed());
+        // Other settings (an agent started with other flags): rewritten in place.
+        let other = CniInstall {
+            exclude_namespaces: vec!["kube-system".into(), "istio-system".into()],
+            ..i.clone()
+        };
+        assert_eq!(other.install().unwrap(), Outcome::Inserted(p.clone()));
+        let v = read_json(&p).unwrap();
+        assert_eq!(v["plugins"].as_array().unwrap().len(), 3);
+        assert_eq!(
+            v["plugins"][2]["excludeNamespaces"],
+            json!(["kube-system", "istio-system"])
+        );
+        assert_eq!(i.install().unwrap(), Outcome::Inserted(p.clone()));
         // Only the primary is touched.
         assert_eq!(
             read_json(&i.conf_dir.join("99-other.conflist")).unwrap(),

@@ -6,4 +6,5 @@
 
 pub mod install;
 pub mod plugin;
+pub mod snapshot;
 pub mod spec;

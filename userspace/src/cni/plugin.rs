@@ -2,10 +2,18 @@
 //! fails (so the runtime retries) rather than let an ambient pod start
 //! uncaptured; DEL unenrolls; CHECK asks; VERSION answers. The agent is
 //! reached through a function, so the logic is tested without one.
+//!
+//! Pods that must never wait for sluice do not: pods of excluded namespaces
+//! and sandboxes in the host netns never reach the agent, and with the agent
+//! down a pod whose namespace is not ambient (the agent's selection snapshot
+//! says so) starts; only an ambient pod waits.
 
 use std::path::{Path, PathBuf};
 
-use super::spec::{CniError, Code, Command, Env, NetConf, SUPPORTED_VERSIONS};
+use super::{
+    snapshot,
+    spec::{CniError, Code, Command, Env, NetConf, PodRef, SUPPORTED_VERSIONS},
+};
 use crate::control::{Request, Response, DEFAULT_CONTROL_SOCKET};
 
 /// Sends a request to the agent at a socket; `Ok(None)` when none listens.
@@ -47,15 +55,24 @@ pub fn run(env: &Env, stdin: &[u8], call: &Call<'_>) -> Result<Option<String>, C
             let Some(pod) = pod else {
                 return Ok(Some(prev.to_string()));
             };
+            if let Some(why) = never_asked(&conf, env, &pod) {
+                eprintln!(
+                    "sluice-cni: ADD {}/{}: {why}: not captured, the agent is not asked",
+                    pod.namespace, pod.name
+                );
+                return Ok(Some(prev.to_string()));
+            }
             let req = Request::CniAdd {
                 container_id: env.container_id.clone(),
                 netns: env.netns.clone().into(),
                 pod: pod.clone(),
                 ips: conf.pod_ips(),
             };
-            match ask(call, &socket, &req)? {
-                Response::Enrolled { .. } | Response::Skipped { .. } => Ok(Some(prev.to_string())),
-                other => Err(refused(&pod.namespace, &pod.name, other)),
+            match ask(call, &socket, &req, &pod)? {
+                None | Some(Response::Enrolled { .. } | Response::Skipped { .. }) => {
+                    Ok(Some(prev.to_string()))
+                }
+                Some(other) => Err(refused(&pod.namespace, &pod.name, other)),
             }
         }
         Command::Del => {
@@ -94,30 +111,67 @@ pub fn run(env: &Env, stdin: &[u8], call: &Call<'_>) -> Result<Option<String>, C
         Command::Check => {
             prev()?;
             let Some(pod) = pod else { return Ok(None) };
-            match ask(call, &socket, &Request::CniCheck { pod: pod.clone() })? {
-                Response::Enrolled { .. } | Response::Skipped { .. } => Ok(None),
-                other => Err(refused(&pod.namespace, &pod.name, other)),
+            if never_asked(&conf, env, &pod).is_some() {
+                return Ok(None);
+            }
+            match ask(call, &socket, &Request::CniCheck { pod: pod.clone() }, &pod)? {
+                None | Some(Response::Enrolled { .. } | Response::Skipped { .. }) => Ok(None),
+                Some(other) => Err(refused(&pod.namespace, &pod.name, other)),
             }
         }
         Command::Version => unreachable!("handled above"),
     }
 }
 
-fn ask(call: &Call<'_>, socket: &Path, req: &Request) -> Result<Response, CniError> {
-    match call(socket, req) {
-        Ok(Some(r)) => Ok(r),
-        Ok(None) => Err(CniError::new(
+/// Why this pod never reaches the agent, if it does not: its namespace is
+/// excluded, or its sandbox is the host's netns (a host-network pod).
+fn never_asked(conf: &NetConf, env: &Env, pod: &PodRef) -> Option<String> {
+    if conf.exclude_namespaces.contains(&pod.namespace) {
+        return Some(format!("namespace {} is excluded", pod.namespace));
+    }
+    crate::netns::path_is_host_like(Path::new(&env.netns))
+        .map(|why| format!("its netns {} is {why}", env.netns))
+}
+
+/// The agent's answer, or `None` when the agent is down and the pod may
+/// start anyway: its namespace is not ambient in the agent's selection
+/// snapshot. An ambient pod (or one the plugin cannot tell) waits: the
+/// runtime retries.
+fn ask(
+    call: &Call<'_>,
+    socket: &Path,
+    req: &Request,
+    pod: &PodRef,
+) -> Result<Option<Response>, CniError> {
+    let down = match call(socket, req) {
+        Ok(Some(r)) => return Ok(Some(r)),
+        Ok(None) => format!("nothing listens on {}", socket.display()),
+        Err(e) => format!("talking to it on {}: {e:#}", socket.display()),
+    };
+    let path = snapshot::path_for(socket);
+    match snapshot::read(&path) {
+        Ok(s) if !s.ambient_namespaces.contains(&pod.namespace) => {
+            eprintln!(
+                "sluice-cni: {}/{}: the sluice agent is not running ({down}); namespace {} is not ambient (selection of {}): not captured",
+                pod.namespace, pod.name, pod.namespace, s.written_at
+            );
+            Ok(None)
+        }
+        Ok(s) => Err(CniError::new(
             Code::TryAgainLater,
             "the sluice agent is not running",
             format!(
-                "nothing listens on {}; the pod is not started uncaptured (the runtime will retry)",
-                socket.display()
+                "{down}; namespace {} is ambient (selection of {}): the pod is not started uncaptured (the runtime will retry)",
+                pod.namespace, s.written_at
             ),
         )),
         Err(e) => Err(CniError::new(
             Code::TryAgainLater,
-            "talking to the sluice agent",
-            format!("{e:#}"),
+            "the sluice agent is not running",
+            format!(
+                "{down}; no selection snapshot at {} ({e}) to tell whether the pod is ambient: it is not started uncaptured (the runtime will retry)",
+                path.display()
+            ),
         )),
     }
 }
@@ -199,10 +253,18 @@ mod tests {
     #[test]
     fn add_fails_when_the_agent_is_away_or_refuses() {
         let away = |_: &Path, _: &Request| Ok(None);
+        let dir = temp_dir("away");
         assert_eq!(
-            run(&env("ADD", POD), CONF, &away).unwrap_err().code,
+            run(
+                &env("ADD", POD),
+                &conf_in(&dir, serde_json::json!({})),
+                &away
+            )
+            .unwrap_err()
+            .code,
             Code::TryAgainLater
         );
+        std::fs::remove_dir_all(&dir).unwrap();
         let refuses = |_: &Path, _: &Request| {
             Ok(Some(Response::Error {
                 message: "boom".into(),
@@ -259,5 +321,83 @@ mod tests {
             .as_array()
             .unwrap()
             .contains(&"0.3.1".into()));
+    }
+
+    /// A config whose agent socket is in a fresh directory: the selection
+    /// snapshot beside it is the test's own.
+    fn conf_in(dir: &Path, extra: serde_json::Value) -> Vec<u8> {
+        let mut c: serde_json::Value = serde_json::from_slice(CONF).unwrap();
+        c["agentSocket"] = dir.join("agent.sock").to_str().unwrap().into();
+        for (k, v) in extra.as_object().unwrap() {
+            c[k] = v.clone();
+        }
+        serde_json::to_vec(&c).unwrap()
+    }
+
+    fn temp_dir(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("sluice-plugin-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn excluded_namespaces_and_host_netns_never_reach_the_agent() {
+        let never =
+            |_: &Path, _: &Request| -> anyhow::Result<Option<Response>> { panic!("agent called") };
+        let dir = temp_dir("excluded");
+        let conf = conf_in(
+            &dir,
+            serde_json::json!({"excludeNamespaces": ["kube-system", "shop"]}),
+        );
+        for cmd in ["ADD", "CHECK"] {
+            assert!(run(&env(cmd, POD), &conf, &never).is_ok(), "{cmd}");
+        }
+        // A sandbox in the plugin's own netns, which is the host's (the
+        // runtime runs it there): a host-network pod. (pid 1's netns is the
+        // other name for it, not readable in every test sandbox.)
+        let host = Env {
+            netns: "/proc/self/ns/net".into(),
+            ..env(
+                "ADD",
+                "K8S_POD_NAMESPACE=other;K8S_POD_NAME=h;K8S_POD_UID=u2",
+            )
+        };
+        assert!(run(&host, &conf, &never).unwrap().is_some());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn with_the_agent_down_only_ambient_or_unknown_pods_wait() {
+        let away = |_: &Path, _: &Request| Ok(None);
+        let broken = |_: &Path, _: &Request| Err(anyhow::anyhow!("connection refused"));
+        let dir = temp_dir("down");
+        let conf = conf_in(&dir, serde_json::json!({}));
+        // No snapshot: it cannot tell, so the pod waits.
+        let e = run(&env("ADD", POD), &conf, &away).unwrap_err();
+        assert_eq!(e.code, Code::TryAgainLater);
+        assert!(e.details.contains("no selection snapshot"), "{}", e.details);
+        let snap = dir.join(snapshot::FILE_NAME);
+        snapshot::write_if_changed(&snap, &["payments".to_string()].into()).unwrap();
+        // "shop" is not ambient: ADD and CHECK succeed, for either kind of down.
+        for call in [&away as &Call<'_>, &broken] {
+            assert!(run(&env("ADD", POD), &conf, call).unwrap().is_some());
+            assert_eq!(run(&env("CHECK", POD), &conf, call).unwrap(), None);
+        }
+        snapshot::write_if_changed(&snap, &["shop".to_string()].into()).unwrap();
+        for call in [&away as &Call<'_>, &broken] {
+            let e = run(&env("ADD", POD), &conf, call).unwrap_err();
+            assert_eq!(e.code, Code::TryAgainLater);
+            assert!(
+                e.details.contains("namespace shop is ambient"),
+                "{}",
+                e.details
+            );
+            assert_eq!(
+                run(&env("CHECK", POD), &conf, call).unwrap_err().code,
+                Code::TryAgainLater
+            );
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

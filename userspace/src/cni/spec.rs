@@ -64,6 +64,10 @@ pub struct NetConf {
     /// Where the agent listens (plugin-specific).
     #[serde(default)]
     pub agent_socket: Option<String>,
+    /// Namespaces whose pods never reach the agent (istio-cni's
+    /// `exclude_namespaces`): they start whatever the agent's state.
+    #[serde(default)]
+    pub exclude_namespaces: Vec<String>,
 }
 
 impl NetConf {

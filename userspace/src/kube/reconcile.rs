@@ -22,6 +22,8 @@ pub enum Action {
         name: String,
         namespace: String,
         service_account: String,
+        /// From the pod's annotations (an error: the pod is not enrolled).
+        options: Result<crate::options::PodOptions, crate::options::OptionsError>,
     },
     /// Captured, but gone from the node or no longer ambient.
     Unenroll { uid: String, reason: String },
@@ -32,6 +34,7 @@ pub fn plan(
     pods: &[Pod],
     namespaces: &BTreeMap<String, BTreeMap<String, String>>,
     node: &str,
+    excluded: &BTreeSet<String>,
     enrolled: &[Enrolled],
 ) -> Vec<Action> {
     let have: BTreeSet<&str> = enrolled.iter().map(|e| e.uid.as_str()).collect();
@@ -43,9 +46,10 @@ pub fn plan(
         };
         seen.insert(uid);
         let ns = pod.metadata.namespace.clone().unwrap_or_default();
-        let verdict = select(pod, namespaces.get(&ns), node);
+        let verdict = select(pod, namespaces.get(&ns), node, excluded);
         match (verdict, have.contains(uid)) {
             (Verdict::Enroll, false) => actions.push(Action::Enroll {
+                options: super::selection::options(pod),
                 uid: uid.to_owned(),
                 name: pod.metadata.name.clone().unwrap_or_default(),
                 namespace: ns,
@@ -108,7 +112,7 @@ mod tests {
             .iter()
             .map(|u| Enrolled { uid: u.to_string() })
             .collect();
-        let actions = plan(&pods, &namespaces, "a", &enrolled);
+        let actions = plan(&pods, &namespaces, "a", &BTreeSet::new(), &enrolled);
         assert_eq!(
             actions,
             vec![
@@ -116,7 +120,8 @@ mod tests {
                     uid: "u-new".into(),
                     name: "new".into(),
                     namespace: "mesh".into(),
-                    service_account: "sa".into()
+                    service_account: "sa".into(),
+                    options: Ok(Default::default()),
                 },
                 Action::Unenroll {
                     uid: "u-optout".into(),
@@ -133,6 +138,6 @@ mod tests {
             .iter()
             .map(|u| Enrolled { uid: u.to_string() })
             .collect();
-        assert!(plan(&pods, &namespaces, "a", &enrolled).is_empty());
+        assert!(plan(&pods, &namespaces, "a", &BTreeSet::new(), &enrolled).is_empty());
     }
 }

@@ -1,9 +1,10 @@
 //! Istio ambient's pod selection, exactly: a pod is in the mesh when the pod or
 //! its namespace is labelled `istio.io/dataplane-mode=ambient`, unless the pod
 //! says `istio.io/dataplane-mode=none`; host-network pods and pods with an
-//! Istio sidecar never are. Only pods on this node are ours.
+//! Istio sidecar never are, nor pods of an excluded namespace (istio-cni's
+//! `excludeNamespaces`). Only pods on this node are ours.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::core::v1::Pod;
 
@@ -31,6 +32,8 @@ pub enum Skip {
     OptedOut,
     /// Neither the pod nor its namespace asks for ambient.
     NotAmbient,
+    /// The namespace is excluded on this node (`--exclude-namespaces`).
+    Excluded,
 }
 
 impl Skip {
@@ -44,14 +47,22 @@ impl Skip {
             Skip::NotAmbient => {
                 "neither the pod nor its namespace is labelled istio.io/dataplane-mode=ambient"
             }
+            Skip::Excluded => "the pod's namespace is excluded (--exclude-namespaces)",
         }
     }
+}
+
+/// The pod's capture options (its Istio annotations).
+pub fn options(pod: &Pod) -> Result<crate::options::PodOptions, crate::options::OptionsError> {
+    let annotations = pod.metadata.annotations.as_ref();
+    crate::options::PodOptions::from_annotations(|k| annotations?.get(k).map(String::as_str))
 }
 
 pub fn select(
     pod: &Pod,
     namespace_labels: Option<&BTreeMap<String, String>>,
     node: &str,
+    excluded: &BTreeSet<String>,
 ) -> Verdict {
     let spec = pod.spec.as_ref();
     if spec
@@ -62,6 +73,14 @@ pub fn select(
     }
     if spec.and_then(|s| s.host_network).unwrap_or(false) {
         return Verdict::Skip(Skip::HostNetwork);
+    }
+    if pod
+        .metadata
+        .namespace
+        .as_ref()
+        .is_some_and(|ns| excluded.contains(ns))
+    {
+        return Verdict::Skip(Skip::Excluded);
     }
     let has_sidecar_annotation = pod
         .metadata
@@ -204,11 +223,22 @@ mod tests {
                 Some(AMBIENT),
                 Verdict::Skip(Terminated),
             ),
+            (
+                "excluded namespace, pod ambient",
+                json!({"metadata": {"namespace": "kube-system", "labels": {DATAPLANE_MODE: AMBIENT}}}),
+                Some(AMBIENT),
+                Verdict::Skip(Excluded),
+            ),
         ];
+        let excluded: BTreeSet<String> = ["kube-system".to_string()].into();
         for (name, patch, ns_mode, want) in rows {
             let p = pod(patch);
             let labels = ns(ns_mode);
-            assert_eq!(select(&p, Some(&labels), "node-a"), want, "{name}");
+            assert_eq!(
+                select(&p, Some(&labels), "node-a", &excluded),
+                want,
+                "{name}"
+            );
         }
     }
 }

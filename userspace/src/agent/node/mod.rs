@@ -36,6 +36,7 @@ use crate::{
     loader::Dataplane,
     metrics::{self, Failure, Metrics},
     netns::Netns,
+    options::PodOptions,
     readiness::{self, PodView},
     state::{boottime_ns, CounterView},
     uid::PodUid,

@@ -37,6 +37,7 @@ impl Node {
             return Ok(());
         };
         let (pods, namespaces) = k.observe().await?;
+        k.write_selection(&namespaces);
         k.prune_records(&pods.iter().filter_map(|p| p.metadata.uid.clone()).collect());
         let now = boottime_ns();
         let this = self.clone();
@@ -65,13 +66,14 @@ impl Node {
             .iter()
             .map(|r| Enrolled { uid: r.uid.clone() })
             .collect();
-        for action in plan(&pods, &namespaces, &k.node, &enrolled) {
+        for action in plan(&pods, &namespaces, &k.node, &k.excluded, &enrolled) {
             match action {
                 Action::Enroll {
                     uid,
                     name,
                     namespace,
                     service_account,
+                    options,
                 } => {
                     let span = info_span!("pod", %uid, pod = %format!("{namespace}/{name}"));
                     async {
@@ -84,12 +86,17 @@ impl Node {
                             return;
                         };
                         info!(netns = %netns.display(), "capturing a running ambient pod");
+                        let options = match options {
+                            Ok(o) => o,
+                            Err(e) => return warn!(error = %e, "not capturing: bad pod annotation"),
+                        };
                         let w = match Workload::new(&name, &namespace, &service_account) {
                             Ok(w) => w,
                             Err(e) => return warn!(error = %e, "bad workload identity"),
                         };
-                        if let Err(e) = self.enroll(netns, &uid, w).await {
-                            warn!(error = %crate::one_line(&e), "enrolling failed; will retry");
+                        match self.enroll(netns, &uid, w, options).await {
+                            Ok(_) => self.metrics().captured_after_start(),
+                            Err(e) => warn!(error = %crate::one_line(&e), "enrolling failed; will retry"),
                         }
                     }
                     .instrument(span)

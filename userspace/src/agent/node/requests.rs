@@ -43,7 +43,7 @@ impl Node {
                 workload,
             } => {
                 let span = info_span!("pod", %uid, netns = %netns.display());
-                self.enroll(netns, &uid, workload)
+                self.enroll(netns, &uid, workload, PodOptions::default())
                     .instrument(span)
                     .await
                     .unwrap_or_else(|e| Response::Error {
@@ -262,11 +262,13 @@ impl Node {
         netns: PathBuf,
         pod: &crate::cni::spec::PodRef,
     ) -> anyhow::Result<Response> {
-        let (uid, workload) = match &self.kube {
-            // Without a Kubernetes API to ask, the service account is unknown.
+        let (uid, workload, options) = match &self.kube {
+            // Without a Kubernetes API to ask, the service account (and the
+            // pod's annotations) are unknown.
             None => (
                 cni_uid(pod)?,
                 Workload::new(&pod.name, &pod.namespace, "default")?,
+                PodOptions::default(),
             ),
             Some(k) => match k.admit_add(pod).await? {
                 Admission::Skip(reason) => {
@@ -280,7 +282,11 @@ impl Node {
                     }
                     return Ok(Response::Skipped { reason });
                 }
-                Admission::Enroll { uid, workload } => (uid, workload),
+                Admission::Enroll {
+                    uid,
+                    workload,
+                    options,
+                } => (uid, workload, options),
             },
         };
         if let Some(cookie) = self.cookie_of(&uid) {
@@ -294,7 +300,7 @@ impl Node {
             info!(%uid, "new sandbox for an enrolled pod: replacing its capture");
             self.unenroll(uid.as_str()).await?;
         }
-        let out = self.enroll(netns, uid.as_str(), workload).await?;
+        let out = self.enroll(netns, uid.as_str(), workload, options).await?;
         // Only this sandbox's runtime may tear it down again (CNI DEL).
         self.pods.set_sandbox(uid.as_str(), container_id);
         Ok(out)
@@ -305,6 +311,7 @@ impl Node {
         netns: PathBuf,
         uid: &str,
         workload: Workload,
+        options: PodOptions,
     ) -> anyhow::Result<Response> {
         let uid = PodUid::new(uid)?;
         let workload = Workload::new(
@@ -317,7 +324,7 @@ impl Node {
         let started = Instant::now();
         let attached = tokio::task::spawn_blocking(move || -> Result<u64, EnrollError> {
             let mut dp = this.dp.lock().unwrap();
-            let (ns, cookie) = enroll::attach_pod(&mut dp, &netns, &u, &w)?;
+            let (ns, cookie) = enroll::attach_pod(&mut dp, &netns, &u, &w, &options)?;
             // The netns stays open from here on: adds and registrations use it.
             if let Some(meta) = dp.maps.meta(cookie) {
                 this.pods.insert(cookie, meta, Some(ns));

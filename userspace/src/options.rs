@@ -1,0 +1,153 @@
+//! Per-pod capture options, from the pod annotations Istio ambient users
+//! already set. Parsed from the API's view of the pod (CNI carries no
+//! annotations); written to pinned maps at enrollment, before any link, so
+//! that a restarted agent repairs the pod with the same options.
+
+use sluice_common::{POD_FLAG_BYPASS_INBOUND, REROUTE_LEN};
+
+/// `ambient.istio.io/bypass-inbound-capture: "true"`: the pod's inbound
+/// connections are not captured (outbound still are) — Istio's "ingress
+/// mode", for pods that must see their clients directly.
+pub const BYPASS_INBOUND_CAPTURE: &str = "ambient.istio.io/bypass-inbound-capture";
+/// `istio.io/reroute-virtual-interfaces: "tap0,tap1"`: TCP arriving on these
+/// interfaces of the pod (a VM's, KubeVirt) is the pod's outbound, captured
+/// to 15001.
+pub const REROUTE_VIRTUAL_INTERFACES: &str = "istio.io/reroute-virtual-interfaces";
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PodOptions {
+    pub bypass_inbound: bool,
+    /// Interface names, as the annotation lists them (valid names only).
+    pub reroute: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OptionsError {
+    #[error("{REROUTE_VIRTUAL_INTERFACES}: {0:?} is not an interface name")]
+    BadInterface(String),
+    #[error("{REROUTE_VIRTUAL_INTERFACES}: the list is longer than {REROUTE_LEN} bytes")]
+    TooLong,
+}
+
+impl PodOptions {
+    /// From the pod's annotations. Only `"true"` turns bypass on, as in
+    /// Istio. A reroute list with a name that is not an interface name is an
+    /// error: the pod is not enrolled half-configured.
+    pub fn from_annotations<'a>(
+        mut get: impl FnMut(&str) -> Option<&'a str>,
+    ) -> Result<Self, OptionsError> {
+        let reroute = match get(REROUTE_VIRTUAL_INTERFACES) {
+            None => Vec::new(),
+            Some(list) => parse_interfaces(list)?,
+        };
+        Ok(Self {
+            bypass_inbound: get(BYPASS_INBOUND_CAPTURE) == Some("true"),
+            reroute,
+        })
+    }
+
+    /// The `pod_flags` map value.
+    pub fn flags(&self) -> u32 {
+        if self.bypass_inbound {
+            POD_FLAG_BYPASS_INBOUND
+        } else {
+            0
+        }
+    }
+
+    /// The `pod_reroute` map value: the names, comma-separated, NUL-padded.
+    pub fn reroute_bytes(&self) -> [u8; REROUTE_LEN] {
+        let mut out = [0u8; REROUTE_LEN];
+        let joined = self.reroute.join(",");
+        out[..joined.len()].copy_from_slice(joined.as_bytes());
+        out
+    }
+
+    pub fn from_maps(flags: u32, reroute: Option<&[u8; REROUTE_LEN]>) -> Self {
+        let reroute = reroute
+            .map(|b| {
+                let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
+                String::from_utf8_lossy(&b[..end])
+                    .split(',')
+                    .filter(|s| !s.is_empty())
+                    .map(str::to_owned)
+                    .collect()
+            })
+            .unwrap_or_default();
+        Self {
+            bypass_inbound: flags & POD_FLAG_BYPASS_INBOUND != 0,
+            reroute,
+        }
+    }
+}
+
+/// "tap0, tap1" → ["tap0", "tap1"]; Linux interface names only (1–15
+/// bytes, no '/', ':', ',' or whitespace), at most REROUTE_LEN bytes joined.
+fn parse_interfaces(list: &str) -> Result<Vec<String>, OptionsError> {
+    let names: Vec<String> = list
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect();
+    for n in &names {
+        let ok = n.len() <= 15
+            && n != "."
+            && n != ".."
+            && n.bytes()
+                .all(|b| b.is_ascii_graphic() && !b"/:,".contains(&b));
+        if !ok {
+            return Err(OptionsError::BadInterface(n.clone()));
+        }
+    }
+    if names.join(",").len() > REROUTE_LEN {
+        return Err(OptionsError::TooLong);
+    }
+    Ok(names)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn from(pairs: &[(&str, &str)]) -> Result<PodOptions, OptionsError> {
+        PodOptions::from_annotations(|k| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| *v))
+    }
+
+    #[test]
+    fn only_true_bypasses_and_options_round_trip_through_the_maps() {
+        for (value, want) in [("true", true), ("True", false), ("1", false)] {
+            let o = from(&[(BYPASS_INBOUND_CAPTURE, value)]).unwrap();
+            assert_eq!(o.bypass_inbound, want, "{value:?}");
+        }
+        let o = from(&[
+            (BYPASS_INBOUND_CAPTURE, "true"),
+            (REROUTE_VIRTUAL_INTERFACES, " tap0, k6t-eth0,,"),
+        ])
+        .unwrap();
+        assert_eq!(o.reroute, ["tap0", "k6t-eth0"]);
+        assert_eq!(
+            PodOptions::from_maps(o.flags(), Some(&o.reroute_bytes())),
+            o
+        );
+        assert_eq!(from(&[]).unwrap(), PodOptions::default());
+    }
+
+    #[test]
+    fn bad_interface_lists_are_refused() {
+        for bad in ["eth0/x", "a:b", "waytoolonginterfacename", "..", "tab\tx"] {
+            assert!(
+                matches!(
+                    from(&[(REROUTE_VIRTUAL_INTERFACES, bad)]),
+                    Err(OptionsError::BadInterface(_))
+                ),
+                "{bad:?}"
+            );
+        }
+        let many = ["abcdefghijklmno"; 5].join(",");
+        assert_eq!(
+            from(&[(REROUTE_VIRTUAL_INTERFACES, &many)]),
+            Err(OptionsError::TooLong)
+        );
+    }
+}
