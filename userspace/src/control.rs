@@ -96,6 +96,11 @@ pub struct Envelope {
     pub request: Request,
 }
 
+/// One request line as the agent reads it (without its newline).
+pub fn parse_envelope(line: &str) -> Result<Envelope, String> {
+    serde_json::from_str(line).map_err(|e| format!("bad request: {e}"))
+}
+
 /// Why an agent refuses a request for another pin root.
 pub fn wrong_root(own: &Path, asked: &Path) -> Option<String> {
     let canon = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_owned());

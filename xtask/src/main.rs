@@ -2,6 +2,7 @@
 //! the demo, benchmarks, the container image and the deploy/ checks.
 
 mod deploy;
+mod fuzz;
 mod setup;
 
 use std::{
@@ -42,10 +43,20 @@ enum Cmd {
         /// (installed on first use): timing assumptions show up as failures.
         #[arg(long)]
         cpu_hog: bool,
+        /// Seconds each fuzz target runs after the tests (0: none).
+        #[arg(long, default_value_t = 10)]
+        fuzz_time: u64,
         /// Extra arguments passed to `cargo test` after `--`, e.g. a test
         /// name with `--exact`.
         #[arg(trailing_var_arg = true)]
         args: Vec<String>,
+    },
+    /// Run every fuzz target (fuzz/) for a bounded time each; installs
+    /// cargo-fuzz on first use.
+    Fuzz {
+        /// Seconds per target.
+        #[arg(long, default_value_t = 60)]
+        time: u64,
     },
     /// Setup, build, and run the demo: enroll a pod netns and show captured traffic.
     Demo,
@@ -74,8 +85,16 @@ fn main() -> Result<()> {
         Cmd::Test {
             repeat,
             cpu_hog,
+            fuzz_time,
             args,
-        } => test(&args, repeat, cpu_hog),
+        } => {
+            test(&args, repeat, cpu_hog)?;
+            if fuzz_time > 0 {
+                fuzz::fuzz(fuzz_time, fuzz::Build::Quick)?;
+            }
+            Ok(())
+        }
+        Cmd::Fuzz { time } => fuzz::fuzz(time, fuzz::Build::Thorough),
         Cmd::Demo => demo(),
         Cmd::Bench => bench(),
         Cmd::Image { tag } => deploy::image(&tag),

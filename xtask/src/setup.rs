@@ -188,6 +188,23 @@ pub fn apt_install(packages: &[&str]) -> Result<()> {
 }
 
 /// `stress-ng`, for `cargo xtask test --cpu-hog` (not needed otherwise).
+/// cargo-fuzz, from crates.io, and a C++ compiler (libFuzzer is built from
+/// source by libfuzzer-sys).
+pub fn ensure_cargo_fuzz() -> Result<()> {
+    if !which("c++") {
+        apt_install(&["g++"])?;
+    }
+    let installed = Command::new("cargo")
+        .args(["fuzz", "--version"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if installed {
+        return Ok(());
+    }
+    eprintln!("setup: installing cargo-fuzz");
+    exec(Command::new("cargo").args(["install", "--locked", "cargo-fuzz"]))
+}
+
 pub fn ensure_stress_ng() -> Result<()> {
     if which("stress-ng") {
         return Ok(());

@@ -100,7 +100,7 @@ async fn handle(
 }
 
 async fn parse_and_handle(line: &str, root: &Path, node: Arc<Node>) -> Response {
-    match serde_json::from_str::<Envelope>(line) {
+    match crate::control::parse_envelope(line) {
         Ok(Envelope {
             bpf_root: Some(asked),
             ..
@@ -108,8 +108,6 @@ async fn parse_and_handle(line: &str, root: &Path, node: Arc<Node>) -> Response 
             message: wrong_root(root, &asked).unwrap_or_default(),
         },
         Ok(env) => node.handle(env.request).await,
-        Err(e) => Response::Error {
-            message: format!("bad request: {e}"),
-        },
+        Err(message) => Response::Error { message },
     }
 }

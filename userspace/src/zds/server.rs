@@ -281,19 +281,38 @@ async fn exchange(
     }
     deadline(send(fd, &data, netns)).await?;
     let dg = deadline(recv(fd, ACK_BUFFER)).await?;
-    if !dg.fds.is_empty() {
-        return Err(ZdsError::Protocol(format!(
-            "ack came with {} fds",
-            dg.fds.len()
-        )));
+    parse_answer(&dg.data, dg.fds.len())
+}
+
+/// ztunnel's answer to a request, from the datagram's bytes and how many
+/// fds came with it (none may).
+pub fn parse_answer(data: &[u8], fds: usize) -> Result<Answer, ZdsError> {
+    if fds != 0 {
+        return Err(ZdsError::Protocol(format!("ack came with {fds} fds")));
     }
     let resp: WorkloadResponse =
-        proto::decode(&dg.data).map_err(|e| ZdsError::Protocol(format!("undecodable ack: {e}")))?;
+        proto::decode(data).map_err(|e| ZdsError::Protocol(format!("undecodable ack: {e}")))?;
     match resp.payload {
         Some(workload_response::Payload::Ack(a)) if a.error.is_empty() => Ok(Answer::Ack),
         Some(workload_response::Payload::Ack(a)) => Ok(Answer::Nack(a.error)),
         None => Err(ZdsError::Protocol("response without an ack".into())),
     }
+}
+
+/// ztunnel's hello, checked: no fds, decodable, version 1.
+pub fn parse_hello(data: &[u8], fds: usize) -> Result<(), ZdsError> {
+    if fds != 0 {
+        return Err(ZdsError::Protocol(format!("hello came with {fds} fds")));
+    }
+    let hello: ZdsHello =
+        proto::decode(data).map_err(|e| ZdsError::Protocol(format!("undecodable hello: {e}")))?;
+    if hello.version != Version::V1 as i32 {
+        return Err(ZdsError::Protocol(format!(
+            "unsupported ZDS version {}",
+            hello.version
+        )));
+    }
+    Ok(())
 }
 
 async fn connection(
@@ -320,20 +339,7 @@ async fn run_connection(
 ) -> Result<(), ZdsError> {
     // ztunnel speaks first.
     let hello = deadline(recv(fd, MAX_REQUEST)).await?;
-    if !hello.fds.is_empty() {
-        return Err(ZdsError::Protocol(format!(
-            "hello came with {} fds",
-            hello.fds.len()
-        )));
-    }
-    let hello: ZdsHello = proto::decode(&hello.data)
-        .map_err(|e| ZdsError::Protocol(format!("undecodable hello: {e}")))?;
-    if hello.version != Version::V1 as i32 {
-        return Err(ZdsError::Protocol(format!(
-            "unsupported ZDS version {}",
-            hello.version
-        )));
-    }
+    parse_hello(&hello.data, hello.fds.len())?;
     info!("ztunnel connected; sending snapshot");
 
     // The handler walks the pinned maps (and may wait for an enrollment):
