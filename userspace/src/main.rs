@@ -38,6 +38,11 @@ struct Cli {
     /// read-only: mount the host's /proc (e.g. at /host/proc) and name it here.
     #[arg(long, global = true, default_value = "/proc", env = "SLUICE_PROC_DIR")]
     proc_dir: PathBuf,
+    /// Log lines of the long-running commands (agent, watchdog): `json` (one
+    /// object per line, with the span fields: pod uid, netns, ztunnel pid),
+    /// `text`, or `auto` (text on a terminal, json otherwise — in a pod).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Auto, env = "SLUICE_LOG_FORMAT")]
+    log_format: LogFormat,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -269,13 +274,30 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
     }
 }
 
-fn init_tracing() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum LogFormat {
+    Auto,
+    Text,
+    Json,
+}
+
+fn init_tracing(format: LogFormat) {
+    use std::io::IsTerminal as _;
+    let json = match format {
+        LogFormat::Json => true,
+        LogFormat::Text => false,
+        LogFormat::Auto => !std::io::stderr().is_terminal(),
+    };
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    let fmt = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json {
+        fmt.json().init();
+    } else {
+        fmt.init();
+    }
 }
 
 fn current_thread_runtime() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -415,7 +437,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             exclude_namespaces,
             cni_recheck,
         } => {
-            init_tracing();
+            init_tracing(cli.log_format);
             let mut excluded: std::collections::BTreeSet<String> = exclude_namespaces
                 .into_iter()
                 .map(|n| n.trim().to_owned())
@@ -475,7 +497,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             interval,
             failures,
         } => {
-            init_tracing();
+            init_tracing(cli.log_format);
             current_thread_runtime()?.block_on(async {
                 let client = kube::Client::try_default().await.context(
                     "connecting to the Kubernetes API (in-cluster config or KUBECONFIG)",
@@ -522,7 +544,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             taints,
             timeout,
         } => {
-            init_tracing();
+            init_tracing(cli.log_format);
             current_thread_runtime()?.block_on(uninstall_cluster(
                 &daemonset,
                 &namespace,

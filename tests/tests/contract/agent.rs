@@ -43,6 +43,10 @@ pub fn trials() -> Vec<Trial> {
             happy_path,
         ),
         trial(
+            "agent::logs_are_json_lines_with_the_pods_span_off_a_terminal",
+            json_logs,
+        ),
+        trial(
             "agent::snapshot_on_reconnect_adds_every_pod_then_snapshot_sent",
             snapshot,
         ),
@@ -1670,4 +1674,50 @@ fn daemonset_privileges() -> TestResult {
     })();
     let _ = std::fs::remove_dir(&hp);
     result
+}
+
+/// Off a terminal (a pod's stderr, here a file) the agent logs one JSON
+/// object per line, and an enrollment's lines carry the pod's span fields;
+/// `--log-format text` (here its env form) gives plain text.
+fn json_logs() -> TestResult {
+    let f = Fixture::new("jlog", None)?;
+    let mut agent = AgentProc::start(&f.topo.pins)?;
+    let out = enroll(&agent, &f)?;
+    ensure!(out.ok, "{} {}", out.stdout, out.stderr);
+    let uid = f.uid.as_str().to_owned();
+    sluice_tests::wait::until(
+        "a JSON log line in the pod's span",
+        sluice_tests::wait::DEADLINE,
+        || {
+            let log = agent.log();
+            // Only whole lines: the agent may be writing the last one.
+            let whole = &log[..log.rfind('\n').map_or(0, |i| i + 1)];
+            let mut in_span = false;
+            for line in whole.lines().filter(|l| !l.trim().is_empty()) {
+                let v: serde_json::Value =
+                    serde_json::from_str(line).map_err(|e| format!("not JSON ({e}): {line}"))?;
+                if v["level"].as_str().is_none() || v["fields"]["message"].as_str().is_none() {
+                    return Err(format!("no level or message: {line}"));
+                }
+                in_span |= v["span"]["uid"] == uid.as_str();
+            }
+            in_span
+                .then_some(())
+                .ok_or_else(|| format!("no line in span uid={uid} yet"))
+        },
+    )?;
+    agent.terminate();
+    agent.set_env("SLUICE_LOG_FORMAT", Some("text"));
+    let before = agent.log().len();
+    agent.restart()?;
+    let log = agent.log();
+    let first = log[before..]
+        .lines()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or_default();
+    ensure!(
+        serde_json::from_str::<serde_json::Value>(first).is_err() && first.contains("INFO"),
+        "--log-format text gave {first:?}"
+    );
+    Ok(())
 }
