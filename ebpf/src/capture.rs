@@ -212,20 +212,44 @@ pub fn reroute_ingress(ctx: &TcContext) -> i32 {
 /// looked up at loopback so that sk_lookup passes the lookup through.
 #[inline(always)]
 fn outbound_listener(ctx: &TcContext, t: &Tcp) -> Option<*mut c_void> {
+    let loopback = if t.family == FAMILY_V4 {
+        [u32::from_ne_bytes([127, 0, 0, 1]), 0, 0, 0]
+    } else {
+        [0, 0, 0, u32::from_ne_bytes([0, 0, 0, 1])]
+    };
+    let sk = skc_lookup(ctx, t.family, &t.saddr, &loopback, t.sport, PORT_OUTBOUND)?;
+    if unsafe { (*sk).state } != BPF_TCP_LISTEN {
+        unsafe { bpf_sk_release(sk as *mut c_void) };
+        return None;
+    }
+    Some(sk as *mut c_void)
+}
+
+/// The socket of this netns a packet from `saddr:sport` to `daddr:dport`
+/// would be delivered to, referenced (the caller releases it).
+#[inline(always)]
+fn skc_lookup(
+    ctx: &TcContext,
+    family: u8,
+    saddr: &[u32; 4],
+    daddr: &[u32; 4],
+    sport: u16,
+    dport: u16,
+) -> Option<*mut aya_ebpf::bindings::bpf_sock> {
     let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
-    let size = if t.family == FAMILY_V4 {
+    let size = if family == FAMILY_V4 {
         let v4 = unsafe { &mut tuple.__bindgen_anon_1.ipv4 };
-        v4.saddr = t.saddr[0];
-        v4.daddr = u32::from_ne_bytes([127, 0, 0, 1]);
-        v4.sport = t.sport.to_be();
-        v4.dport = PORT_OUTBOUND.to_be();
+        v4.saddr = saddr[0];
+        v4.daddr = daddr[0];
+        v4.sport = sport.to_be();
+        v4.dport = dport.to_be();
         core::mem::size_of_val(v4)
     } else {
         let v6 = unsafe { &mut tuple.__bindgen_anon_1.ipv6 };
-        v6.saddr = t.saddr;
-        v6.daddr = [0, 0, 0, u32::from_ne_bytes([0, 0, 0, 1])];
-        v6.sport = t.sport.to_be();
-        v6.dport = PORT_OUTBOUND.to_be();
+        v6.saddr = *saddr;
+        v6.daddr = *daddr;
+        v6.sport = sport.to_be();
+        v6.dport = dport.to_be();
         core::mem::size_of_val(v6)
     };
     let sk = unsafe {
@@ -237,14 +261,7 @@ fn outbound_listener(ctx: &TcContext, t: &Tcp) -> Option<*mut c_void> {
             0,
         )
     };
-    if sk.is_null() {
-        return None;
-    }
-    if unsafe { (*sk).state } != BPF_TCP_LISTEN {
-        unsafe { bpf_sk_release(sk as *mut c_void) };
-        return None;
-    }
-    Some(sk as *mut c_void)
+    (!sk.is_null()).then_some(sk)
 }
 
 /// Ingress on the pod's `lo`: Istio exempts `-i lo` traffic (the app to its own
@@ -373,34 +390,9 @@ fn listener_present(key: &ListenerKey) -> bool {
 /// of this netns? That socket can only be one ztunnel made or accepted.
 #[inline(always)]
 fn terminated_locally(ctx: &TcContext, t: &Tcp) -> bool {
-    let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
-    let size = if t.family == FAMILY_V4 {
-        let v4 = unsafe { &mut tuple.__bindgen_anon_1.ipv4 };
-        v4.saddr = t.saddr[0];
-        v4.daddr = t.daddr[0];
-        v4.sport = t.sport.to_be();
-        v4.dport = t.dport.to_be();
-        core::mem::size_of_val(v4)
-    } else {
-        let v6 = unsafe { &mut tuple.__bindgen_anon_1.ipv6 };
-        v6.saddr = t.saddr;
-        v6.daddr = t.daddr;
-        v6.sport = t.sport.to_be();
-        v6.dport = t.dport.to_be();
-        core::mem::size_of_val(v6)
-    };
-    let sk = unsafe {
-        bpf_skc_lookup_tcp(
-            ctx.as_ptr(),
-            &mut tuple,
-            size as u32,
-            BPF_F_CURRENT_NETNS as u64,
-            0,
-        )
-    };
-    if sk.is_null() {
+    let Some(sk) = skc_lookup(ctx, t.family, &t.saddr, &t.daddr, t.sport, t.dport) else {
         return false;
-    }
+    };
     let state = unsafe { (*sk).state };
     unsafe { bpf_sk_release(sk as *mut c_void) };
     state != BPF_TCP_LISTEN

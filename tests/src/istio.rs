@@ -155,18 +155,7 @@ pub fn apply_host_probe_snat(
     ];
     for (tool, dst, to) in rules {
         let run = |args: &[&str]| -> anyhow::Result<()> {
-            let out = Command::new("ip")
-                .args(["netns", "exec", ns, tool, "-w", "-t", "nat"])
-                .args(args)
-                .output()
-                .with_context(|| format!("running {tool}"))?;
-            ensure!(
-                out.status.success(),
-                "{tool} {} in {ns}: {}",
-                args.join(" "),
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-            Ok(())
+            crate::ns::exec(ns, &[&[tool, "-w", "-t", "nat"][..], args].concat())
         };
         run(&["-N", "ISTIO_POSTRT"])?;
         run(&["-A", "POSTROUTING", "-j", "ISTIO_POSTRT"])?;

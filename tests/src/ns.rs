@@ -65,3 +65,19 @@ pub fn spawn_in<T: Send + 'static>(
 pub fn run_in<T: Send + 'static>(name: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
     spawn_in(name, f).join().expect("netns thread panicked")
 }
+
+/// Runs a command inside netns `ns` (`ip netns exec`), failing with its
+/// stderr.
+pub fn exec(ns: &str, cmd: &[&str]) -> anyhow::Result<()> {
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", ns])
+        .args(cmd)
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "{} (in {ns}): {}",
+        cmd.join(" "),
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    Ok(())
+}

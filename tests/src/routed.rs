@@ -4,14 +4,12 @@
 //! does to NodePort traffic with `externalTrafficPolicy: Cluster`. Removed
 //! on drop; the masquerade rules go with the node netns.
 
-use std::{
-    net::{IpAddr, Ipv4Addr, Ipv6Addr},
-    process::Command,
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use crate::{
+    ns::exec as run,
+    topology::{ip, Family, Topology},
 };
-
-use anyhow::ensure;
-
-use crate::topology::{ip, Family, Topology};
 
 pub struct Behind {
     pub ns: String,
@@ -123,21 +121,6 @@ impl Behind {
             Family::V6 => Ipv6Addr::new(0xfd00, 0x201, self.subnet.into(), 0, 0, 0, 0, 1).into(),
         }
     }
-}
-
-/// Runs a command inside netns `ns`.
-fn run(ns: &str, cmd: &[&str]) -> anyhow::Result<()> {
-    let out = Command::new("ip")
-        .args(["netns", "exec", ns])
-        .args(cmd)
-        .output()?;
-    ensure!(
-        out.status.success(),
-        "{} (in {ns}): {}",
-        cmd.join(" "),
-        String::from_utf8_lossy(&out.stderr).trim()
-    );
-    Ok(())
 }
 
 impl Drop for Behind {

@@ -218,10 +218,7 @@ impl Vm {
             &pod6,
         ])?;
         for sysctl in ["net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"] {
-            let out = std::process::Command::new("ip")
-                .args(["netns", "exec", p, "sysctl", "-qw", sysctl])
-                .output()?;
-            ensure!(out.status.success(), "sysctl {sysctl} in {p}");
+            sluice_tests::ns::exec(p, &["sysctl", "-qw", sysctl])?;
         }
         Ok(vm)
     }
