@@ -186,7 +186,8 @@ FULL = {
     "controlSocket": "/run/sluice-test/agent.sock",
     "zdsSocket": "/var/run/ztunnel-test/ztunnel.sock",
     "cni": {"install": True, "confDir": "/etc/cni/net.d.test", "binDir": "/home/kubernetes/bin",
-            "excludeNamespaces": ["kube-system", "monitoring"]},
+            "excludeNamespaces": ["kube-system", "monitoring"],
+            "ambient": {"dnsCapture": False}},
     "probes": {"hostSide": False},
     "readiness": {
         "conditionType": "example.com/Redirection",
@@ -323,6 +324,7 @@ def check_full(objs):
         "--some-flag=x",
         "--node-netns=off",
         "--exclude-namespaces=kube-system,monitoring",
+        "--dns-capture=false",
     ]:
         expect("full", flag in a, f"agent args lack {flag}: {a}")
     w = args_of(ds, "watchdog")

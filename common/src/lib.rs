@@ -11,6 +11,10 @@ pub const PORT_OUTBOUND: u16 = 15001;
 pub const PORT_INBOUND: u16 = 15006;
 /// ztunnel's in-pod listener for inbound HBONE (mTLS tunnel) traffic.
 pub const PORT_HBONE: u16 = 15008;
+/// ztunnel's in-pod DNS proxy, on localhost (127.0.0.1 and ::1), TCP and UDP.
+pub const PORT_DNS_PROXY: u16 = 15053;
+/// The DNS port whose traffic DNS capture sends to [`PORT_DNS_PROXY`].
+pub const PORT_DNS: u16 = 53;
 
 /// Mark ztunnel sets (SO_MARK 1337) on every socket it owns: never captured.
 pub const MARK_ZTUNNEL: u32 = 0x539;
@@ -130,17 +134,29 @@ pub enum Role {
     Outbound = 1,
     Inbound = 2,
     Hbone = 3,
+    /// ztunnel's DNS proxy, TCP (DNS capture only; not needed to steer).
+    DnsTcp = 4,
+    /// ztunnel's DNS proxy, UDP (DNS capture only; not needed to steer).
+    DnsUdp = 5,
 }
 
 impl Role {
+    /// The listeners every enrolled pod needs before it steers.
     pub const ALL: [Role; 3] = [Role::Outbound, Role::Inbound, Role::Hbone];
+    /// The DNS proxy's sockets: optional (ztunnel may run without DNS proxy).
+    pub const DNS: [Role; 2] = [Role::DnsTcp, Role::DnsUdp];
 
     pub const fn port(self) -> u16 {
         match self {
             Self::Outbound => PORT_OUTBOUND,
             Self::Inbound => PORT_INBOUND,
             Self::Hbone => PORT_HBONE,
+            Self::DnsTcp | Self::DnsUdp => PORT_DNS_PROXY,
         }
+    }
+
+    pub const fn is_dns(self) -> bool {
+        matches!(self, Self::DnsTcp | Self::DnsUdp)
     }
 
     pub const fn from_port(port: u16) -> Option<Self> {
@@ -157,6 +173,8 @@ impl Role {
             Self::Outbound => "outbound",
             Self::Inbound => "inbound",
             Self::Hbone => "hbone",
+            Self::DnsTcp => "dns-tcp",
+            Self::DnsUdp => "dns-udp",
         }
     }
 }
@@ -260,6 +278,12 @@ pub enum HintVerdict {
     /// An inbound SYN of a pod that asked for no inbound capture
     /// (`ambient.istio.io/bypass-inbound-capture`): delivered as addressed.
     Bypass = 6,
+    /// A DNS query (TCP SYN to port 53) redirected by the egress program:
+    /// steer to the DNS proxy's TCP listener.
+    DnsTcp = 7,
+    /// A DNS query (UDP to port 53) redirected by the egress program: steer
+    /// to the DNS proxy's UDP socket. One hint per datagram.
+    DnsUdp = 8,
 }
 
 impl HintVerdict {
@@ -271,6 +295,8 @@ impl HintVerdict {
             4 => Some(Self::Hbone),
             5 => Some(Self::Host),
             6 => Some(Self::Bypass),
+            7 => Some(Self::DnsTcp),
+            8 => Some(Self::DnsUdp),
             _ => None,
         }
     }
@@ -278,6 +304,8 @@ impl HintVerdict {
 
 /// Bits of a pod's entry in the `pod_flags` map (absent entry: none set).
 pub const POD_FLAG_BYPASS_INBOUND: u32 = 1 << 0;
+/// The pod's DNS (port 53) is captured to ztunnel's DNS proxy.
+pub const POD_FLAG_DNS_CAPTURE: u32 = 1 << 1;
 /// Size of a `pod_reroute` value: interface names, comma-separated,
 /// NUL-padded (four 15-byte names fit).
 pub const REROUTE_LEN: usize = 64;
@@ -309,6 +337,65 @@ pub struct FlowHint {
     pub netns_cookie: u64,
     /// bpf_ktime_get_ns() when the hint was written.
     pub at_ns: u64,
+}
+
+/// Key of the DNS flow map: one UDP query in flight, as its answer will
+/// identify it on the way back (to the pod's address and port, same DNS id).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DnsFlowKey {
+    /// The querying socket's address (raw network-order words; IPv4: word 0).
+    pub pod_addr: [u32; 4],
+    pub family: u8,
+    pub _pad: u8,
+    /// The querying socket's port (host byte order).
+    pub pod_port: u16,
+    /// The DNS message id (host byte order).
+    pub id: u16,
+    pub _pad2: [u8; 2],
+}
+
+/// Value of the DNS flow map: where the query was addressed, so that the
+/// proxy's answer can be given that address as its source.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DnsFlow {
+    /// The resolver the app asked (raw network-order words; IPv4: word 0).
+    pub resolver_addr: [u32; 4],
+    /// The pod (netns cookie), for its counters.
+    pub netns_cookie: u64,
+    /// The resolver's port (host byte order; 53).
+    pub resolver_port: u16,
+    pub _pad: [u8; 6],
+}
+
+/// Per-pod DNS capture counters (a map of their own, so the older
+/// `counters` map keeps its layout).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DnsCounters {
+    /// UDP queries sent to the DNS proxy.
+    pub captured_udp: u64,
+    /// TCP connections to port 53 sent to the DNS proxy.
+    pub captured_tcp: u64,
+    /// Queries that went to their resolver uncaptured because the pod has
+    /// no DNS proxy socket (ztunnel without DNS proxy) or does not steer.
+    pub passthrough: u64,
+    /// Proxy answers given the resolver's address back.
+    pub replies_restored: u64,
+    /// Proxy answers to a pod address with no recorded query (flow entry
+    /// evicted or never made): delivered unchanged.
+    pub replies_unmapped: u64,
+}
+
+impl DnsCounters {
+    pub fn add(&mut self, o: &DnsCounters) {
+        self.captured_udp += o.captured_udp;
+        self.captured_tcp += o.captured_tcp;
+        self.passthrough += o.passthrough;
+        self.replies_restored += o.replies_restored;
+        self.replies_unmapped += o.replies_unmapped;
+    }
 }
 
 /// Length of the pod uid field in [`PodMeta`] (Kubernetes uids are 36 bytes).
@@ -367,6 +454,9 @@ mod user {
     unsafe impl aya::Pod for PodMeta {}
     unsafe impl aya::Pod for AddrKey {}
     unsafe impl aya::Pod for Stamp {}
+    unsafe impl aya::Pod for DnsFlowKey {}
+    unsafe impl aya::Pod for DnsFlow {}
+    unsafe impl aya::Pod for DnsCounters {}
 }
 
 #[cfg(test)]

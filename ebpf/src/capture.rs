@@ -9,54 +9,38 @@
 
 use aya_ebpf::{
     bindings::bpf_sock_tuple,
-    bindings::{
-        tcx_action_base::TCX_NEXT, BPF_F_CURRENT_NETNS, BPF_F_INGRESS, TC_ACT_OK, TC_ACT_SHOT,
-    },
-    helpers::{
-        bpf_get_netns_cookie, bpf_ktime_get_ns, bpf_map_lookup_elem, bpf_redirect, bpf_sk_assign,
-        bpf_sk_release, bpf_skc_lookup_tcp,
-    },
+    bindings::{tcx_action_base::TCX_NEXT, BPF_F_CURRENT_NETNS, TC_ACT_OK, TC_ACT_SHOT},
+    helpers::{bpf_sk_assign, bpf_sk_release, bpf_skc_lookup_tcp},
     programs::TcContext,
     EbpfContext,
 };
 use core::ffi::c_void;
 use sluice_common::{
-    AddrKey, Counters, FlowHint, FlowKey, HintVerdict, ListenerKey, Role, FAMILY_V4, MARK_MASK,
-    MARK_REDIRECT, MARK_ZTUNNEL, POD_FLAG_BYPASS_INBOUND, PORT_HBONE, PORT_OUTBOUND,
+    Counters, FlowKey, HintVerdict, Role, FAMILY_V4, MARK_MASK, MARK_REDIRECT, MARK_ZTUNNEL,
+    POD_FLAG_BYPASS_INBOUND, PORT_HBONE, PORT_OUTBOUND,
 };
 
 use crate::{
     addr::{is_loopback, is_probe},
-    maps::{count, FLOW_HINTS, LISTENERS, NODE_NETNS, POD_ADDRS, POD_FLAGS, POD_STATE},
+    dns,
+    maps::{count, FLOW_HINTS, NODE_NETNS, POD_STATE},
     packet::{parse, parse_tcp, Parsed, Tcp},
+    tc::{
+        listener_present, mark, mark_redirect, netns_cookie, pod_flags, pod_of, put_hint,
+        redirect_to_self,
+    },
 };
 
 const TC_OK: i32 = TC_ACT_OK;
 const TC_SHOT: i32 = TC_ACT_SHOT;
 const BPF_TCP_LISTEN: u32 = 10;
 
-#[inline(always)]
-fn mark(ctx: &TcContext) -> u32 {
-    unsafe { (*ctx.skb.skb).mark }
-}
-
-/// The pod of an outgoing packet. In tc this helper answers from the packet's
-/// socket, which every SYN an app sends has.
-#[inline(always)]
-fn netns_cookie(ctx: &TcContext) -> u64 {
-    unsafe { bpf_get_netns_cookie(ctx.as_ptr()) }
-}
-
-/// The pod an incoming packet is addressed to, if it is one of a pod's addresses.
-#[inline(always)]
-fn pod_of(family: u8, daddr: &[u32; 4]) -> Option<u64> {
-    unsafe { POD_ADDRS.get(AddrKey::new(family, *daddr)) }.copied()
-}
-
 /// Egress on the pod's interface: the app's outbound TCP.
 pub fn egress(ctx: &TcContext) -> i32 {
     let t = match parse(ctx) {
         Parsed::Tcp(t) => t,
+        // Rows D1-D3: DNS capture; any other UDP is not captured (row O5).
+        Parsed::Udp(u) => return dns::egress_udp(ctx, &u),
         Parsed::Other => return TC_OK, // row O5
         // IPv6 whose headers hide what it carries: it could be a SYN around
         // ztunnel, so it does not leave an enrolled pod (ztunnel's own aside).
@@ -100,11 +84,16 @@ pub fn egress(ctx: &TcContext) -> i32 {
             count(cookie, |c: &mut Counters| &mut c.dropped_fail_closed);
             return TC_SHOT;
         }
-        if !listener_present(&ListenerKey::new(cookie, Role::Outbound, t.family)) {
+        // Row D2: TCP to port 53 goes to the DNS proxy when the pod has one.
+        if dns::captures_tcp(cookie, &t) {
+            put_hint(cookie, &flow_key(&t), HintVerdict::DnsTcp);
+            return redirect_to_self(ctx);
+        }
+        if !listener_present(cookie, Role::Outbound, t.family) {
             count(cookie, |c: &mut Counters| &mut c.missing_socket);
             return TC_SHOT;
         }
-        put_hint(cookie, &t, HintVerdict::Outbound);
+        put_hint(cookie, &flow_key(&t), HintVerdict::Outbound);
         return redirect_to_self(ctx);
     }
     // Not a SYN: deliver locally only packets of flows a local socket terminates
@@ -145,7 +134,7 @@ pub fn ingress(ctx: &TcContext) -> i32 {
     // Row I6: the pod asked for no inbound capture (Istio's "ingress mode"):
     // its SYNs go where they are addressed; HBONE still reaches ztunnel.
     if t.dport != PORT_HBONE && pod_flags(cookie) & POD_FLAG_BYPASS_INBOUND != 0 {
-        put_hint(cookie, &t, HintVerdict::Bypass);
+        put_hint(cookie, &flow_key(&t), HintVerdict::Bypass);
         return TC_OK;
     }
     let Some(pod) = (unsafe { POD_STATE.get(cookie) }) else {
@@ -160,11 +149,11 @@ pub fn ingress(ctx: &TcContext) -> i32 {
     } else {
         (Role::Inbound, HintVerdict::Inbound)
     };
-    if !listener_present(&ListenerKey::new(cookie, role, t.family)) {
+    if !listener_present(cookie, role, t.family) {
         count(cookie, |c: &mut Counters| &mut c.missing_socket);
         return TC_SHOT;
     }
-    put_hint(cookie, &t, verdict);
+    put_hint(cookie, &flow_key(&t), verdict);
     TC_OK
 }
 
@@ -179,13 +168,13 @@ pub fn ingress(ctx: &TcContext) -> i32 {
 pub fn reroute_ingress(ctx: &TcContext) -> i32 {
     let t = match parse(ctx) {
         Parsed::Tcp(t) => t,
-        Parsed::Other => return TC_OK,
+        Parsed::Udp(_) | Parsed::Other => return TC_OK,
         // A SYN could hide there: nothing opaque passes a captured interface.
         Parsed::Opaque => return TC_SHOT,
     };
     if !t.is_syn() {
         if terminated_locally(ctx, &t) {
-            ctx.set_mark((mark(ctx) & !MARK_MASK) | MARK_REDIRECT);
+            mark_redirect(ctx);
         }
         return TC_OK;
     }
@@ -204,7 +193,7 @@ pub fn reroute_ingress(ctx: &TcContext) -> i32 {
         return TC_SHOT;
     }
     count(cookie, |c: &mut Counters| &mut c.captured_outbound);
-    ctx.set_mark((mark(ctx) & !MARK_MASK) | MARK_REDIRECT);
+    mark_redirect(ctx);
     TC_OK
 }
 
@@ -268,7 +257,13 @@ fn skc_lookup(
 /// pod IP, ztunnel's spoofed-source connections to the app). sk_lookup cannot
 /// see the input device for these, so tell it with a hint (rows O2, I4).
 pub fn lo_ingress(ctx: &TcContext) -> i32 {
-    if let Some(t) = parse_tcp(ctx) {
+    let t = match parse(ctx) {
+        Parsed::Tcp(t) => Some(t),
+        // Row D1: the DNS proxy's answer, given the resolver's address back.
+        Parsed::Udp(u) => return dns::restore_answer(ctx, &u),
+        _ => None,
+    };
+    if let Some(t) = t {
         if t.is_syn() && !is_loopback(t.family, &t.daddr) {
             // The cookie only serves the counters: 0 (unknown) is fine here.
             let cookie = pod_of(t.family, &t.daddr).unwrap_or(0);
@@ -281,7 +276,7 @@ pub fn lo_ingress(ctx: &TcContext) -> i32 {
                 || is_loopback(t.family, &t.saddr)
                 || (cookie != 0 && pod_of(t.family, &t.saddr) == Some(cookie));
             if exempt {
-                put_hint(cookie, &t, HintVerdict::Local);
+                put_hint(cookie, &flow_key(&t), HintVerdict::Local);
             }
         }
     }
@@ -310,14 +305,9 @@ pub fn host_egress(ctx: &TcContext) -> i32 {
         return TCX_NEXT;
     }
     if let Some(cookie) = pod_of(t.family, &t.daddr) {
-        put_hint(cookie, &t, HintVerdict::Host);
+        put_hint(cookie, &flow_key(&t), HintVerdict::Host);
     }
     TCX_NEXT
-}
-
-#[inline(always)]
-fn pod_flags(cookie: u64) -> u32 {
-    unsafe { POD_FLAGS.get(cookie) }.copied().unwrap_or(0)
 }
 
 /// Did the host-side program hint this SYN as the node's own (for this pod)?
@@ -330,60 +320,7 @@ fn host_hinted(cookie: u64, t: &Tcp) -> bool {
 
 #[inline(always)]
 fn flow_key(t: &Tcp) -> FlowKey {
-    FlowKey {
-        remote_addr: t.saddr,
-        local_addr: t.daddr,
-        remote_port: t.sport,
-        local_port: t.dport,
-        family: t.family,
-        _pad: [0; 3],
-    }
-}
-
-#[inline(always)]
-fn put_hint(cookie: u64, t: &Tcp, verdict: HintVerdict) {
-    let key = flow_key(t);
-    let hint = FlowHint {
-        verdict: verdict as u32,
-        _pad: 0,
-        netns_cookie: cookie,
-        at_ns: unsafe { bpf_ktime_get_ns() },
-    };
-    let _ = FLOW_HINTS.insert(key, hint, 0);
-}
-
-/// Re-injects the packet at the pod interface's ingress with the "deliver
-/// locally" mark; the policy route (table 100) then makes it local.
-#[inline(always)]
-fn redirect_to_self(ctx: &TcContext) -> i32 {
-    // Destination MAC := source MAC (our own), or the frame re-enters as
-    // PACKET_OTHERHOST and IP drops it.
-    let Ok(src) = ctx.load::<[u8; 6]>(6) else {
-        return TC_SHOT;
-    };
-    if ctx.store(0, &src, 0).is_err() {
-        return TC_SHOT;
-    }
-    ctx.set_mark((mark(ctx) & !MARK_MASK) | MARK_REDIRECT);
-    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    unsafe { bpf_redirect(ifindex, BPF_F_INGRESS as u64) as i32 }
-}
-
-/// Is there a listener for this role in this pod? (Lookups on a socket map
-/// return a referenced socket, released at once.)
-#[inline(always)]
-fn listener_present(key: &ListenerKey) -> bool {
-    let sk = unsafe {
-        bpf_map_lookup_elem(
-            &LISTENERS as *const _ as *mut c_void,
-            key as *const _ as *const c_void,
-        )
-    };
-    if sk.is_null() {
-        return false;
-    }
-    unsafe { bpf_sk_release(sk) };
-    true
+    crate::tc::flow_key(t.family, t.saddr, t.daddr, t.sport, t.dport)
 }
 
 /// Would this packet, received here, match a connected (non-listening) socket

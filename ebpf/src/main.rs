@@ -1,8 +1,10 @@
 //! sluice's kernel programs. Loaded once per node, attached per pod netns:
 //! - `sluice_steer`   (sk_lookup, netns link): assigns ztunnel's listeners;
-//! - `sluice_egress`  (tcx egress, pod interface): captures outbound TCP;
+//! - `sluice_egress`  (tcx egress, pod interface): captures outbound TCP and
+//!   DNS queries;
 //! - `sluice_ingress` (tcx ingress, pod interface): fails closed on inbound SYNs;
-//! - `sluice_lo`      (tcx ingress, pod `lo`): marks in-pod connections as exempt;
+//! - `sluice_lo`      (tcx ingress, pod `lo`): marks in-pod connections as
+//!   exempt; gives the DNS proxy's answers the resolver's address;
 //! - `sluice_reroute` (tcx ingress, a pod's virtual interface, e.g. a VM's
 //!   tap): the VM's TCP is the pod's outbound, captured to 15001;
 //! - `sluice_host`    (tcx egress, the host side of a pod's veth, in the node
@@ -15,9 +17,11 @@
 
 mod addr;
 mod capture;
+mod dns;
 mod maps;
 mod packet;
 mod steer;
+mod tc;
 
 use aya_ebpf::{
     macros::{classifier, sk_lookup},

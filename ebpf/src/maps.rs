@@ -7,7 +7,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuHashMap, SockHash},
 };
 use sluice_common::{
-    AddrKey, Counters, FlowHint, FlowKey, ListenerKey, PodEntry, PodMeta, Stamp, REROUTE_LEN,
+    AddrKey, Counters, DnsCounters, DnsFlow, DnsFlowKey, FlowHint, FlowKey, ListenerKey, PodEntry,
+    PodMeta, Stamp, REROUTE_LEN,
 };
 
 /// Upper bound on pods per node (Kubernetes' default max-pods is 110).
@@ -71,6 +72,37 @@ pub static POD_REROUTE: HashMap<u64, [u8; REROUTE_LEN]> =
 /// exempts SYNs whose socket lives there. Written by user space.
 #[map(name = "node_netns")]
 pub static NODE_NETNS: Array<u64> = Array::pinned(1, 0);
+
+/// ztunnel's DNS proxy sockets (TCP listener, UDP socket), by pod, role
+/// (`DnsTcp`/`DnsUdp`) and family. Apart from `listeners` so that map keeps
+/// its size; written by user space, closed sockets leave by themselves.
+#[map(name = "dns_listeners")]
+pub static DNS_LISTENERS: SockHash<ListenerKey> = SockHash::pinned(MAX_PODS * 4, 0);
+
+/// UDP DNS queries sent to the proxy, by the querying socket and DNS id →
+/// the resolver they were addressed to: the proxy's answer gets that source
+/// back (no conntrack to undo a NAT). LRU: an entry is needed for one
+/// round trip; 8192 queries in flight per node is far beyond a node's
+/// resolver load, and an answer whose entry was evicted is counted
+/// (`replies_unmapped`). About 1 MiB preallocated.
+#[map(name = "dns_flows")]
+pub static DNS_FLOWS: LruHashMap<DnsFlowKey, DnsFlow> = LruHashMap::pinned(8192, 0);
+
+/// Per-pod DNS capture counters. Per-CPU like `counters`.
+#[map(name = "dns_counters")]
+pub static DNS_COUNTERS: PerCpuHashMap<u64, DnsCounters> = PerCpuHashMap::pinned(MAX_PODS, 0);
+
+/// Adds one to a pod's DNS counter, creating the entry on first use.
+#[inline(always)]
+pub fn count_dns(cookie: u64, field: impl Fn(&mut DnsCounters) -> &mut u64) {
+    if let Some(c) = DNS_COUNTERS.get_ptr_mut(cookie) {
+        unsafe { *field(&mut *c) += 1 };
+    } else {
+        let mut c = DnsCounters::default();
+        *field(&mut c) = 1;
+        let _ = DNS_COUNTERS.insert(cookie, c, 0);
+    }
+}
 
 /// Adds one to a pod's counter, creating the entry on first use.
 #[inline(always)]

@@ -1,7 +1,7 @@
 //! Minimal, bounds-checked header parsing for the tc programs.
 //!
 //! Only what the programs decide on: address family, addresses, TCP ports and
-//! flags. IPv6 extension headers (an app may add them with setsockopt
+//! flags, UDP ports and where the UDP header is (DNS capture rewrites it). IPv6 extension headers (an app may add them with setsockopt
 //! IPV6_HOPOPTS/IPV6_DSTOPTS/IPV6_RTHDR) are walked, up to
 //! [`MAX_EXT_HEADERS`]: a chain longer than that, or cut short, is
 //! [`Parsed::Opaque`], which the egress program drops rather than let a TCP
@@ -14,6 +14,12 @@ const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86dd;
 const IPPROTO_TCP: u8 = 6;
+const IPPROTO_UDP: u8 = 17;
+/// Where the IPv4 header's checksum and source address sit in the frame.
+pub const IPV4_CHECK_OFF: usize = ETH_HLEN + 10;
+pub const IPV4_SADDR_OFF: usize = ETH_HLEN + 12;
+/// Where the IPv6 header's source address sits in the frame.
+pub const IPV6_SADDR_OFF: usize = ETH_HLEN + 8;
 const IPPROTO_HOPOPTS: u8 = 0;
 const IPPROTO_ROUTING: u8 = 43;
 const IPPROTO_FRAGMENT: u8 = 44;
@@ -46,6 +52,25 @@ impl Tcp {
     pub fn is_syn(&self) -> bool {
         self.flags & (TCP_SYN | TCP_ACK | TCP_RST | TCP_FIN) == TCP_SYN
     }
+}
+
+/// A UDP datagram's identity, and where its header starts (from the frame's
+/// first byte) for the programs that read or rewrite it.
+pub struct Udp {
+    pub family: u8,
+    /// Raw network-order words; IPv4 uses word 0.
+    pub saddr: [u32; 4],
+    pub daddr: [u32; 4],
+    /// Host byte order.
+    pub sport: u16,
+    pub dport: u16,
+    pub l4: usize,
+}
+
+impl Udp {
+    /// Offset of the UDP checksum and of the payload's first byte.
+    pub const CHECK: usize = 6;
+    pub const PAYLOAD: usize = 8;
 }
 
 #[inline(always)]
@@ -96,7 +121,8 @@ struct TcpHead {
 /// What a frame is, as far as the programs care.
 pub enum Parsed {
     Tcp(Tcp),
-    /// Not TCP (or not the first fragment of a TCP segment).
+    Udp(Udp),
+    /// Neither TCP nor UDP (or not the first fragment of a segment).
     Other,
     /// IPv6 whose extension-header chain could not be walked to its end.
     Opaque,
@@ -147,21 +173,22 @@ fn ipv6_upper(ctx: &TcContext, first: u8) -> Option<(u8, usize)> {
     }
 }
 
-/// Parses an Ethernet frame carrying TCP over IPv4 or IPv6.
+/// Parses an Ethernet frame carrying TCP or UDP over IPv4 or IPv6.
 #[inline(always)]
 pub fn parse(ctx: &TcContext) -> Parsed {
     let Some(proto) = ptr_at::<u16>(ctx, 12) else {
         return Parsed::Other;
     };
     let proto = u16::from_be(unsafe { *proto });
-    let (family, saddr, daddr, l4) = match proto {
+    let (family, saddr, daddr, l4_proto, l4) = match proto {
         ETH_P_IP => {
             let Some(ip) = ptr_at::<Ipv4Hdr>(ctx, ETH_HLEN) else {
                 return Parsed::Other;
             };
             let ip = unsafe { &*ip };
-            // Only the first fragment carries the TCP header.
-            if ip.protocol != IPPROTO_TCP || u16::from_be(ip.frag_off) & 0x1fff != 0 {
+            // Only the first fragment carries the TCP or UDP header.
+            let l4_known = ip.protocol == IPPROTO_TCP || ip.protocol == IPPROTO_UDP;
+            if !l4_known || u16::from_be(ip.frag_off) & 0x1fff != 0 {
                 return Parsed::Other;
             }
             let ihl = ((ip.ver_ihl & 0x0f) as usize) * 4;
@@ -172,6 +199,7 @@ pub fn parse(ctx: &TcContext) -> Parsed {
                 FAMILY_V4,
                 [ip.saddr, 0, 0, 0],
                 [ip.daddr, 0, 0, 0],
+                ip.protocol,
                 ETH_HLEN + ihl,
             )
         }
@@ -181,13 +209,29 @@ pub fn parse(ctx: &TcContext) -> Parsed {
             };
             let ip = unsafe { &*ip };
             match ipv6_upper(ctx, ip.nexthdr) {
-                Some((IPPROTO_TCP, off)) => (FAMILY_V6, ip.saddr, ip.daddr, off),
+                Some((IPPROTO_TCP, off)) => (FAMILY_V6, ip.saddr, ip.daddr, IPPROTO_TCP, off),
+                Some((IPPROTO_UDP, off)) => (FAMILY_V6, ip.saddr, ip.daddr, IPPROTO_UDP, off),
                 Some(_) => return Parsed::Other,
                 None => return Parsed::Opaque,
             }
         }
         _ => return Parsed::Other,
     };
+    if l4_proto == IPPROTO_UDP {
+        // Ports only: the first 4 bytes of the UDP header.
+        let Some(ports) = ptr_at::<[u16; 2]>(ctx, l4) else {
+            return Parsed::Other;
+        };
+        let ports = unsafe { &*ports };
+        return Parsed::Udp(Udp {
+            family,
+            saddr,
+            daddr,
+            sport: u16::from_be(ports[0]),
+            dport: u16::from_be(ports[1]),
+            l4,
+        });
+    }
     let Some(tcp) = ptr_at::<TcpHead>(ctx, l4) else {
         return Parsed::Opaque;
     };

@@ -1,7 +1,7 @@
 //! sk_lookup: the one place where a new connection in a pod netns is given to a
 //! listener. Runs on every TCP/UDP listener lookup in an enrolled pod's netns
-//! (SYNs, including the TIME_WAIT-reuse path); established traffic never
-//! reaches it.
+//! (SYNs, including the TIME_WAIT-reuse path; datagrams to unconnected UDP
+//! sockets); established traffic never reaches it.
 //!
 //! sk_lookup programs cannot learn their netns (no bpf_get_netns_cookie), so
 //! the pod comes from the hint a tc program left on the SYN's way in.
@@ -15,40 +15,33 @@ use aya_ebpf::{
     programs::SkLookupContext,
 };
 use sluice_common::{
-    Counters, FlowHint, FlowKey, HintVerdict, ListenerKey, Role, FAMILY_V4, FLOW_HINT_TTL_NS,
+    Counters, DnsCounters, FlowHint, FlowKey, HintVerdict, ListenerKey, Role, FAMILY_V4,
+    FLOW_HINT_TTL_NS, PORT_DNS,
 };
 
 use crate::{
     addr::{is_loopback, is_probe},
-    maps::{count, FLOW_HINTS, LISTENERS, POD_STATE},
+    maps::{count, count_dns, DNS_LISTENERS, FLOW_HINTS, LISTENERS, POD_STATE},
 };
 
 const IPPROTO_TCP: u32 = 6;
+const IPPROTO_UDP: u32 = 17;
 
 pub fn steer(ctx: &SkLookupContext) -> u32 {
     let l = unsafe { &*ctx.lookup };
-    // Row O5: only TCP is captured.
+    if l.protocol == IPPROTO_UDP {
+        return steer_udp(ctx);
+    }
+    // Row O5: no other protocol is captured.
     if l.protocol != IPPROTO_TCP {
         return SK_PASS;
     }
-    let family = l.family as u8;
-    let (remote, local) = if family == FAMILY_V4 {
-        ([l.remote_ip4, 0, 0, 0], [l.local_ip4, 0, 0, 0])
-    } else {
-        (l.remote_ip6, l.local_ip6)
-    };
+    let key = lookup_key(ctx);
+    let (family, remote, local) = (key.family, key.remote_addr, key.local_addr);
     // Row O2: loopback destinations are the app's own business.
     if is_loopback(family, &local) {
         return SK_PASS;
     }
-    let key = FlowKey {
-        remote_addr: remote,
-        local_addr: local,
-        remote_port: u16::from_be(l.remote_port),
-        local_port: l.local_port as u16,
-        family,
-        _pad: [0; 3],
-    };
     let Some(hint) = take_hint(&key) else {
         // Row I3: kubelet probes are let through by the ingress program unhinted.
         if is_probe(family, &remote) {
@@ -73,7 +66,8 @@ pub fn steer(ctx: &SkLookupContext) -> u32 {
         Some(HintVerdict::Outbound) => Role::Outbound,
         Some(HintVerdict::Inbound) => Role::Inbound,
         Some(HintVerdict::Hbone) => Role::Hbone,
-        None => return SK_DROP,
+        Some(HintVerdict::DnsTcp) => Role::DnsTcp,
+        Some(HintVerdict::DnsUdp) | None => return SK_DROP,
     };
 
     // Row F1: anything but Enabled/Served fails closed. The tc programs already drop
@@ -84,12 +78,21 @@ pub fn steer(ctx: &SkLookupContext) -> u32 {
         return SK_DROP;
     }
     let lkey = ListenerKey::new(cookie, role, family);
-    match LISTENERS.redirect_sk_lookup(ctx, lkey, 0) {
+    let assigned = if role == Role::DnsTcp {
+        DNS_LISTENERS.redirect_sk_lookup(ctx, lkey, 0)
+    } else {
+        LISTENERS.redirect_sk_lookup(ctx, lkey, 0)
+    };
+    match assigned {
         Ok(()) => {
+            if role == Role::DnsTcp {
+                count_dns(cookie, |c: &mut DnsCounters| &mut c.captured_tcp);
+                return SK_PASS;
+            }
             count(cookie, |c: &mut Counters| match role {
-                Role::Outbound => &mut c.captured_outbound,
                 Role::Inbound => &mut c.captured_inbound,
                 Role::Hbone => &mut c.captured_hbone,
+                _ => &mut c.captured_outbound,
             });
             SK_PASS
         }
@@ -97,6 +100,86 @@ pub fn steer(ctx: &SkLookupContext) -> u32 {
             count(cookie, |c: &mut Counters| &mut c.missing_socket);
             SK_DROP
         }
+    }
+}
+
+/// A UDP datagram for an unconnected socket: a DNS query the egress program
+/// redirected (row D1) goes to the proxy's UDP socket. Everything else —
+/// answers to the app's unconnected sockets, any other UDP — is left alone,
+/// and only datagrams to port 53 cost a map lookup.
+#[inline(always)]
+fn steer_udp(ctx: &SkLookupContext) -> u32 {
+    let l = unsafe { &*ctx.lookup };
+    if l.local_port != PORT_DNS as u32 {
+        return SK_PASS;
+    }
+    let Some(hint) = take_hint(&lookup_key(ctx)) else {
+        return SK_PASS;
+    };
+    if hint.verdict != HintVerdict::DnsUdp as u32 {
+        return SK_PASS;
+    }
+    let cookie = hint.netns_cookie;
+    let lkey = ListenerKey::new(cookie, Role::DnsUdp, l.family as u8);
+    match DNS_LISTENERS.redirect_sk_lookup(ctx, lkey, 0) {
+        Ok(()) => {
+            count_dns(cookie, |c: &mut DnsCounters| &mut c.captured_udp);
+            SK_PASS
+        }
+        // The socket closed since the egress program looked: the query is
+        // lost (the resolver retries) rather than refused by an ICMP error.
+        Err(_) => {
+            count(cookie, |c: &mut Counters| &mut c.missing_socket);
+            SK_DROP
+        }
+    }
+}
+
+/// The flow-hint key of this lookup. Every address word is read with its
+/// own volatile load, unconditionally: the verifier only accepts context
+/// loads at a constant offset from the context pointer, and without this
+/// LLVM may share one address computation between the IPv4 and IPv6 fields
+/// (a "modified ctx ptr" the verifier refuses).
+#[inline(always)]
+fn lookup_key(ctx: &SkLookupContext) -> FlowKey {
+    use core::ptr::{addr_of, read_volatile};
+    let l = ctx.lookup;
+    let word = |p: *const u32| unsafe { read_volatile(p) };
+    let family = unsafe { word(addr_of!((*l).family)) } as u8;
+    let v4 = unsafe {
+        [
+            word(addr_of!((*l).remote_ip4)),
+            word(addr_of!((*l).local_ip4)),
+        ]
+    };
+    let r6 = unsafe {
+        [
+            word(addr_of!((*l).remote_ip6[0])),
+            word(addr_of!((*l).remote_ip6[1])),
+            word(addr_of!((*l).remote_ip6[2])),
+            word(addr_of!((*l).remote_ip6[3])),
+        ]
+    };
+    let l6 = unsafe {
+        [
+            word(addr_of!((*l).local_ip6[0])),
+            word(addr_of!((*l).local_ip6[1])),
+            word(addr_of!((*l).local_ip6[2])),
+            word(addr_of!((*l).local_ip6[3])),
+        ]
+    };
+    let (remote, local) = if family == FAMILY_V4 {
+        ([v4[0], 0, 0, 0], [v4[1], 0, 0, 0])
+    } else {
+        (r6, l6)
+    };
+    FlowKey {
+        remote_addr: remote,
+        local_addr: local,
+        remote_port: u16::from_be(unsafe { read_volatile(addr_of!((*l).remote_port)) }),
+        local_port: unsafe { word(addr_of!((*l).local_port)) } as u16,
+        family,
+        _pad: [0; 3],
     }
 }
 

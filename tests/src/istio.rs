@@ -78,6 +78,68 @@ pub fn apply_ingress_mode(ns: &str) -> anyhow::Result<()> {
     policy_route(ns)
 }
 
+/// istio-cni's DNS capture rules (`cni.ambient.dnsCapture`), as its
+/// `AppendInpodRules` adds them to the reference set: the pod's UDP to port
+/// 53 leaving through a non-loopback interface, and its TCP to port 53 not
+/// bound for localhost, both without ztunnel's mark, are redirected to the
+/// DNS proxy on 15053 (placed before the lo and 15001 rules); ztunnel's own
+/// DNS flows get a conntrack zone of their own so its upstream query and
+/// the pod's redirected query cannot collide.
+const DNS_NAT: &[&str] = &[
+    "-A ISTIO_OUTPUT ! -o lo -p udp -m mark ! --mark 0x539/0xfff -m udp --dport 53 -j REDIRECT --to-ports 15053",
+    "-A ISTIO_OUTPUT ! -d 127.0.0.1/32 -p tcp -m tcp --dport 53 -m mark ! --mark 0x539/0xfff -j REDIRECT --to-ports 15053",
+];
+const DNS_RAW: &str = "*raw
+:PREROUTING ACCEPT [0:0]
+:OUTPUT ACCEPT [0:0]
+-A OUTPUT -p udp -m mark --mark 0x539/0xfff -m udp --dport 53 -j CT --zone 1
+-A PREROUTING -p udp -m mark ! --mark 0x539/0xfff -m udp --sport 53 -j CT --zone 1
+COMMIT
+";
+
+/// The reference rules with istio-cni's DNS capture rules added.
+fn with_dns(rules: &str) -> String {
+    let mut out = String::new();
+    let mut in_nat = false;
+    let mut placed = false;
+    for l in rules.lines() {
+        if l == "*nat" {
+            in_nat = true;
+        }
+        // In front of the first rule that could accept or redirect the
+        // query otherwise (Istio's order: after the probe-address accept).
+        let late = l.starts_with("-A ISTIO_OUTPUT -p tcp -m mark --mark 0x111");
+        if in_nat && late && !placed {
+            for r in DNS_NAT {
+                out.push_str(r);
+                out.push('\n');
+            }
+            placed = true;
+        }
+        out.push_str(l);
+        out.push('\n');
+    }
+    out.push_str(DNS_RAW);
+    out
+}
+
+/// Istio's rules with DNS capture on (`cni.ambient.dnsCapture: true`).
+pub fn apply_with_dns_capture(ns: &str) -> anyhow::Result<()> {
+    ensure!(netns_path(ns).exists(), "no netns {ns}");
+    let (v4, v6) = rules()?;
+    let (v4, v6) = (
+        with_dns(&v4),
+        with_dns(&v6).replace("127.0.0.1/32", "::1/128"),
+    );
+    ensure!(
+        v4.contains("--to-ports 15053") && v6.contains("::1/128 -p tcp -m tcp --dport 53"),
+        "the DNS rules were not placed"
+    );
+    restore("iptables-restore", ns, &v4)?;
+    restore("ip6tables-restore", ns, &v6)?;
+    policy_route(ns)
+}
+
 /// Same, with the given iptables backend.
 pub fn apply_with(ns: &str, backend: Backend) -> anyhow::Result<()> {
     ensure!(netns_path(ns).exists(), "no netns {ns}");

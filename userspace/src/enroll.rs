@@ -257,7 +257,7 @@ fn attach(
     // Before any link: a pod that bypasses inbound capture never has its
     // inbound captured. (Killed right here, the pod is enrolled without its
     // options: captured fully, the fail-closed side.)
-    dp.maps.set_options(cookie, options)?;
+    dp.maps.set_options(cookie, options, dp.dns_capture)?;
     crash_point("enroll:state");
     refresh_addrs(&mut dp.maps, netns, cookie)?;
     crash_point("enroll:addrs");

@@ -8,7 +8,8 @@
 //! Layout under the bpffs root (default `/sys/fs/bpf/sluice`):
 //! ```text
 //! progs/{steer,egress,ingress,lo,host,reroute}   the six programs
-//! maps/{pod_state,pod_meta,pod_addrs,pod_flags,pod_reroute,listeners,counters,flow_hints,node_netns,stamp}
+//! maps/{pod_state,pod_meta,pod_addrs,pod_flags,pod_reroute,listeners,counters,flow_hints,node_netns,stamp,
+//!      dns_listeners,dns_flows,dns_counters}
 //! maps_next/                        only during a migration
 //! pods/<netns cookie>/{steer,egress_<if>,ingress_<if> or reroute_<if>,lo,host_<if>}   a pod's links
 //! ```
@@ -145,6 +146,9 @@ pub struct Dataplane {
     /// The node's netns, where the host side of pods' interfaces lives; set
     /// by [`Dataplane::set_node`]. Without it no host-side link is attached.
     pub node: Option<crate::hostside::Node>,
+    /// The node's DNS capture default (`--dns-capture`), for pods whose
+    /// annotations do not choose; see [`Dataplane::set_dns_capture`].
+    pub dns_capture: bool,
     pub maps: Maps,
     /// What this process found pinned when it started.
     pub adoption: Adoption,
@@ -542,6 +546,7 @@ impl Dataplane {
             host: pinned_optional(&pins, PROG_HOST),
             reroute: pinned_optional(&pins, PROG_REROUTE),
             node: None,
+            dns_capture: true,
             maps: Maps::open_pinned(&pins.maps())?,
             pins,
             adoption: Adoption::Same,
@@ -597,6 +602,7 @@ impl Dataplane {
             host: Some(host),
             reroute: Some(reroute),
             node: None,
+            dns_capture: true,
             maps,
             adoption: Adoption::Loaded,
         })
@@ -617,6 +623,23 @@ impl Dataplane {
         node.publish(&self.pins.maps())?;
         self.node = Some(node);
         Ok(())
+    }
+
+    /// Sets the node's DNS capture default and applies it to every enrolled
+    /// pod that did not choose for itself (a pod enrolled under another
+    /// default follows the new one, as istio-cni reconciles existing pods
+    /// on upgrade). Returns how many pods changed.
+    pub fn set_dns_capture(&mut self, on: bool) -> Result<usize, crate::state::StateError> {
+        self.dns_capture = on;
+        let mut changed = 0;
+        for (cookie, _) in self.maps.states() {
+            let options = self.maps.options(cookie);
+            if self.maps.dns_on(cookie) != options.dns.resolve(on) {
+                self.maps.set_options(cookie, &options, on)?;
+                changed += 1;
+            }
+        }
+        Ok(changed)
     }
 
     /// How kubelet's probes reach pods without capture, in words.
@@ -829,6 +852,9 @@ mod tests {
             .collect();
         let want = std::collections::BTreeMap::from([
             ("counters", (5, 8, 48)),
+            ("dns_counters", (5, 8, 40)),
+            ("dns_flows", (9, 24, 32)),
+            ("dns_listeners", (18, 16, 4)),
             ("flow_hints", (9, 40, 24)),
             ("listeners", (18, 16, 4)),
             ("node_netns", (2, 4, 8)),

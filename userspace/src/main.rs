@@ -194,6 +194,12 @@ enum Cmd {
             env = "SLUICE_EXCLUDE_NAMESPACES"
         )]
         exclude_namespaces: Vec<String>,
+        /// Capture pods' DNS (UDP and TCP to port 53) to ztunnel's DNS proxy
+        /// on the pod's localhost:15053, as istio-cni's `ambient.dnsCapture`
+        /// (default on). A pod's `ambient.istio.io/dns-capture` annotation
+        /// wins; pods enrolled earlier follow a changed default on restart.
+        #[arg(long, default_value_t = true, action = clap::ArgAction::Set, env = "SLUICE_DNS_CAPTURE")]
+        dns_capture: bool,
         /// With --install-cni: how often the CNI config is checked besides
         /// the inotify watch that sees the primary CNI's rewrites at once.
         #[arg(long, default_value = "5s", value_parser = parse_duration)]
@@ -436,6 +442,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             node_netns,
             exclude_namespaces,
             cni_recheck,
+            dns_capture,
         } => {
             init_tracing(cli.log_format);
             let mut excluded: std::collections::BTreeSet<String> = exclude_namespaces
@@ -488,6 +495,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 daemonset: daemonset.map(|d| (namespace, d)),
                 node_netns: (node_netns != "off").then(|| PathBuf::from(node_netns)),
                 excluded,
+                dns_capture,
             })?;
         }
         Cmd::Watchdog {

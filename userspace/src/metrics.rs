@@ -28,6 +28,10 @@ pub struct Sample {
     pub pods: Vec<(&'static str, u64)>,
     /// The kernel counters of enrolled pods plus those of pods since removed.
     pub kernel: CounterView,
+    /// The DNS capture counters, the same way.
+    pub dns: sluice_common::DnsCounters,
+    /// Enrolled pods by DNS mode (captured, pass-through, off).
+    pub dns_modes: Vec<(&'static str, u64)>,
 }
 
 /// Where samples come from (the agent's node view).
@@ -275,6 +279,37 @@ impl Collector for MapCollector {
             failures.metric_type(),
         )?;
         failures.encode(m)?;
+        let d = &s.dns;
+        counters(
+            &mut enc,
+            "dns_queries",
+            "DNS queries (UDP datagrams, TCP connections to port 53) of pods with DNS capture: sent to ztunnel's DNS proxy, or passed through to the resolver because the pod has no proxy socket or does not steer",
+            "result",
+            &[
+                ("captured_udp", d.captured_udp),
+                ("captured_tcp", d.captured_tcp),
+                ("passthrough", d.passthrough),
+            ],
+        )?;
+        counters(
+            &mut enc,
+            "dns_answers",
+            "UDP answers of the DNS proxy: given the resolver's address back (restored), or with no recorded query, e.g. evicted from the flow map (unmapped)",
+            "result",
+            &[
+                ("restored", d.replies_restored),
+                ("unmapped", d.replies_unmapped),
+            ],
+        )?;
+        let mut m = enc.encode_descriptor(
+            "dns_pods",
+            "Enrolled pods by DNS capture mode",
+            None,
+            pods.metric_type(),
+        )?;
+        for (mode, n) in &s.dns_modes {
+            ConstGauge::new(*n as i64).encode(m.encode_family(&[("mode", *mode)])?)?;
+        }
         counters(
             &mut enc,
             "bypassed_connections",
@@ -326,6 +361,12 @@ mod tests {
                     dropped_fail_closed: 3,
                     ..Default::default()
                 },
+                dns: sluice_common::DnsCounters {
+                    captured_udp: 5,
+                    replies_unmapped: 1,
+                    ..Default::default()
+                },
+                dns_modes: vec![("captured", 2), ("off", 1)],
             }
         }
     }
@@ -352,6 +393,9 @@ mod tests {
             "sluice_pods{state=\"Enabled\"} 2",
             "sluice_captured_connections_total{listener=\"inbound\"} 7",
             "sluice_dropped_syns_total{reason=\"not_enabled\"} 3",
+            "sluice_dns_queries_total{result=\"captured_udp\"} 5",
+            "sluice_dns_answers_total{result=\"unmapped\"} 1",
+            "sluice_dns_pods{mode=\"captured\"} 2",
             "sluice_time_to_served_seconds_count 1",
             "sluice_served_checks_total{result=\"failed\"} 1",
             "sluice_served_check_fallback 1",

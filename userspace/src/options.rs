@@ -3,7 +3,7 @@
 //! annotations); written to pinned maps at enrollment, before any link, so
 //! that a restarted agent repairs the pod with the same options.
 
-use sluice_common::{POD_FLAG_BYPASS_INBOUND, REROUTE_LEN};
+use sluice_common::{POD_FLAG_BYPASS_INBOUND, POD_FLAG_DNS_CAPTURE, REROUTE_LEN};
 
 /// `ambient.istio.io/bypass-inbound-capture: "true"`: the pod's inbound
 /// connections are not captured (outbound still are) — Istio's "ingress
@@ -14,11 +14,49 @@ pub const BYPASS_INBOUND_CAPTURE: &str = "ambient.istio.io/bypass-inbound-captur
 /// to 15001.
 pub const REROUTE_VIRTUAL_INTERFACES: &str = "istio.io/reroute-virtual-interfaces";
 
+/// `ambient.istio.io/dns-capture: "true"|"false"` (either case): the pod's
+/// DNS is (not) captured to ztunnel's DNS proxy, whatever the node's
+/// default. Another value leaves the node's default, as in istio-cni.
+pub const DNS_CAPTURE: &str = "ambient.istio.io/dns-capture";
+/// `ambient.istio.io/bypass-dns-capture` (any value): no DNS capture for the
+/// pod; wins over `dns-capture`.
+pub const BYPASS_DNS_CAPTURE: &str = "ambient.istio.io/bypass-dns-capture";
+
+/// `pod_flags` bits only user space reads: the pod's own DNS choice, kept
+/// so that a restarted agent with another node default can tell a pod's
+/// choice from the old default.
+const FLAG_DNS_POD_ON: u32 = 1 << 30;
+const FLAG_DNS_POD_OFF: u32 = 1 << 31;
+
+/// Who decides whether a pod's DNS is captured.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum DnsChoice {
+    /// The node's setting (`--dns-capture`).
+    #[default]
+    NodeDefault,
+    /// The pod's annotations: on.
+    On,
+    /// The pod's annotations: off.
+    Off,
+}
+
+impl DnsChoice {
+    /// Whether the pod's DNS is captured on a node whose default is `node`.
+    pub fn resolve(self, node: bool) -> bool {
+        match self {
+            Self::NodeDefault => node,
+            Self::On => true,
+            Self::Off => false,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PodOptions {
     pub bypass_inbound: bool,
     /// Interface names, as the annotation lists them (valid names only).
     pub reroute: Vec<String>,
+    pub dns: DnsChoice,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -40,18 +78,36 @@ impl PodOptions {
             None => Vec::new(),
             Some(list) => parse_interfaces(list)?,
         };
+        let dns = if get(BYPASS_DNS_CAPTURE).is_some() {
+            DnsChoice::Off
+        } else {
+            match get(DNS_CAPTURE) {
+                Some(v) if v.eq_ignore_ascii_case("true") => DnsChoice::On,
+                Some(v) if v.eq_ignore_ascii_case("false") => DnsChoice::Off,
+                _ => DnsChoice::NodeDefault,
+            }
+        };
         Ok(Self {
             bypass_inbound: get(BYPASS_INBOUND_CAPTURE) == Some("true"),
             reroute,
+            dns,
         })
     }
 
-    /// The `pod_flags` map value.
-    pub fn flags(&self) -> u32 {
+    /// The `pod_flags` map value on a node whose DNS capture default is
+    /// `node_dns`.
+    pub fn flags(&self, node_dns: bool) -> u32 {
+        let mut f = 0;
         if self.bypass_inbound {
-            POD_FLAG_BYPASS_INBOUND
-        } else {
-            0
+            f |= POD_FLAG_BYPASS_INBOUND;
+        }
+        if self.dns.resolve(node_dns) {
+            f |= POD_FLAG_DNS_CAPTURE;
+        }
+        f | match self.dns {
+            DnsChoice::NodeDefault => 0,
+            DnsChoice::On => FLAG_DNS_POD_ON,
+            DnsChoice::Off => FLAG_DNS_POD_OFF,
         }
     }
 
@@ -74,9 +130,17 @@ impl PodOptions {
                     .collect()
             })
             .unwrap_or_default();
+        let dns = if flags & FLAG_DNS_POD_OFF != 0 {
+            DnsChoice::Off
+        } else if flags & FLAG_DNS_POD_ON != 0 {
+            DnsChoice::On
+        } else {
+            DnsChoice::NodeDefault
+        };
         Self {
             bypass_inbound: flags & POD_FLAG_BYPASS_INBOUND != 0,
             reroute,
+            dns,
         }
     }
 }
@@ -126,11 +190,45 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(o.reroute, ["tap0", "k6t-eth0"]);
-        assert_eq!(
-            PodOptions::from_maps(o.flags(), Some(&o.reroute_bytes())),
-            o
-        );
+        for node_dns in [true, false] {
+            assert_eq!(
+                PodOptions::from_maps(o.flags(node_dns), Some(&o.reroute_bytes())),
+                o
+            );
+        }
         assert_eq!(from(&[]).unwrap(), PodOptions::default());
+    }
+
+    #[test]
+    fn the_pods_dns_choice_wins_over_the_nodes_and_bypass_wins_over_both() {
+        let cases: [(&[(&str, &str)], DnsChoice); 7] = [
+            (&[], DnsChoice::NodeDefault),
+            (&[(DNS_CAPTURE, "true")], DnsChoice::On),
+            (&[(DNS_CAPTURE, "FALSE")], DnsChoice::Off),
+            (&[(DNS_CAPTURE, "maybe")], DnsChoice::NodeDefault),
+            (&[(BYPASS_DNS_CAPTURE, "")], DnsChoice::Off),
+            (
+                &[(BYPASS_DNS_CAPTURE, "x"), (DNS_CAPTURE, "true")],
+                DnsChoice::Off,
+            ),
+            (&[(DNS_CAPTURE, "True")], DnsChoice::On),
+        ];
+        for (annotations, want) in cases {
+            let o = from(annotations).unwrap();
+            assert_eq!(o.dns, want, "{annotations:?}");
+            for node in [true, false] {
+                let on = o.flags(node) & POD_FLAG_DNS_CAPTURE != 0;
+                let expect = match want {
+                    DnsChoice::NodeDefault => node,
+                    DnsChoice::On => true,
+                    DnsChoice::Off => false,
+                };
+                assert_eq!(on, expect, "{annotations:?} on a node with default {node}");
+                // The choice survives the map, so a new default applies
+                // only to pods without one.
+                assert_eq!(PodOptions::from_maps(o.flags(node), None).dns, want);
+            }
+        }
     }
 
     #[test]

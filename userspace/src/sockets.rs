@@ -1,7 +1,8 @@
 //! Finding ztunnel's in-pod listeners without ztunnel's cooperation.
 //!
 //! Upstream ztunnel opens 15001/15006/15008 inside the pod netns with SO_MARK
-//! 1337 and tells nobody. We (1) list that netns's listening TCP sockets with
+//! 1337 and tells nobody, and its DNS proxy on localhost:15053 (TCP and UDP).
+//! We (1) list that netns's listening TCP sockets and bound UDP sockets with
 //! NETLINK_SOCK_DIAG from inside it — which yields inode and mark, (2) find the
 //! process holding that inode in /proc/<pid>/fd, (3) duplicate the fd with
 //! pidfd_getfd, and (4) check on the duplicate itself that it lives in the pod
@@ -18,12 +19,12 @@ use netlink_packet_core::{
     NetlinkHeader, NetlinkMessage, NetlinkPayload, NLM_F_DUMP, NLM_F_REQUEST,
 };
 use netlink_packet_sock_diag::{
-    constants::{AF_INET, AF_INET6, IPPROTO_TCP},
+    constants::{AF_INET, AF_INET6, IPPROTO_TCP, IPPROTO_UDP},
     inet::{nlas::Nla, ExtensionFlags, InetRequest, SocketId, StateFlags},
     SockDiagMessage,
 };
 use netlink_sys::{protocols::NETLINK_SOCK_DIAG, Socket, SocketAddr};
-use sluice_common::{Role, FAMILY_V4, FAMILY_V6, MARK_MASK, MARK_ZTUNNEL};
+use sluice_common::{Role, FAMILY_V4, FAMILY_V6, MARK_MASK, MARK_ZTUNNEL, PORT_DNS_PROXY};
 
 use crate::netns::{getsockopt_raw, socket_netns_cookie, Netns, NetnsError};
 
@@ -56,19 +57,36 @@ pub struct Listener {
     pub families: Vec<u8>,
 }
 
-/// Lists ztunnel's listeners in the netns: LISTEN, port 15001/15006/15008, mark 0x539.
+/// The role of a socket ztunnel could own, by protocol and local port.
+fn role_of(protocol: u8, port: u16) -> Option<Role> {
+    match (protocol, port) {
+        (IPPROTO_TCP, PORT_DNS_PROXY) => Some(Role::DnsTcp),
+        (IPPROTO_UDP, PORT_DNS_PROXY) => Some(Role::DnsUdp),
+        (IPPROTO_TCP, p) => Role::from_port(p),
+        _ => None,
+    }
+}
+
+/// Lists ztunnel's sockets in the netns, all with mark 0x539: TCP listeners
+/// on 15001/15006/15008/15053, unconnected UDP sockets on 15053.
 pub fn seen_listeners(netns: &Netns) -> Result<Vec<SeenListener>, SocketError> {
     let found = netns.run(|| -> Result<Vec<SeenListener>, SocketError> {
         let mut all = Vec::new();
         for family in [AF_INET, AF_INET6] {
-            all.extend(dump_listeners(family)?);
+            all.extend(dump_listeners(family, IPPROTO_TCP, StateFlags::LISTEN)?);
+            // An unconnected UDP socket is in state CLOSE for sock_diag.
+            all.extend(dump_listeners(family, IPPROTO_UDP, StateFlags::CLOSE)?);
         }
         Ok(all)
     })??;
     Ok(found)
 }
 
-fn dump_listeners(family: u8) -> Result<Vec<SeenListener>, SocketError> {
+fn dump_listeners(
+    family: u8,
+    protocol: u8,
+    states: StateFlags,
+) -> Result<Vec<SeenListener>, SocketError> {
     let derr = |e: std::io::Error| SocketError::Diag(e.to_string());
     let mut socket = Socket::new(NETLINK_SOCK_DIAG).map_err(derr)?;
     socket.bind_auto().map_err(derr)?;
@@ -79,9 +97,9 @@ fn dump_listeners(family: u8) -> Result<Vec<SeenListener>, SocketError> {
         hdr,
         SockDiagMessage::InetRequest(InetRequest {
             family,
-            protocol: IPPROTO_TCP,
+            protocol,
             extensions: ExtensionFlags::empty(),
-            states: StateFlags::LISTEN,
+            states,
             socket_id: if family == AF_INET {
                 SocketId::new_v4()
             } else {
@@ -113,7 +131,7 @@ fn dump_listeners(family: u8) -> Result<Vec<SeenListener>, SocketError> {
                         _ => None,
                     });
                     let port = r.header.socket_id.source_port;
-                    if let (Some(role), Some(mark)) = (Role::from_port(port), mark) {
+                    if let (Some(role), Some(mark)) = (role_of(protocol, port), mark) {
                         if mark & MARK_MASK == MARK_ZTUNNEL {
                             out.push(SeenListener {
                                 role,
@@ -227,7 +245,9 @@ pub fn owner_holds(pid: i32, owner_fd: i32, ours: &OwnedFd) -> bool {
     }
 }
 
-fn local_port(fd: &OwnedFd) -> Option<u16> {
+/// The socket's local port, and whether it is bound to the unspecified
+/// address (`0.0.0.0` / `[::]`).
+fn local_binding(fd: &OwnedFd) -> Option<(u16, bool)> {
     let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of_val(&ss) as libc::socklen_t;
     let rc = unsafe {
@@ -242,7 +262,69 @@ fn local_port(fd: &OwnedFd) -> Option<u16> {
     }
     // sin_port and sin6_port sit at the same offset.
     let sin = unsafe { &*(&ss as *const _ as *const libc::sockaddr_in) };
-    Some(u16::from_be(sin.sin_port))
+    let unspecified = if ss.ss_family as i32 == libc::AF_INET6 {
+        let sin6 = unsafe { &*(&ss as *const _ as *const libc::sockaddr_in6) };
+        sin6.sin6_addr.s6_addr == [0; 16]
+    } else {
+        sin.sin_addr.s_addr == 0
+    };
+    Some((u16::from_be(sin.sin_port), unspecified))
+}
+
+/// Is the duplicate what the listing said: a socket of this pod's netns,
+/// of the role's kind (a TCP listener, or an unconnected UDP socket), on
+/// the role's port? A socket of another netns would be assigned
+/// "successfully" and never answer.
+fn verified(dup: &OwnedFd, role: Role, cookie: u64) -> bool {
+    let same_netns = socket_netns_cookie(dup.as_fd()).ok() == Some(cookie);
+    let int = |level, opt| getsockopt_raw::<libc::c_int>(dup.as_fd(), level, opt).ok();
+    let kind_ok = if role == Role::DnsUdp {
+        let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of_val(&ss) as libc::socklen_t;
+        let connected = unsafe {
+            libc::getpeername(
+                dup.as_raw_fd(),
+                &mut ss as *mut _ as *mut libc::sockaddr,
+                &mut len,
+            )
+        } == 0;
+        int(libc::SOL_SOCKET, libc::SO_TYPE) == Some(libc::SOCK_DGRAM) && !connected
+    } else {
+        int(libc::SOL_SOCKET, libc::SO_ACCEPTCONN) == Some(1)
+    };
+    let port_ok = local_binding(dup).map(|(p, _)| p) == Some(role.port());
+    same_netns && kind_ok && port_ok
+}
+
+/// Lets ztunnel's DNS TCP listener (bound to localhost) complete handshakes
+/// of connections addressed to the pod's resolver: sk_lookup hands it SYNs
+/// whose local address is the resolver's, and without IP_TRANSPARENT the
+/// kernel refuses to route an IPv4 SYN-ACK from an address that is not the
+/// netns's own (IPv6 does not check). Istio's REDIRECT rewrites the
+/// destination instead, so ztunnel never needed it; its accepted sockets
+/// inherit the flag and only ever answer from the address they were asked
+/// on. A socket option, so setting it on our duplicate sets it on
+/// ztunnel's socket. Needs CAP_NET_ADMIN, which the agent has.
+fn answer_as_resolver(dup: &OwnedFd, family: u8) -> std::io::Result<()> {
+    let (level, name) = if family == FAMILY_V4 {
+        (libc::SOL_IP, libc::IP_TRANSPARENT)
+    } else {
+        (libc::SOL_IPV6, libc::IPV6_TRANSPARENT)
+    };
+    let on: libc::c_int = 1;
+    let rc = unsafe {
+        libc::setsockopt(
+            dup.as_raw_fd(),
+            level,
+            name,
+            &on as *const libc::c_int as *const libc::c_void,
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// Duplicates ztunnel's listeners for this pod into our process, verified;
@@ -281,22 +363,29 @@ pub fn take_listeners(
         let Ok(dup) = pidfd_getfd(pid, fd) else {
             continue;
         };
-        // The duplicate is checked, not the listing: it must live in this
-        // pod's netns, listen, and be on the role's port.
-        let same_netns = socket_netns_cookie(dup.as_fd()).ok() == Some(cookie);
-        let listening =
-            getsockopt_raw::<libc::c_int>(dup.as_fd(), libc::SOL_SOCKET, libc::SO_ACCEPTCONN).ok()
-                == Some(1);
-        if !same_netns || !listening || local_port(&dup) != Some(s.role.port()) {
+        // The duplicate is checked, not the listing.
+        if !verified(&dup, s.role, cookie) {
             continue;
+        }
+        if s.role == Role::DnsTcp {
+            if let Err(e) = answer_as_resolver(&dup, s.family) {
+                // Unregistered, the pod's TCP DNS goes on to 15001 as
+                // without DNS capture (pass-through), rather than to a
+                // listener whose handshakes could not complete.
+                tracing::warn!(cookie, error = %e, "ztunnel's DNS TCP listener left out: cannot make it transparent");
+                continue;
+            }
         }
         let mut families = if s.family == FAMILY_V4 {
             vec![FAMILY_V4]
         } else {
+            // Only a `[::]` socket without IPV6_V6ONLY takes IPv4 too (the
+            // DNS proxy's `[::1]` socket does not).
             let v6only =
                 getsockopt_raw::<libc::c_int>(dup.as_fd(), libc::IPPROTO_IPV6, libc::IPV6_V6ONLY)
                     .unwrap_or(1);
-            if v6only == 0 {
+            let wildcard = local_binding(&dup).is_some_and(|(_, any)| any);
+            if v6only == 0 && wildcard {
                 vec![FAMILY_V4, FAMILY_V6]
             } else {
                 vec![FAMILY_V6]

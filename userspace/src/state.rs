@@ -9,9 +9,9 @@ use serde::Serialize;
 use std::net::IpAddr;
 
 use sluice_common::{
-    AddrKey, Counters, FlowHint, FlowKey, ListenerKey, PodEntry, PodMeta, PodState, Role,
-    FAMILY_V4, FAMILY_V6, NAMESPACE_LEN, NETNS_PATH_LEN, POD_NAME_LEN, POD_UID_LEN, REROUTE_LEN,
-    SERVICE_ACCOUNT_LEN,
+    AddrKey, Counters, DnsCounters, FlowHint, FlowKey, ListenerKey, PodEntry, PodMeta, PodState,
+    Role, FAMILY_V4, FAMILY_V6, NAMESPACE_LEN, NETNS_PATH_LEN, POD_NAME_LEN, POD_UID_LEN,
+    REROUTE_LEN, SERVICE_ACCOUNT_LEN,
 };
 
 use crate::{
@@ -51,6 +51,9 @@ pub struct Maps {
     /// them: the agent's upgrade creates the map).
     pod_flags: Option<HashMap<MapData, u64, u32>>,
     pod_reroute: Option<HashMap<MapData, u64, [u8; REROUTE_LEN]>>,
+    /// ztunnel's DNS proxy sockets and the DNS counters; `None` as `pod_flags`.
+    dns_listeners: Option<SockHash<MapData, ListenerKey>>,
+    dns_counters: Option<PerCpuHashMap<MapData, u64, DnsCounters>>,
     /// Told of every state change (the agent; none for the CLI).
     observer: Option<Observer>,
 }
@@ -72,6 +75,8 @@ pub struct PodRecord {
     /// Registered listeners as "role/family", e.g. "inbound/ipv4".
     pub listeners: Vec<String>,
     pub counters: CounterView,
+    /// DNS capture: the pod's choice, whether it is on, and its counters.
+    pub dns: DnsView,
     /// `ambient.istio.io/bypass-inbound-capture`: inbound not captured.
     pub bypass_inbound: bool,
     /// `istio.io/reroute-virtual-interfaces`: interfaces whose TCP is the
@@ -87,6 +92,38 @@ pub struct CounterView {
     pub bypassed: u64,
     pub dropped_fail_closed: u64,
     pub missing_socket: u64,
+}
+
+/// A pod's DNS capture as `status` shows it.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct DnsView {
+    /// `captured` (on, and ztunnel's DNS proxy has sockets in the pod),
+    /// `pass-through` (on, but no proxy socket: queries go to the resolver
+    /// uncaptured), or `off`.
+    pub mode: DnsMode,
+    pub captured_udp: u64,
+    pub captured_tcp: u64,
+    pub passthrough: u64,
+    pub replies_restored: u64,
+    pub replies_unmapped: u64,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum DnsMode {
+    Captured,
+    PassThrough,
+    Off,
+}
+
+impl DnsMode {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Captured => "captured",
+            Self::PassThrough => "pass-through",
+            Self::Off => "off",
+        }
+    }
 }
 
 impl From<Counters> for CounterView {
@@ -125,6 +162,8 @@ impl Maps {
             flow_hints: take("flow_hints")?.try_into().map_err(merr("flow_hints"))?,
             pod_flags: take("pod_flags").ok().and_then(|m| m.try_into().ok()),
             pod_reroute: take("pod_reroute").ok().and_then(|m| m.try_into().ok()),
+            dns_listeners: take("dns_listeners").ok().and_then(|m| m.try_into().ok()),
+            dns_counters: take("dns_counters").ok().and_then(|m| m.try_into().ok()),
             observer: None,
         })
     }
@@ -327,22 +366,80 @@ impl Maps {
             .collect()
     }
 
+    /// Registers a listener: the DNS proxy's sockets in `dns_listeners`,
+    /// ztunnel's capture listeners in `listeners`.
     pub fn insert_listener(
         &mut self,
         key: ListenerKey,
         fd: &impl std::os::fd::AsRawFd,
     ) -> Result<(), StateError> {
-        self.listeners
-            .insert(key, fd.as_raw_fd(), 0)
-            .map_err(merr("listeners"))
+        let dns = matches!(key.role, r if r == Role::DnsTcp as u8 || r == Role::DnsUdp as u8);
+        if !dns {
+            return self
+                .listeners
+                .insert(key, fd.as_raw_fd(), 0)
+                .map_err(merr("listeners"));
+        }
+        match &mut self.dns_listeners {
+            Some(m) => m
+                .insert(key, fd.as_raw_fd(), 0)
+                .map_err(merr("dns_listeners")),
+            // Pins of a build before DNS capture (adopted, not upgraded):
+            // the pod resolves uncaptured, as `status` shows (pass-through).
+            None => Ok(()),
+        }
     }
 
     /// Takes a pod's listener for `role` (both families) out of the socket map.
     pub fn remove_listener(&mut self, cookie: u64, role: Role) {
         for family in [FAMILY_V4, FAMILY_V6] {
-            let _ = self
-                .listeners
-                .remove(&ListenerKey::new(cookie, role, family));
+            let key = ListenerKey::new(cookie, role, family);
+            if role.is_dns() {
+                if let Some(m) = &mut self.dns_listeners {
+                    let _ = m.remove(&key);
+                }
+            } else {
+                let _ = self.listeners.remove(&key);
+            }
+        }
+    }
+
+    /// Whether the pod's DNS proxy has a socket registered (any family).
+    pub fn has_dns_listener(&self, cookie: u64) -> bool {
+        self.dns_listener_keys().any(|k| k.netns_cookie == cookie)
+    }
+
+    fn dns_listener_keys(&self) -> impl Iterator<Item = ListenerKey> + '_ {
+        self.dns_listeners
+            .iter()
+            .flat_map(|m| m.keys().filter_map(Result::ok))
+    }
+
+    pub fn dns_counters(&self, cookie: u64) -> DnsCounters {
+        let mut sum = DnsCounters::default();
+        if let Some(Ok(per_cpu)) = self.dns_counters.as_ref().map(|m| m.get(&cookie, 0)) {
+            for c in per_cpu.iter() {
+                sum.add(c);
+            }
+        }
+        sum
+    }
+
+    /// A pod's DNS capture as `status` reports it.
+    pub fn dns_view(&self, cookie: u64, has_proxy: bool) -> DnsView {
+        let c = self.dns_counters(cookie);
+        let mode = match (self.dns_on(cookie), has_proxy) {
+            (false, _) => DnsMode::Off,
+            (true, true) => DnsMode::Captured,
+            (true, false) => DnsMode::PassThrough,
+        };
+        DnsView {
+            mode,
+            captured_udp: c.captured_udp,
+            captured_tcp: c.captured_tcp,
+            passthrough: c.passthrough,
+            replies_restored: c.replies_restored,
+            replies_unmapped: c.replies_unmapped,
         }
     }
 
@@ -361,11 +458,13 @@ impl Maps {
             .collect()
     }
 
-    /// Listener keys registered for a pod (closed sockets have left by themselves).
+    /// Listener keys registered for a pod, DNS proxy's included (closed
+    /// sockets have left by themselves).
     pub fn listeners_of(&self, cookie: u64) -> Vec<ListenerKey> {
         self.listeners
             .keys()
             .filter_map(Result::ok)
+            .chain(self.dns_listener_keys())
             .filter(|k| k.netns_cookie == cookie)
             .collect()
     }
@@ -380,9 +479,15 @@ impl Maps {
         sum
     }
 
-    /// Writes a pod's options for the programs (nothing to write: no entry).
-    pub fn set_options(&mut self, cookie: u64, o: &PodOptions) -> Result<(), StateError> {
-        let flags = o.flags();
+    /// Writes a pod's options for the programs (nothing to write: no
+    /// entry), DNS capture resolved against the node's default `node_dns`.
+    pub fn set_options(
+        &mut self,
+        cookie: u64,
+        o: &PodOptions,
+        node_dns: bool,
+    ) -> Result<(), StateError> {
+        let flags = o.flags(node_dns);
         match &mut self.pod_flags {
             Some(m) if flags != 0 => m.insert(cookie, flags, 0).map_err(merr("pod_flags"))?,
             Some(m) => drop(m.remove(&cookie)),
@@ -400,6 +505,14 @@ impl Maps {
             None if o.reroute.is_empty() => Ok(()),
             None => Err(StateError::Missing("pod_reroute")),
         }
+    }
+
+    /// Whether the programs capture the pod's DNS (its `pod_flags` bit).
+    pub fn dns_on(&self, cookie: u64) -> bool {
+        self.pod_flags
+            .as_ref()
+            .and_then(|m| m.get(&cookie, 0).ok())
+            .is_some_and(|f| f & sluice_common::POD_FLAG_DNS_CAPTURE != 0)
     }
 
     /// A pod's options as they were written at its enrollment.
@@ -423,12 +536,11 @@ impl Maps {
         if let Some(m) = &mut self.pod_reroute {
             let _ = m.remove(&cookie);
         }
-        for role in Role::ALL {
-            for family in [FAMILY_V4, FAMILY_V6] {
-                let _ = self
-                    .listeners
-                    .remove(&ListenerKey::new(cookie, role, family));
-            }
+        for role in Role::ALL.into_iter().chain(Role::DNS) {
+            self.remove_listener(cookie, role);
+        }
+        if let Some(m) = &mut self.dns_counters {
+            let _ = m.remove(&cookie);
         }
         let hints: Vec<FlowKey> = self
             .flow_hints
@@ -473,7 +585,8 @@ impl Maps {
     pub fn pods(&self) -> Vec<PodRecord> {
         // One walk of the socket map for all pods (not one per pod).
         let mut by_pod: std::collections::HashMap<u64, Vec<ListenerKey>> = Default::default();
-        for k in self.listeners.keys().filter_map(Result::ok) {
+        let keys = self.listeners.keys().filter_map(Result::ok);
+        for k in keys.chain(self.dns_listener_keys()) {
             by_pod.entry(k.netns_cookie).or_default().push(k);
         }
         let mut pods: Vec<PodRecord> = self
@@ -485,18 +598,18 @@ impl Maps {
                     .meta(cookie)
                     .map(|m| (m.uid, m.netns, Some(m.workload)))
                     .unwrap_or_default();
-                let mut listeners: Vec<String> = by_pod
-                    .get(&cookie)
-                    .map(Vec::as_slice)
-                    .unwrap_or_default()
+                let keys = by_pod.get(&cookie).map(Vec::as_slice).unwrap_or_default();
+                let has_proxy = keys
+                    .iter()
+                    .any(|k| Role::DNS.iter().any(|r| *r as u8 == k.role));
+                let mut listeners: Vec<String> = keys
                     .iter()
                     .map(|k| {
-                        let role = match k.role {
-                            1 => "outbound",
-                            2 => "inbound",
-                            3 => "hbone",
-                            _ => "unknown",
-                        };
+                        let role = Role::ALL
+                            .into_iter()
+                            .chain(Role::DNS)
+                            .find(|r| *r as u8 == k.role)
+                            .map_or("unknown", Role::as_str);
                         let fam = if k.family == FAMILY_V4 {
                             "ipv4"
                         } else {
@@ -518,6 +631,7 @@ impl Maps {
                     changed_at_ns: e.changed_at_ns,
                     listeners,
                     counters: self.counters(cookie).into(),
+                    dns: self.dns_view(cookie, has_proxy),
                     bypass_inbound: self.options(cookie).bypass_inbound,
                     reroute: self.options(cookie).reroute,
                 }

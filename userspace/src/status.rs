@@ -158,6 +158,7 @@ pub fn table(pods: &[PodRecord]) -> String {
         "SERVED".into(),
         "AGE".into(),
         "LISTENERS".into(),
+        "DNS".into(),
         "IN".into(),
         "HBONE".into(),
         "OUT".into(),
@@ -173,7 +174,14 @@ pub fn table(pods: &[PodRecord]) -> String {
             p.state.unwrap_or("Unknown").into(),
             served(p, now),
             age(p.enrolled_at_ns, now),
-            format!("{}/6", p.listeners.len()),
+            format!(
+                "{}/6",
+                p.listeners
+                    .iter()
+                    .filter(|l| !l.starts_with("dns-"))
+                    .count()
+            ),
+            p.dns.mode.as_str().into(),
             c.captured_inbound.to_string(),
             c.captured_hbone.to_string(),
             c.captured_outbound.to_string(),

@@ -15,7 +15,8 @@ use crate::run as exec;
 /// Istio's real rules), the reference CNI plugins (the CNI chain test),
 /// shellcheck (`check-deploy` lints the shell scripts), mount and util-linux's
 /// unshare/setpriv (the tests remount /proc/sys read-only and restrict the
-/// agent's capabilities), a C compiler (crates with C parts, the linker).
+/// agent's capabilities), a C compiler (crates with C parts, the linker),
+/// dig (a real resolver client for the DNS capture tests).
 const APT_PACKAGES: &[(&str, &str)] = &[
     ("ip", "iproute2"),
     ("mount", "mount"),
@@ -25,6 +26,7 @@ const APT_PACKAGES: &[(&str, &str)] = &[
     ("nft", "nftables"),
     ("/usr/lib/cni/ptp", "containernetworking-plugins"),
     ("shellcheck", "shellcheck"),
+    ("dig", "bind9-dnsutils"),
 ];
 
 /// `check-deploy` runs its tools from a Python venv; Debian's python3 can

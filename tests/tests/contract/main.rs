@@ -9,6 +9,7 @@ mod contract_rows;
 mod crash;
 mod cycles;
 mod differential;
+mod dns;
 mod kube;
 mod lifecycle;
 mod options;
@@ -39,6 +40,7 @@ fn main() {
     trials.extend(lifecycle::trials());
     trials.extend(probes::trials());
     trials.extend(options::trials());
+    trials.extend(dns::trials());
     trials.extend(agent::trials());
     trials.extend(crash::trials());
     trials.extend(cni::trials());

@@ -54,6 +54,8 @@ pub struct Config {
     pub node_netns: Option<PathBuf>,
     /// Namespaces whose pods are never captured.
     pub excluded: std::collections::BTreeSet<String>,
+    /// The node's DNS capture default (`--dns-capture`).
+    pub dns_capture: bool,
 }
 
 /// The API client, once `node` is known to name this host (refused when it
@@ -239,6 +241,16 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         }
     }
     info!(probes = %dp.probes(), "kubelet probes");
+    // Before any pod is verified or enrolled: pods enrolled under another
+    // default follow this one.
+    match dp.set_dns_capture(cfg.dns_capture) {
+        Ok(changed) => info!(
+            default = cfg.dns_capture,
+            pods_changed = changed,
+            "DNS capture"
+        ),
+        Err(e) => warn!(error = %e, "applying the DNS capture default to enrolled pods"),
+    }
     let hub = Arc::new(Hub::default());
     let kube = match &cfg.node_name {
         Some(node) => Some(kube::KubeCtx {

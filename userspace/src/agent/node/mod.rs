@@ -83,6 +83,7 @@ pub struct Node {
     /// Kernel counters of pods since unenrolled, so the metrics' totals
     /// never go backwards while the agent runs.
     retired: Mutex<Counters>,
+    retired_dns: Mutex<sluice_common::DnsCounters>,
     /// Duplicates of the ztunnel listeners in the socket map.
     custody: Custody,
     /// Every pod the agent holds: identity, cookie, netns, retry schedule.
@@ -112,16 +113,28 @@ impl metrics::Source for MapSource {
             ("Unknown", 0),
         ];
         let mut kernel = *node.retired.lock().unwrap();
+        let mut dns = *node.retired_dns.lock().unwrap();
+        let mut dns_modes = vec![("captured", 0), ("pass-through", 0), ("off", 0)];
         for (cookie, e) in dp.maps.states() {
             let state = e.state().map(PodState::as_str).unwrap_or("Unknown");
             if let Some(p) = pods.iter_mut().find(|(s, _)| *s == state) {
                 p.1 += 1;
             }
             kernel.add(&dp.maps.counters(cookie));
+            dns.add(&dp.maps.dns_counters(cookie));
+            let mode = dp
+                .maps
+                .dns_view(cookie, dp.maps.has_dns_listener(cookie))
+                .mode;
+            if let Some(m) = dns_modes.iter_mut().find(|(s, _)| *s == mode.as_str()) {
+                m.1 += 1;
+            }
         }
         metrics::Sample {
             pods,
             kernel: CounterView::from(kernel),
+            dns,
+            dns_modes,
         }
     }
 }
@@ -171,6 +184,7 @@ impl Node {
                 condition_type,
             )),
             retired: Mutex::new(Counters::default()),
+            retired_dns: Mutex::default(),
             custody: Custody::new(orphan_grace),
             pods: pods::PodTable::default(),
             served: serve::Served::new(served, node_name),

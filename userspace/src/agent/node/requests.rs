@@ -390,10 +390,14 @@ impl Node {
             let uid = u;
             let mut guard = this.dp.lock().unwrap();
             let dp = &mut *guard;
-            let last = dp.maps.find_uid(&uid).map(|c| dp.maps.counters(c));
+            let last = dp
+                .maps
+                .find_uid(&uid)
+                .map(|c| (dp.maps.counters(c), dp.maps.dns_counters(c)));
             enroll::unenroll(&dp.pins, &mut dp.maps, &uid)?;
-            if let Some(c) = last {
+            if let Some((c, d)) = last {
                 this.retired.lock().unwrap().add(&c);
+                this.retired_dns.lock().unwrap().add(&d);
             }
             Ok(())
         })

@@ -1,0 +1,173 @@
+//! DNS capture (rows D1-D4): a pod's queries to port 53 go to ztunnel's DNS
+//! proxy on the pod's localhost:15053, as Istio's `REDIRECT --to-ports 15053`
+//! rules send them, and the proxy's UDP answers get the resolver's address
+//! back as their source — what conntrack's de-NAT gives Istio.
+//!
+//! - UDP: the egress program records the query (querying socket + DNS id →
+//!   resolver) in `dns_flows`, hints sk_lookup and delivers the datagram
+//!   locally, where sk_lookup hands it to the proxy's UDP socket. The
+//!   proxy answers from 127.0.0.1:15053 (::1) over `lo`; the `lo` program
+//!   finds the query and rewrites the answer's source to the resolver's.
+//! - TCP: the SYN is steered to the proxy's TCP listener like an outbound
+//!   connection to 15001; the accepted socket already has the resolver's
+//!   address as its own, so nothing is rewritten.
+//!
+//! Pass-through, never blackhole: a pod without a proxy socket (ztunnel run
+//! without its DNS proxy) or not steering keeps resolving as if capture were
+//! off — UDP leaves for the resolver, TCP is captured to 15001 (row D4).
+
+use aya_ebpf::{
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_OK},
+    helpers::bpf_csum_diff,
+    programs::TcContext,
+};
+use sluice_common::{
+    DnsCounters, DnsFlow, DnsFlowKey, HintVerdict, Role, FAMILY_V4, MARK_MASK, MARK_ZTUNNEL,
+    POD_FLAG_DNS_CAPTURE, PORT_DNS, PORT_DNS_PROXY,
+};
+
+use crate::{
+    addr::is_loopback,
+    maps::{count_dns, DNS_FLOWS, POD_STATE},
+    packet::{Tcp, Udp, IPV4_CHECK_OFF, IPV4_SADDR_OFF, IPV6_SADDR_OFF},
+    tc::{
+        flow_key, listener_present, mark, netns_cookie, pod_flags, pod_of, put_hint,
+        redirect_to_self,
+    },
+};
+
+#[inline(always)]
+fn dns_on(cookie: u64) -> bool {
+    pod_flags(cookie) & POD_FLAG_DNS_CAPTURE != 0
+}
+
+/// The DNS message id: the first two bytes of the UDP payload.
+#[inline(always)]
+fn dns_id(ctx: &TcContext, u: &Udp) -> Option<u16> {
+    ctx.load::<[u8; 2]>(u.l4 + Udp::PAYLOAD)
+        .ok()
+        .map(u16::from_be_bytes)
+}
+
+/// Egress on the pod's interface, UDP: a query to port 53 goes to the proxy
+/// (row D1); ztunnel's own (mark 0x539) and anything else leave (D3, O5).
+pub fn egress_udp(ctx: &TcContext, u: &Udp) -> i32 {
+    if u.dport != PORT_DNS || mark(ctx) & MARK_MASK == MARK_ZTUNNEL {
+        return TC_ACT_OK;
+    }
+    let cookie = netns_cookie(ctx);
+    if !dns_on(cookie) {
+        return TC_ACT_OK;
+    }
+    let steers = unsafe { POD_STATE.get(cookie) }.is_some_and(|p| p.steers());
+    if !steers || !listener_present(cookie, Role::DnsUdp, u.family) {
+        count_dns(cookie, |c: &mut DnsCounters| &mut c.passthrough);
+        return TC_ACT_OK;
+    }
+    // Shorter than a DNS header: not a query the proxy could answer.
+    let Some(id) = dns_id(ctx, u) else {
+        return TC_ACT_OK;
+    };
+    let key = DnsFlowKey {
+        pod_addr: u.saddr,
+        family: u.family,
+        _pad: 0,
+        pod_port: u.sport,
+        id,
+        _pad2: [0; 2],
+    };
+    let flow = DnsFlow {
+        resolver_addr: u.daddr,
+        netns_cookie: cookie,
+        resolver_port: u.dport,
+        _pad: [0; 6],
+    };
+    if DNS_FLOWS.insert(key, flow, 0).is_err() {
+        count_dns(cookie, |c: &mut DnsCounters| &mut c.passthrough);
+        return TC_ACT_OK;
+    }
+    let hint = flow_key(u.family, u.saddr, u.daddr, u.sport, u.dport);
+    put_hint(cookie, &hint, HintVerdict::DnsUdp);
+    redirect_to_self(ctx)
+}
+
+/// Egress SYN of a steering pod: does it go to the DNS proxy (row D2)? A
+/// pod with DNS capture but no proxy listener is counted and goes on to
+/// 15001, as without DNS capture (row D4).
+#[inline(always)]
+pub fn captures_tcp(cookie: u64, t: &Tcp) -> bool {
+    if t.dport != PORT_DNS || !dns_on(cookie) {
+        return false;
+    }
+    if listener_present(cookie, Role::DnsTcp, t.family) {
+        return true;
+    }
+    count_dns(cookie, |c: &mut DnsCounters| &mut c.passthrough);
+    false
+}
+
+/// Ingress on the pod's `lo`, UDP: an answer of the proxy (from loopback
+/// port 15053) to a query recorded in `dns_flows` leaves `lo` with the
+/// resolver's address and port as its source, checksums updated. Everything
+/// else passes untouched.
+pub fn restore_answer(ctx: &TcContext, u: &Udp) -> i32 {
+    if u.sport != PORT_DNS_PROXY || !is_loopback(u.family, &u.saddr) {
+        return TC_ACT_OK;
+    }
+    let Some(id) = dns_id(ctx, u) else {
+        return TC_ACT_OK;
+    };
+    let key = DnsFlowKey {
+        pod_addr: u.daddr,
+        family: u.family,
+        _pad: 0,
+        pod_port: u.dport,
+        id,
+        _pad2: [0; 2],
+    };
+    let Some(flow) = (unsafe { DNS_FLOWS.get(key) }).copied() else {
+        if let Some(cookie) = pod_of(u.family, &u.daddr) {
+            count_dns(cookie, |c: &mut DnsCounters| &mut c.replies_unmapped);
+        }
+        return TC_ACT_OK;
+    };
+    if rewrite_source(ctx, u, &flow).is_ok() {
+        count_dns(flow.netns_cookie, |c: &mut DnsCounters| {
+            &mut c.replies_restored
+        });
+    }
+    TC_ACT_OK
+}
+
+/// Source address and port := the resolver's, with the IPv4 header checksum
+/// and the UDP checksum (whose pseudo-header holds the addresses) updated.
+/// `MARK_MANGLED_0` keeps an IPv4 "no checksum" 0 as 0.
+#[inline(always)]
+fn rewrite_source(ctx: &TcContext, u: &Udp, flow: &DnsFlow) -> Result<(), i64> {
+    let check = u.l4 + Udp::CHECK;
+    let l4_flags = (BPF_F_PSEUDO_HDR | BPF_F_MARK_MANGLED_0) as u64;
+    if u.family == FAMILY_V4 {
+        let (old, new) = (u.saddr[0], flow.resolver_addr[0]);
+        ctx.l4_csum_replace(check, old as u64, new as u64, l4_flags | 4)?;
+        ctx.l3_csum_replace(IPV4_CHECK_OFF, old as u64, new as u64, 4)?;
+        ctx.store(IPV4_SADDR_OFF, &new, 0)?;
+    } else {
+        let mut old = u.saddr;
+        let mut new = flow.resolver_addr;
+        let diff = unsafe { bpf_csum_diff(old.as_mut_ptr(), 16, new.as_mut_ptr(), 16, 0) };
+        if diff < 0 {
+            return Err(diff);
+        }
+        ctx.l4_csum_replace(check, 0, diff as u64, l4_flags)?;
+        ctx.store(IPV6_SADDR_OFF, &new, 0)?;
+    }
+    let (old_port, new_port) = (PORT_DNS_PROXY.to_be(), flow.resolver_port.to_be());
+    ctx.l4_csum_replace(
+        check,
+        old_port as u64,
+        new_port as u64,
+        BPF_F_MARK_MANGLED_0 as u64 | 2,
+    )?;
+    ctx.store(u.l4, &new_port, 0)?;
+    Ok(())
+}

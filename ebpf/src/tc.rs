@@ -1,0 +1,107 @@
+//! What every tc program asks of a packet or does with one: its mark and
+//! netns, the pod it belongs to, hints for sk_lookup, local delivery.
+
+use aya_ebpf::{
+    bindings::{BPF_F_INGRESS, TC_ACT_SHOT},
+    helpers::{
+        bpf_get_netns_cookie, bpf_ktime_get_ns, bpf_map_lookup_elem, bpf_redirect, bpf_sk_release,
+    },
+    programs::TcContext,
+    EbpfContext,
+};
+use core::ffi::c_void;
+use sluice_common::{
+    AddrKey, FlowHint, FlowKey, HintVerdict, ListenerKey, Role, MARK_MASK, MARK_REDIRECT,
+};
+
+use crate::maps::{DNS_LISTENERS, FLOW_HINTS, LISTENERS, POD_ADDRS, POD_FLAGS};
+
+#[inline(always)]
+pub fn mark(ctx: &TcContext) -> u32 {
+    unsafe { (*ctx.skb.skb).mark }
+}
+
+/// Sets the mesh bits of the mark to "deliver locally" (the policy route).
+#[inline(always)]
+pub fn mark_redirect(ctx: &TcContext) {
+    ctx.set_mark((mark(ctx) & !MARK_MASK) | MARK_REDIRECT);
+}
+
+/// The pod of an outgoing packet. In tc this helper answers from the packet's
+/// socket, which every SYN an app sends has.
+#[inline(always)]
+pub fn netns_cookie(ctx: &TcContext) -> u64 {
+    unsafe { bpf_get_netns_cookie(ctx.as_ptr()) }
+}
+
+/// The pod an incoming packet is addressed to, if it is one of a pod's addresses.
+#[inline(always)]
+pub fn pod_of(family: u8, daddr: &[u32; 4]) -> Option<u64> {
+    unsafe { POD_ADDRS.get(AddrKey::new(family, *daddr)) }.copied()
+}
+
+/// A pod's `POD_FLAG_*` bits (none without an entry).
+#[inline(always)]
+pub fn pod_flags(cookie: u64) -> u32 {
+    unsafe { POD_FLAGS.get(cookie) }.copied().unwrap_or(0)
+}
+
+/// The flow-hint key of a packet from `saddr:sport` to `daddr:dport`, as
+/// sk_lookup will see its lookup (remote = source, local = destination).
+#[inline(always)]
+pub fn flow_key(family: u8, saddr: [u32; 4], daddr: [u32; 4], sport: u16, dport: u16) -> FlowKey {
+    FlowKey {
+        remote_addr: saddr,
+        local_addr: daddr,
+        remote_port: sport,
+        local_port: dport,
+        family,
+        _pad: [0; 3],
+    }
+}
+
+#[inline(always)]
+pub fn put_hint(cookie: u64, key: &FlowKey, verdict: HintVerdict) {
+    let hint = FlowHint {
+        verdict: verdict as u32,
+        _pad: 0,
+        netns_cookie: cookie,
+        at_ns: unsafe { bpf_ktime_get_ns() },
+    };
+    let _ = FLOW_HINTS.insert(key, hint, 0);
+}
+
+/// Re-injects the packet at the pod interface's ingress with the "deliver
+/// locally" mark; the policy route (table 100) then makes it local.
+#[inline(always)]
+pub fn redirect_to_self(ctx: &TcContext) -> i32 {
+    // Destination MAC := source MAC (our own), or the frame re-enters as
+    // PACKET_OTHERHOST and IP drops it.
+    let Ok(src) = ctx.load::<[u8; 6]>(6) else {
+        return TC_ACT_SHOT;
+    };
+    if ctx.store(0, &src, 0).is_err() {
+        return TC_ACT_SHOT;
+    }
+    mark_redirect(ctx);
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    unsafe { bpf_redirect(ifindex, BPF_F_INGRESS as u64) as i32 }
+}
+
+/// Is there a listener for this role in this pod? (Lookups on a socket map
+/// return a referenced socket, released at once.)
+#[inline(always)]
+pub fn listener_present(cookie: u64, role: Role, family: u8) -> bool {
+    let key = ListenerKey::new(cookie, role, family);
+    let map = if role.is_dns() {
+        &DNS_LISTENERS as *const _ as *mut c_void
+    } else {
+        &LISTENERS as *const _ as *mut c_void
+    };
+    let sk = unsafe { bpf_map_lookup_elem(map, &key as *const _ as *const c_void) };
+    if sk.is_null() {
+        return false;
+    }
+    unsafe { bpf_sk_release(sk) };
+    true
+}

@@ -1,0 +1,348 @@
+//! DNS capture (rows D1–D5): a pod's queries to port 53 reach ztunnel's DNS
+//! proxy on its localhost:15053, and the answers come back from the address
+//! the app asked, as istio-cni's DNS rules (REDIRECT + conntrack) make it.
+//! The proxy is a stand-in with SO_MARK 1337 on every socket (as ztunnel's
+//! in-pod socket factory), the resolver a stand-in in the client netns.
+
+use std::net::{IpAddr, SocketAddr};
+
+use anyhow::{ensure, Context as _};
+use libtest_mimic::Trial;
+use sluice::{
+    enroll,
+    options::{DnsChoice, PodOptions},
+    state::DnsMode,
+};
+use sluice_common::PodState;
+use sluice_tests::{
+    agent::{AgentProc, PeerProc},
+    dns::{
+        self, Client, Got, BIG_NAME, PROXY_V4, PROXY_V6, TYPE_A, TYPE_AAAA, UPSTREAM_V4,
+        UPSTREAM_V6,
+    },
+    harness::{peer_bin, steering, Fixture},
+    istio,
+    standin::Bind,
+    topology::Family,
+    wait,
+};
+
+use crate::{trial, TestResult};
+
+pub fn trials() -> Vec<Trial> {
+    let mut v = Vec::new();
+    for fam in [Family::V4, Family::V6] {
+        let name = |row: &str| format!("dns::{}::{row}", fam.name());
+        v.push(trial(
+            name("d1_d2_queries_reach_the_proxy_answers_come_from_the_resolver"),
+            move || captured(fam),
+        ));
+        v.push(trial(
+            name("d1_dig_gets_the_proxys_answer_over_udp_and_tcp"),
+            move || dig(fam),
+        ));
+        v.push(trial(name("d1_istio_dns_rules_vs_sluice"), move || {
+            differential(fam)
+        }));
+        v.push(trial(
+            name("d4_no_proxy_socket_passes_through_to_the_resolver"),
+            move || pass_through(fam),
+        ));
+    }
+    v.push(trial(
+        "dns::d5_annotations_and_the_node_default_choose",
+        switches,
+    ));
+    v.push(trial(
+        "dns::d5_agent_restart_applies_a_new_node_default_to_enrolled_pods",
+        agent_restart,
+    ));
+    v
+}
+
+/// A fixture with the stand-in ztunnel's capture listeners and DNS proxy in
+/// the pod netns and a resolver in the client netns, enrolled with `options`
+/// on a node whose DNS capture default is `node_default`. The proxy is
+/// started first: enrollment registers the sockets it finds.
+struct DnsPod {
+    f: Fixture,
+    resolver: dns::Server,
+    proxy: Option<dns::Server>,
+}
+
+impl DnsPod {
+    fn new(tag: &str, proxy: bool) -> anyhow::Result<Self> {
+        let f = Fixture::new(tag, Some(Bind::DualStack))?;
+        let resolver = dns::upstream(&f.topo.client, &[Family::V4.client(), Family::V6.client()]);
+        let proxy =
+            proxy.then(|| dns::proxy(&f.topo.pod, SocketAddr::new(Family::V4.client(), 53)));
+        Ok(Self { f, resolver, proxy })
+    }
+
+    fn enroll(&self, options: PodOptions, node_default: bool) -> anyhow::Result<()> {
+        let mut dp = self.f.dataplane()?;
+        dp.set_dns_capture(node_default)?;
+        let e = enroll::enroll_with(
+            &mut dp,
+            &self.f.topo.pod_netns_path(),
+            &self.f.uid,
+            &self.f.workload(),
+            &options,
+        )?;
+        ensure!(e.state == PodState::Enabled, "{e:?}");
+        Ok(())
+    }
+
+    /// The app asks the resolver (the client netns's address, port 53).
+    fn ask(&self, fam: Family, client: Client, name: &str) -> anyhow::Result<Got> {
+        let server = SocketAddr::new(fam.client(), 53);
+        dns::ask(&self.f.topo.pod, client, server, name, qtype(fam))
+            .with_context(|| format!("{client:?} query for {name} to {server}"))
+    }
+
+    fn mode(&self) -> anyhow::Result<DnsMode> {
+        Ok(self.f.pod_record()?.dns.mode)
+    }
+}
+
+fn qtype(fam: Family) -> u16 {
+    match fam {
+        Family::V4 => TYPE_A,
+        Family::V6 => TYPE_AAAA,
+    }
+}
+
+fn proxy_addr(fam: Family) -> IpAddr {
+    match fam {
+        Family::V4 => PROXY_V4.into(),
+        Family::V6 => PROXY_V6.into(),
+    }
+}
+
+const CLIENTS: [Client; 3] = [Client::UdpConnected, Client::UdpUnconnected, Client::Tcp];
+
+/// Rows D1 (UDP) and D2 (TCP): the proxy answers, from the resolver's
+/// address; an EDNS answer over 512 bytes arrives whole; the proxy's own
+/// upstream query (mark 0x539) reaches the resolver uncaptured (D3).
+fn captured(fam: Family) -> TestResult {
+    let p = DnsPod::new("dns", true)?;
+    p.enroll(PodOptions::default(), true)?;
+    ensure!(p.mode()? == DnsMode::Captured, "{:?}", p.f.pod_record()?);
+    let resolver = SocketAddr::new(fam.client(), 53);
+    for client in CLIENTS {
+        let got = p.ask(fam, client, "a.proxy.test")?;
+        ensure!(
+            got.answer.addrs == [proxy_addr(fam)] && got.from == resolver,
+            "{client:?}: {got:?} (want the proxy's answer from {resolver})"
+        );
+    }
+    for client in [Client::UdpConnected, Client::Tcp] {
+        let big = p.ask(fam, client, BIG_NAME)?;
+        ensure!(
+            big.answer.size > 512 && big.answer.addrs.len() == 60 && big.from == resolver,
+            "{client:?}: EDNS-sized answer {} bytes, {} records, from {}",
+            big.answer.size,
+            big.answer.addrs.len(),
+            big.from
+        );
+    }
+    ensure!(
+        p.resolver.seen().is_empty(),
+        "the resolver saw queries the proxy answers itself: {:?}",
+        p.resolver.seen()
+    );
+    // A name the proxy forwards: its marked upstream query leaves the pod
+    // uncaptured and reaches the resolver from the pod's address.
+    let fwd = p.ask(fam, Client::UdpConnected, "svc.example")?;
+    let upstream_addr = match fam {
+        Family::V4 => IpAddr::from(UPSTREAM_V4),
+        Family::V6 => IpAddr::from(UPSTREAM_V6),
+    };
+    ensure!(
+        fwd.answer.addrs == [upstream_addr] && fwd.from == resolver,
+        "{fwd:?}"
+    );
+    let seen = p.resolver.seen();
+    ensure!(
+        seen.len() == 1
+            && seen[0].name == "svc.example"
+            && seen[0].peer.ip() == Family::V4.pod()
+            && !seen[0].tcp,
+        "the resolver saw {seen:?}"
+    );
+    let proxy_seen = p.proxy.as_ref().map(|s| s.seen()).unwrap_or_default();
+    ensure!(
+        proxy_seen.iter().all(|s| s.peer.ip() == fam.pod()),
+        "the proxy saw queries from other than the app's address: {proxy_seen:?}"
+    );
+    let d = p.f.pod_record()?.dns;
+    ensure!(
+        d.captured_udp >= 4 && d.captured_tcp >= 2 && d.replies_restored >= 4,
+        "{d:?}"
+    );
+    Ok(())
+}
+
+/// Row D1 with a real resolver client: dig (BIND's, connected UDP sockets)
+/// accepts the captured answer, over UDP and TCP.
+fn dig(fam: Family) -> TestResult {
+    let p = DnsPod::new("dig", true)?;
+    p.enroll(PodOptions::default(), true)?;
+    let server = format!("@{}", fam.client());
+    let rtype = if fam == Family::V4 { "A" } else { "AAAA" };
+    for transport in ["+notcp", "+tcp"] {
+        let out = std::process::Command::new("ip")
+            .args(["netns", "exec", &p.f.topo.pod, "dig"])
+            .args([&server, "a.proxy.test", rtype, transport])
+            .args(["+short", "+tries=1", "+time=2"])
+            .output()
+            .context("running dig (bind9-dnsutils; cargo xtask setup installs it)")?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        ensure!(
+            out.status.success() && text.trim() == proxy_addr(fam).to_string(),
+            "dig {transport}: status {}, stdout {text:?}, stderr {:?}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
+/// Row D1 against istio-cni's DNS rules in a twin pod netns: the same
+/// answers from the same sources for every client, and the proxy's own
+/// query reaches the resolver from the same address.
+fn differential(fam: Family) -> TestResult {
+    let sluice = DnsPod::new("dnss", true)?;
+    sluice.enroll(PodOptions::default(), true)?;
+    let istio_twin = DnsPod::new("dnsi", true)?;
+    istio::apply_with_dns_capture(&istio_twin.f.topo.pod)?;
+    let mut rows = Vec::new();
+    for p in [&istio_twin, &sluice] {
+        let mut row = Vec::new();
+        for client in CLIENTS {
+            for name in ["a.proxy.test", BIG_NAME, "svc.example"] {
+                let got = p.ask(fam, client, name)?;
+                let first = got.answer.addrs.first().copied();
+                row.push((client, name, first, got.answer.addrs.len(), got.from));
+            }
+        }
+        let upstream: Vec<(IpAddr, bool, String)> = p
+            .resolver
+            .seen()
+            .into_iter()
+            .map(|s| (s.peer.ip(), s.tcp, s.name))
+            .collect();
+        rows.push((row, upstream));
+    }
+    println!("\n{} DNS capture: Istio | sluice", fam.name());
+    for (i, s) in rows[0].0.iter().zip(&rows[1].0) {
+        println!("{i:?} | {s:?}");
+    }
+    println!("resolver saw {:?} | {:?}", rows[0].1, rows[1].1);
+    ensure!(
+        rows[0] == rows[1],
+        "Istio {:?}\nsluice {:?}",
+        rows[0],
+        rows[1]
+    );
+    Ok(())
+}
+
+/// Row D4: DNS capture on, but ztunnel opened no DNS proxy socket (run with
+/// `DNS_CAPTURE=false`): queries reach the resolver as without capture
+/// (pass-through, counted), where Istio's REDIRECT would answer with a port
+/// unreachable. `status` says so.
+fn pass_through(fam: Family) -> TestResult {
+    let p = DnsPod::new("dnsp", false)?;
+    p.enroll(PodOptions::default(), true)?;
+    ensure!(p.mode()? == DnsMode::PassThrough, "{:?}", p.f.pod_record()?);
+    let resolver = SocketAddr::new(fam.client(), 53);
+    for client in CLIENTS {
+        let got = p.ask(fam, client, "a.proxy.test")?;
+        ensure!(
+            got.from == resolver && !got.answer.addrs.contains(&proxy_addr(fam)),
+            "{client:?}: {got:?}"
+        );
+    }
+    let seen = p.resolver.seen();
+    ensure!(
+        seen.len() == 3 && seen.iter().all(|s| s.peer.ip() == fam.pod()),
+        "the resolver saw {seen:?}"
+    );
+    let d = p.f.pod_record()?.dns;
+    ensure!(d.passthrough >= 3 && d.captured_udp == 0, "{d:?}");
+    Ok(())
+}
+
+/// Row D5: `ambient.istio.io/dns-capture` and `bypass-dns-capture` against
+/// the node's default, both ways; a new default reaches enrolled pods that
+/// did not choose, and only those.
+fn switches() -> TestResult {
+    let fam = Family::V4;
+    let cases = [
+        ("dnon", DnsChoice::NodeDefault, true, DnsMode::Captured),
+        ("dnoff", DnsChoice::NodeDefault, false, DnsMode::Off),
+        ("dnpon", DnsChoice::On, false, DnsMode::Captured),
+        ("dnpoff", DnsChoice::Off, true, DnsMode::Off),
+    ];
+    for (tag, dns, node_default, want) in cases {
+        let p = DnsPod::new(tag, true)?;
+        p.enroll(
+            PodOptions {
+                dns,
+                ..PodOptions::default()
+            },
+            node_default,
+        )?;
+        let what = format!("{dns:?} on a node defaulting to {node_default}");
+        ensure!(p.mode()? == want, "{what}: {:?}", p.f.pod_record()?.dns);
+        let got = p.ask(fam, Client::UdpConnected, "a.proxy.test")?;
+        let by_proxy = got.answer.addrs == [proxy_addr(fam)];
+        ensure!(
+            by_proxy == (want == DnsMode::Captured),
+            "{what}: answered {got:?}"
+        );
+        // The other default: only a pod without a choice of its own follows.
+        let mut dp = p.f.dataplane()?;
+        let changed = dp.set_dns_capture(!node_default)?;
+        let follows = dns == DnsChoice::NodeDefault;
+        ensure!(changed == usize::from(follows), "{what}: {changed} changed");
+        let flipped = p.mode()? != want;
+        ensure!(flipped == follows, "{what}: mode {:?}", p.mode()?);
+    }
+    Ok(())
+}
+
+/// Row D5 through the agent: a pod enrolled while `--dns-capture` is false
+/// has no DNS capture; the agent restarted with true captures its DNS
+/// (Istio reconciles existing pods on upgrade). The stand-in ztunnel opens
+/// no DNS proxy, so the pod is pass-through: on, with nothing to send to.
+fn agent_restart() -> TestResult {
+    let f = Fixture::new("dnsag", None)?;
+    let mut agent = AgentProc::start_with(&f.topo.pins, &[])?;
+    agent.set_env("SLUICE_DNS_CAPTURE", Some("false"));
+    agent.restart()?;
+    let peer = PeerProc::start(&peer_bin(), &agent.zds, &[])?;
+    let pid = peer.pid().context("peer has no pid")?;
+    agent.wait_ztunnel(pid, "the agent to report the peer connected", |z| {
+        z["connected"] == true
+    })?;
+    let out = agent.enroll(&f.topo.pod_netns_path(), f.uid.as_str(), "default", "app")?;
+    ensure!(steering(&out.stdout), "{}", out.stdout);
+    let mode = |a: &AgentProc| -> Option<String> {
+        let s = a.status_json().ok()?;
+        s["pods"].as_array()?.iter().find_map(|p| {
+            (p["uid"] == f.uid.as_str()).then(|| p["dns"]["mode"].as_str().map(str::to_owned))?
+        })
+    };
+    ensure!(mode(&agent).as_deref() == Some("off"), "{:?}", mode(&agent));
+    agent.set_env("SLUICE_DNS_CAPTURE", None);
+    agent.restart()?;
+    wait::until_seen(
+        "the restarted agent (default on) to turn the pod's DNS capture on",
+        wait::DEADLINE,
+        || mode(&agent),
+        |m| m.as_deref() == Some("pass-through"),
+    )?;
+    Ok(())
+}
