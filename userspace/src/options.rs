@@ -29,7 +29,8 @@ const FLAG_DNS_POD_ON: u32 = 1 << 30;
 const FLAG_DNS_POD_OFF: u32 = 1 << 31;
 
 /// Who decides whether a pod's DNS is captured.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum DnsChoice {
     /// The node's setting (`--dns-capture`).
     #[default]

@@ -101,6 +101,9 @@ pub struct DnsView {
     /// `pass-through` (on, but no proxy socket: queries go to the resolver
     /// uncaptured), or `off`.
     pub mode: DnsMode,
+    /// Who decided: `node-default` (`--dns-capture`), or the pod's
+    /// annotations (`on`, `off`).
+    pub choice: crate::options::DnsChoice,
     pub captured_udp: u64,
     pub captured_tcp: u64,
     pub passthrough: u64,
@@ -435,6 +438,7 @@ impl Maps {
         };
         DnsView {
             mode,
+            choice: self.options(cookie).dns,
             captured_udp: c.captured_udp,
             captured_tcp: c.captured_tcp,
             passthrough: c.passthrough,

@@ -295,7 +295,8 @@ fn switches() -> TestResult {
             node_default,
         )?;
         let what = format!("{dns:?} on a node defaulting to {node_default}");
-        ensure!(p.mode()? == want, "{what}: {:?}", p.f.pod_record()?.dns);
+        let view = p.f.pod_record()?.dns;
+        ensure!(view.mode == want && view.choice == dns, "{what}: {view:?}");
         let got = p.ask(fam, Client::UdpConnected, "a.proxy.test")?;
         let by_proxy = got.answer.addrs == [proxy_addr(fam)];
         ensure!(

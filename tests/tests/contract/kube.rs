@@ -98,13 +98,12 @@ fn api(deleting: Arc<Mutex<bool>>, patches: Arc<Mutex<Vec<(String, Value)>>>) ->
                 if *deleting.lock().unwrap() {
                     p["metadata"]["deletionTimestamp"] = json!("2026-11-22T00:00:00Z");
                 }
-                // cart asks for sluice's readiness gate, and for no inbound
-                // capture.
+                // cart asks for sluice's readiness gate, for no inbound
+                // capture and for no DNS capture.
                 if name == "cart" {
                     p["spec"]["readinessGates"] =
                         json!([{"conditionType": "sluice.dev/redirected"}]);
-                    p["metadata"]["annotations"] =
-                        json!({"ambient.istio.io/bypass-inbound-capture": "true"});
+                    p["metadata"]["annotations"] = json!({"ambient.istio.io/bypass-inbound-capture": "true", "ambient.istio.io/dns-capture": "false"});
                 }
                 p
             };
@@ -167,6 +166,10 @@ fn admitted_with(f: &Fixture, records: &std::path::Path) -> TestResult {
         ensure!(rec.workload.as_ref().is_some_and(|w| w.service_account == "cart-sa"), "{rec:?}");
         // Its annotation reached the programs.
         ensure!(rec.bypass_inbound, "bypass-inbound-capture not applied: {rec:?}");
+        ensure!(
+            rec.dns.mode == sluice::state::DnsMode::Off && rec.dns.choice == sluice::options::DnsChoice::Off,
+            "dns-capture: \"false\" not applied: {rec:?}"
+        );
         wait_patch(&patches, 2).await?;
         ensure!(
             patches.lock().unwrap()[0] == ("/api/v1/namespaces/shop/pods/cart/status".into(), json!({"metadata": {"annotations": {"ambient.istio.io/redirection": "pending"}}})),
