@@ -4,7 +4,8 @@
 //! all the places userspace builds a kube `Api` (kube::{condition, taint,
 //! annotate, gate, verify}, kube::uninstall::{decide, clean (one node)},
 //! kube::node_identity::verify,
-//! agent::kube::{admit_add, observe, changed}); a new one must be added here.
+//! agent::kube::{admit_add, observe, changed}, kube::events); a new one must
+//! be added here.
 //! (`sluice uninstall-cluster`, the Helm hook, runs with the hook's own role.) They run against a recording mock API; each request
 //! is mapped to the resource and verb RBAC checks it as.
 
@@ -30,6 +31,15 @@ type Seen = Arc<Mutex<BTreeSet<(String, String)>>>;
 
 /// The (resource, verb) RBAC checks a request as.
 fn needed(method: &Method, path: &str, query: &str) -> (String, String) {
+    if let Some(rest) = path.strip_prefix("/apis/events.k8s.io/v1/namespaces/") {
+        let parts: Vec<&str> = rest.split('/').collect();
+        let verb = match (method.as_str(), parts.as_slice()) {
+            ("POST", [_, "events"]) => "create",
+            ("PATCH", [_, "events", _]) => "patch",
+            _ => panic!("unexpected events request {method} {path}"),
+        };
+        return ("events.k8s.io/events".into(), verb.into());
+    }
     if let Some(rest) = path.strip_prefix("/apis/apps/v1/namespaces/") {
         let parts: Vec<&str> = rest.split('/').collect();
         assert!(
@@ -79,6 +89,7 @@ fn granted() -> BTreeSet<(String, String)> {
                     assert_eq!(rule["resourceNames"], json!(["sluice"]));
                     "apps/"
                 }
+                Some([g]) if g == "events.k8s.io" => "events.k8s.io/",
                 other => panic!("unexpected API groups {other:?}"),
             };
             for r in rule["resources"].as_array().unwrap() {
@@ -103,6 +114,12 @@ fn recording_api(seen: Seen) -> kube::Client {
             let (method, path) = (req.method().clone(), req.uri().path().to_owned());
             let query = req.uri().query().unwrap_or("").to_owned();
             seen.lock().unwrap().insert(needed(&method, &path, &query));
+            if path.contains("/events") {
+                // The API answers a create or patch with the object.
+                let body = req.into_body().collect_bytes().await.unwrap_or_default();
+                send.send_response(Response::builder().body(Body::from(body.to_vec())).unwrap());
+                continue;
+            }
             let body = if query.contains("watch=true") {
                 Value::Null
             } else if path.contains("/daemonsets/") {
@@ -201,6 +218,38 @@ async fn rbac_grants_exactly_what_the_agent_and_watchdog_use() {
         uid: Some("u-1".into()),
     };
     k.admit_add(&pod).await.unwrap();
+    // Events on a pod: the first creates, a repeat patches its series.
+    let events = sluice::kube::events::Events::start(client.clone(), "node-a");
+    let on = sluice::kube::events::PodRef {
+        namespace: "shop".into(),
+        name: "cart".into(),
+        uid: "u-1".into(),
+    };
+    for _ in 0..2 {
+        events.pod(
+            on.clone(),
+            sluice::kube::events::Reason::ZtunnelNotConnected,
+            "no ztunnel",
+        );
+    }
+    let want_events = [
+        ("events.k8s.io/events".to_string(), "create".to_string()),
+        ("events.k8s.io/events".into(), "patch".into()),
+    ];
+    sluice_tests::wait::until_async(
+        "the event's create and its repeat's patch",
+        sluice_tests::wait::DEADLINE,
+        || {
+            let s = seen.lock().unwrap().clone();
+            if want_events.iter().all(|w| s.contains(w)) {
+                Ok(())
+            } else {
+                Err(s)
+            }
+        },
+    )
+    .await
+    .unwrap();
     k.observe().await.unwrap();
     // The pod and namespace watches: list, then watch.
     let (tx, _rx) = tokio::sync::mpsc::channel(8);

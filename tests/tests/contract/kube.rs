@@ -82,9 +82,16 @@ fn cluster_node_with(
     Ok((node, announcing))
 }
 
+/// Events the mock API was sent (created, or a repeat's series patched).
+type Events = Arc<Mutex<Vec<Value>>>;
+
 /// A tiny API server: answers pod and namespace GETs from fixed objects and
-/// records every status patch body.
-fn api(deleting: Arc<Mutex<bool>>, patches: Arc<Mutex<Vec<(String, Value)>>>) -> kube::Client {
+/// records every status patch body and every event.
+fn api(
+    deleting: Arc<Mutex<bool>>,
+    patches: Arc<Mutex<Vec<(String, Value)>>>,
+    events: Events,
+) -> kube::Client {
     let (svc, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
     tokio::spawn(async move {
         while let Some((req, send)) = handle.next_request().await {
@@ -107,6 +114,12 @@ fn api(deleting: Arc<Mutex<bool>>, patches: Arc<Mutex<Vec<(String, Value)>>>) ->
                 }
                 p
             };
+            if path.starts_with("/apis/events.k8s.io/v1/namespaces/") {
+                let ev: Value = serde_json::from_slice(&body).unwrap();
+                events.lock().unwrap().push(ev.clone());
+                mockapi::reply(send, 200, &ev);
+                continue;
+            }
             let reply = match (method, path.as_str()) {
                 (Method::GET, "/api/v1/namespaces/shop/pods/cart") => {
                     pod("cart", "shop", json!({}))
@@ -149,7 +162,8 @@ fn admitted_with(f: &Fixture, records: &std::path::Path) -> TestResult {
     rt.block_on(async {
         let deleting = Arc::new(Mutex::new(false));
         let patches = Arc::new(Mutex::new(Vec::new()));
-        let client = api(deleting.clone(), patches.clone());
+        let events: Events = Arc::default();
+        let client = api(deleting.clone(), patches.clone(), events.clone());
         let (node, _announcing) = cluster_node(f, client, Some(records.clone()))?;
         let cart = PodRef { name: "cart".into(), namespace: "shop".into(), uid: Some("u-cart".into()) };
         let netns = f.topo.pod_netns_path();
@@ -170,6 +184,19 @@ fn admitted_with(f: &Fixture, records: &std::path::Path) -> TestResult {
             rec.dns.mode == sluice::state::DnsMode::Off && rec.dns.choice == sluice::options::DnsChoice::Off,
             "dns-capture: \"false\" not applied: {rec:?}"
         );
+        // No ztunnel is connected: a Warning on the pod says so.
+        wait::until_async("a ZtunnelNotConnected event on shop/cart", wait::DEADLINE, || {
+            let seen = events.lock().unwrap().clone();
+            let found = seen.iter().any(|e| {
+                e["reason"] == "ZtunnelNotConnected"
+                    && e["type"] == "Warning"
+                    && e["regarding"]["name"] == "cart"
+                    && e["regarding"]["uid"] == "u-cart"
+                    && e["reportingController"] == sluice::kube::events::CONTROLLER
+            });
+            if found { Ok(()) } else { Err(seen) }
+        })
+        .await?;
         wait_patch(&patches, 2).await?;
         ensure!(
             patches.lock().unwrap()[0] == ("/api/v1/namespaces/shop/pods/cart/status".into(), json!({"metadata": {"annotations": {"ambient.istio.io/redirection": "pending"}}})),
@@ -340,11 +367,18 @@ fn relist() -> TestResult {
     rt.block_on(async {
         let (svc, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
         let patches = Arc::new(Mutex::new(Vec::new()));
-        let (p2, u2) = (patches.clone(), uid.clone());
+        let events: Events = Arc::default();
+        let (p2, u2, e2) = (patches.clone(), uid.clone(), events.clone());
         tokio::spawn(async move {
             while let Some((req, send)) = handle.next_request().await {
                 let (method, path, query) = (req.method().clone(), req.uri().path().to_owned(), req.uri().query().unwrap_or("").to_owned());
                 let body = req.into_body().collect_bytes().await.unwrap_or_default();
+                if path.starts_with("/apis/events.k8s.io/v1/namespaces/mesh/events") {
+                    let ev: Value = serde_json::from_slice(&body).unwrap();
+                    e2.lock().unwrap().push(ev.clone());
+                    mockapi::reply(send, 200, &ev);
+                    continue;
+                }
                 let reply = match (method, path.as_str()) {
                     (Method::GET, "/api/v1/pods") => {
                         assert!(query.contains("fieldSelector=spec.nodeName%3Dnode-a"), "{query}");
@@ -409,6 +443,20 @@ fn relist() -> TestResult {
         ensure!(pods[0].workload.as_ref().is_some_and(|w| w.service_account == "web-sa"));
         wait_patch(&patches, 1).await?;
         ensure!(patches.lock().unwrap()[0].0 == "/api/v1/namespaces/mesh/pods/web/status");
+        // Events: the stale pod's capture was released, and web was
+        // captured with no ztunnel to hand it to.
+        wait::until_async("the release and no-ztunnel events", wait::DEADLINE, || {
+            let seen = events.lock().unwrap().clone();
+            let has = |reason: &str, name: &str| {
+                seen.iter().any(|e| e["reason"] == reason && e["regarding"]["name"] == name)
+            };
+            if has("CaptureReleased", "stale") && has("ZtunnelNotConnected", "web") {
+                Ok(())
+            } else {
+                Err(seen)
+            }
+        })
+        .await?;
         // A second pass has nothing to do.
         node.reconcile_once(std::time::Duration::ZERO).await?;
         ensure!(sluice::status::read(&f.topo.pins)?.len() == 1);
@@ -534,7 +582,7 @@ fn gate_follows_served_in(f: &Fixture, dir: &std::path::Path) -> TestResult {
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async {
         let patches = Arc::new(Mutex::new(Vec::new()));
-        let client = api(Arc::new(Mutex::new(false)), patches.clone());
+        let client = api(Arc::new(Mutex::new(false)), patches.clone(), Arc::default());
         let served = ServedConfig {
             recheck: std::time::Duration::from_millis(200),
             ..Default::default()

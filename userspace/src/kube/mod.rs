@@ -2,12 +2,13 @@
 //! (`selection`), the `ambient.istio.io/redirection` annotation (`annotate`),
 //! whether a CNI request matches a real pod on this node (`verify`), the node
 //! condition (`condition`), the startup taint (`taint`) and the pods'
-//! readiness-gate condition (`gate`), and clearing all of it on uninstall
-//! (`uninstall`).
+//! readiness-gate condition (`gate`), Events on pods (`events`), and clearing
+//! all of it on uninstall (`uninstall`).
 //! Decisions are pure functions over API objects; the writers are thin.
 
 pub mod annotate;
 pub mod condition;
+pub mod events;
 pub mod gate;
 pub mod node_identity;
 pub mod reconcile;

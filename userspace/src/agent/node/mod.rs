@@ -84,6 +84,8 @@ pub struct Node {
     /// never go backwards while the agent runs.
     retired: Mutex<Counters>,
     retired_dns: Mutex<sluice_common::DnsCounters>,
+    /// Kubernetes Events on pods (with the API only).
+    events: Option<crate::kube::events::Events>,
     /// Duplicates of the ztunnel listeners in the socket map.
     custody: Custody,
     /// Every pod the agent holds: identity, cookie, netns, retry schedule.
@@ -171,6 +173,9 @@ impl Node {
         orphan_grace: Duration,
     ) -> Self {
         let node_name = kube.as_ref().map(|k| k.node.clone());
+        let events = kube
+            .as_ref()
+            .map(|k| crate::kube::events::Events::start(k.client.clone(), &k.node));
         Self {
             me: me.clone(),
             kube,
@@ -185,11 +190,21 @@ impl Node {
             )),
             retired: Mutex::new(Counters::default()),
             retired_dns: Mutex::default(),
+            events,
             custody: Custody::new(orphan_grace),
             pods: pods::PodTable::default(),
             served: serve::Served::new(served, node_name),
             uninstall: watch::Sender::new(uninstall::Uninstall::No),
         }
+    }
+
+    /// Publishes a Kubernetes Event on an enrolled pod (nothing without the
+    /// API, or for a pod the agent does not hold).
+    pub(super) fn pod_event(&self, uid: &str, reason: crate::kube::events::Reason, note: &str) {
+        let (Some(events), Some(w)) = (&self.events, self.pods.workload(uid)) else {
+            return;
+        };
+        events.pod(crate::kube::events::PodRef::new(&w, uid), reason, note);
     }
 
     /// Every change of a pod's state, as the map was just written (see
@@ -290,11 +305,15 @@ impl Node {
                 Ok(enroll::Repair::Repaired {
                     relinked,
                     istio_rules,
-                }) => warn!(
-                    ?relinked,
-                    ?istio_rules,
-                    "capture was incomplete: completed (links attached, istio-cni rules removed)"
-                ),
+                }) => {
+                    warn!(
+                        ?relinked,
+                        ?istio_rules,
+                        "capture was incomplete: completed (links attached, istio-cni rules removed)"
+                    );
+                    let note = format!("capture was incomplete and has been completed: links attached {relinked:?}, istio-cni rules removed {istio_rules:?}");
+                    self.pod_event(&uid, crate::kube::events::Reason::CaptureRepaired, &note);
+                }
                 Ok(enroll::Repair::TornDown) => {
                     self.custody.forget(&uid);
                     self.pods.remove(&uid);

@@ -124,6 +124,12 @@ impl PodTable {
         self.by_uid.lock().unwrap().contains_key(uid)
     }
 
+    /// Who the pod is (namespace, name, service account).
+    pub(super) fn workload(&self, uid: &str) -> Option<crate::workload::Workload> {
+        let pods = self.by_uid.lock().unwrap();
+        pods.get(uid).map(|p| p.identity.workload.clone())
+    }
+
     pub(super) fn cookie(&self, uid: &str) -> Option<u64> {
         self.by_uid.lock().unwrap().get(uid).map(|p| p.cookie)
     }

@@ -2,6 +2,7 @@
 //! see, release pods that are gone or no longer ambient.
 
 use super::*;
+use crate::kube::events::{PodRef, Reason};
 
 impl Node {
     /// Keeps the enrolled pods equal to the ambient pods of this node (pods
@@ -76,6 +77,16 @@ impl Node {
                     options,
                 } => {
                     let span = info_span!("pod", %uid, pod = %format!("{namespace}/{name}"));
+                    let pod = PodRef {
+                        namespace: namespace.clone(),
+                        name: name.clone(),
+                        uid: uid.clone(),
+                    };
+                    let event = |reason, note: String| {
+                        if let Some(e) = &self.events {
+                            e.pod(pod.clone(), reason, note);
+                        }
+                    };
                     async {
                         let found = PodUid::new(&uid)
                             .ok()
@@ -88,7 +99,10 @@ impl Node {
                         info!(netns = %netns.display(), "capturing a running ambient pod");
                         let options = match options {
                             Ok(o) => o,
-                            Err(e) => return warn!(error = %e, "not capturing: bad pod annotation"),
+                            Err(e) => {
+                                warn!(error = %e, "not capturing: bad pod annotation");
+                                return event(Reason::InvalidAnnotation, format!("not captured: {e}"));
+                            }
                         };
                         let w = match Workload::new(&name, &namespace, &service_account) {
                             Ok(w) => w,
@@ -96,7 +110,11 @@ impl Node {
                         };
                         match self.enroll(netns, &uid, w, options).await {
                             Ok(_) => self.metrics().captured_after_start(),
-                            Err(e) => warn!(error = %crate::one_line(&e), "enrolling failed; will retry"),
+                            Err(e) => {
+                                let e = crate::one_line(&e);
+                                warn!(error = %e, "enrolling failed; will retry");
+                                event(Reason::CaptureFailed, format!("capturing the running pod failed (retried): {e}"));
+                            }
                         }
                     }
                     .instrument(span)
@@ -111,6 +129,17 @@ impl Node {
                         continue;
                     }
                     info!(%uid, %reason, "releasing pod");
+                    let who = records
+                        .iter()
+                        .find(|r| r.uid == uid)
+                        .and_then(|r| r.workload.as_ref());
+                    if let (Some(events), Some(w)) = (&self.events, who) {
+                        events.pod(
+                            PodRef::new(w, &uid),
+                            Reason::CaptureReleased,
+                            format!("capture removed: {reason}"),
+                        );
+                    }
                     if let Err(e) = self.unenroll(&uid).await {
                         warn!(%uid, error = %crate::one_line(&e), "unenrolling failed; will retry");
                     }

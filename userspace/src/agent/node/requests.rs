@@ -347,6 +347,11 @@ impl Node {
         let note = match self.hub.newest() {
             None => {
                 self.pods.waits_again(uid.as_str(), "no ztunnel connected");
+                self.pod_event(
+                    uid.as_str(),
+                    crate::kube::events::Reason::ZtunnelNotConnected,
+                    "captured, but no ztunnel is connected to sluice: the pod's new connections fail closed until ztunnel connects and takes it",
+                );
                 Some(
                     "no ztunnel connected: it gets this pod in its snapshot when it connects"
                         .into(),

@@ -2,6 +2,7 @@
 //! listeners of the ztunnel that acked; the server's `Handler`.
 
 use super::*;
+use crate::kube::events::Reason;
 
 impl Node {
     /// ZDS add on `conn`, then listener registration. Errors explain why the
@@ -43,12 +44,18 @@ impl Node {
                     }
                     Err(e) => {
                         self.metrics().failed(Failure::NoListeners);
+                        self.pod_event(uid, Reason::ZtunnelListenersMissing, &e);
                         e
                     }
                 }
             }
             Ok(Answer::Nack(t)) => {
                 warn!(%uid, nack = %t, "ztunnel nacked add");
+                self.pod_event(
+                    uid,
+                    Reason::ZtunnelRejected,
+                    &format!("ztunnel refused the pod: {t}"),
+                );
                 self.metrics().zds_answer(false);
                 self.metrics().failed(Failure::Nack);
                 format!("ztunnel nacked add: {t}")

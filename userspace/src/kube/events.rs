@@ -1,0 +1,179 @@
+//! Kubernetes Events on pods: what `kubectl describe pod` and `kubectl get
+//! events` show when the agent could not capture a pod, ztunnel would not
+//! take it, or the agent changed its capture behind the scenes. Failures of
+//! CNI ADD itself are not repeated here: kubelet already records the
+//! plugin's error on the pod (`FailedCreatePodSandBox`).
+//!
+//! Published through kube-rs' event recorder, which folds a repeated event
+//! (same pod, reason and action) into one Event whose series count grows,
+//! from one task fed by a bounded queue: publishing never holds up an
+//! enrollment, and a burst beyond the queue is dropped (and logged) rather
+//! than queued without bound.
+
+use k8s_openapi::api::core::v1::ObjectReference;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use tokio::sync::mpsc;
+use tracing::debug;
+
+use crate::workload::Workload;
+
+/// The controller name events carry (`reportingController`).
+pub const CONTROLLER: &str = "sluice.dev/agent";
+/// Events waiting to be published at most.
+const QUEUE: usize = 256;
+
+/// Why an event is published: its `reason`, searchable with
+/// `kubectl get events --field-selector reason=…`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    /// Captured while no ztunnel is connected: the pod's new connections
+    /// fail closed until one connects and acks it.
+    ZtunnelNotConnected,
+    /// ztunnel refused the pod (its nack text in the note).
+    ZtunnelRejected,
+    /// ztunnel acked, but its listeners are not in the pod's netns.
+    ZtunnelListenersMissing,
+    /// Capturing a running ambient pod failed; retried.
+    CaptureFailed,
+    /// A pod annotation sluice reads is malformed: the pod is not captured.
+    InvalidAnnotation,
+    /// The agent found the pod's capture incomplete and completed it.
+    CaptureRepaired,
+    /// The pod's capture was removed (no longer ambient, gone).
+    CaptureReleased,
+}
+
+impl Reason {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::ZtunnelNotConnected => "ZtunnelNotConnected",
+            Self::ZtunnelRejected => "ZtunnelRejected",
+            Self::ZtunnelListenersMissing => "ZtunnelListenersMissing",
+            Self::CaptureFailed => "CaptureFailed",
+            Self::InvalidAnnotation => "InvalidAnnotation",
+            Self::CaptureRepaired => "CaptureRepaired",
+            Self::CaptureReleased => "CaptureReleased",
+        }
+    }
+
+    pub const fn warning(self) -> bool {
+        !matches!(self, Self::CaptureRepaired | Self::CaptureReleased)
+    }
+
+    /// What the agent was doing (`action`).
+    pub const fn action(self) -> &'static str {
+        match self {
+            Self::ZtunnelNotConnected | Self::ZtunnelRejected | Self::ZtunnelListenersMissing => {
+                "HandToZtunnel"
+            }
+            Self::CaptureFailed | Self::InvalidAnnotation => "Capture",
+            Self::CaptureRepaired => "Verify",
+            Self::CaptureReleased => "Release",
+        }
+    }
+}
+
+/// The pod an event is about.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodRef {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+}
+
+impl PodRef {
+    pub fn new(w: &Workload, uid: &str) -> Self {
+        Self {
+            namespace: w.namespace.clone(),
+            name: w.name.clone(),
+            uid: uid.to_owned(),
+        }
+    }
+
+    fn object_ref(&self) -> ObjectReference {
+        ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Pod".into()),
+            namespace: Some(self.namespace.clone()),
+            name: Some(self.name.clone()),
+            uid: Some(self.uid.clone()),
+            ..Default::default()
+        }
+    }
+}
+
+/// The agent's event publisher.
+#[derive(Clone)]
+pub struct Events {
+    tx: mpsc::Sender<(PodRef, Reason, String)>,
+}
+
+impl Events {
+    /// Starts the publishing task (on the current tokio runtime); events
+    /// name this node as the reporting instance.
+    pub fn start(client: kube::Client, node: &str) -> Self {
+        let (tx, mut rx) = mpsc::channel::<(PodRef, Reason, String)>(QUEUE);
+        let recorder = Recorder::new(
+            client,
+            Reporter {
+                controller: CONTROLLER.into(),
+                instance: Some(format!("sluice-{node}")),
+            },
+        );
+        tokio::spawn(async move {
+            while let Some((pod, reason, note)) = rx.recv().await {
+                let ev = Event {
+                    type_: if reason.warning() {
+                        EventType::Warning
+                    } else {
+                        EventType::Normal
+                    },
+                    reason: reason.as_str().into(),
+                    note: Some(truncate(note)),
+                    action: reason.action().into(),
+                    secondary: None,
+                };
+                if let Err(e) = recorder.publish(&ev, &pod.object_ref()).await {
+                    debug!(pod = %format!("{}/{}", pod.namespace, pod.name), reason = reason.as_str(), error = %e, "could not publish an event");
+                }
+            }
+        });
+        Self { tx }
+    }
+
+    /// Queues an event; drops it when the queue is full (a burst the API
+    /// is not keeping up with: the agent's own log has each of them).
+    pub fn pod(&self, pod: PodRef, reason: Reason, note: impl Into<String>) {
+        if self.tx.try_send((pod, reason, note.into())).is_err() {
+            debug!(reason = reason.as_str(), "event queue full: event dropped");
+        }
+    }
+}
+
+/// An Event's note is at most 1 KiB.
+fn truncate(mut note: String) -> String {
+    const MAX: usize = 1024;
+    if note.len() > MAX {
+        let mut cut = MAX - 3;
+        while !note.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        note.truncate(cut);
+        note.push_str("...");
+    }
+    note
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn warnings_are_the_failures_and_notes_fit() {
+        assert!(Reason::ZtunnelRejected.warning() && !Reason::CaptureRepaired.warning());
+        let long = "é".repeat(1000);
+        let t = truncate(long);
+        assert!(t.len() <= 1024 && t.ends_with("..."), "{}", t.len());
+        assert_eq!(truncate("short".into()), "short");
+    }
+}
