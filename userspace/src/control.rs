@@ -142,6 +142,19 @@ pub struct NodeStatus {
     /// (…)`, `done (…)`, `failed (…): …`.
     #[serde(default)]
     pub uninstall: String,
+    /// Pods on this node the agent's last reconcile with the API did not
+    /// capture, and why (not ambient, opted out, excluded namespace…).
+    #[serde(default)]
+    pub skipped: Vec<SkippedPod>,
+}
+
+/// A pod of this node the agent leaves uncaptured, and why.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SkippedPod {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+    pub reason: String,
 }
 
 fn auto() -> crate::served::Mode {

@@ -10,6 +10,7 @@ pub mod agent;
 pub mod cni;
 pub mod control;
 pub mod enroll;
+pub mod explain;
 pub mod fault;
 pub mod hostside;
 pub mod kube;

@@ -86,6 +86,11 @@ enum Cmd {
     Status {
         #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table)]
         output: Output,
+        /// One pod end to end (NAMESPACE/NAME or its uid): captured or why
+        /// not, state, ztunnel's listeners, links, addresses, options,
+        /// counters, and what is missing before it is fully enrolled.
+        #[arg(long)]
+        pod: Option<String>,
     },
     /// Remove sluice from this node: sluice-cni from the CNI config and bin
     /// dir, every pod's capture (pods keep working, uncaptured), all pins.
@@ -392,7 +397,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             enroll::unenroll(&pins, &mut maps, &uid)?;
             println!("unenrolled pod {uid}");
         }
-        Cmd::Status { output } => {
+        Cmd::Status { output, pod } => {
             let pods = status::read(&pins)?;
             // The pods come from the pins whatever the agent says.
             let asked = control::call_within(
@@ -414,8 +419,30 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 agent,
                 agent_error,
             };
+            let waiting = node.agent.as_ref().map_or(&[][..], |a| &a.waiting[..]);
+            if let Some(query) = pod {
+                let Some(e) = sluice::explain::explain(&query, &pods, node.agent.as_ref()) else {
+                    let agent = if node.agent.is_some() {
+                        "nor does the agent's last reconcile with the API list it"
+                    } else {
+                        "and no agent answered to say whether it should be"
+                    };
+                    anyhow::bail!("pod {query} is not enrolled on this node, {agent}");
+                };
+                match output {
+                    Output::Table => {
+                        print!("{}", sluice::explain::render(&e, node.agent.is_some()))
+                    }
+                    Output::Json => println!("{}", serde_json::to_string_pretty(&e)?),
+                }
+                return Ok(());
+            }
             match output {
-                Output::Table => print!("{}\n{}", status::node_lines(&node), status::table(&pods)),
+                Output::Table => print!(
+                    "{}\n{}",
+                    status::node_lines(&node),
+                    status::table(&pods, waiting)
+                ),
                 Output::Json => println!("{}", status::json(&node, &pods)),
             }
         }

@@ -82,6 +82,12 @@ pub struct PodRecord {
     /// `istio.io/reroute-virtual-interfaces`: interfaces whose TCP is the
     /// pod's outbound.
     pub reroute: Vec<String>,
+    /// The pod's addresses in the node-wide address map (what inbound
+    /// capture and the address-theft guard know the pod by).
+    pub addresses: Vec<IpAddr>,
+    /// The pod's pinned links (`steer`, `egress_eth0`, `lo`, `host_eth0`…),
+    /// from the bpffs (filled by `status::read`; empty from the maps alone).
+    pub links: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
@@ -593,6 +599,7 @@ impl Maps {
         for k in keys.chain(self.dns_listener_keys()) {
             by_pod.entry(k.netns_cookie).or_default().push(k);
         }
+        let addrs = self.addrs_by_pod();
         let mut pods: Vec<PodRecord> = self
             .pod_state
             .iter()
@@ -636,6 +643,11 @@ impl Maps {
                     listeners,
                     counters: self.counters(cookie).into(),
                     dns: self.dns_view(cookie, has_proxy),
+                    addresses: addrs
+                        .get(&cookie)
+                        .map(|ks| ks.iter().map(addr_of).collect())
+                        .unwrap_or_default(),
+                    links: Vec::new(),
                     bypass_inbound: self.options(cookie).bypass_inbound,
                     reroute: self.options(cookie).reroute,
                 }

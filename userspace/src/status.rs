@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 use crate::{
-    control::{NodeStatus, ServedCheck},
+    control::{NodeStatus, ServedCheck, WaitingPod},
     loader::Pins,
     state::{boottime_ns, Maps, PodRecord},
 };
@@ -122,15 +122,85 @@ pub fn node_lines(n: &NodeView) -> String {
     out
 }
 
-/// Reads every enrolled pod from the pins; no pins means no pods.
+/// Reads every enrolled pod from the pins, with its pinned links; no pins
+/// means no pods.
 pub fn read(pins: &Pins) -> Result<Vec<PodRecord>, crate::state::StateError> {
     if !pins.maps().join("pod_state").exists() {
         return Ok(Vec::new());
     }
-    Ok(Maps::open_pinned(&pins.maps())?.pods())
+    let mut pods = Maps::open_pinned(&pins.maps())?.pods();
+    for p in &mut pods {
+        p.links = pinned_links(pins, p.netns_cookie);
+    }
+    Ok(pods)
 }
 
-fn age(ns: u64, now: u64) -> String {
+/// The names of a pod's pinned links (`pods/<cookie>/…`), sorted.
+fn pinned_links(pins: &Pins, cookie: u64) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(pins.pod(cookie))
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// A pod's links by hook: `sk_lookup eth0:in,out,host lo:in` (a
+/// `reroute_<if>` link is that interface's `reroute`).
+pub fn links_summary(links: &[String]) -> String {
+    let mut by_if: std::collections::BTreeMap<&str, Vec<&str>> = Default::default();
+    let mut out = Vec::new();
+    for l in links {
+        match l.as_str() {
+            "steer" => out.push("sk_lookup".to_string()),
+            "lo" => by_if.entry("lo").or_default().push("in"),
+            other => {
+                let (hook, dev) = other.split_once('_').unwrap_or((other, "?"));
+                let hook = match hook {
+                    "egress" => "out",
+                    "ingress" => "in",
+                    h => h,
+                };
+                by_if.entry(dev).or_default().push(hook);
+            }
+        }
+    }
+    for (dev, mut hooks) in by_if {
+        hooks.sort();
+        out.push(format!("{dev}:{}", hooks.join(",")));
+    }
+    if out.is_empty() {
+        "-".into()
+    } else {
+        out.join(" ")
+    }
+}
+
+/// Which of ztunnel's sockets the pod has (any family), as
+/// `15001/15006/15008/dns` with `-` for each missing one.
+pub fn listeners_summary(listeners: &[String]) -> String {
+    let has = |role: &str| listeners.iter().any(|l| l.starts_with(role));
+    let part = |role: &str, label: &'static str| if has(role) { label } else { "-" };
+    [
+        part("outbound/", "15001"),
+        part("inbound/", "15006"),
+        part("hbone/", "15008"),
+        part("dns-", "dns"),
+    ]
+    .join("/")
+}
+
+/// `namespace/name`, or `-` for a pod recorded without its workload.
+pub fn pod_name(p: &PodRecord) -> String {
+    p.workload
+        .as_ref()
+        .map_or("-".into(), |w| format!("{}/{}", w.namespace, w.name))
+}
+
+pub(crate) fn age(ns: u64, now: u64) -> String {
     let s = now.saturating_sub(ns) / 1_000_000_000;
     match s {
         0..=119 => format!("{s}s"),
@@ -149,46 +219,51 @@ fn served(p: &PodRecord, now: u64) -> String {
     }
 }
 
-/// The human table.
-pub fn table(pods: &[PodRecord]) -> String {
+/// The human table. `waiting`: the agent's retried pods and why (the
+/// ERROR column), empty without an agent.
+pub fn table(pods: &[PodRecord], waiting: &[WaitingPod]) -> String {
     let now = boottime_ns();
     let mut rows = vec![[
-        "UID".to_string(),
+        "POD".to_string(),
+        "UID".into(),
         "STATE".into(),
         "SERVED".into(),
+        "SINCE".into(),
         "AGE".into(),
         "LISTENERS".into(),
         "DNS".into(),
+        "LINKS".into(),
         "IN".into(),
         "HBONE".into(),
         "OUT".into(),
         "BYPASS".into(),
         "DROPPED".into(),
         "NO-SOCKET".into(),
-        "NETNS".into(),
+        "ERROR".into(),
     ]];
     for p in pods {
         let c = &p.counters;
+        let error = waiting
+            .iter()
+            .find(|w| w.uid == p.uid)
+            .map_or("-".into(), |w| w.last_error.clone());
         rows.push([
+            pod_name(p),
             p.uid.clone(),
             p.state.unwrap_or("Unknown").into(),
             served(p, now),
+            age(p.changed_at_ns, now),
             age(p.enrolled_at_ns, now),
-            format!(
-                "{}/6",
-                p.listeners
-                    .iter()
-                    .filter(|l| !l.starts_with("dns-"))
-                    .count()
-            ),
+            listeners_summary(&p.listeners),
             p.dns.mode.as_str().into(),
+            links_summary(&p.links),
             c.captured_inbound.to_string(),
             c.captured_hbone.to_string(),
             c.captured_outbound.to_string(),
             c.bypassed.to_string(),
             c.dropped_fail_closed.to_string(),
             c.missing_socket.to_string(),
-            p.netns.clone(),
+            error,
         ]);
     }
     let widths: Vec<usize> = (0..rows[0].len())
@@ -212,4 +287,22 @@ pub fn table(pods: &[PodRecord]) -> String {
 /// The JSON form: `{"node": {...}, "pods": [...]}`.
 pub fn json(node: &NodeView, pods: &[PodRecord]) -> String {
     serde_json::to_string_pretty(&Status { node, pods }).expect("status records always serialise")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn links_and_listeners_read_at_a_glance() {
+        let links: Vec<String> = ["egress_eth0", "host_eth0", "ingress_eth0", "lo", "steer"]
+            .map(String::from)
+            .into();
+        assert_eq!(links_summary(&links), "sk_lookup eth0:host,in,out lo:in");
+        assert_eq!(links_summary(&[]), "-");
+        let l: Vec<String> = ["hbone/ipv4", "outbound/ipv6", "dns-udp/ipv4"]
+            .map(String::from)
+            .into();
+        assert_eq!(listeners_summary(&l), "15001/-/15008/dns");
+    }
 }

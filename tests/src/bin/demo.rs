@@ -1,5 +1,6 @@
 //! `cargo xtask demo`: enroll a pod netns with sluice, send real traffic
-//! through it, and show what ztunnel's listeners saw next to `sluice status`.
+//! (TCP both ways, DNS) through it, and show what ztunnel's listeners saw
+//! next to `sluice status` and `sluice status --pod`.
 //! Everything it creates (namespaces, veth, pins, routes) is removed at the end.
 
 use std::net::SocketAddr;
@@ -7,6 +8,7 @@ use std::net::SocketAddr;
 use anyhow::ensure;
 use sluice_common::MARK_ZTUNNEL;
 use sluice_tests::{
+    dns::{self, Client},
     flow::{connect, Opts, Reached},
     harness::{is_root, Fixture, APP_PORT, REMOTE_PORT},
     standin::Bind,
@@ -31,6 +33,10 @@ fn main() -> anyhow::Result<()> {
         "namespaces: pod={} (10.200.0.2, fd00:200::2, app on :{APP_PORT}), client={} (10.200.0.1, fd00:200::1, server on :{REMOTE_PORT})",
         f.topo.pod, f.topo.client
     );
+    // A resolver in the client netns and ztunnel's DNS proxy (stand-in) on
+    // the pod's localhost:15053, there before enrollment finds its sockets.
+    let _resolver = dns::upstream(&f.topo.client, &[Family::V4.client(), Family::V6.client()]);
+    let _proxy = dns::proxy(&f.topo.pod, SocketAddr::new(Family::V4.client(), 53));
     let e = f.enroll()?;
     println!(
         "enrolled pod {} (netns cookie {}): {} with listeners {:?}\n",
@@ -75,6 +81,26 @@ fn main() -> anyhow::Result<()> {
         );
     }
 
+    println!("\nDNS (the app asks the resolver; ztunnel's DNS proxy answers *.proxy.test itself):");
+    for fam in [Family::V4, Family::V6] {
+        let resolver = SocketAddr::new(fam.client(), 53);
+        let qtype = if fam == Family::V4 {
+            dns::TYPE_A
+        } else {
+            dns::TYPE_AAAA
+        };
+        for (client, how) in [(Client::UdpConnected, "UDP"), (Client::Tcp, "TCP")] {
+            let what = format!("app → {resolver} {how} a.proxy.test");
+            match dns::ask(&f.topo.pod, client, resolver, "a.proxy.test", qtype) {
+                Ok(got) => println!(
+                    "  {what:<44} → {:?} from {} (the proxy's answer, the resolver's address)",
+                    got.answer.addrs, got.from
+                ),
+                Err(e) => println!("  {what:<44} → {e:#}"),
+            }
+        }
+    }
+
     println!("\nwhat ztunnel's listeners accepted (local address = original destination):");
     println!(
         "  {:<9} {:<28} {:<28}",
@@ -91,8 +117,14 @@ fn main() -> anyhow::Result<()> {
 
     println!("\nsluice status:");
     let pods = sluice::status::read(&f.topo.pins)?;
-    for line in sluice::status::table(&pods).lines() {
+    for line in sluice::status::table(&pods, &[]).lines() {
         println!("  {line}");
+    }
+    println!("\nsluice status --pod default/{}:", f.uid);
+    if let Some(e) = sluice::explain::explain(&format!("default/{}", f.uid), &pods, None) {
+        for line in sluice::explain::render(&e, false).lines() {
+            println!("  {line}");
+        }
     }
     println!("\ncleaning up (unenroll, remove pins and namespaces)");
     Ok(())

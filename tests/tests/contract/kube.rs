@@ -457,6 +457,18 @@ fn relist() -> TestResult {
             }
         })
         .await?;
+        // The pod left out says why, for `status --pod`.
+        let control::Response::Node(n) = node.handle(control::Request::Status).await else {
+            anyhow::bail!("no node status");
+        };
+        let why = sluice::explain::explain("kube-system/dns", &[], Some(&n)).map(|e| e.verdict);
+        ensure!(
+            why == Some(sluice::explain::Verdict::NotCaptured {
+                reason: "the pod's namespace is excluded (--exclude-namespaces)".into()
+            }),
+            "{why:?} from {:?}",
+            n.skipped
+        );
         // A second pass has nothing to do.
         node.reconcile_once(std::time::Duration::ZERO).await?;
         ensure!(sluice::status::read(&f.topo.pins)?.len() == 1);

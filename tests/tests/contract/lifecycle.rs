@@ -121,6 +121,44 @@ fn outlives_process() -> TestResult {
     ensure!(pod["netns"] == netns.to_str().unwrap(), "{v}");
     ensure!(pod["counters"]["captured_inbound"] == 1, "{v}");
     ensure!(pod["listeners"].as_array().map(Vec::len) == Some(6), "{v}");
+    // One pod end to end: steering, not served (no ztunnel to ask), every
+    // link in place; by uid, in both forms.
+    let one = sluice(&f, &["status", "--pod", f.uid.as_str()])?;
+    ensure!(
+        one.ok
+            && one
+                .stdout
+                .contains("verdict:    captured and steering to ztunnel")
+            && one
+                .stdout
+                .contains("links:      sk_lookup eth0:in,out lo:in")
+            && one.stdout.contains("listeners:  15001/15006/15008/-")
+            && one.stdout.contains("agent:      not answering"),
+        "{}{}",
+        one.stdout,
+        one.stderr
+    );
+    let one: serde_json::Value = serde_json::from_str(
+        &sluice(&f, &["status", "--pod", f.uid.as_str(), "-o", "json"])?.stdout,
+    )?;
+    let links = one["pod"]["links"].as_array().cloned().unwrap_or_default();
+    ensure!(
+        one["verdict"] == "not_served"
+            && links.len() == 4
+            && one["pod"]["addresses"]
+                .as_array()
+                .is_some_and(|a| a.contains(&"10.200.0.2".into())),
+        "{one}"
+    );
+    let none = sluice(&f, &["status", "--pod", "shop/nothing"])?;
+    ensure!(
+        !none.ok
+            && none
+                .stderr
+                .contains("pod shop/nothing is not enrolled on this node"),
+        "{}",
+        none.stderr
+    );
     let table = sluice(&f, &["status"])?;
     ensure!(
         table.stdout.contains(f.uid.as_str()) && table.stdout.contains("Enabled"),

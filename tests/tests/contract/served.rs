@@ -123,11 +123,11 @@ fn unknown_then_known() -> TestResult {
     let table = agent.sluice(&["status"])?.stdout;
     let row = table
         .lines()
-        .find(|l| l.starts_with(f.uid.as_str()))
+        .find(|l| l.split_whitespace().nth(1) == Some(f.uid.as_str()))
         .context("no row")?;
     let cols: Vec<&str> = row.split_whitespace().collect();
     ensure!(
-        cols[1] == "Enabled" && cols[2] == "no" && cols[3].starts_with('('),
+        cols[2] == "Enabled" && cols[3] == "no" && cols[4].starts_with('('),
         "{table}"
     );
     let pid = peer.pid().context("pid")?;
@@ -147,7 +147,7 @@ fn unknown_then_known() -> TestResult {
     ensure!(
         table.lines().any(|l| {
             let cols: Vec<&str> = l.split_whitespace().collect();
-            cols.first() == Some(&f.uid.as_str()) && cols[1..3] == ["Served", "yes"]
+            cols.get(1) == Some(&f.uid.as_str()) && cols[2..4] == ["Served", "yes"]
         }),
         "{table}"
     );

@@ -77,6 +77,30 @@ pub fn plan(
     actions
 }
 
+/// The pods of this node that selection leaves uncaptured, and why (for
+/// `sluice status --pod`).
+pub fn skipped(
+    pods: &[Pod],
+    namespaces: &BTreeMap<String, BTreeMap<String, String>>,
+    node: &str,
+    excluded: &BTreeSet<String>,
+) -> Vec<crate::control::SkippedPod> {
+    pods.iter()
+        .filter_map(|pod| {
+            let ns = pod.metadata.namespace.clone().unwrap_or_default();
+            match select(pod, namespaces.get(&ns), node, excluded) {
+                Verdict::Skip(s) => Some(crate::control::SkippedPod {
+                    namespace: ns,
+                    name: pod.metadata.name.clone().unwrap_or_default(),
+                    uid: pod.metadata.uid.clone().unwrap_or_default(),
+                    reason: s.reason().into(),
+                }),
+                Verdict::Enroll => None,
+            }
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use serde_json::json;
@@ -139,5 +163,23 @@ mod tests {
             .map(|u| Enrolled { uid: u.to_string() })
             .collect();
         assert!(plan(&pods, &namespaces, "a", &BTreeSet::new(), &enrolled).is_empty());
+        // What is left uncaptured, with why.
+        let left: Vec<(String, String)> = skipped(&pods, &namespaces, "a", &BTreeSet::new())
+            .into_iter()
+            .map(|s| (s.name, s.reason))
+            .collect();
+        assert_eq!(
+            left,
+            [
+                (
+                    "optout".to_string(),
+                    "pod is labelled istio.io/dataplane-mode=none".to_string()
+                ),
+                (
+                    "plain".into(),
+                    super::super::selection::Skip::NotAmbient.reason().into()
+                ),
+            ]
+        );
     }
 }

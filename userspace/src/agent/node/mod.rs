@@ -86,6 +86,8 @@ pub struct Node {
     retired_dns: Mutex<sluice_common::DnsCounters>,
     /// Kubernetes Events on pods (with the API only).
     events: Option<crate::kube::events::Events>,
+    /// This node's pods the last reconcile left uncaptured, with why.
+    skipped: Mutex<Vec<crate::control::SkippedPod>>,
     /// Duplicates of the ztunnel listeners in the socket map.
     custody: Custody,
     /// Every pod the agent holds: identity, cookie, netns, retry schedule.
@@ -191,6 +193,7 @@ impl Node {
             retired: Mutex::new(Counters::default()),
             retired_dns: Mutex::default(),
             events,
+            skipped: Mutex::default(),
             custody: Custody::new(orphan_grace),
             pods: pods::PodTable::default(),
             served: serve::Served::new(served, node_name),

@@ -67,6 +67,8 @@ impl Node {
             .iter()
             .map(|r| Enrolled { uid: r.uid.clone() })
             .collect();
+        *self.skipped.lock().unwrap() =
+            crate::kube::reconcile::skipped(&pods, &namespaces, &k.node, &k.excluded);
         for action in plan(&pods, &namespaces, &k.node, &k.excluded, &enrolled) {
             match action {
                 Action::Enroll {

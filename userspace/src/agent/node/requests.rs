@@ -109,6 +109,7 @@ impl Node {
                     dataplane,
                     probes,
                     uninstall: self.uninstall_state().to_string(),
+                    skipped: self.skipped.lock().unwrap().clone(),
                 })
             }
             Request::CniCheck { pod } => {

@@ -1,0 +1,323 @@
+//! `sluice status --pod NAMESPACE/NAME` (or a pod uid): one pod, end to end —
+//! whether the agent captures it and if not why, its state, ztunnel's
+//! sockets, its links and addresses, its options and counters, and what is
+//! missing before it is fully enrolled. The pins answer for enrolled pods;
+//! the agent, when one runs, adds why a pod is not captured and the last
+//! error of one it retries.
+
+use std::fmt::Write as _;
+
+use serde::Serialize;
+use sluice_common::Role;
+
+use crate::{
+    control::{NodeStatus, SkippedPod},
+    state::{boottime_ns, PodRecord},
+    status,
+};
+
+/// Where the pod stands, in the terms of "fully enrolled".
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "verdict", rename_all = "snake_case")]
+pub enum Verdict {
+    /// Captured, acked by ztunnel, and ztunnel serves it.
+    FullyEnrolled,
+    /// Captured and steering to ztunnel's listeners, but ztunnel does not
+    /// know its workload from istiod yet.
+    NotServed,
+    /// Captured; its new connections fail closed until ztunnel takes it
+    /// (`missing`: ztunnel's listeners not in the pod).
+    WaitingForZtunnel { missing: Vec<String> },
+    /// Its capture is being removed.
+    Draining,
+    /// On this node, left uncaptured by the agent, for `reason`.
+    NotCaptured { reason: String },
+}
+
+/// Everything `--pod` shows.
+#[derive(Debug, Serialize)]
+pub struct Explanation<'a> {
+    #[serde(flatten)]
+    pub verdict: Verdict,
+    /// The pins' record, for an enrolled pod.
+    pub pod: Option<&'a PodRecord>,
+    /// The agent's last error for a pod it retries.
+    pub last_error: Option<&'a str>,
+}
+
+/// Which pod `query` names: its uid, or `namespace/name`.
+fn names(query: &str, uid: &str, namespace: &str, name: &str) -> bool {
+    query == uid || query.split_once('/') == Some((namespace, name))
+}
+
+/// Explains the pod `query` names, from the enrolled `pods` and the agent's
+/// report; `None` when neither knows it.
+pub fn explain<'a>(
+    query: &str,
+    pods: &'a [PodRecord],
+    agent: Option<&'a NodeStatus>,
+) -> Option<Explanation<'a>> {
+    let pod = pods.iter().find(|p| {
+        let (ns, name) = p
+            .workload
+            .as_ref()
+            .map_or(("", ""), |w| (w.namespace.as_str(), w.name.as_str()));
+        names(query, &p.uid, ns, name)
+    });
+    let skipped: Option<&SkippedPod> = agent.and_then(|a| {
+        a.skipped
+            .iter()
+            .find(|s| names(query, &s.uid, &s.namespace, &s.name))
+    });
+    let verdict = match (pod, skipped) {
+        (Some(p), _) => match p.state {
+            Some("Served") => Verdict::FullyEnrolled,
+            Some("Enabled") => Verdict::NotServed,
+            Some("Draining") => Verdict::Draining,
+            _ => Verdict::WaitingForZtunnel {
+                missing: missing_listeners(p),
+            },
+        },
+        (None, Some(s)) => Verdict::NotCaptured {
+            reason: s.reason.clone(),
+        },
+        (None, None) => return None,
+    };
+    let last_error = pod.and_then(|p| {
+        agent?
+            .waiting
+            .iter()
+            .find(|w| w.uid == p.uid)
+            .map(|w| w.last_error.as_str())
+    });
+    Some(Explanation {
+        verdict,
+        pod,
+        last_error,
+    })
+}
+
+/// ztunnel's capture listeners the pod lacks (in every family).
+fn missing_listeners(p: &PodRecord) -> Vec<String> {
+    Role::ALL
+        .iter()
+        .filter(|r| {
+            !p.listeners
+                .iter()
+                .any(|l| l.starts_with(&format!("{}/", r.as_str())))
+        })
+        .map(|r| format!("{} ({})", r.as_str(), r.port()))
+        .collect()
+}
+
+/// The human form.
+pub fn render(e: &Explanation, agent_running: bool) -> String {
+    let mut out = String::new();
+    let mut line = |k: &str, v: String| {
+        let _ = writeln!(out, "{:<11} {v}", format!("{k}:"));
+    };
+    let verdict = match &e.verdict {
+        Verdict::FullyEnrolled => "fully enrolled: captured, acked by ztunnel, served by it".into(),
+        Verdict::NotServed => {
+            "captured and steering to ztunnel, which does not know the workload yet (not served)"
+                .into()
+        }
+        Verdict::WaitingForZtunnel { missing } if missing.is_empty() => {
+            "captured, waiting for ztunnel's ack: new connections fail closed".into()
+        }
+        Verdict::WaitingForZtunnel { missing } => format!(
+            "captured, waiting for ztunnel: new connections fail closed; missing listeners: {}",
+            missing.join(", ")
+        ),
+        Verdict::Draining => "capture being removed".into(),
+        Verdict::NotCaptured { reason } => format!("not captured: {reason}"),
+    };
+    line("verdict", verdict);
+    if let Some(err) = e.last_error {
+        line("retrying", err.to_owned());
+    }
+    let Some(p) = e.pod else {
+        return out;
+    };
+    let now = boottime_ns();
+    line("pod", status::pod_name(p));
+    line("uid", p.uid.clone());
+    if let Some(w) = &p.workload {
+        line("identity", format!("service account {}", w.service_account));
+    }
+    line(
+        "state",
+        format!(
+            "{} for {} (enrolled {} ago)",
+            p.state.unwrap_or("Unknown"),
+            status::age(p.changed_at_ns, now),
+            status::age(p.enrolled_at_ns, now)
+        ),
+    );
+    line("netns", format!("{} (cookie {})", p.netns, p.netns_cookie));
+    let addrs: Vec<String> = p.addresses.iter().map(ToString::to_string).collect();
+    line("addresses", or_none(addrs.join(" ")));
+    line(
+        "listeners",
+        format!(
+            "{} ({})",
+            status::listeners_summary(&p.listeners),
+            or_none(p.listeners.join(" "))
+        ),
+    );
+    line("links", status::links_summary(&p.links));
+    line(
+        "options",
+        format!(
+            "bypass-inbound-capture {}, reroute-virtual-interfaces {}, DNS {} (chosen by {})",
+            if p.bypass_inbound { "yes" } else { "no" },
+            or_none(p.reroute.join(",")),
+            p.dns.mode.as_str(),
+            serde_json::to_value(p.dns.choice)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_owned))
+                .unwrap_or_default()
+        ),
+    );
+    let c = &p.counters;
+    line(
+        "counters",
+        format!(
+            "inbound {}, hbone {}, outbound {}, bypassed {}, dropped (fail closed) {}, no socket {}",
+            c.captured_inbound,
+            c.captured_hbone,
+            c.captured_outbound,
+            c.bypassed,
+            c.dropped_fail_closed,
+            c.missing_socket
+        ),
+    );
+    let d = &p.dns;
+    line(
+        "dns",
+        format!(
+            "captured udp {}, tcp {}, passed through {}, answers restored {}, unmapped {}",
+            d.captured_udp, d.captured_tcp, d.passthrough, d.replies_restored, d.replies_unmapped
+        ),
+    );
+    if !agent_running {
+        line(
+            "agent",
+            "not answering: retries and selection unknown".into(),
+        );
+    }
+    out
+}
+
+fn or_none(s: String) -> String {
+    if s.is_empty() {
+        "none".into()
+    } else {
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::control::WaitingPod;
+
+    fn record(state: &'static str, listeners: &[&str]) -> PodRecord {
+        PodRecord {
+            uid: "u-cart".into(),
+            netns: "/run/netns/cart".into(),
+            workload: crate::workload::Workload::new("cart", "shop", "cart-sa").ok(),
+            netns_cookie: 7,
+            state: Some(state),
+            served: state == "Served",
+            generation: 1,
+            enrolled_at_ns: 0,
+            changed_at_ns: 0,
+            listeners: listeners.iter().map(|s| s.to_string()).collect(),
+            counters: Default::default(),
+            dns: crate::state::DnsView {
+                mode: crate::state::DnsMode::Off,
+                choice: Default::default(),
+                captured_udp: 0,
+                captured_tcp: 0,
+                passthrough: 0,
+                replies_restored: 0,
+                replies_unmapped: 0,
+            },
+            bypass_inbound: false,
+            reroute: vec![],
+            addresses: vec![],
+            links: vec![],
+        }
+    }
+
+    fn node(skipped: Vec<SkippedPod>, waiting: Vec<WaitingPod>) -> NodeStatus {
+        let mut n: NodeStatus = serde_json::from_value(serde_json::json!({
+            "condition_type": "t", "condition": null, "ztunnel_connected": false
+        }))
+        .unwrap();
+        n.skipped = skipped;
+        n.waiting = waiting;
+        n
+    }
+
+    #[test]
+    fn a_pod_is_found_by_name_or_uid_and_its_verdict_says_what_is_missing() {
+        let pods = [record("Pending", &["inbound/ipv4", "hbone/ipv6"])];
+        let agent = node(
+            vec![],
+            vec![WaitingPod {
+                uid: "u-cart".into(),
+                last_error: "ztunnel nacked add: no workload".into(),
+            }],
+        );
+        for q in ["shop/cart", "u-cart"] {
+            let e = explain(q, &pods, Some(&agent)).expect("found");
+            assert_eq!(
+                e.verdict,
+                Verdict::WaitingForZtunnel {
+                    missing: vec!["outbound (15001)".into()]
+                }
+            );
+            assert_eq!(e.last_error, Some("ztunnel nacked add: no workload"));
+            let text = render(&e, true);
+            assert!(
+                text.contains("missing listeners: outbound (15001)"),
+                "{text}"
+            );
+            assert!(text.contains("retrying:"), "{text}");
+        }
+        assert!(explain("shop/other", &pods, Some(&agent)).is_none());
+        assert!(explain("cart", &pods, None).is_none());
+        let served = [record("Served", &["inbound/ipv4"])];
+        assert_eq!(
+            explain("shop/cart", &served, None).unwrap().verdict,
+            Verdict::FullyEnrolled
+        );
+    }
+
+    #[test]
+    fn a_pod_the_agent_leaves_uncaptured_says_why() {
+        let agent = node(
+            vec![SkippedPod {
+                namespace: "shop".into(),
+                name: "plain".into(),
+                uid: "u-plain".into(),
+                reason: "pod is labelled istio.io/dataplane-mode=none".into(),
+            }],
+            vec![],
+        );
+        let e = explain("shop/plain", &[], Some(&agent)).expect("found");
+        let text = render(&e, true);
+        assert_eq!(
+            text.trim(),
+            "verdict:    not captured: pod is labelled istio.io/dataplane-mode=none"
+        );
+        let json = serde_json::to_value(&e).unwrap();
+        assert_eq!(json["verdict"], "not_captured");
+        assert_eq!(
+            json["reason"],
+            "pod is labelled istio.io/dataplane-mode=none"
+        );
+    }
+}
