@@ -77,6 +77,77 @@ pub struct Metrics {
     served_checks: Family<Labels, Counter>,
     served_fallbacks: Gauge,
     captured_late: Counter,
+    build_info: Family<Vec<(&'static str, String)>, Gauge>,
+    cni_requests: Family<Labels, Counter>,
+    cni_seconds: Family<Labels, Histogram>,
+    teardown_seconds: Histogram,
+    reconcile_errors: Family<Labels, Counter>,
+}
+
+/// A CNI command the plugin forwarded to the agent.
+#[derive(Debug, Clone, Copy)]
+pub enum CniCommand {
+    Add,
+    Del,
+    Check,
+}
+
+impl CniCommand {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Add => "ADD",
+            Self::Del => "DEL",
+            Self::Check => "CHECK",
+        }
+    }
+}
+
+/// How the agent answered a CNI request.
+#[derive(Debug, Clone, Copy)]
+pub enum CniResult {
+    /// Captured (ADD), released or nothing to do (DEL), in order (CHECK).
+    Ok,
+    /// Not captured on purpose (not ambient, excluded…): ADD only.
+    Skipped,
+    /// An error the plugin hands the runtime.
+    Error,
+}
+
+impl CniResult {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Ok => "ok",
+            Self::Skipped => "skipped",
+            Self::Error => "error",
+        }
+    }
+}
+
+/// Why a pass of the reconcile with the API did not do all it meant to.
+#[derive(Debug, Clone, Copy)]
+pub enum ReconcileError {
+    /// Listing pods or namespaces failed.
+    Api,
+    /// An ambient pod without capture has no process on the node yet.
+    NoProcess,
+    /// A pod annotation is malformed.
+    BadAnnotation,
+    /// Capturing a running pod failed.
+    Enroll,
+    /// Releasing a pod failed.
+    Unenroll,
+}
+
+impl ReconcileError {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Api => "api",
+            Self::NoProcess => "no_process",
+            Self::BadAnnotation => "bad_annotation",
+            Self::Enroll => "enroll",
+            Self::Unenroll => "unenroll",
+        }
+    }
 }
 
 impl Metrics {
@@ -96,6 +167,14 @@ impl Metrics {
             served_checks: Family::default(),
             served_fallbacks: Gauge::default(),
             captured_late: Counter::default(),
+            build_info: Family::default(),
+            cni_requests: Family::default(),
+            // 1 ms … ≈ 16 s.
+            cni_seconds: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.001, 2.0, 15))
+            }),
+            teardown_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 12)),
+            reconcile_errors: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -160,7 +239,35 @@ impl Metrics {
             "Running ambient pods captured by the API reconcile rather than at their CNI ADD (the plugin was not in the conflist when their sandbox was made, they were labelled later, or they ran before sluice)",
             m.captured_late.clone(),
         );
+        registry.register(
+            "build_info",
+            "1, labelled with the agent's version, the kernel release and the pinned dataplane's stamp",
+            m.build_info.clone(),
+        );
+        registry.register(
+            "cni_requests",
+            "CNI requests the plugin forwarded, by command (ADD, DEL, CHECK) and result (ok, skipped, error)",
+            m.cni_requests.clone(),
+        );
+        registry.register_with_unit(
+            "cni_request",
+            "Time the agent took to answer a CNI request, by command",
+            Unit::Seconds,
+            m.cni_seconds.clone(),
+        );
+        registry.register_with_unit(
+            "teardown",
+            "Time to remove a pod's capture (links, routes, map entries, pins)",
+            Unit::Seconds,
+            m.teardown_seconds.clone(),
+        );
+        registry.register(
+            "reconcile_errors",
+            "What a reconcile pass with the API could not do, by reason (api, no_process, bad_annotation, enroll, unenroll)",
+            m.reconcile_errors.clone(),
+        );
         registry.register_collector(Box::new(MapCollector(source)));
+        m.init_label_values();
         Self { registry, ..m }
     }
 
@@ -226,6 +333,81 @@ impl Metrics {
     }
 
     /// The exposition text.
+    /// Every label value a family can take starts at 0, so each series
+    /// exists from the first scrape (`rate()` and alerts see a 0, not an
+    /// absent series) and every family shows in /metrics.
+    fn init_label_values(&self) {
+        use CniCommand::*;
+        for f in [
+            Failure::Attach,
+            Failure::Nack,
+            Failure::Zds,
+            Failure::NoListeners,
+        ] {
+            let _ = self.failures.get_or_create(&vec![("reason", f.label())]);
+        }
+        for a in ["ack", "nack"] {
+            let _ = self.zds_answers.get_or_create(&vec![("answer", a)]);
+        }
+        for r in ["answered", "failed"] {
+            let _ = self.served_checks.get_or_create(&vec![("result", r)]);
+        }
+        for cmd in [Add, Del, Check] {
+            for result in [CniResult::Ok, CniResult::Skipped, CniResult::Error] {
+                let _ = self
+                    .cni_requests
+                    .get_or_create(&vec![("command", cmd.label()), ("result", result.label())]);
+            }
+            let _ = self
+                .cni_seconds
+                .get_or_create(&vec![("command", cmd.label())]);
+        }
+        for r in [
+            ReconcileError::Api,
+            ReconcileError::NoProcess,
+            ReconcileError::BadAnnotation,
+            ReconcileError::Enroll,
+            ReconcileError::Unenroll,
+        ] {
+            let _ = self
+                .reconcile_errors
+                .get_or_create(&vec![("reason", r.label())]);
+        }
+        // Every enrollment starts with this one.
+        let _ = self
+            .transitions
+            .get_or_create(&vec![("from", "none"), ("to", "Pending")]);
+    }
+
+    /// The agent's build, the kernel and the dataplane stamp (set once).
+    pub fn set_build_info(&self, kernel: &str, stamp: &str) {
+        self.build_info
+            .get_or_create(&vec![
+                ("version", env!("CARGO_PKG_VERSION").to_string()),
+                ("kernel", kernel.to_string()),
+                ("stamp", stamp.to_string()),
+            ])
+            .set(1);
+    }
+
+    pub fn cni_request(&self, cmd: CniCommand, result: CniResult, took: std::time::Duration) {
+        let labels = vec![("command", cmd.label()), ("result", result.label())];
+        self.cni_requests.get_or_create(&labels).inc();
+        self.cni_seconds
+            .get_or_create(&vec![("command", cmd.label())])
+            .observe(took.as_secs_f64());
+    }
+
+    pub fn torn_down(&self, took: std::time::Duration) {
+        self.teardown_seconds.observe(took.as_secs_f64());
+    }
+
+    pub fn reconcile_error(&self, why: ReconcileError) {
+        self.reconcile_errors
+            .get_or_create(&vec![("reason", why.label())])
+            .inc();
+    }
+
     pub fn render(&self) -> String {
         let mut out = String::new();
         encode(&mut out, &self.registry).expect("encoding to a String cannot fail");

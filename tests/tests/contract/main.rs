@@ -12,6 +12,7 @@ mod differential;
 mod dns;
 mod kube;
 mod lifecycle;
+mod metrics;
 mod options;
 mod probes;
 mod readiness;
@@ -48,5 +49,6 @@ fn main() {
     trials.extend(readiness::trials());
     trials.extend(served::trials());
     trials.extend(cycles::trials());
+    trials.extend(metrics::trials());
     libtest_mimic::run(&args, trials).exit();
 }

@@ -267,6 +267,8 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         client: k.client.clone(),
         node: k.node.clone(),
     });
+    let stamp =
+        crate::stamp::read(&dp.pins.maps()).map_or_else(|| "none".into(), |s| s.to_string());
     let node = node::Node::new(
         dp,
         hub.clone(),
@@ -275,6 +277,10 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         cfg.served.clone(),
         cfg.orphan_grace,
     );
+    let kernel = nix::sys::utsname::uname()
+        .map(|u| u.release().to_string_lossy().into_owned())
+        .unwrap_or_default();
+    node.report().metrics.set_build_info(&kernel, &stamp);
     // Before anything is served: every pod left by an earlier agent is
     // completely captured, or its teardown finished (crash safety).
     {

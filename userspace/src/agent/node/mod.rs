@@ -34,7 +34,7 @@ use crate::{
     kube::reconcile::{plan, Action, Enrolled},
     lifecycle::Transition,
     loader::Dataplane,
-    metrics::{self, Failure, Metrics},
+    metrics::{self, CniCommand, CniResult, Failure, Metrics, ReconcileError},
     netns::Netns,
     options::PodOptions,
     readiness::{self, PodView},
@@ -241,7 +241,7 @@ impl Node {
         &self.report
     }
 
-    fn metrics(&self) -> &Metrics {
+    pub(super) fn metrics(&self) -> &Metrics {
         &self.report.metrics
     }
 }

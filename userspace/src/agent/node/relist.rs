@@ -16,6 +16,7 @@ impl Node {
         let watching = tokio::spawn(async move { k.changed(tx).await });
         loop {
             if let Err(e) = self.reconcile_once(RECENT).await {
+                self.metrics().reconcile_error(ReconcileError::Api);
                 warn!(error = %crate::one_line(&e), "reconciling with the API failed; will retry");
             }
             tokio::select! {
@@ -95,6 +96,7 @@ impl Node {
                             .and_then(|u| k.recorded_netns(&u))
                             .or_else(|| crate::podns::find(&uid));
                         let Some(netns) = found else {
+                            self.metrics().reconcile_error(ReconcileError::NoProcess);
                             warn!("ambient pod without capture, but none of its processes runs here yet");
                             return;
                         };
@@ -103,6 +105,7 @@ impl Node {
                             Ok(o) => o,
                             Err(e) => {
                                 warn!(error = %e, "not capturing: bad pod annotation");
+                                self.metrics().reconcile_error(ReconcileError::BadAnnotation);
                                 return event(Reason::InvalidAnnotation, format!("not captured: {e}"));
                             }
                         };
@@ -115,6 +118,7 @@ impl Node {
                             Err(e) => {
                                 let e = crate::one_line(&e);
                                 warn!(error = %e, "enrolling failed; will retry");
+                                self.metrics().reconcile_error(ReconcileError::Enroll);
                                 event(Reason::CaptureFailed, format!("capturing the running pod failed (retried): {e}"));
                             }
                         }
@@ -143,6 +147,7 @@ impl Node {
                         );
                     }
                     if let Err(e) = self.unenroll(&uid).await {
+                        self.metrics().reconcile_error(ReconcileError::Unenroll);
                         warn!(%uid, error = %crate::one_line(&e), "unenrolling failed; will retry");
                     }
                 }

@@ -69,7 +69,8 @@ impl Node {
                 ips,
             } => {
                 let span = info_span!("cni_add", pod = %format!("{}/{}", pod.namespace, pod.name), container = %container_id);
-                async {
+                let started = Instant::now();
+                let r = async {
                     info!(?ips, netns = %netns.display(), "CNI ADD");
                     self.cni_add(&container_id, netns, &pod).await
                 }
@@ -77,7 +78,9 @@ impl Node {
                 .await
                 .unwrap_or_else(|e| Response::Error {
                     message: crate::one_line(&e),
-                })
+                });
+                self.count_cni(CniCommand::Add, &r, started);
+                r
             }
             Request::CniDel {
                 container_id,
@@ -85,12 +88,15 @@ impl Node {
                 pod,
             } => {
                 let span = info_span!("cni_del", pod = %format!("{}/{}", pod.namespace, pod.name), container = %container_id);
-                async { self.cni_del(&container_id, &netns, &pod).await }
+                let started = Instant::now();
+                let r = async { self.cni_del(&container_id, &netns, &pod).await }
                     .instrument(span)
                     .await
                     .unwrap_or_else(|e: anyhow::Error| Response::Error {
                         message: crate::one_line(&e),
-                    })
+                    });
+                self.count_cni(CniCommand::Del, &r, started);
+                r
             }
             Request::Status => {
                 // One lock: a second in the same expression would deadlock
@@ -113,13 +119,27 @@ impl Node {
                 })
             }
             Request::CniCheck { pod } => {
-                self.cni_check(&pod)
+                let started = Instant::now();
+                let r = self
+                    .cni_check(&pod)
                     .await
                     .unwrap_or_else(|e| Response::Error {
                         message: crate::one_line(&e),
-                    })
+                    });
+                self.count_cni(CniCommand::Check, &r, started);
+                r
             }
         }
+    }
+
+    /// Counts a CNI request by its answer.
+    fn count_cni(&self, cmd: CniCommand, r: &Response, started: Instant) {
+        let result = match r {
+            Response::Error { .. } => CniResult::Error,
+            Response::Skipped { .. } => CniResult::Skipped,
+            _ => CniResult::Ok,
+        };
+        self.metrics().cni_request(cmd, result, started.elapsed());
     }
 
     /// CNI DEL. Refused (the one DEL answer the plugin fails on) only when
@@ -392,6 +412,7 @@ impl Node {
         self.custody.forget(uid.as_str());
         let this = self.clone();
         let u = uid.clone();
+        let started = Instant::now();
         tokio::task::spawn_blocking(move || -> Result<(), EnrollError> {
             let uid = u;
             let mut guard = this.dp.lock().unwrap();
@@ -408,6 +429,7 @@ impl Node {
             Ok(())
         })
         .await??;
+        self.metrics().torn_down(started.elapsed());
         self.pods.remove(uid.as_str());
         info!("unenrolled");
         Ok(())
