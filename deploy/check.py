@@ -334,6 +334,8 @@ def check_full(objs):
     agent = container(ds, "agent")
     expect("full", agent["image"] == "registry.example/sluice:1.2.3", f"image {agent['image']}")
     expect("full", agent["readinessProbe"]["httpGet"].get("host") == "127.0.0.1", "probe host")
+    # Ready when the agent serves, whether or not ztunnel is there yet.
+    expect("full", agent["readinessProbe"]["httpGet"]["path"] == "/healthz", "readiness probe path")
     expect("full", agent["securityContext"]["privileged"] is True, "agent.privileged")
     vols = {x["name"]: x["hostPath"]["path"] for x in pod["volumes"]}
     expect("full", vols["ztunnel"] == "/var/run/ztunnel-test" and vols["run"] == "/run/sluice-test"

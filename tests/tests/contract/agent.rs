@@ -1699,7 +1699,9 @@ fn json_logs() -> TestResult {
                 if v["level"].as_str().is_none() || v["fields"]["message"].as_str().is_none() {
                     return Err(format!("no level or message: {line}"));
                 }
-                in_span |= v["span"]["uid"] == uid.as_str();
+                // The pod's span names it by uid and namespace/name.
+                in_span |= v["span"]["uid"] == uid.as_str()
+                    && v["span"]["pod"] == format!("ambient/{uid}").as_str();
             }
             in_span
                 .then_some(())

@@ -201,6 +201,14 @@ impl Node {
         }
     }
 
+    /// `namespace/name` of a pod the agent holds (`-` for one it does not),
+    /// for log spans.
+    pub(super) fn pod_name(&self, uid: &str) -> String {
+        self.pods
+            .workload(uid)
+            .map_or_else(|| "-".into(), |w| format!("{}/{}", w.namespace, w.name))
+    }
+
     /// Publishes a Kubernetes Event on an enrolled pod (nothing without the
     /// API, or for a pod the agent does not hold).
     pub(super) fn pod_event(&self, uid: &str, reason: crate::kube::events::Reason, note: &str) {
@@ -300,8 +308,17 @@ impl Node {
         let mut guard = self.dp.lock().unwrap();
         let dp = &mut *guard;
         for cookie in dp.maps.cookies() {
-            let uid = dp.maps.meta(cookie).map(|m| m.uid).unwrap_or_default();
-            let span = info_span!("pod", %uid, cookie);
+            let (uid, pod) = dp
+                .maps
+                .meta(cookie)
+                .map(|m| {
+                    (
+                        m.uid,
+                        format!("{}/{}", m.workload.namespace, m.workload.name),
+                    )
+                })
+                .unwrap_or_default();
+            let span = info_span!("pod", %uid, %pod, cookie);
             let _e = span.enter();
             match enroll::repair(dp, cookie, at_start) {
                 Ok(enroll::Repair::Complete) => {}

@@ -42,7 +42,7 @@ impl Node {
                 uid,
                 workload,
             } => {
-                let span = info_span!("pod", %uid, netns = %netns.display());
+                let span = info_span!("pod", %uid, pod = %format!("{}/{}", workload.namespace, workload.name), netns = %netns.display());
                 self.enroll(netns, &uid, workload, PodOptions::default())
                     .instrument(span)
                     .await
@@ -54,7 +54,7 @@ impl Node {
                 if let Some(refused) = self.unenroll_guard(&uid) {
                     return refused;
                 }
-                let span = info_span!("pod", %uid);
+                let span = info_span!("pod", %uid, pod = %self.pod_name(&uid));
                 match self.unenroll(&uid).instrument(span).await {
                     Ok(()) => Response::Unenrolled { uid },
                     Err(e) => Response::Error {

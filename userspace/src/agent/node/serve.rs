@@ -318,7 +318,7 @@ impl Node {
                         continue;
                     }
                 };
-                let span = info_span!("pod", uid = %c.uid, cookie = c.cookie);
+                let span = info_span!("pod", uid = %c.uid, pod = %self.pod_name(&c.uid), cookie = c.cookie);
                 let _e = span.enter();
                 let to = match (c.state, served) {
                     (PodState::Enabled, true) => PodState::Served,

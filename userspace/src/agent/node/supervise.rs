@@ -70,7 +70,7 @@ impl Node {
             for (cookie, uid, w) in due {
                 let this = self.clone();
                 let conn = conn.clone();
-                let span = info_span!("pod", %uid);
+                let span = info_span!("pod", %uid, pod = %format!("{}/{}", w.namespace, w.name));
                 tokio::spawn(
                     async move {
                         if let Err(why) = this.add(&conn, cookie, &uid, &w).await {
