@@ -199,6 +199,7 @@ FULL = {
         "untaint": ["cni.istio.io/not-ready", "example.com/startup"],
     },
     "metrics": {"port": 15031, "address": "127.0.0.1"},
+    "health": {"port": 15033},
     "logLevel": "debug,kube=info",
     "agent": {
         "privileged": True,
@@ -247,7 +248,7 @@ BAD = {
     "bpfRoot outside /sys/fs/bpf": {"bpfRoot": "/tmp/bpf"},
     "unknown platform": {"platform": "aks-classic"},
     "unknown enforcementMode": {"nodeReadinessRule": {"enabled": True, "enforcementMode": "sometimes"}},
-    "metrics.address off (the probes need the listener)": {"metrics": {"address": "off"}},
+    "metrics.address off (Prometheus scrapes the listener)": {"metrics": {"address": "off"}},
 }
 
 
@@ -321,6 +322,7 @@ def check_full(objs):
         "--untaint=cni.istio.io/not-ready",
         "--untaint=example.com/startup",
         "--metrics-addr=127.0.0.1:15031",
+        "--health-addr=127.0.0.1:15033",
         "--some-flag=x",
         "--node-netns=off",
         "--exclude-namespaces=kube-system,monitoring",
@@ -328,7 +330,7 @@ def check_full(objs):
     ]:
         expect("full", flag in a, f"agent args lack {flag}: {a}")
     w = args_of(ds, "watchdog")
-    for flag in ["--agent-addr=127.0.0.1:15031", "--interval=5s", "--failures=4",
+    for flag in ["--agent-addr=127.0.0.1:15033", "--interval=5s", "--failures=4",
                  f"--condition-type={v['readiness']['conditionType']}"]:
         expect("full", flag in w, f"watchdog args lack {flag}: {w}")
     agent = container(ds, "agent")
@@ -336,6 +338,8 @@ def check_full(objs):
     expect("full", agent["readinessProbe"]["httpGet"].get("host") == "127.0.0.1", "probe host")
     # Ready when the agent serves, whether or not ztunnel is there yet.
     expect("full", agent["readinessProbe"]["httpGet"]["path"] == "/healthz", "readiness probe path")
+    expect("full", agent["readinessProbe"]["httpGet"]["port"] == 15033
+           and agent["livenessProbe"]["httpGet"]["port"] == 15033, "probes on the health port")
     expect("full", agent["securityContext"]["privileged"] is True, "agent.privileged")
     vols = {x["name"]: x["hostPath"]["path"] for x in pod["volumes"]}
     expect("full", vols["ztunnel"] == "/var/run/ztunnel-test" and vols["run"] == "/run/sluice-test"

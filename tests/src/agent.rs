@@ -128,12 +128,12 @@ impl AgentProc {
             .arg("agent")
             .arg("--zds-socket")
             .arg(&self.zds)
-            // Tests run side by side: the admin listener only where asked for.
+            // Tests run side by side: the admin listeners only where asked for.
             .args(
-                (!self.extra.iter().any(|a| a == "--metrics-addr"))
-                    .then_some(["--metrics-addr", "off"])
+                ["--metrics-addr", "--health-addr"]
                     .into_iter()
-                    .flatten(),
+                    .filter(|flag| !self.extra.iter().any(|a| a == flag))
+                    .flat_map(|flag| [flag, "off"]),
             )
             .args(&self.extra)
             .envs(self.env.iter().map(|(k, v)| (k, v)))

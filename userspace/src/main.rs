@@ -5,7 +5,9 @@ use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
 use sluice::{
-    agent::{self, report::ReportConfig, DEFAULT_METRICS_ADDR, DEFAULT_ZDS_SOCKET},
+    agent::{
+        self, report::ReportConfig, DEFAULT_HEALTH_ADDR, DEFAULT_METRICS_ADDR, DEFAULT_ZDS_SOCKET,
+    },
     cni::install,
     control::{self, Request, Response, DEFAULT_CONTROL_SOCKET},
     enroll,
@@ -140,9 +142,15 @@ enum Cmd {
         cni: CniDirs,
         #[command(flatten)]
         readiness: ReadinessArgs,
-        /// Where /metrics, /healthz and /readyz are served ("off": nowhere).
+        /// Where /metrics, /healthz and /readyz are served for Prometheus
+        /// ("off": nowhere); at most 4 connections per peer address.
         #[arg(long, default_value = DEFAULT_METRICS_ADDR, env = "SLUICE_METRICS_ADDR")]
         metrics_addr: String,
+        /// Where the same are served for the node only — the kubelet's
+        /// probes and the watchdog — apart from the scrape listener any pod
+        /// of the node can reach ("off": nowhere).
+        #[arg(long, default_value = DEFAULT_HEALTH_ADDR, env = "SLUICE_HEALTH_ADDR")]
+        health_addr: String,
         /// Remove this taint from the node once the condition is True (for
         /// clusters without node-readiness-controller; repeatable). Never adds taints.
         #[arg(long = "untaint", value_name = "KEY")]
@@ -216,8 +224,8 @@ enum Cmd {
         /// This node's name.
         #[arg(long, env = "NODE_NAME")]
         node_name: String,
-        /// The agent's --metrics-addr.
-        #[arg(long, default_value = DEFAULT_METRICS_ADDR)]
+        /// The agent's --health-addr (or --metrics-addr).
+        #[arg(long, default_value = DEFAULT_HEALTH_ADDR)]
         agent_addr: SocketAddr,
         #[command(flatten)]
         readiness: ReadinessArgs,
@@ -457,6 +465,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             cni,
             readiness,
             metrics_addr,
+            health_addr,
             untaint,
             pending_grace,
             heartbeat,
@@ -492,6 +501,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     format!("--metrics-addr {a:?}: expected IP:PORT (e.g. {DEFAULT_METRICS_ADDR}) or off")
                 })?),
             };
+            let health_addr = match health_addr.as_str() {
+                "off" => None,
+                a => Some(a.parse::<SocketAddr>().with_context(|| {
+                    format!(
+                        "--health-addr {a:?}: expected IP:PORT (e.g. {DEFAULT_HEALTH_ADDR}) or off"
+                    )
+                })?),
+            };
             let cni = if install_cni {
                 let mut i = cni.install(&cli.control_socket)?;
                 i.exclude_namespaces = excluded.iter().cloned().collect();
@@ -513,6 +530,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     untaint,
                 },
                 metrics_addr,
+                health_addr,
                 served: agent::node::ServedConfig {
                     mode: served_check,
                     admin_port: ztunnel_admin_port,

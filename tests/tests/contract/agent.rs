@@ -1076,7 +1076,7 @@ fn crash_agent_at(agent: &AgentProc, f: &Fixture, step: &str, object: Option<&st
         .arg("agent")
         .arg("--zds-socket")
         .arg(agent.dir.join("crashing-zds.sock"))
-        .args(["--metrics-addr", "off"])
+        .args(["--metrics-addr", "off", "--health-addr", "off"])
         .env("SLUICE_CRASH_AT", step)
         .stderr(std::process::Stdio::null());
     if let Some(o) = object {

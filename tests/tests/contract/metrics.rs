@@ -22,10 +22,99 @@ use sluice_tests::{
 use crate::{trial, TestResult};
 
 pub fn trials() -> Vec<Trial> {
-    vec![trial(
-        "metrics::exported_names_match_the_readme_and_the_dashboard",
-        names_match,
-    )]
+    vec![
+        trial(
+            "metrics::exported_names_match_the_readme_and_the_dashboard",
+            names_match,
+        ),
+        trial(
+            "metrics::a_flood_on_the_scrape_port_leaves_the_probes_and_other_scrapers_alone",
+            flood,
+        ),
+    ]
+}
+
+/// GET `path` from `from` (a loopback address) to 127.0.0.1:`port`.
+fn get_from(from: std::net::Ipv4Addr, port: u16, path: &str) -> anyhow::Result<u16> {
+    use std::io::{Read as _, Write as _};
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+    s.bind(&std::net::SocketAddr::from((from, 0)).into())?;
+    s.connect(&std::net::SocketAddr::from(([127, 0, 0, 1], port)).into())?;
+    let mut s: std::net::TcpStream = s.into();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut resp = String::new();
+    s.read_to_string(&mut resp)?;
+    Ok(resp
+        .split_whitespace()
+        .nth(1)
+        .ok_or_else(|| anyhow::anyhow!("no status line: {resp:?}"))?
+        .parse()?)
+}
+
+/// A pod of the node floods the scrape port (the node IP: here 127.0.0.1)
+/// with connections that never send a request. The agent keeps at most
+/// PER_PEER of them and closes the rest; meanwhile the health listener the
+/// kubelet and the watchdog use answers, and another scraper is served.
+fn flood() -> TestResult {
+    const FLOOD: usize = 40;
+    let f = Fixture::new("flood", None)?;
+    let (scrape, health) = (free_port()?, free_port()?);
+    let agent = AgentProc::start_with(
+        &f.topo.pins,
+        &[
+            "--metrics-addr",
+            &format!("127.0.0.1:{scrape}"),
+            "--health-addr",
+            &format!("127.0.0.1:{health}"),
+        ],
+    )?;
+    let held: Vec<std::net::TcpStream> = (0..FLOOD)
+        .map(|_| std::net::TcpStream::connect(("127.0.0.1", scrape)))
+        .collect::<Result<_, _>>()?;
+    for s in &held {
+        s.set_nonblocking(true)?;
+    }
+    // The agent closes what is over the peer's share: those reads see EOF.
+    let closed = wait::until(
+        "the agent to close the flood's extra connections",
+        wait::DEADLINE,
+        || {
+            let closed = held
+                .iter()
+                .filter(|s| {
+                    let mut s: &std::net::TcpStream = s;
+                    matches!(std::io::Read::read(&mut s, &mut [0u8; 1]), Ok(0))
+                })
+                .count();
+            if closed >= FLOOD - sluice::agent::admin::PER_PEER {
+                Ok(closed)
+            } else {
+                Err(closed)
+            }
+        },
+    )?;
+    println!("{closed} of {FLOOD} flood connections closed by the agent");
+    // While the flood holds its share: the probes' listener answers (the
+    // watchdog's own probe too), and another peer's scrape is served.
+    ensure!(http_get(health, "/healthz")?.0 == 200, "healthz");
+    let rt = tokio::runtime::Runtime::new()?;
+    let probe = rt.block_on(sluice::watchdog::probe(
+        ([127, 0, 0, 1], health).into(),
+        std::time::Duration::from_secs(2),
+    ));
+    ensure!(
+        matches!(probe, sluice::watchdog::Probe::Answered(_)),
+        "the watchdog's probe: {probe:?}\n{}",
+        agent.log()
+    );
+    let code = get_from(std::net::Ipv4Addr::new(127, 0, 0, 2), scrape, "/metrics")?;
+    ensure!(code == 200, "a second scraper got {code}");
+    drop(held);
+    Ok(())
 }
 
 /// `sluice_…` names in `text`, with the suffixes a sample or a query adds

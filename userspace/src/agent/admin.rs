@@ -1,9 +1,15 @@
-//! The admin listener (`--metrics-addr`): `/metrics` (Prometheus text),
-//! `/healthz` (the agent serves and its readiness loop runs) and `/readyz`
-//! (the node condition is True and fresh; 503 with the reason otherwise).
-//! Plain HTTP/1.1, GET only. It may listen on the node's IP (the kubelet
-//! probes it there), so it says no pod names, bounds its connections and
-//! drops clients that do not send their request.
+//! The admin listeners: `/metrics` (Prometheus text), `/healthz` (the agent
+//! serves and its readiness loop runs) and `/readyz` (the node condition is
+//! True and fresh; 503 with the reason otherwise), on two addresses:
+//! - `--health-addr` (127.0.0.1): for the kubelet's probes and the watchdog,
+//!   which only the node reaches;
+//! - `--metrics-addr` (the node's IP): for Prometheus, where any pod of the
+//!   node can connect, so each peer address gets at most [`PER_PEER`]
+//!   connections: a pod flooding it cannot take the slots Prometheus needs,
+//!   and cannot touch the health listener at all.
+//!
+//! Plain HTTP/1.1, GET only. They say no pod names, bound their connections
+//! and drop clients that do not send their request.
 
 use std::{convert::Infallible, net::SocketAddr, sync::Arc, time::Duration};
 
@@ -21,6 +27,18 @@ use super::report::{Report, STALE};
 
 /// Connections served at once; more wait in the listen backlog.
 const MAX_CONNECTIONS: usize = 32;
+/// Connections one peer address may hold at once on the scrape listener;
+/// more are closed at once.
+pub const PER_PEER: usize = 4;
+
+/// Who connects to a listener.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Audience {
+    /// The node only (127.0.0.1): the kubelet's probes, the watchdog.
+    Node,
+    /// Anyone who reaches the node's IP: bounded per peer.
+    Scrapers,
+}
 const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
 /// `/healthz` fails when the readiness loop has not run for this long (the
 /// kubelet then restarts the agent).
@@ -32,18 +50,25 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     TcpListener::bind(addr).await
 }
 
-pub async fn serve(listener: TcpListener, report: Arc<Report>, mut stop: watch::Receiver<bool>) {
+pub async fn serve(
+    listener: TcpListener,
+    report: Arc<Report>,
+    mut stop: watch::Receiver<bool>,
+    audience: Audience,
+) {
     if let Ok(a) = listener.local_addr() {
-        info!(addr = %a, "admin listener: /metrics /healthz /readyz");
+        info!(addr = %a, ?audience, "admin listener: /metrics /healthz /readyz");
     }
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let peers: Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>> =
+        Arc::default();
     let mut errors = crate::accept_errors::AcceptErrors::default();
     loop {
         let permit = tokio::select! {
             _ = stop.changed() => return,
             p = slots.clone().acquire_owned() => p.expect("the semaphore is never closed"),
         };
-        let (stream, _) = tokio::select! {
+        let (stream, peer) = tokio::select! {
             _ = stop.changed() => return,
             r = listener.accept() => match r {
                 Ok(s) => {
@@ -57,7 +82,19 @@ pub async fn serve(listener: TcpListener, report: Arc<Report>, mut stop: watch::
                 }
             },
         };
+        let peer = peer.ip();
+        if audience == Audience::Scrapers {
+            let mut held = peers.lock().unwrap();
+            let n = held.entry(peer).or_default();
+            if *n >= PER_PEER {
+                // Closed unanswered: this peer holds its share already.
+                drop(stream);
+                continue;
+            }
+            *n += 1;
+        }
         let report = report.clone();
+        let peers = peers.clone();
         tokio::spawn(async move {
             let svc = service_fn(move |req| {
                 let report = report.clone();
@@ -69,6 +106,15 @@ pub async fn serve(listener: TcpListener, report: Arc<Report>, mut stop: watch::
                 .keep_alive(false)
                 .serve_connection(TokioIo::new(stream), svc)
                 .await;
+            if audience == Audience::Scrapers {
+                let mut held = peers.lock().unwrap();
+                if let Some(n) = held.get_mut(&peer) {
+                    *n -= 1;
+                    if *n == 0 {
+                        held.remove(&peer);
+                    }
+                }
+            }
             drop(permit);
         });
     }

@@ -27,6 +27,8 @@ use crate::{
 
 pub const DEFAULT_ZDS_SOCKET: &str = "/var/run/ztunnel/ztunnel.sock";
 pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:15030";
+/// The node-only health listener's default (`--health-addr`).
+pub const DEFAULT_HEALTH_ADDR: &str = "127.0.0.1:15032";
 
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -42,6 +44,9 @@ pub struct Config {
     pub report: report::ReportConfig,
     /// Where /metrics, /healthz and /readyz are served (`None`: not served).
     pub metrics_addr: Option<SocketAddr>,
+    /// The node-only health listener (`--health-addr`), for the kubelet's
+    /// probes and the watchdog.
+    pub health_addr: Option<SocketAddr>,
     /// How pods are found served by ztunnel.
     pub served: node::ServedConfig,
     /// How long the listeners of a ztunnel that died keep connections queued
@@ -195,16 +200,18 @@ async fn hold_incompatible(cfg: Config, why: String) -> anyhow::Result<()> {
         }
     }
     let (stop_tx, stop) = watch::channel(false);
-    let admin_task = match cfg.metrics_addr {
-        Some(a) => Some(tokio::spawn(admin::serve(
-            admin::bind(a)
-                .await
-                .with_context(|| format!("binding the metrics address {a}"))?,
+    let mut admin_tasks = Vec::new();
+    for (addr, audience) in admin_addrs(&cfg) {
+        let l = admin::bind(addr)
+            .await
+            .with_context(|| format!("binding the admin address {addr}"))?;
+        admin_tasks.push(tokio::spawn(admin::serve(
+            l,
             report.clone(),
-            stop,
-        ))),
-        None => None,
-    };
+            stop.clone(),
+            audience,
+        )));
+    }
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     loop {
         tokio::select! {
@@ -215,7 +222,7 @@ async fn hold_incompatible(cfg: Config, why: String) -> anyhow::Result<()> {
         }
     }
     let _ = stop_tx.send(true);
-    if let Some(t) = admin_task {
+    for t in admin_tasks {
         let _ = t.await;
     }
     Ok(())
@@ -289,14 +296,13 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
             .await
             .context("verifying the pods' capture")?;
     }
-    let admin = match cfg.metrics_addr {
-        Some(a) => Some(
-            admin::bind(a)
-                .await
-                .with_context(|| format!("binding the metrics address {a}"))?,
-        ),
-        None => None,
-    };
+    let mut admin = Vec::new();
+    for (addr, audience) in admin_addrs(&cfg) {
+        let l = admin::bind(addr)
+            .await
+            .with_context(|| format!("binding the admin address {addr}"))?;
+        admin.push((l, audience));
+    }
     let zds = server::bind(&cfg.zds_socket)
         .with_context(|| format!("binding the ZDS socket {}", cfg.zds_socket.display()))?;
     let control = control_socket::bind(&cfg.control_socket).with_context(|| {
@@ -346,8 +352,17 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         api,
         report_stop,
     ));
-    let admin_task =
-        admin.map(|l| tokio::spawn(admin::serve(l, node.report().clone(), listen_stop.clone())));
+    let admin_tasks: Vec<_> = admin
+        .into_iter()
+        .map(|(l, audience)| {
+            tokio::spawn(admin::serve(
+                l,
+                node.report().clone(),
+                listen_stop.clone(),
+                audience,
+            ))
+        })
+        .collect();
     let api_task = tokio::spawn(node.clone().reconcile_with_api(stop.clone()));
     // Removing the plugin is not part of stopping: pods must keep going
     // through it while the agent restarts (see `sluice uninstall-cni`).
@@ -410,7 +425,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     }
     let _ = listen_stop_tx.send(true);
     let _ = control_task.await;
-    if let Some(t) = admin_task {
+    for t in admin_tasks {
         let _ = t.await;
     }
     match node.uninstall_state() {
@@ -418,4 +433,17 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         u => info!(uninstall = %u, "agent stopped"),
     }
     Ok(())
+}
+
+/// The admin listeners to bind: the health one (node only) and the scrape
+/// one (bounded per peer); the same address for both binds it once.
+fn admin_addrs(cfg: &Config) -> Vec<(SocketAddr, admin::Audience)> {
+    let mut out = Vec::new();
+    if let Some(h) = cfg.health_addr {
+        out.push((h, admin::Audience::Node));
+    }
+    if let Some(m) = cfg.metrics_addr.filter(|m| Some(*m) != cfg.health_addr) {
+        out.push((m, admin::Audience::Scrapers));
+    }
+    out
 }

@@ -31,7 +31,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{/* ADDRESS:PORT of the agent's metrics/admin listener; $(HOST_IP) is expanded by the kubelet. */}}
 {{- define "sluice.metricsAddr" -}}
 {{- if eq (toString .Values.metrics.address) "off" -}}
-{{- fail "metrics.address cannot be off: the probes and the watchdog use the admin listener" -}}
+{{- fail "metrics.address cannot be off: set metrics.port to move it (Prometheus scrapes it)" -}}
 {{- end -}}
 {{- printf "%s:%v" (default "$(HOST_IP)" .Values.metrics.address) .Values.metrics.port -}}
 {{- end -}}
