@@ -153,6 +153,23 @@ fn recording_api(seen: Seen) -> kube::Client {
     kube::Client::new(svc, "default")
 }
 
+/// Waits until every (resource, verb) in `want` has been requested.
+async fn wait_seen(seen: &Seen, what: &str, want: &[(&str, &str)]) {
+    sluice_tests::wait::until_async(what, sluice_tests::wait::DEADLINE, || {
+        let s = seen.lock().unwrap().clone();
+        let all = want
+            .iter()
+            .all(|(r, v)| s.contains(&(r.to_string(), v.to_string())));
+        if all {
+            Ok(())
+        } else {
+            Err(s)
+        }
+    })
+    .await
+    .unwrap();
+}
+
 #[tokio::test]
 async fn rbac_grants_exactly_what_the_agent_and_watchdog_use() {
     let seen: Seen = Arc::default();
@@ -232,46 +249,25 @@ async fn rbac_grants_exactly_what_the_agent_and_watchdog_use() {
             "no ztunnel",
         );
     }
-    let want_events = [
-        ("events.k8s.io/events".to_string(), "create".to_string()),
-        ("events.k8s.io/events".into(), "patch".into()),
-    ];
-    sluice_tests::wait::until_async(
+    wait_seen(
+        &seen,
         "the event's create and its repeat's patch",
-        sluice_tests::wait::DEADLINE,
-        || {
-            let s = seen.lock().unwrap().clone();
-            if want_events.iter().all(|w| s.contains(w)) {
-                Ok(())
-            } else {
-                Err(s)
-            }
-        },
+        &[
+            ("events.k8s.io/events", "create"),
+            ("events.k8s.io/events", "patch"),
+        ],
     )
-    .await
-    .unwrap();
+    .await;
     k.observe().await.unwrap();
     // The pod and namespace watches: list, then watch.
     let (tx, _rx) = tokio::sync::mpsc::channel(8);
     let watching = tokio::spawn(async move { k.changed(tx).await });
-    let want_watches = [
-        ("pods".to_string(), "watch".to_string()),
-        ("namespaces".into(), "watch".into()),
-    ];
-    sluice_tests::wait::until_async(
+    wait_seen(
+        &seen,
         "the pod and namespace watches",
-        sluice_tests::wait::DEADLINE,
-        || {
-            let s = seen.lock().unwrap().clone();
-            if want_watches.iter().all(|w| s.contains(w)) {
-                Ok(())
-            } else {
-                Err(s)
-            }
-        },
+        &[("pods", "watch"), ("namespaces", "watch")],
     )
-    .await
-    .unwrap();
+    .await;
     watching.abort();
 
     let seen = seen.lock().unwrap().clone();
