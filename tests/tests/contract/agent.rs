@@ -43,6 +43,10 @@ pub fn trials() -> Vec<Trial> {
             happy_path,
         ),
         trial(
+            "agent::ztunnel_gone_mid_add_leaves_the_pod_retried_for_the_next_one",
+            gone_mid_add,
+        ),
+        trial(
             "agent::logs_are_json_lines_with_the_pods_span_off_a_terminal",
             json_logs,
         ),
@@ -582,6 +586,67 @@ fn upgrade_old_gone_first() -> TestResult {
         &old,
         &new,
     )
+}
+
+/// A ztunnel that dies between the agent's add and its answer: the pod is
+/// not left "in flight" with the dead connection. It stays Pending (fail
+/// closed) and the next ztunnel's snapshot takes it to steering, with its
+/// listeners owned by that ztunnel.
+fn gone_mid_add() -> TestResult {
+    let f = Fixture::new("gma", None)?;
+    let agent = AgentProc::start(&f.topo.pins)?;
+    let never = agent.dir.join("never");
+    let never_arg = never.to_str().context("path")?.to_owned();
+    let mut first = peer_with(&agent, &["--hold-acks-until", &never_arg])?;
+    let enrolling = {
+        let (netns, uid) = (f.topo.pod_netns_path(), f.uid.as_str().to_owned());
+        let (bin, root, control) = (
+            sluice_tests::harness::sluice_bin(),
+            agent.root.clone(),
+            agent.control.clone(),
+        );
+        std::thread::spawn(move || {
+            std::process::Command::new(bin)
+                .arg("--bpf-root")
+                .arg(root)
+                .arg("--control-socket")
+                .arg(control)
+                .args(["enroll", "--netns", netns.to_str().unwrap(), "--uid", &uid])
+                .output()
+        })
+    };
+    first.wait_for("the first ztunnel to get the add", |e| {
+        e.iter().any(|e| e["event"] == "listening")
+    })?;
+    first.kill();
+    let out = enrolling
+        .join()
+        .map_err(|_| anyhow::anyhow!("enroll thread panicked"))??;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        stdout.contains("Pending"),
+        "{stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(state(&f) == Some("Pending"), "{:?}", state(&f));
+    let second = peer(&agent)?;
+    wait_owns_pod(&agent, &second)?;
+    wait::until(
+        "the pod steering through the second ztunnel",
+        wait::DEADLINE,
+        || match state(&f) {
+            Some("Enabled" | "Served") => Ok(()),
+            other => Err(other),
+        },
+    )?;
+    ensure!(
+        inbound(&f).reply().is_some(),
+        "not captured after the second ztunnel"
+    );
+    second.wait_for("the second ztunnel to take the connection", |_| {
+        second.accepted_roles(&["inbound"])
+    })?;
+    Ok(())
 }
 
 fn wait_owns_pod(agent: &AgentProc, z: &PeerProc) -> TestResult {
