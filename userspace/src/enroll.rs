@@ -92,20 +92,30 @@ pub fn enroll_with(
     workload: &Workload,
     options: &PodOptions,
 ) -> Result<Enrolled, EnrollError> {
-    let (netns, cookie) = attach_pod(dp, netns_path, uid, workload, options)?;
-    register(&mut dp.maps, &netns, cookie, None)
+    let a = attach_pod(dp, netns_path, uid, workload, options)?;
+    register(&mut dp.maps, &a.netns, a.cookie, None)
+}
+
+/// A pod whose capture was just attached (`Pending`).
+pub struct Attached {
+    pub netns: Netns,
+    pub cookie: u64,
+    /// The iptables tools whose istio-cni in-pod rules were removed (empty:
+    /// the pod was not istio-cni's).
+    pub took_over: Vec<&'static str>,
 }
 
 /// Attaches capture to a pod netns and records the pod as `Pending`: from its
 /// first link on, its new connections fail closed until listeners are
-/// registered. Returns the open netns and its cookie.
+/// registered. Returns the open netns, its cookie, and whether it was taken
+/// over from istio-cni.
 pub fn attach_pod(
     dp: &mut Dataplane,
     netns_path: &Path,
     uid: &PodUid,
     workload: &Workload,
     options: &PodOptions,
-) -> Result<(Netns, u64), EnrollError> {
+) -> Result<Attached, EnrollError> {
     let path = netns_path
         .to_str()
         .filter(|p| p.len() < NETNS_PATH_LEN)
@@ -143,15 +153,21 @@ pub fn attach_pod(
             crate::migrate::remove_istio_rules(&netns, &tools)?;
             tracing::info!(%uid, ?tools, "took the pod over from istio-cni: its in-pod iptables rules are removed");
         }
-        Ok(())
+        Ok(tools)
     });
-    if let Err(e) = takeover {
-        // Both rule sets at once would misroute outbound traffic: back out
-        // and leave the pod to Istio's rules, with the reason.
-        let _ = teardown(&dp.pins, &mut dp.maps, Some(&netns), cookie);
-        return Err(e.into());
+    match takeover {
+        Ok(took_over) => Ok(Attached {
+            netns,
+            cookie,
+            took_over,
+        }),
+        Err(e) => {
+            // Both rule sets at once would misroute outbound traffic: back
+            // out and leave the pod to Istio's rules, with the reason.
+            let _ = teardown(&dp.pins, &mut dp.maps, Some(&netns), cookie);
+            Err(e.into())
+        }
     }
-    Ok((netns, cookie))
 }
 
 /// One link of a pod: what it attaches and its pin name under

@@ -150,6 +150,8 @@ fn api(
 
 fn admitted() -> TestResult {
     let f = Fixture::new("kube", None)?;
+    // istio-cni had captured the pod: sluice takes it over (and says so).
+    sluice_tests::istio::apply(&f.topo.pod)?;
     let records = std::env::temp_dir().join(format!("sluice-cni-records-{}", std::process::id()));
     let result = admitted_with(&f, &records);
     let _ = std::fs::remove_dir_all(&records);
@@ -184,17 +186,24 @@ fn admitted_with(f: &Fixture, records: &std::path::Path) -> TestResult {
             rec.dns.mode == sluice::state::DnsMode::Off && rec.dns.choice == sluice::options::DnsChoice::Off,
             "dns-capture: \"false\" not applied: {rec:?}"
         );
-        // No ztunnel is connected: a Warning on the pod says so.
-        wait::until_async("a ZtunnelNotConnected event on shop/cart", wait::DEADLINE, || {
+        // No ztunnel is connected: a Warning on the pod says so; and the
+        // take-over from istio-cni is recorded.
+        wait::until_async("ZtunnelNotConnected and TookOverFromIstioCni events on shop/cart", wait::DEADLINE, || {
             let seen = events.lock().unwrap().clone();
-            let found = seen.iter().any(|e| {
-                e["reason"] == "ZtunnelNotConnected"
-                    && e["type"] == "Warning"
-                    && e["regarding"]["name"] == "cart"
-                    && e["regarding"]["uid"] == "u-cart"
-                    && e["reportingController"] == sluice::kube::events::CONTROLLER
-            });
-            if found { Ok(()) } else { Err(seen) }
+            let has = |reason: &str, kind: &str| {
+                seen.iter().any(|e| {
+                    e["reason"] == reason
+                        && e["type"] == kind
+                        && e["regarding"]["name"] == "cart"
+                        && e["regarding"]["uid"] == "u-cart"
+                        && e["reportingController"] == sluice::kube::events::CONTROLLER
+                })
+            };
+            if has("ZtunnelNotConnected", "Warning") && has("TookOverFromIstioCni", "Normal") {
+                Ok(())
+            } else {
+                Err(seen)
+            }
         })
         .await?;
         wait_patch(&patches, 2).await?;

@@ -41,6 +41,9 @@ pub enum Reason {
     CaptureRepaired,
     /// The pod's capture was removed (no longer ambient, gone).
     CaptureReleased,
+    /// The pod carried istio-cni's in-pod rules: sluice captures it now and
+    /// removed them.
+    TookOverFromIstioCni,
 }
 
 impl Reason {
@@ -53,11 +56,15 @@ impl Reason {
             Self::InvalidAnnotation => "InvalidAnnotation",
             Self::CaptureRepaired => "CaptureRepaired",
             Self::CaptureReleased => "CaptureReleased",
+            Self::TookOverFromIstioCni => "TookOverFromIstioCni",
         }
     }
 
     pub const fn warning(self) -> bool {
-        !matches!(self, Self::CaptureRepaired | Self::CaptureReleased)
+        !matches!(
+            self,
+            Self::CaptureRepaired | Self::CaptureReleased | Self::TookOverFromIstioCni
+        )
     }
 
     /// What the agent was doing (`action`).
@@ -66,7 +73,7 @@ impl Reason {
             Self::ZtunnelNotConnected | Self::ZtunnelRejected | Self::ZtunnelListenersMissing => {
                 "HandToZtunnel"
             }
-            Self::CaptureFailed | Self::InvalidAnnotation => "Capture",
+            Self::CaptureFailed | Self::InvalidAnnotation | Self::TookOverFromIstioCni => "Capture",
             Self::CaptureRepaired => "Verify",
             Self::CaptureReleased => "Release",
         }

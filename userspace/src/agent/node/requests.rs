@@ -343,21 +343,33 @@ impl Node {
         let this = self.clone();
         let (w, u) = (workload.clone(), uid.clone());
         let started = Instant::now();
-        let attached = tokio::task::spawn_blocking(move || -> Result<u64, EnrollError> {
+        let attached = tokio::task::spawn_blocking(move || -> Result<_, EnrollError> {
             let mut dp = this.dp.lock().unwrap();
-            let (ns, cookie) = enroll::attach_pod(&mut dp, &netns, &u, &w, &options)?;
+            let a = enroll::attach_pod(&mut dp, &netns, &u, &w, &options)?;
             // The netns stays open from here on: adds and registrations use it.
-            if let Some(meta) = dp.maps.meta(cookie) {
-                this.pods.insert(cookie, meta, Some(ns));
+            if let Some(meta) = dp.maps.meta(a.cookie) {
+                this.pods.insert(a.cookie, meta, Some(a.netns));
             }
             // Its first add goes out below: the supervision pass (which
             // needs the dataplane, held here) must not send another.
             this.pods.attempting(u.as_str());
-            Ok(cookie)
+            Ok((a.cookie, a.took_over))
         })
         .await?;
         let cookie = match attached {
-            Ok(c) => c,
+            Ok((c, took_over)) => {
+                if !took_over.is_empty() {
+                    self.pod_event(
+                        uid.as_str(),
+                        crate::kube::events::Reason::TookOverFromIstioCni,
+                        &format!(
+                            "captured by sluice; istio-cni's in-pod rules removed ({})",
+                            took_over.join(", ")
+                        ),
+                    );
+                }
+                c
+            }
             Err(e) => {
                 self.metrics().failed(Failure::Attach);
                 return Err(e.into());
