@@ -201,6 +201,11 @@ impl ListenerKey {
             _pad: [0; 6],
         }
     }
+
+    /// A key of ztunnel's DNS proxy sockets (the `dns_listeners` map).
+    pub const fn is_dns(&self) -> bool {
+        self.role == Role::DnsTcp as u8 || self.role == Role::DnsUdp as u8
+    }
 }
 
 /// Key of the pod-address map: one of a pod's addresses. Ingress packets
@@ -353,6 +358,21 @@ pub struct DnsFlowKey {
     /// The DNS message id (host byte order).
     pub id: u16,
     pub _pad2: [u8; 2],
+}
+
+impl DnsFlowKey {
+    /// The query from (or the answer to) `addr:port` of `family` with DNS
+    /// message id `id`.
+    pub const fn new(family: u8, addr: [u32; 4], port: u16, id: u16) -> Self {
+        Self {
+            pod_addr: addr,
+            family,
+            _pad: 0,
+            pod_port: port,
+            id,
+            _pad2: [0; 2],
+        }
+    }
 }
 
 /// Value of the DNS flow map: where the query was addressed, so that the

@@ -68,14 +68,7 @@ pub fn egress_udp(ctx: &TcContext, u: &Udp) -> i32 {
     let Some(id) = dns_id(ctx, u) else {
         return TC_ACT_OK;
     };
-    let key = DnsFlowKey {
-        pod_addr: u.saddr,
-        family: u.family,
-        _pad: 0,
-        pod_port: u.sport,
-        id,
-        _pad2: [0; 2],
-    };
+    let key = DnsFlowKey::new(u.family, u.saddr, u.sport, id);
     let flow = DnsFlow {
         resolver_addr: u.daddr,
         netns_cookie: cookie,
@@ -117,14 +110,8 @@ pub fn restore_answer(ctx: &TcContext, u: &Udp) -> i32 {
     let Some(id) = dns_id(ctx, u) else {
         return TC_ACT_OK;
     };
-    let key = DnsFlowKey {
-        pod_addr: u.daddr,
-        family: u.family,
-        _pad: 0,
-        pod_port: u.dport,
-        id,
-        _pad2: [0; 2],
-    };
+    // The answer goes to the querying socket: the query's source.
+    let key = DnsFlowKey::new(u.family, u.daddr, u.dport, id);
     let Some(flow) = (unsafe { DNS_FLOWS.get(key) }).copied() else {
         if let Some(cookie) = pod_of(u.family, &u.daddr) {
             count_dns(cookie, |c: &mut DnsCounters| &mut c.replies_unmapped);

@@ -95,24 +95,23 @@ pub static DNS_COUNTERS: PerCpuHashMap<u64, DnsCounters> = PerCpuHashMap::pinned
 /// Adds one to a pod's DNS counter, creating the entry on first use.
 #[inline(always)]
 pub fn count_dns(cookie: u64, field: impl Fn(&mut DnsCounters) -> &mut u64) {
-    if let Some(c) = DNS_COUNTERS.get_ptr_mut(cookie) {
-        unsafe { *field(&mut *c) += 1 };
-    } else {
-        let mut c = DnsCounters::default();
-        *field(&mut c) = 1;
-        let _ = DNS_COUNTERS.insert(cookie, c, 0);
-    }
+    bump(&DNS_COUNTERS, cookie, field)
 }
 
 /// Adds one to a pod's counter, creating the entry on first use.
 #[inline(always)]
 pub fn count(cookie: u64, field: impl Fn(&mut Counters) -> &mut u64) {
-    if let Some(c) = COUNTERS.get_ptr_mut(cookie) {
+    bump(&COUNTERS, cookie, field)
+}
+
+#[inline(always)]
+fn bump<T: Default>(map: &PerCpuHashMap<u64, T>, cookie: u64, field: impl Fn(&mut T) -> &mut u64) {
+    if let Some(c) = map.get_ptr_mut(cookie) {
         // Per-CPU value: no other writer, a plain add is enough.
         unsafe { *field(&mut *c) += 1 };
     } else {
-        let mut c = Counters::default();
+        let mut c = T::default();
         *field(&mut c) = 1;
-        let _ = COUNTERS.insert(cookie, c, 0);
+        let _ = map.insert(cookie, c, 0);
     }
 }

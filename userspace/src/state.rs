@@ -16,7 +16,7 @@ use sluice_common::{
 
 use crate::{
     lifecycle::{self, IllegalTransition, Observer, Transition},
-    options::PodOptions,
+    options::{DnsChoice, PodOptions},
     uid::PodUid,
     workload::Workload,
 };
@@ -109,7 +109,7 @@ pub struct DnsView {
     pub mode: DnsMode,
     /// Who decided: `node-default` (`--dns-capture`), or the pod's
     /// annotations (`on`, `off`).
-    pub choice: crate::options::DnsChoice,
+    pub choice: DnsChoice,
     pub captured_udp: u64,
     pub captured_tcp: u64,
     pub passthrough: u64,
@@ -382,8 +382,7 @@ impl Maps {
         key: ListenerKey,
         fd: &impl std::os::fd::AsRawFd,
     ) -> Result<(), StateError> {
-        let dns = matches!(key.role, r if r == Role::DnsTcp as u8 || r == Role::DnsUdp as u8);
-        if !dns {
+        if !key.is_dns() {
             return self
                 .listeners
                 .insert(key, fd.as_raw_fd(), 0)
@@ -413,9 +412,10 @@ impl Maps {
         }
     }
 
-    /// Whether the pod's DNS proxy has a socket registered (any family).
-    pub fn has_dns_listener(&self, cookie: u64) -> bool {
-        self.dns_listener_keys().any(|k| k.netns_cookie == cookie)
+    /// The pods whose DNS proxy has a socket registered (any family), in
+    /// one walk of the socket map.
+    pub fn pods_with_dns_listener(&self) -> std::collections::HashSet<u64> {
+        self.dns_listener_keys().map(|k| k.netns_cookie).collect()
     }
 
     fn dns_listener_keys(&self) -> impl Iterator<Item = ListenerKey> + '_ {
@@ -434,17 +434,22 @@ impl Maps {
         sum
     }
 
-    /// A pod's DNS capture as `status` reports it.
-    pub fn dns_view(&self, cookie: u64, has_proxy: bool) -> DnsView {
-        let c = self.dns_counters(cookie);
-        let mode = match (self.dns_on(cookie), has_proxy) {
+    /// A pod's DNS mode: whether the programs capture its DNS (its
+    /// `pod_flags` bit) and whether its proxy has a socket to send it to.
+    pub fn dns_mode(&self, cookie: u64, has_proxy: bool) -> DnsMode {
+        match (self.dns_on(cookie), has_proxy) {
             (false, _) => DnsMode::Off,
             (true, true) => DnsMode::Captured,
             (true, false) => DnsMode::PassThrough,
-        };
+        }
+    }
+
+    /// A pod's DNS capture as `status` reports it; `choice` from its options.
+    fn dns_view(&self, cookie: u64, has_proxy: bool, choice: DnsChoice) -> DnsView {
+        let c = self.dns_counters(cookie);
         DnsView {
-            mode,
-            choice: self.options(cookie).dns,
+            mode: self.dns_mode(cookie, has_proxy),
+            choice,
             captured_udp: c.captured_udp,
             captured_tcp: c.captured_tcp,
             passthrough: c.passthrough,
@@ -610,9 +615,7 @@ impl Maps {
                     .map(|m| (m.uid, m.netns, Some(m.workload)))
                     .unwrap_or_default();
                 let keys = by_pod.get(&cookie).map(Vec::as_slice).unwrap_or_default();
-                let has_proxy = keys
-                    .iter()
-                    .any(|k| Role::DNS.iter().any(|r| *r as u8 == k.role));
+                let has_proxy = keys.iter().any(ListenerKey::is_dns);
                 let mut listeners: Vec<String> = keys
                     .iter()
                     .map(|k| {
@@ -630,6 +633,7 @@ impl Maps {
                     })
                     .collect();
                 listeners.sort();
+                let options = self.options(cookie);
                 PodRecord {
                     uid,
                     netns,
@@ -642,14 +646,14 @@ impl Maps {
                     changed_at_ns: e.changed_at_ns,
                     listeners,
                     counters: self.counters(cookie).into(),
-                    dns: self.dns_view(cookie, has_proxy),
+                    dns: self.dns_view(cookie, has_proxy, options.dns),
                     addresses: addrs
                         .get(&cookie)
                         .map(|ks| ks.iter().map(addr_of).collect())
                         .unwrap_or_default(),
                     links: Vec::new(),
-                    bypass_inbound: self.options(cookie).bypass_inbound,
-                    reroute: self.options(cookie).reroute,
+                    bypass_inbound: options.bypass_inbound,
+                    reroute: options.reroute,
                 }
             })
             .collect();

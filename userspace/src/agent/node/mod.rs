@@ -119,6 +119,7 @@ impl metrics::Source for MapSource {
         let mut kernel = *node.retired.lock().unwrap();
         let mut dns = *node.retired_dns.lock().unwrap();
         let mut dns_modes = vec![("captured", 0), ("pass-through", 0), ("off", 0)];
+        let with_proxy = dp.maps.pods_with_dns_listener();
         for (cookie, e) in dp.maps.states() {
             let state = e.state().map(PodState::as_str).unwrap_or("Unknown");
             if let Some(p) = pods.iter_mut().find(|(s, _)| *s == state) {
@@ -126,10 +127,7 @@ impl metrics::Source for MapSource {
             }
             kernel.add(&dp.maps.counters(cookie));
             dns.add(&dp.maps.dns_counters(cookie));
-            let mode = dp
-                .maps
-                .dns_view(cookie, dp.maps.has_dns_listener(cookie))
-                .mode;
+            let mode = dp.maps.dns_mode(cookie, with_proxy.contains(&cookie));
             if let Some(m) = dns_modes.iter_mut().find(|(s, _)| *s == mode.as_str()) {
                 m.1 += 1;
             }
