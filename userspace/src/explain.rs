@@ -173,10 +173,7 @@ pub fn render(e: &Explanation, agent_running: bool) -> String {
             if p.bypass_inbound { "yes" } else { "no" },
             or_none(p.reroute.join(",")),
             p.dns.mode.as_str(),
-            serde_json::to_value(p.dns.choice)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_owned))
-                .unwrap_or_default()
+            p.dns.choice.as_str()
         ),
     );
     let c = &p.counters;

@@ -42,6 +42,14 @@ pub enum DnsChoice {
 }
 
 impl DnsChoice {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::NodeDefault => "node-default",
+            Self::On => "on",
+            Self::Off => "off",
+        }
+    }
+
     /// Whether the pod's DNS is captured on a node whose default is `node`.
     pub fn resolve(self, node: bool) -> bool {
         match self {
@@ -229,6 +237,13 @@ mod tests {
                 // only to pods without one.
                 assert_eq!(PodOptions::from_maps(o.flags(node), None).dns, want);
             }
+        }
+    }
+
+    #[test]
+    fn dns_choice_names_are_its_json_form() {
+        for c in [DnsChoice::NodeDefault, DnsChoice::On, DnsChoice::Off] {
+            assert_eq!(serde_json::to_value(c).unwrap(), c.as_str());
         }
     }
 

@@ -97,20 +97,7 @@ impl Setup {
         match variant {
             Variant::None => {}
             Variant::Iptables => istio::apply(&topo.pod)?,
-            Variant::Sluice => {
-                let mut dp = Dataplane::load_or_adopt(topo.pins.clone())?;
-                let uid = PodUid::new("bench-pod")?;
-                let e = enroll::enroll(
-                    &mut dp,
-                    &topo.pod_netns_path(),
-                    &uid,
-                    &workload("bench-pod"),
-                )?;
-                ensure!(
-                    e.state == sluice_common::PodState::Enabled,
-                    "bench pod not Enabled: {e:?}"
-                );
-            }
+            Variant::Sluice => enroll_enabled(&topo, "bench-pod")?,
         }
         for ns in [&topo.client, &topo.pod] {
             tune(ns)?;
@@ -121,6 +108,18 @@ impl Setup {
             _sinks: sinks,
         })
     }
+}
+
+/// Enrolls the topology's pod as `name`, with ztunnel's listeners there.
+fn enroll_enabled(topo: &Topology, name: &str) -> anyhow::Result<()> {
+    let mut dp = Dataplane::load_or_adopt(topo.pins.clone())?;
+    let uid = PodUid::new(name)?;
+    let e = enroll::enroll(&mut dp, &topo.pod_netns_path(), &uid, &workload(name))?;
+    ensure!(
+        e.state == sluice_common::PodState::Enabled,
+        "bench pod not Enabled: {e:?}"
+    );
+    Ok(())
 }
 
 fn workload(name: &str) -> Workload {
@@ -383,21 +382,8 @@ impl DnsSetup {
         match variant {
             Variant::None => {}
             Variant::Iptables => istio::apply_with_dns_capture(&topo.pod)?,
-            Variant::Sluice => {
-                let mut dp = Dataplane::load_or_adopt(topo.pins.clone())?;
-                dp.set_dns_capture(true)?;
-                let uid = PodUid::new("bench-dns")?;
-                let e = enroll::enroll(
-                    &mut dp,
-                    &topo.pod_netns_path(),
-                    &uid,
-                    &workload("bench-dns"),
-                )?;
-                ensure!(
-                    e.state == sluice_common::PodState::Enabled,
-                    "bench pod not Enabled: {e:?}"
-                );
-            }
+            // DNS capture is on by default.
+            Variant::Sluice => enroll_enabled(&topo, "bench-dns")?,
         }
         Ok(Self {
             variant,
