@@ -553,16 +553,16 @@ fn watch_triggers_capture() -> TestResult {
         ensure!(sluice::status::read(&f.topo.pins)?.is_empty(), "captured before it was ambient");
         let (_stop_tx, stop) = tokio::sync::watch::channel(false);
         let task = tokio::spawn(node.clone().reconcile_with_api(stop));
-        // The label comes only once the loop's first pass and the watcher
-        // have both listed the pod unlabelled (three LISTs with ours) and the
-        // watch is open: only the watch event can lead to capture now (the
-        // next relist is 60 s away).
-        wait::until_async("the loop's first pass and the pod watch", wait::DEADLINE, || {
+        // The label comes only once the reflector has listed the pod
+        // unlabelled (two pod LISTs with ours) and the watch is open: only
+        // the watch event can lead to capture now (the next resync is 60 s
+        // away).
+        wait::until_async("the reflector's LIST and the pod watch", wait::DEADLINE, || {
             let seen = (
                 pod_lists.load(std::sync::atomic::Ordering::SeqCst),
                 pod_watch.load(std::sync::atomic::Ordering::SeqCst),
             );
-            if seen.0 >= 3 && seen.1 { Ok(()) } else { Err(seen) }
+            if seen.0 >= 2 && seen.1 { Ok(()) } else { Err(seen) }
         })
         .await?;
         labelled.store(true, std::sync::atomic::Ordering::SeqCst);
@@ -573,6 +573,13 @@ fn watch_triggers_capture() -> TestResult {
             }
         })
         .await;
+        // The pass the event woke read the reflector's store: no LIST of
+        // the API per event.
+        let lists = pod_lists.load(std::sync::atomic::Ordering::SeqCst);
+        let enrolled = enrolled.and_then(|()| {
+            ensure!(lists == 2, "{lists} pod LISTs: the loop listed the API again");
+            Ok(())
+        });
         task.abort();
         enrolled
     })

@@ -2,10 +2,13 @@
 //! requests are admitted against the API (selection, forged-DEL check) and the
 //! pods' `ambient.istio.io/redirection` annotation follows their state.
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, sync::Arc};
 
 use k8s_openapi::api::core::v1::{Namespace, Pod};
-use kube::api::{Api, ListParams};
+use kube::{
+    api::{Api, ListParams},
+    runtime::{reflector, watcher},
+};
 use sluice_common::PodState;
 use tracing::warn;
 
@@ -83,14 +86,103 @@ impl KubeCtx {
 /// Namespace labels by namespace name.
 pub type NamespaceLabels = BTreeMap<String, BTreeMap<String, String>>;
 
+/// This node's pods and every namespace, as kube-runtime reflectors keep them:
+/// one LIST each at start (and again when a watch expires), then the watch's
+/// events. The reconcile reads these stores on every pass instead of listing
+/// the API per event.
+#[derive(Clone)]
+pub struct ApiView {
+    pods: reflector::Store<Pod>,
+    namespaces: reflector::Store<Namespace>,
+}
+
+impl ApiView {
+    /// Whether both stores hold their first complete LIST.
+    pub fn is_ready(&self) -> bool {
+        use futures::FutureExt as _;
+        let ready = async {
+            self.pods.wait_until_ready().await.is_ok()
+                && self.namespaces.wait_until_ready().await.is_ok()
+        };
+        ready.now_or_never() == Some(true)
+    }
+
+    /// The stores' current contents.
+    pub fn snapshot(&self) -> (Vec<Arc<Pod>>, NamespaceLabels) {
+        let namespaces = self
+            .namespaces
+            .state()
+            .iter()
+            .filter_map(|n| {
+                let labels = n.metadata.labels.clone().unwrap_or_default();
+                Some((n.metadata.name.clone()?, labels))
+            })
+            .collect();
+        (self.pods.state(), namespaces)
+    }
+}
+
 impl KubeCtx {
-    /// The pods scheduled on this node and every namespace's labels.
-    pub async fn observe(&self) -> anyhow::Result<(Vec<Pod>, NamespaceLabels)> {
+    /// Starts the reflectors behind an [`ApiView`]. The returned future
+    /// drives their watches (kube-rs retries failures with backoff, each
+    /// reported to `failed`) and sends on `changed` after every event.
+    pub fn reflect(
+        &self,
+        changed: tokio::sync::mpsc::Sender<()>,
+        failed: impl Fn(&watcher::Error) + Send + 'static,
+    ) -> (
+        ApiView,
+        impl std::future::Future<Output = ()> + Send + 'static,
+    ) {
+        use futures::StreamExt as _;
+        use kube::runtime::{reflector::store, WatchStreamExt as _};
+        // Managed fields are most of a pod's bytes and nothing sluice reads.
+        fn slim<K: kube::Resource>(o: &mut K) {
+            o.meta_mut().managed_fields = None;
+        }
+        let (pods, pod_writer) = store();
+        let (namespaces, ns_writer) = store();
+        let pod_events = watcher(
+            Api::<Pod>::all(self.client.clone()),
+            watcher::Config::default().fields(&format!("spec.nodeName={}", self.node)),
+        )
+        .default_backoff()
+        .modify(slim)
+        .reflect(pod_writer)
+        .map(|e| e.map(|_| ()));
+        let ns_events = watcher(
+            Api::<Namespace>::all(self.client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .modify(slim)
+        .reflect(ns_writer)
+        .map(|e| e.map(|_| ()));
+        let drive = async move {
+            let mut all = std::pin::pin!(futures::stream::select(pod_events, ns_events));
+            while let Some(event) = all.next().await {
+                if let Err(e) = &event {
+                    failed(e);
+                }
+                if changed.try_send(()).is_err() && changed.is_closed() {
+                    return;
+                }
+            }
+        };
+        (ApiView { pods, namespaces }, drive)
+    }
+
+    /// The pods scheduled on this node and every namespace's labels, listed
+    /// once (the reconcile loop reads an [`ApiView`] instead).
+    pub async fn observe(&self) -> anyhow::Result<(Vec<Arc<Pod>>, NamespaceLabels)> {
         let on_node = ListParams::default().fields(&format!("spec.nodeName={}", self.node));
         let pods = Api::<Pod>::all(self.client.clone())
             .list(&on_node)
             .await?
-            .items;
+            .items
+            .into_iter()
+            .map(Arc::new)
+            .collect();
         let namespaces = Api::<Namespace>::all(self.client.clone())
             .list(&ListParams::default())
             .await?
@@ -172,32 +264,6 @@ impl KubeCtx {
                     options: selection::options(&found)
                         .map_err(|e| anyhow::anyhow!("pod {}/{}: {e}", pod.namespace, pod.name))?,
                 })
-            }
-        }
-    }
-
-    /// Resolves when pods on this node or any namespace change (a pod watch
-    /// with a node-scoped field selector, and a namespace watch); the caller
-    /// then reconciles. Watch errors are retried by kube-rs with backoff.
-    pub async fn changed(&self, events: tokio::sync::mpsc::Sender<()>) {
-        use futures::StreamExt as _;
-        use kube::runtime::{watcher, WatchStreamExt as _};
-        let pods = watcher(
-            Api::<Pod>::all(self.client.clone()),
-            watcher::Config::default().fields(&format!("spec.nodeName={}", self.node)),
-        )
-        .default_backoff()
-        .map(|_| ());
-        let namespaces = watcher(
-            Api::<Namespace>::all(self.client.clone()),
-            watcher::Config::default(),
-        )
-        .default_backoff()
-        .map(|_| ());
-        let mut all = std::pin::pin!(futures::stream::select(pods, namespaces));
-        while all.next().await.is_some() {
-            if events.try_send(()).is_err() && events.is_closed() {
-                return;
             }
         }
     }

@@ -2,7 +2,10 @@
 //! ambient pods on this node: a pure function of the pods and namespaces the
 //! API shows and the pods the pinned maps hold.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::{
+    borrow::Borrow,
+    collections::{BTreeMap, BTreeSet},
+};
 
 use k8s_openapi::api::core::v1::Pod;
 
@@ -30,8 +33,8 @@ pub enum Action {
 }
 
 /// `pods`: the pods on this node; `namespaces`: labels by namespace name.
-pub fn plan(
-    pods: &[Pod],
+pub fn plan<P: Borrow<Pod>>(
+    pods: &[P],
     namespaces: &BTreeMap<String, BTreeMap<String, String>>,
     node: &str,
     excluded: &BTreeSet<String>,
@@ -41,6 +44,7 @@ pub fn plan(
     let mut actions = Vec::new();
     let mut seen = BTreeSet::new();
     for pod in pods {
+        let pod = pod.borrow();
         let Some(uid) = pod.metadata.uid.as_deref() else {
             continue;
         };
@@ -79,14 +83,15 @@ pub fn plan(
 
 /// The pods of this node that selection leaves uncaptured, and why (for
 /// `sluice status --pod`).
-pub fn skipped(
-    pods: &[Pod],
+pub fn skipped<P: Borrow<Pod>>(
+    pods: &[P],
     namespaces: &BTreeMap<String, BTreeMap<String, String>>,
     node: &str,
     excluded: &BTreeSet<String>,
 ) -> Vec<crate::control::SkippedPod> {
     pods.iter()
-        .filter_map(|pod| {
+        .map(Borrow::borrow)
+        .filter_map(|pod: &Pod| {
             let ns = pod.metadata.namespace.clone().unwrap_or_default();
             match select(pod, namespaces.get(&ns), node, excluded) {
                 Verdict::Skip(s) => Some(crate::control::SkippedPod {

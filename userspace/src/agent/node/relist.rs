@@ -2,6 +2,8 @@
 //! see, release pods that are gone or no longer ambient.
 
 use super::*;
+use k8s_openapi::api::core::v1::Pod;
+
 use crate::kube::events::{PodRef, Reason};
 
 impl Node {
@@ -11,13 +13,23 @@ impl Node {
     /// namespace change the watch reports, and every `RESYNC`.
     pub async fn reconcile_with_api(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
         let Some(k) = self.kube.clone() else { return };
-        // Watch events wake the loop at once; the timer is a safety net.
+        // Watch events wake the loop at once; the timer is a safety net
+        // (a pod whose capture failed is tried again).
         let (tx, mut changes) = tokio::sync::mpsc::channel(1);
-        let watching = tokio::spawn(async move { k.changed(tx).await });
+        let me = self.clone();
+        let (view, drive) = k.reflect(tx, move |e| {
+            me.metrics().reconcile_error(ReconcileError::Api);
+            warn!(error = %e, "watching the API failed; retrying with backoff");
+        });
+        let watching = tokio::spawn(drive);
         loop {
-            if let Err(e) = self.reconcile_once(RECENT).await {
-                self.metrics().reconcile_error(ReconcileError::Api);
-                warn!(error = %crate::one_line(&e), "reconciling with the API failed; will retry");
+            // Until both stores hold their first LIST there is nothing to
+            // plan from; the watch's first events wake the loop.
+            if view.is_ready() {
+                let (pods, namespaces) = view.snapshot();
+                if let Err(e) = self.reconcile_from(&pods, &namespaces, RECENT).await {
+                    warn!(error = %crate::one_line(&e), "reconciling failed; will retry");
+                }
             }
             tokio::select! {
                 _ = stop.changed() => break,
@@ -32,14 +44,29 @@ impl Node {
         watching.abort();
     }
 
-    /// One pass: list, plan, apply. Pods enrolled less than `min_age` ago are
-    /// not removed (the API may not show a pod its CNI ADD just captured).
+    /// One pass from a fresh LIST of the API (at start and in tests; the
+    /// loop above reads the reflectors' stores).
     pub async fn reconcile_once(self: &Arc<Self>, min_age: Duration) -> anyhow::Result<()> {
         let Some(k) = self.kube.clone() else {
             return Ok(());
         };
         let (pods, namespaces) = k.observe().await?;
-        k.write_selection(&namespaces);
+        self.reconcile_from(&pods, &namespaces, min_age).await
+    }
+
+    /// One pass: plan from `pods` and `namespaces`, apply. Pods enrolled
+    /// less than `min_age` ago are not removed (the API may not show a pod
+    /// its CNI ADD just captured).
+    async fn reconcile_from(
+        self: &Arc<Self>,
+        pods: &[Arc<Pod>],
+        namespaces: &crate::agent::kube::NamespaceLabels,
+        min_age: Duration,
+    ) -> anyhow::Result<()> {
+        let Some(k) = self.kube.clone() else {
+            return Ok(());
+        };
+        k.write_selection(namespaces);
         k.prune_records(&pods.iter().filter_map(|p| p.metadata.uid.clone()).collect());
         let now = boottime_ns();
         let this = self.clone();
@@ -55,7 +82,7 @@ impl Node {
                 Some(((w.namespace.as_str(), w.name.as_str()), state))
             })
             .collect();
-        for pod in &pods {
+        for pod in pods {
             let (Some(ns), Some(name)) = (&pod.metadata.namespace, &pod.metadata.name) else {
                 continue;
             };
@@ -69,8 +96,8 @@ impl Node {
             .map(|r| Enrolled { uid: r.uid.clone() })
             .collect();
         *self.skipped.lock().unwrap() =
-            crate::kube::reconcile::skipped(&pods, &namespaces, &k.node, &k.excluded);
-        for action in plan(&pods, &namespaces, &k.node, &k.excluded, &enrolled) {
+            crate::kube::reconcile::skipped(pods, namespaces, &k.node, &k.excluded);
+        for action in plan(pods, namespaces, &k.node, &k.excluded, &enrolled) {
             match action {
                 Action::Enroll {
                     uid,
