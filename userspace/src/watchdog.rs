@@ -10,11 +10,10 @@
 
 use std::{net::SocketAddr, time::Duration};
 
-use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
-    net::TcpStream,
-    sync::watch,
-};
+use bytes::Bytes;
+use http_body_util::Empty;
+use hyper_util::rt::TokioIo;
+use tokio::{net::TcpStream, sync::watch};
 use tracing::{info, warn};
 
 use crate::{kube::condition::ConditionWriter, readiness::Condition};
@@ -30,33 +29,28 @@ pub enum Probe {
     Silent(String),
 }
 
-/// GET /readyz on `addr`, within `timeout`.
+/// GET /readyz on `addr`, within `timeout` (hyper's HTTP/1 client on one
+/// connection: no pool, no retries, so every probe is a fresh connection).
 pub async fn probe(addr: SocketAddr, timeout: Duration) -> Probe {
     let ask = async {
-        let mut s = TcpStream::connect(addr).await?;
-        s.write_all(b"GET /readyz HTTP/1.1\r\nHost: sluice\r\nConnection: close\r\n\r\n")
-            .await?;
-        let mut head = Vec::new();
-        s.take(64 * 1024).read_to_end(&mut head).await?;
-        Ok::<_, std::io::Error>(head)
+        let stream = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+        let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| e.to_string())?;
+        let conn = tokio::spawn(conn);
+        let req = http::Request::get("/readyz")
+            .header(http::header::HOST, "sluice")
+            .body(Empty::<Bytes>::new())
+            .map_err(|e| e.to_string())?;
+        let resp = send.send_request(req).await.map_err(|e| e.to_string());
+        conn.abort();
+        resp.map(|r| r.status().as_u16())
     };
     match tokio::time::timeout(timeout, ask).await {
         Err(_) => Probe::Silent(format!("no answer within {}ms", timeout.as_millis())),
-        Ok(Err(e)) => Probe::Silent(e.to_string()),
-        Ok(Ok(head)) => match status_code(&head) {
-            Some(code) => Probe::Answered(code),
-            None => Probe::Silent("not an HTTP answer".into()),
-        },
+        Ok(Err(e)) => Probe::Silent(e),
+        Ok(Ok(code)) => Probe::Answered(code),
     }
-}
-
-/// The status code of an HTTP/1.x response.
-fn status_code(resp: &[u8]) -> Option<u16> {
-    let line = resp.split(|b| *b == b'\n').next()?;
-    let line = std::str::from_utf8(line).ok()?;
-    let mut parts = line.split_whitespace();
-    parts.next()?.starts_with("HTTP/1.").then_some(())?;
-    parts.next()?.parse().ok()
 }
 
 /// Counts silent probes in a row; says when the agent counts as gone.
@@ -155,6 +149,8 @@ pub async fn run(cfg: Config, writer: ConditionWriter, mut stop: watch::Receiver
 
 #[cfg(test)]
 mod tests {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
     use super::*;
 
     #[tokio::test]
@@ -221,15 +217,40 @@ mod tests {
         task.await.unwrap();
     }
 
-    #[test]
-    fn reads_the_status_line() {
+    /// A stand-in agent that answers every connection with `reply` (or
+    /// holds it open without a word when `None`).
+    async fn stand_in(reply: Option<&'static [u8]>) -> SocketAddr {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = l.accept().await {
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 1024];
+                    let _ = s.read(&mut buf).await;
+                    match reply {
+                        Some(r) => drop(s.write_all(r).await),
+                        None => std::future::pending().await,
+                    }
+                });
+            }
+        });
+        addr
+    }
+
+    #[tokio::test]
+    async fn a_probe_tells_an_answer_from_silence() {
+        let t = Duration::from_millis(300);
+        let unready = stand_in(Some(b"HTTP/1.1 503 Service Unavailable\r\n\r\n")).await;
+        assert_eq!(probe(unready, t).await, Probe::Answered(503));
+        let ready = stand_in(Some(b"HTTP/1.0 200 OK\r\ncontent-length: 5\r\n\r\nready")).await;
+        assert_eq!(probe(ready, t).await, Probe::Answered(200));
+        let not_http = stand_in(Some(b"SSH-2.0-OpenSSH\r\n")).await;
+        assert!(matches!(probe(not_http, t).await, Probe::Silent(_)));
+        let hung = stand_in(None).await;
         assert_eq!(
-            status_code(b"HTTP/1.1 503 Service Unavailable\r\n"),
-            Some(503)
+            probe(hung, t).await,
+            Probe::Silent("no answer within 300ms".into())
         );
-        assert_eq!(status_code(b"HTTP/1.0 200 OK\r\n\r\nready"), Some(200));
-        assert_eq!(status_code(b"SSH-2.0-OpenSSH\r\n"), None);
-        assert_eq!(status_code(b""), None);
     }
 
     #[test]
