@@ -259,9 +259,10 @@ async fn rbac_grants_exactly_what_the_agent_and_watchdog_use() {
     )
     .await;
     k.observe().await.unwrap();
-    // The pod and namespace watches: list, then watch.
+    // The reflectors' pod and namespace watches: list, then watch.
     let (tx, _rx) = tokio::sync::mpsc::channel(8);
-    let watching = tokio::spawn(async move { k.changed(tx).await });
+    let (_view, drive) = k.reflect(tx, |_| {});
+    let watching = tokio::spawn(drive);
     wait_seen(
         &seen,
         "the pod and namespace watches",
