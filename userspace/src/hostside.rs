@@ -106,7 +106,7 @@ impl Link {
             match a {
                 LinkAttribute::IfName(n) => l.name = n.clone(),
                 LinkAttribute::Link(i) => l.peer_index = Some(*i),
-                LinkAttribute::NetnsId(id) => l.peer_nsid = Some(*id),
+                LinkAttribute::LinkNetNsId(id) => l.peer_nsid = Some(*id),
                 LinkAttribute::LinkInfo(infos) => {
                     l.veth = infos
                         .iter()

@@ -8,10 +8,10 @@
 use std::net::{Ipv4Addr, Ipv6Addr};
 
 use netlink_packet_route::{
-    route::RouteType,
+    route::{RouteMessage, RouteScope, RouteType},
     rule::{RuleAction, RuleAttribute, RuleMessage},
 };
-use rtnetlink::Handle;
+use rtnetlink::{Handle, LinkUnspec, RouteMessageBuilder};
 use sluice_common::{MARK_MASK, MARK_REDIRECT, ROUTE_TABLE, RULE_PRIORITY};
 
 use crate::sysctl;
@@ -74,12 +74,16 @@ pub fn install(pod_ifaces: &[String]) -> Result<(), RouteError> {
         let lo = lo_index()?;
         // The local route needs lo up; the runtime's loopback plugin may not
         // have run yet when we are called from CNI ADD.
-        handle.link().set(lo).up().execute().await?;
+        handle
+            .link()
+            .set(LinkUnspec::new_with_index(lo).up().build())
+            .execute()
+            .await?;
         ignore_exists(rule_v4(&handle).execute().await)?;
-        ignore_exists(route_v4(&handle, lo).execute().await)?;
+        ignore_exists(handle.route().add(route_v4(lo)).execute().await)?;
         if v6 {
             ignore_exists(rule_v6(&handle).execute().await)?;
-            ignore_exists(route_v6(&handle, lo).execute().await)?;
+            ignore_exists(handle.route().add(route_v6(lo)).execute().await)?;
         }
         Ok(())
     })
@@ -99,10 +103,10 @@ pub fn remove(pod_ifaces: &[String]) -> Result<(), RouteError> {
         tokio::spawn(conn);
         let lo = lo_index()?;
         let mut rules = vec![rule_v4(&handle).message_mut().clone()];
-        let mut routes = vec![route_v4(&handle, lo).message_mut().clone()];
+        let mut routes = vec![route_v4(lo)];
         if v6 {
             rules.push(rule_v6(&handle).message_mut().clone());
-            routes.push(route_v6(&handle, lo).message_mut().clone());
+            routes.push(route_v6(lo));
         }
         for r in rules {
             ignore_missing(handle.rule().del(r).execute().await)?;
@@ -141,31 +145,27 @@ fn with_mask<T>(r: rtnetlink::RuleAddRequest<T>) -> rtnetlink::RuleAddRequest<T>
     r
 }
 
-fn route_v4(h: &Handle, lo: u32) -> rtnetlink::RouteAddRequest<Ipv4Addr> {
+fn route_v4(lo: u32) -> RouteMessage {
     local_route(
-        h.route()
-            .add()
-            .v4()
-            .destination_prefix(Ipv4Addr::UNSPECIFIED, 0),
+        RouteMessageBuilder::<Ipv4Addr>::new().destination_prefix(Ipv4Addr::UNSPECIFIED, 0),
         lo,
     )
 }
 
-fn route_v6(h: &Handle, lo: u32) -> rtnetlink::RouteAddRequest<Ipv6Addr> {
+fn route_v6(lo: u32) -> RouteMessage {
     local_route(
-        h.route()
-            .add()
-            .v6()
-            .destination_prefix(Ipv6Addr::UNSPECIFIED, 0),
+        RouteMessageBuilder::<Ipv6Addr>::new().destination_prefix(Ipv6Addr::UNSPECIFIED, 0),
         lo,
     )
 }
 
-fn local_route<T>(r: rtnetlink::RouteAddRequest<T>, lo: u32) -> rtnetlink::RouteAddRequest<T> {
+/// `local default dev lo table 100`.
+fn local_route<T>(r: RouteMessageBuilder<T>, lo: u32) -> RouteMessage {
     r.table_id(ROUTE_TABLE)
         .output_interface(lo)
         .kind(RouteType::Local)
-        .scope(netlink_packet_route::route::RouteScope::Host)
+        .scope(RouteScope::Host)
+        .build()
 }
 
 fn errno(e: &rtnetlink::Error) -> Option<i32> {
