@@ -1,7 +1,8 @@
 # syntax=docker/dockerfile:1
 # The sluice node agent image: `sluice` and `sluice-cni` side by side in
 # /usr/local/bin (the agent copies sluice-cni from next to its own executable
-# into the node's CNI bin dir). Build with `cargo xtask image [--tag T]`.
+# into the node's CNI bin dir; it is static, so it runs on any host
+# distribution). Build with `cargo xtask image [--tag T]`.
 
 # --- build: the project's own xtask does the toolchain setup and eBPF build.
 ARG RUST_VERSION=1.95
@@ -15,8 +16,9 @@ COPY . .
 RUN cargo xtask setup \
  && cargo xtask build-ebpf \
  && cargo build --release -p sluice --bins \
+ && cargo xtask build-cni \
  && install -D -m 0755 target/release/sluice /out/sluice \
- && install -D -m 0755 target/release/sluice-cni /out/sluice-cni
+ && install -D -m 0755 "target/$(uname -m)-unknown-linux-musl/release/sluice-cni" /out/sluice-cni
 
 # --- runtime: a small base plus iptables, whose iptables-save/ip6tables-save
 # the agent runs to find and remove istio-cni's in-pod rules when it takes a

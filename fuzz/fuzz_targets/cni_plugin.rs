@@ -7,9 +7,10 @@
 use std::path::Path;
 
 use libfuzzer_sys::fuzz_target;
-use sluice::{
-    cni::{plugin, spec::Env},
-    control::{Request, Response},
+use sluice_cni::{
+    plugin,
+    spec::Env,
+    wire::{Answer, PluginRequest},
 };
 
 fuzz_target!(|data: &[u8]| {
@@ -38,16 +39,16 @@ fuzz_target!(|data: &[u8]| {
         }
     };
     let answer = selector >> 2;
-    let call = |_: &Path, _: &Request| -> anyhow::Result<Option<Response>> {
+    let call = |_: &Path, _: &PluginRequest| -> anyhow::Result<Option<Answer>> {
         Ok(match answer % 5 {
             0 => None,
-            1 => Some(Response::Skipped {
+            1 => Some(Answer::Skipped {
                 reason: "not ambient".into(),
             }),
-            2 => Some(Response::Error {
+            2 => Some(Answer::Error {
                 message: "boom".into(),
             }),
-            3 => Some(Response::Refused {
+            3 => Some(Answer::Refused {
                 message: "forged".into(),
             }),
             _ => return Err(anyhow::anyhow!("connection reset")),

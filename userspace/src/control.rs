@@ -4,17 +4,15 @@
 //! socket. A leaf: the types and the client, nothing of the agent.
 
 use std::{
-    io::{BufRead, BufReader, Write},
-    os::unix::net::UnixStream,
     path::{Path, PathBuf},
     time::Duration,
 };
 
 use serde::{Deserialize, Serialize};
 
-use crate::{cni::spec::PodRef, readiness::Condition, workload::Workload};
+pub use sluice_cni::wire::{CniAdd, CniCheck, CniDel, DEFAULT_CONTROL_SOCKET};
 
-pub const DEFAULT_CONTROL_SOCKET: &str = "/run/sluice/agent.sock";
+use crate::{readiness::Condition, workload::Workload};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -27,25 +25,11 @@ pub enum Request {
     Unenroll {
         uid: String,
     },
-    /// From `sluice-cni` ADD: enroll the pod if it is ambient.
-    CniAdd {
-        container_id: String,
-        netns: PathBuf,
-        pod: PodRef,
-        /// The pod's IPs from prevResult.
-        ips: Vec<String>,
-    },
-    /// From `sluice-cni` DEL.
-    /// `netns` is empty when the runtime no longer has it.
-    CniDel {
-        container_id: String,
-        netns: PathBuf,
-        pod: PodRef,
-    },
-    /// From `sluice-cni` CHECK.
-    CniCheck {
-        pod: PodRef,
-    },
+    /// From `sluice-cni`: ADD, DEL, CHECK (the plugin's `PluginRequest`
+    /// variants, the same on the wire).
+    CniAdd(CniAdd),
+    CniDel(CniDel),
+    CniCheck(CniCheck),
     /// The node-level state, for `sluice status`.
     Status,
     /// Remove sluice from this node (`sluice uninstall`); answered at once
@@ -204,8 +188,7 @@ pub fn call(
     bpf_root: Option<&Path>,
     req: &Request,
 ) -> anyhow::Result<Option<Response>> {
-    // Enrollment waits for ztunnel's ack (5 s deadline) and its listeners.
-    call_within(path, bpf_root, req, Duration::from_secs(30))
+    call_within(path, bpf_root, req, sluice_cni::wire::CALL_TIMEOUT)
 }
 
 /// [`call`] with a deadline for the answer.
@@ -215,31 +198,96 @@ pub fn call_within(
     req: &Request,
     timeout: Duration,
 ) -> anyhow::Result<Option<Response>> {
-    let mut s = match UnixStream::connect(path) {
-        Ok(s) => s,
-        Err(e)
-            if matches!(
-                e.kind(),
-                std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
-            ) =>
-        {
-            return Ok(None)
-        }
-        Err(e) => {
-            return Err(anyhow::anyhow!(
-                "connecting to the agent at {}: {e}",
-                path.display()
-            ))
-        }
-    };
-    s.set_read_timeout(Some(timeout))?;
-    let mut out = serde_json::to_vec(&Envelope {
+    let envelope = Envelope {
         bpf_root: bpf_root.map(Path::to_owned),
         request: req.clone(),
-    })?;
-    out.push(b'\n');
-    s.write_all(&out)?;
-    let mut line = String::new();
-    BufReader::new(s).read_line(&mut line)?;
-    Ok(Some(serde_json::from_str(&line)?))
+    };
+    sluice_cni::wire::exchange(path, &envelope, timeout)
+}
+
+#[cfg(test)]
+mod tests {
+    use sluice_cni::{
+        spec::PodRef,
+        wire::{Answer, PluginRequest},
+    };
+
+    use super::*;
+
+    /// The plugin and the agent share the request bodies; the plugin reads
+    /// the agent's answers with its own, smaller enum: both directions must
+    /// agree on the wire.
+    #[test]
+    fn the_plugin_and_the_agent_agree_on_the_wire() {
+        let pod = PodRef {
+            name: "cart".into(),
+            namespace: "shop".into(),
+            uid: Some("u1".into()),
+        };
+        let sent = PluginRequest::CniAdd(CniAdd {
+            container_id: "c1".into(),
+            netns: "/run/netns/p".into(),
+            pod: pod.clone(),
+            ips: vec!["10.0.0.5".into()],
+        });
+        let line = serde_json::json!({ "request": sent }).to_string();
+        let got = parse_envelope(&line).unwrap();
+        assert!(got.bpf_root.is_none());
+        assert!(
+            matches!(&got.request, Request::CniAdd(a) if a.pod == pod && a.ips == ["10.0.0.5"]),
+            "{got:?}"
+        );
+        let check = serde_json::json!({"request": PluginRequest::CniCheck(CniCheck { pod })});
+        assert!(matches!(
+            parse_envelope(&check.to_string()).unwrap().request,
+            Request::CniCheck(_)
+        ));
+        let answers = [
+            (
+                Response::Enrolled {
+                    uid: "u1".into(),
+                    cookie: 7,
+                    state: "Enabled".into(),
+                    note: None,
+                },
+                Answer::Enrolled {},
+            ),
+            (
+                Response::Unenrolled { uid: "u1".into() },
+                Answer::Unenrolled {},
+            ),
+            (
+                Response::Skipped {
+                    reason: "not ambient".into(),
+                },
+                Answer::Skipped {
+                    reason: "not ambient".into(),
+                },
+            ),
+            (
+                Response::Error {
+                    message: "boom".into(),
+                },
+                Answer::Error {
+                    message: "boom".into(),
+                },
+            ),
+            (
+                Response::Refused {
+                    message: "forged".into(),
+                },
+                Answer::Refused {
+                    message: "forged".into(),
+                },
+            ),
+        ];
+        for (agent, plugin) in answers {
+            let line = serde_json::to_string(&agent).unwrap();
+            assert_eq!(
+                serde_json::from_str::<Answer>(&line).unwrap(),
+                plugin,
+                "{line}"
+            );
+        }
+    }
 }

@@ -125,26 +125,8 @@ impl AsFd for Netns {
     }
 }
 
-/// Why the netns with nsfs identity `id` (device, inode) must never be
-/// captured, if it must not.
-fn host_like_id(id: (u64, u64)) -> Option<&'static str> {
-    use std::os::unix::fs::MetadataExt as _;
-    let of = |p: &str| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
-    if of("/proc/1/ns/net") == Some(id) {
-        Some("the host's network namespace (pid 1's, shared by hostNetwork pods)")
-    } else if of("/proc/self/ns/net") == Some(id) {
-        Some("sluice's own network namespace")
-    } else {
-        None
-    }
-}
-
-/// [`Netns::host_like`] for a netns path, without opening it as a handle.
-pub fn path_is_host_like(path: &Path) -> Option<&'static str> {
-    use std::os::unix::fs::MetadataExt as _;
-    let m = std::fs::metadata(path).ok()?;
-    host_like_id((m.dev(), m.ino()))
-}
+use sluice_cni::hostns::host_like_id;
+pub use sluice_cni::hostns::path_is_host_like;
 
 fn udp_socket() -> std::io::Result<OwnedFd> {
     let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };

@@ -33,6 +33,9 @@ enum Cmd {
         #[arg(long)]
         variant: bool,
     },
+    /// Build the CNI plugin static (release, <arch>-unknown-linux-musl): what
+    /// the image ships into the host's /opt/cni/bin.
+    BuildCni,
     /// Setup, build, lint and run every test (root: the dataplane tests need it).
     Test {
         /// Run the tests this many times in a row (after one setup, build
@@ -75,6 +78,10 @@ enum Cmd {
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Setup => setup::run(),
+        Cmd::BuildCni => {
+            eprintln!("built {}", build_cni()?.display());
+            Ok(())
+        }
         Cmd::BuildEbpf { variant } => {
             build_ebpf()?;
             if variant {
@@ -168,6 +175,28 @@ fn build_ebpf_variant() -> Result<()> {
     )
 }
 
+/// The static target of the CNI plugin, for this machine's architecture.
+pub fn cni_target() -> String {
+    format!("{}-unknown-linux-musl", std::env::consts::ARCH)
+}
+
+/// Builds `sluice-cni` static; returns the binary's path.
+fn build_cni() -> Result<PathBuf> {
+    let target = cni_target();
+    cargo(&[
+        "build",
+        "--release",
+        "-p",
+        "sluice-cni",
+        "--target",
+        &target,
+    ])?;
+    Ok(workspace_root()
+        .join("target")
+        .join(&target)
+        .join("release/sluice-cni"))
+}
+
 fn cargo(args: &[&str]) -> Result<()> {
     run(Command::new("cargo")
         .current_dir(workspace_root())
@@ -201,6 +230,10 @@ fn test(extra: &[String], repeat: u32, cpu_hog: bool) -> Result<()> {
         "--features",
         "fault-injection",
     ])?;
+    // The agent copies the plugin from beside itself; the CNI tests run the
+    // static build the image ships (SLUICE_CNI_BIN).
+    cargo(&["build", "-p", "sluice-cni"])?;
+    let static_cni = build_cni()?;
     let mut args = [&["test"][..], &host].concat();
     if !extra.is_empty() {
         args.push("--");
@@ -215,7 +248,13 @@ fn test(extra: &[String], repeat: u32, cpu_hog: bool) -> Result<()> {
         if repeat > 1 {
             eprintln!("xtask: test run {run} of {repeat}");
         }
-        cargo(&args).with_context(|| format!("test run {run} of {repeat} failed"))?;
+        crate::run(
+            Command::new("cargo")
+                .current_dir(workspace_root())
+                .args(&args)
+                .env("SLUICE_CNI_BIN", &static_cni),
+        )
+        .with_context(|| format!("test run {run} of {repeat} failed"))?;
     }
     if repeat > 1 {
         eprintln!("xtask: {repeat} consecutive test runs passed");

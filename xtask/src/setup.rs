@@ -88,6 +88,18 @@ fn which(bin: &str) -> bool {
             .any(|d| Path::new(d).join(bin).exists())
 }
 
+/// Whether the default toolchain has the standard library for `target`.
+fn target_installed(target: &str) -> bool {
+    Command::new("rustup")
+        .args(["target", "list", "--installed"])
+        .output()
+        .is_ok_and(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .any(|l| l == target)
+        })
+}
+
 /// The components `toolchain` (None: the default one) lacks of `wanted`;
 /// all of them when the toolchain itself is not installed.
 fn missing_components(toolchain: Option<&str>, wanted: &[&'static str]) -> Vec<&'static str> {
@@ -150,6 +162,12 @@ pub fn run() -> Result<()> {
             "rust-src",
             "clippy",
         ]))?;
+    }
+    // The CNI plugin is built static (musl) for the host's /opt/cni/bin.
+    let musl = crate::cni_target();
+    if !target_installed(&musl) {
+        eprintln!("setup: installing the {musl} target");
+        exec(Command::new("rustup").args(["target", "add", &musl]))?;
     }
     if bpf_linker_path().is_none() {
         install_bpf_linker()?;

@@ -27,7 +27,16 @@ const ARGS: &str =
     "IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=cart-7f9;K8S_POD_UID=5a1e-cart";
 
 pub fn trials() -> Vec<Trial> {
+    let no_static = std::env::var_os(STATIC_CNI_ENV).is_none();
+    if no_static {
+        eprintln!(
+            "skipping cni::the_plugin_is_a_static_executable: {STATIC_CNI_ENV} is not set \
+             (the suite runs the debug build; `cargo xtask test` builds and names the static one)"
+        );
+    }
     vec![
+        trial("cni::the_plugin_is_a_static_executable", plugin_is_static)
+            .with_ignored_flag(no_static),
         trial(
             "cni::chain_with_reference_plugins_captures_and_cleans_up",
             chain,
@@ -45,8 +54,52 @@ pub fn trials() -> Vec<Trial> {
     ]
 }
 
+/// The plugin binary the suite runs: the static build `cargo xtask test`
+/// names in `SLUICE_CNI_BIN` (what the image ships), else the debug build
+/// beside `sluice`.
 fn sluice_cni() -> PathBuf {
-    sluice_bin().with_file_name("sluice-cni")
+    std::env::var_os(STATIC_CNI_ENV)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| sluice_bin().with_file_name("sluice-cni"))
+}
+
+const STATIC_CNI_ENV: &str = "SLUICE_CNI_BIN";
+
+/// The plugin runs from the host's `/opt/cni/bin` on whatever distribution
+/// the node has: no program interpreter (dynamic loader) and no shared
+/// library it needs.
+fn plugin_is_static() -> TestResult {
+    use object::{
+        elf,
+        read::elf::{Dyn as _, ElfFile64, ProgramHeader as _},
+        Endianness,
+    };
+    let path = sluice_cni();
+    let data = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+    let file = ElfFile64::<Endianness>::parse(&*data)?;
+    let endian = file.endian();
+    let interp = file
+        .elf_program_headers()
+        .iter()
+        .any(|p| p.p_type(endian) == elf::PT_INTERP);
+    ensure!(
+        !interp,
+        "{} asks for a dynamic loader (PT_INTERP)",
+        path.display()
+    );
+    let needed = file
+        .elf_program_headers()
+        .iter()
+        .filter_map(|p| p.dynamic(endian, &*data).ok().flatten())
+        .flatten()
+        .filter(|d| d.d_tag(endian) == elf::DT_NEEDED)
+        .count();
+    ensure!(
+        needed == 0,
+        "{} needs {needed} shared libraries",
+        path.display()
+    );
+    Ok(())
 }
 
 /// A node netns, a pod netns, a bpffs root and a temp dir; all removed on drop.

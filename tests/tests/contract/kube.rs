@@ -174,7 +174,7 @@ fn admitted_with(f: &Fixture, records: &std::path::Path) -> TestResult {
         // real uid and service account, annotated `pending`, and its
         // readiness gate False.
         let r = node
-            .handle(control::Request::CniAdd { container_id: "c1".into(), netns: netns.clone(), pod: cart.clone(), ips: vec![] })
+            .handle(control::Request::CniAdd(control::CniAdd { container_id: "c1".into(), netns: netns.clone(), pod: cart.clone(), ips: vec![] }))
             .await;
         ensure!(matches!(&r, control::Response::Enrolled { uid, state, .. } if uid == "u-cart" && state == "Pending"), "{r:?}");
         let pods = sluice::status::read(&f.topo.pins)?;
@@ -222,7 +222,7 @@ fn admitted_with(f: &Fixture, records: &std::path::Path) -> TestResult {
         // Not ambient: passed through, nothing enrolled.
         let plain = PodRef { name: "plain".into(), namespace: "other".into(), uid: Some("u-plain".into()) };
         let r = node
-            .handle(control::Request::CniAdd { container_id: "c2".into(), netns: netns.clone(), pod: plain.clone(), ips: vec![] })
+            .handle(control::Request::CniAdd(control::CniAdd { container_id: "c2".into(), netns: netns.clone(), pod: plain.clone(), ips: vec![] }))
             .await;
         ensure!(matches!(&r, control::Response::Skipped { reason } if reason.contains("neither the pod nor its namespace")), "{r:?}");
         // Its netns is remembered, for when it becomes ambient later.
@@ -230,7 +230,7 @@ fn admitted_with(f: &Fixture, records: &std::path::Path) -> TestResult {
         ensure!(recorded == netns.to_str().unwrap(), "recorded {recorded:?}");
 
         // CHECK: the captured pod passes; a pod sluice does not manage passes.
-        let check = |pod: &PodRef| control::Request::CniCheck { pod: pod.clone() };
+        let check = |pod: &PodRef| control::Request::CniCheck(control::CniCheck { pod: pod.clone() });
         let r = node.handle(check(&cart)).await;
         ensure!(matches!(&r, control::Response::Enrolled { .. }), "{r:?}");
         let r = node.handle(check(&plain)).await;
@@ -247,11 +247,11 @@ fn admitted_with(f: &Fixture, records: &std::path::Path) -> TestResult {
 
         // A forged DEL for the running pod (another container id, its
         // sandbox alive) is refused.
-        let forged = control::Request::CniDel { container_id: "forged".into(), netns: netns.clone(), pod: cart.clone() };
+        let forged = control::Request::CniDel(control::CniDel { container_id: "forged".into(), netns: netns.clone(), pod: cart.clone() });
         let r = node.handle(forged).await;
         ensure!(matches!(&r, control::Response::Refused { message } if message.contains("refusing DEL") && message.contains("container c1")), "{r:?}");
         ensure!(sluice::status::read(&f.topo.pins)?.len() == 1, "forged DEL removed capture");
-        let del = control::Request::CniDel { container_id: "c1".into(), netns: netns.clone(), pod: cart.clone() };
+        let del = control::Request::CniDel(control::CniDel { container_id: "c1".into(), netns: netns.clone(), pod: cart.clone() });
 
         // The runtime's own DEL (the pod is being deleted): it goes through
         // and the annotation goes.
@@ -639,12 +639,12 @@ fn gate_follows_served_in(f: &Fixture, dir: &std::path::Path) -> TestResult {
             uid: Some("u-cart".into()),
         };
         let r = node
-            .handle(control::Request::CniAdd {
+            .handle(control::Request::CniAdd(control::CniAdd {
                 container_id: "c1".into(),
                 netns: f.topo.pod_netns_path(),
                 pod: cart,
                 ips: vec![],
-            })
+            }))
             .await;
         ensure!(matches!(&r, control::Response::Enrolled { .. }), "{r:?}");
         let last_gate = |reason: &'static str| {

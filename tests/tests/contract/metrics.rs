@@ -144,13 +144,13 @@ fn names_match() -> TestResult {
     let addr = format!("127.0.0.1:{port}");
     let agent = AgentProc::start_with(&f.topo.pins, &["--metrics-addr", &addr])?;
     // A CNI CHECK for a pod the agent does not hold: answered, and counted.
-    let check = Request::CniCheck {
+    let check = Request::CniCheck(control::CniCheck {
         pod: PodRef {
             name: "web".into(),
             namespace: "shop".into(),
             uid: None,
         },
-    };
+    });
     let answer = control::call(&agent.control, Some(f.topo.pins.root()), &check)?;
     ensure!(
         matches!(answer, Some(r) if !matches!(r, Response::Node(_))),

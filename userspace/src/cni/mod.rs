@@ -1,10 +1,7 @@
-//! The chained CNI plugin (`sluice-cni`) and what the agent does for it.
-//!
-//! `spec` is the CNI wire format (config, env, errors), `plugin` the
-//! ADD/DEL/CHECK/VERSION logic (the agent behind a trait, for tests), `install`
-//! the agent's management of the node's CNI config.
+//! The chained CNI plugin and what the agent does for it. The plugin itself
+//! (`spec`, `plugin`, `snapshot`) lives in the `sluice-cni` crate, which is
+//! built static for the host's `/opt/cni/bin`; `install` is the agent's
+//! management of the node's CNI config.
 
 pub mod install;
-pub mod plugin;
-pub mod snapshot;
-pub mod spec;
+pub use sluice_cni::{plugin, snapshot, spec};

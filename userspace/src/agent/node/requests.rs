@@ -2,6 +2,7 @@
 //! CNI ADD/DEL/CHECK, status. Kernel work runs off the async workers.
 
 use super::*;
+use crate::control::{CniAdd, CniCheck, CniDel};
 
 impl Node {
     /// Serves one control request.
@@ -12,7 +13,7 @@ impl Node {
                 // A pod the runtime creates meanwhile starts uncaptured, as
                 // every pod will once sluice is gone; a DEL has nothing left
                 // to undo.
-                Request::CniAdd { .. } | Request::CniDel { .. } | Request::CniCheck { .. } => {
+                Request::CniAdd(_) | Request::CniDel(_) | Request::CniCheck(_) => {
                     Response::Skipped {
                         reason: format!(
                             "sluice is being removed from this node ({})",
@@ -62,12 +63,12 @@ impl Node {
                     },
                 }
             }
-            Request::CniAdd {
+            Request::CniAdd(CniAdd {
                 container_id,
                 netns,
                 pod,
                 ips,
-            } => {
+            }) => {
                 let span = info_span!("cni_add", pod = %format!("{}/{}", pod.namespace, pod.name), container = %container_id);
                 let started = Instant::now();
                 let r = async {
@@ -82,11 +83,11 @@ impl Node {
                 self.count_cni(CniCommand::Add, &r, started);
                 r
             }
-            Request::CniDel {
+            Request::CniDel(CniDel {
                 container_id,
                 netns,
                 pod,
-            } => {
+            }) => {
                 let span = info_span!("cni_del", pod = %format!("{}/{}", pod.namespace, pod.name), container = %container_id);
                 let started = Instant::now();
                 let r = async { self.cni_del(&container_id, &netns, &pod).await }
@@ -118,7 +119,7 @@ impl Node {
                     skipped: self.skipped.lock().unwrap().clone(),
                 })
             }
-            Request::CniCheck { pod } => {
+            Request::CniCheck(CniCheck { pod }) => {
                 let started = Instant::now();
                 let r = self
                     .cni_check(&pod)

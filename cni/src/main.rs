@@ -4,12 +4,10 @@
 
 use std::{io::Read, process::ExitCode};
 
-use sluice::{
-    cni::{
-        plugin,
-        spec::{Env, NetConf},
-    },
-    control,
+use sluice_cni::{
+    plugin,
+    spec::{Env, NetConf},
+    wire,
 };
 
 fn main() -> ExitCode {
@@ -19,7 +17,7 @@ fn main() -> ExitCode {
         .map(|c| c.cni_version)
         .unwrap_or_else(|_| "1.0.0".into());
     let result = Env::from_vars(|k| std::env::var(k).ok())
-        .and_then(|env| plugin::run(&env, &stdin, &|sock, req| control::call(sock, None, req)));
+        .and_then(|env| plugin::run(&env, &stdin, &wire::call));
     match result {
         Ok(out) => {
             if let Some(out) = out {

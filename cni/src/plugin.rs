@@ -10,14 +10,14 @@
 
 use std::path::{Path, PathBuf};
 
-use super::{
+use crate::{
     snapshot,
     spec::{CniError, Code, Command, Env, NetConf, PodRef, SUPPORTED_VERSIONS},
+    wire::{Answer, CniAdd, CniCheck, CniDel, PluginRequest, DEFAULT_CONTROL_SOCKET},
 };
-use crate::control::{Request, Response, DEFAULT_CONTROL_SOCKET};
 
 /// Sends a request to the agent at a socket; `Ok(None)` when none listens.
-pub type Call<'a> = dyn Fn(&Path, &Request) -> anyhow::Result<Option<Response>> + 'a;
+pub type Call<'a> = dyn Fn(&Path, &PluginRequest) -> anyhow::Result<Option<Answer>> + 'a;
 
 /// Runs one invocation. `Ok(Some(json))` is printed on stdout; `Ok(None)`
 /// prints nothing; `Err` is printed as a CNI error object (exit 1).
@@ -62,14 +62,14 @@ pub fn run(env: &Env, stdin: &[u8], call: &Call<'_>) -> Result<Option<String>, C
                 );
                 return Ok(Some(prev.to_string()));
             }
-            let req = Request::CniAdd {
+            let req = PluginRequest::CniAdd(CniAdd {
                 container_id: env.container_id.clone(),
                 netns: env.netns.clone().into(),
                 pod: pod.clone(),
                 ips: conf.pod_ips(),
-            };
+            });
             match ask(call, &socket, &req, &pod)? {
-                None | Some(Response::Enrolled { .. } | Response::Skipped { .. }) => {
+                None | Some(Answer::Enrolled { .. } | Answer::Skipped { .. }) => {
                     Ok(Some(prev.to_string()))
                 }
                 Some(other) => Err(refused(&pod.namespace, &pod.name, other)),
@@ -77,21 +77,19 @@ pub fn run(env: &Env, stdin: &[u8], call: &Call<'_>) -> Result<Option<String>, C
         }
         Command::Del => {
             let Some(pod) = pod else { return Ok(None) };
-            let req = Request::CniDel {
+            let req = PluginRequest::CniDel(CniDel {
                 container_id: env.container_id.clone(),
                 netns: env.netns.clone().into(),
                 pod: pod.clone(),
-            };
+            });
             // DEL never fails but for one answer (the spec: a runtime must be
             // able to tear a sandbox down whatever state it is in). Whatever
             // the agent could not do now, it finishes itself: an interrupted
             // teardown at its next verification, a gone pod at its relist.
             match call(&socket, &req) {
-                Ok(Some(r @ Response::Refused { .. })) => {
-                    Err(refused(&pod.namespace, &pod.name, r))
-                }
+                Ok(Some(r @ Answer::Refused { .. })) => Err(refused(&pod.namespace, &pod.name, r)),
                 // No agent: the pod is going away anyway.
-                Ok(None | Some(Response::Unenrolled { .. } | Response::Skipped { .. })) => Ok(None),
+                Ok(None | Some(Answer::Unenrolled { .. } | Answer::Skipped { .. })) => Ok(None),
                 Ok(Some(other)) => {
                     eprintln!(
                         "sluice-cni: DEL {}/{}: the agent answered {other:?}; succeeding (the agent finishes the teardown)",
@@ -114,8 +112,13 @@ pub fn run(env: &Env, stdin: &[u8], call: &Call<'_>) -> Result<Option<String>, C
             if never_asked(&conf, env, &pod).is_some() {
                 return Ok(None);
             }
-            match ask(call, &socket, &Request::CniCheck { pod: pod.clone() }, &pod)? {
-                None | Some(Response::Enrolled { .. } | Response::Skipped { .. }) => Ok(None),
+            match ask(
+                call,
+                &socket,
+                &PluginRequest::CniCheck(CniCheck { pod: pod.clone() }),
+                &pod,
+            )? {
+                None | Some(Answer::Enrolled { .. } | Answer::Skipped { .. }) => Ok(None),
                 Some(other) => Err(refused(&pod.namespace, &pod.name, other)),
             }
         }
@@ -129,7 +132,7 @@ fn never_asked(conf: &NetConf, env: &Env, pod: &PodRef) -> Option<String> {
     if conf.exclude_namespaces.contains(&pod.namespace) {
         return Some(format!("namespace {} is excluded", pod.namespace));
     }
-    crate::netns::path_is_host_like(Path::new(&env.netns))
+    crate::hostns::path_is_host_like(Path::new(&env.netns))
         .map(|why| format!("its netns {} is {why}", env.netns))
 }
 
@@ -140,9 +143,9 @@ fn never_asked(conf: &NetConf, env: &Env, pod: &PodRef) -> Option<String> {
 fn ask(
     call: &Call<'_>,
     socket: &Path,
-    req: &Request,
+    req: &PluginRequest,
     pod: &PodRef,
-) -> Result<Option<Response>, CniError> {
+) -> Result<Option<Answer>, CniError> {
     let down = match call(socket, req) {
         Ok(Some(r)) => return Ok(Some(r)),
         Ok(None) => format!("nothing listens on {}", socket.display()),
@@ -176,9 +179,9 @@ fn ask(
     }
 }
 
-fn refused(namespace: &str, name: &str, r: Response) -> CniError {
+fn refused(namespace: &str, name: &str, r: Answer) -> CniError {
     let details = match r {
-        Response::Error { message } | Response::Refused { message } => message,
+        Answer::Error { message } | Answer::Refused { message } => message,
         other => format!("unexpected answer {other:?}"),
     };
     CniError::new(
@@ -193,7 +196,7 @@ mod tests {
     use std::{cell::RefCell, collections::BTreeMap};
 
     use super::*;
-    use crate::cni::spec::PodRef;
+    use crate::spec::PodRef;
 
     fn env(cmd: &str, args: &str) -> Env {
         let m: BTreeMap<&str, String> = [
@@ -214,14 +217,9 @@ mod tests {
     #[test]
     fn add_returns_prev_result_unchanged_and_sends_pod_identity() {
         let seen = RefCell::new(Vec::new());
-        let call = |p: &Path, r: &Request| {
+        let call = |p: &Path, r: &PluginRequest| {
             seen.borrow_mut().push((p.to_owned(), r.clone()));
-            Ok(Some(Response::Enrolled {
-                uid: "u1".into(),
-                cookie: 1,
-                state: "Enabled".into(),
-                note: None,
-            }))
+            Ok(Some(Answer::Enrolled {}))
         };
         let out = run(&env("ADD", POD), CONF, &call).unwrap().unwrap();
         let conf: serde_json::Value = serde_json::from_slice(CONF).unwrap();
@@ -232,9 +230,9 @@ mod tests {
         let (sock, req) = &seen.borrow()[0];
         assert_eq!(sock, Path::new("/run/test.sock"));
         match req {
-            Request::CniAdd {
+            PluginRequest::CniAdd(CniAdd {
                 pod, ips, netns, ..
-            } => {
+            }) => {
                 assert_eq!(
                     pod,
                     &PodRef {
@@ -252,7 +250,7 @@ mod tests {
 
     #[test]
     fn add_fails_when_the_agent_is_away_or_refuses() {
-        let away = |_: &Path, _: &Request| Ok(None);
+        let away = |_: &Path, _: &PluginRequest| Ok(None);
         let dir = temp_dir("away");
         assert_eq!(
             run(
@@ -265,8 +263,8 @@ mod tests {
             Code::TryAgainLater
         );
         std::fs::remove_dir_all(&dir).unwrap();
-        let refuses = |_: &Path, _: &Request| {
-            Ok(Some(Response::Error {
+        let refuses = |_: &Path, _: &PluginRequest| {
+            Ok(Some(Answer::Error {
                 message: "boom".into(),
             }))
         };
@@ -277,8 +275,9 @@ mod tests {
 
     #[test]
     fn non_kubernetes_containers_pass_through_and_unchained_use_is_refused() {
-        let never =
-            |_: &Path, _: &Request| -> anyhow::Result<Option<Response>> { panic!("agent called") };
+        let never = |_: &Path, _: &PluginRequest| -> anyhow::Result<Option<Answer>> {
+            panic!("agent called")
+        };
         assert!(run(&env("ADD", "IgnoreUnknown=1"), CONF, &never)
             .unwrap()
             .is_some());
@@ -291,16 +290,16 @@ mod tests {
 
     #[test]
     fn del_fails_only_when_the_agent_refuses_a_forged_one() {
-        let error = |_: &Path, _: &Request| {
-            Ok(Some(Response::Error {
+        let error = |_: &Path, _: &PluginRequest| {
+            Ok(Some(Answer::Error {
                 message: "netns gone".into(),
             }))
         };
         assert_eq!(run(&env("DEL", POD), CONF, &error).unwrap(), None);
-        let broken = |_: &Path, _: &Request| Err(anyhow::anyhow!("connection reset"));
+        let broken = |_: &Path, _: &PluginRequest| Err(anyhow::anyhow!("connection reset"));
         assert_eq!(run(&env("DEL", POD), CONF, &broken).unwrap(), None);
-        let forged = |_: &Path, _: &Request| {
-            Ok(Some(Response::Refused {
+        let forged = |_: &Path, _: &PluginRequest| {
+            Ok(Some(Answer::Refused {
                 message: "not the sandbox's container".into(),
             }))
         };
@@ -310,7 +309,7 @@ mod tests {
 
     #[test]
     fn del_without_an_agent_succeeds_and_version_lists_versions() {
-        let away = |_: &Path, _: &Request| Ok(None);
+        let away = |_: &Path, _: &PluginRequest| Ok(None);
         assert_eq!(run(&env("DEL", POD), CONF, &away).unwrap(), None);
         let v = run(&env("VERSION", ""), br#"{"cniVersion":"0.4.0"}"#, &away)
             .unwrap()
@@ -343,8 +342,9 @@ mod tests {
 
     #[test]
     fn excluded_namespaces_and_host_netns_never_reach_the_agent() {
-        let never =
-            |_: &Path, _: &Request| -> anyhow::Result<Option<Response>> { panic!("agent called") };
+        let never = |_: &Path, _: &PluginRequest| -> anyhow::Result<Option<Answer>> {
+            panic!("agent called")
+        };
         let dir = temp_dir("excluded");
         let conf = conf_in(
             &dir,
@@ -369,8 +369,8 @@ mod tests {
 
     #[test]
     fn with_the_agent_down_only_ambient_or_unknown_pods_wait() {
-        let away = |_: &Path, _: &Request| Ok(None);
-        let broken = |_: &Path, _: &Request| Err(anyhow::anyhow!("connection refused"));
+        let away = |_: &Path, _: &PluginRequest| Ok(None);
+        let broken = |_: &Path, _: &PluginRequest| Err(anyhow::anyhow!("connection refused"));
         let dir = temp_dir("down");
         let conf = conf_in(&dir, serde_json::json!({}));
         // No snapshot: it cannot tell, so the pod waits.
