@@ -167,6 +167,10 @@ pub enum ServedCheck {
 pub struct WaitingPod {
     pub uid: String,
     pub last_error: String,
+    /// The last attempt was refused by ztunnel (a nack): the pod's problem,
+    /// not the node's (the node condition stays `True`).
+    #[serde(default)]
+    pub ztunnel_refused: bool,
 }
 
 /// One ztunnel process as the agent sees it.

@@ -266,6 +266,7 @@ mod tests {
             vec![WaitingPod {
                 uid: "u-cart".into(),
                 last_error: "ztunnel nacked add: no workload".into(),
+                ztunnel_refused: true,
             }],
         );
         for q in ["shop/cart", "u-cart"] {

@@ -22,6 +22,8 @@ pub struct PodView {
     pub state: Option<PodState>,
     /// CLOCK_BOOTTIME ns of the last state change.
     pub changed_at_ns: u64,
+    /// Waiting because ztunnel refused its last add (a nack).
+    pub ztunnel_refused: bool,
 }
 
 /// Everything the condition is computed from.
@@ -43,6 +45,9 @@ pub enum Reason {
     CniPluginMissing,
     ZtunnelDisconnected,
     PodsPendingEnrollment,
+    /// Pending because ztunnel refuses them (nacks their add): ztunnel's
+    /// verdict on those pods, so the condition stays True with this reason.
+    PodsRefusedByZtunnel,
     /// Captured and acked, but ztunnel does not know the pod's workload.
     /// The node itself captures: the condition stays True with this reason.
     PodsNotServed,
@@ -64,6 +69,7 @@ impl Reason {
             Reason::CniPluginMissing => "CNIPluginMissing",
             Reason::ZtunnelDisconnected => "ZtunnelDisconnected",
             Reason::PodsPendingEnrollment => "PodsPendingEnrollment",
+            Reason::PodsRefusedByZtunnel => "PodsRefusedByZtunnel",
             Reason::PodsNotServed => "PodsNotServed",
             Reason::AgentStopped => "AgentStopped",
             Reason::AgentNotRunning => "AgentNotRunning",
@@ -74,12 +80,13 @@ impl Reason {
 
 impl Reason {
     /// Every reason, for metrics that show each.
-    pub const ALL: [Reason; 9] = [
+    pub const ALL: [Reason; 10] = [
         Reason::Ready,
         Reason::ProgramsNotLoaded,
         Reason::CniPluginMissing,
         Reason::ZtunnelDisconnected,
         Reason::PodsPendingEnrollment,
+        Reason::PodsRefusedByZtunnel,
         Reason::PodsNotServed,
         Reason::AgentStopped,
         Reason::AgentNotRunning,
@@ -183,11 +190,11 @@ pub fn compute(i: &Inputs) -> Condition {
     }
     let grace = i.pending_grace.as_nanos() as u64;
     let waited = |p: &&PodView| i.now_ns.saturating_sub(p.changed_at_ns);
-    let late = |pick: fn(Option<PodState>) -> bool| {
+    let late = |pick: fn(&PodView) -> bool| {
         let mut late: Vec<&PodView> = i
             .pods
             .iter()
-            .filter(|p| pick(p.state))
+            .filter(|p| pick(p))
             .filter(|p| waited(p) > grace)
             .collect();
         late.sort_unstable_by(|a, b| a.name.cmp(&b.name));
@@ -204,7 +211,10 @@ pub fn compute(i: &Inputs) -> Condition {
         }
         names
     };
-    let pending = late(|s| !s.is_some_and(PodState::steers));
+    fn waits(p: &PodView) -> bool {
+        !p.state.is_some_and(PodState::steers)
+    }
+    let pending = late(|p| waits(p) && !p.ztunnel_refused);
     if !pending.is_empty() {
         return not_ready(
             Reason::PodsPendingEnrollment,
@@ -216,10 +226,25 @@ pub fn compute(i: &Inputs) -> Condition {
             ),
         );
     }
-    // The node captures them: what they lack is on istiod's and ztunnel's
-    // side, so the node stays True (no taint, the agent stays Ready: an
-    // istiod outage must not take every node out), and says which pods wait.
-    let unserved = late(|s| s == Some(PodState::Enabled));
+    // Below, the node captures and enrolls: what the pods lack is on
+    // ztunnel's or istiod's side, so the node stays True (no taint under a
+    // continuous NodeReadinessRule, the agent stays Ready: one pod ztunnel
+    // refuses, or an istiod outage, must not take nodes out), and the
+    // message says which pods wait.
+    let refused = late(|p| waits(p) && p.ztunnel_refused);
+    if !refused.is_empty() {
+        return Condition {
+            ready: true,
+            reason: Reason::PodsRefusedByZtunnel,
+            message: format!(
+                "{} of {total} ambient pods refused by ztunnel (it nacks their add; the pods wait, the node captures) for >{}s: {}",
+                refused.len(),
+                i.pending_grace.as_secs(),
+                named(&refused)
+            ),
+        };
+    }
+    let unserved = late(|p| p.state == Some(PodState::Enabled));
     if !unserved.is_empty() {
         return Condition {
             ready: true,
@@ -250,6 +275,14 @@ mod tests {
             name: name.into(),
             state: Some(state),
             changed_at_ns: changed_s * S,
+            ztunnel_refused: false,
+        }
+    }
+
+    fn refused(name: &str, changed_s: u64) -> PodView {
+        PodView {
+            ztunnel_refused: true,
+            ..pod(name, PodState::Pending, changed_s)
         }
     }
 
@@ -272,6 +305,9 @@ mod tests {
         let mut i = ok.clone();
         i.pods.push(pod("ns/c", PodState::Enabled, 50));
         assert_eq!(compute(&i).reason, Reason::PodsNotServed);
+        i.pods.push(refused("ns/r", 50));
+        assert_eq!(compute(&i).reason, Reason::PodsRefusedByZtunnel);
+        assert!(compute(&i).ready);
         i.pods.push(pod("ns/b", PodState::Pending, 50));
         assert_eq!(compute(&i).reason, Reason::PodsPendingEnrollment);
         i.ztunnel_connected = false;
@@ -328,5 +364,31 @@ mod tests {
         // Within the grace: plain ready.
         let c = compute(&inputs(vec![pod("ns/fresh", PodState::Enabled, 95)]));
         assert_eq!((c.ready, c.reason), (true, Reason::Ready));
+    }
+
+    #[test]
+    fn one_pod_ztunnel_refuses_does_not_take_the_node_out() {
+        let pods = vec![
+            refused("shop/cart", 58),
+            refused("shop/fresh", 95),
+            pod("ns/ok", PodState::Served, 1),
+        ];
+        let c = compute(&inputs(pods));
+        assert_eq!((c.ready, c.reason), (true, Reason::PodsRefusedByZtunnel));
+        assert_eq!(
+            c.message,
+            "1 of 3 ambient pods refused by ztunnel (it nacks their add; the pods wait, the node captures) for >10s: shop/cart (42s)"
+        );
+        // A pod waiting for the node's own reasons still makes it False.
+        let c = compute(&inputs(vec![
+            refused("shop/cart", 58),
+            pod("shop/web", PodState::Pending, 58),
+        ]));
+        assert_eq!((c.ready, c.reason), (false, Reason::PodsPendingEnrollment));
+        assert!(
+            c.message.starts_with("1 of 2 ambient pods pending"),
+            "{}",
+            c.message
+        );
     }
 }

@@ -4,7 +4,7 @@
 //! acks with an empty Ack, and disconnects on protocol errors. Flags make it
 //! misbehave on purpose. Every event is printed to stdout as a JSON line.
 //!
-//! sluice-zds-peer --socket PATH [--nack TEXT] [--no-ack] [--v4-only]
+//! sluice-zds-peer --socket PATH [--nack TEXT] [--no-ack] [--ack-without-listening] [--v4-only]
 //!                 [--hello-version N] [--hold-acks-until FILE]
 //!                 [--admin-workloads FILE | --no-admin] [--admin-port N]
 //!
@@ -15,6 +15,9 @@
 //! the pod netns). `--admin-workloads FILE`: list what FILE holds instead (a
 //! JSON array of workloads, read at every request; missing = empty), so a
 //! test decides what ztunnel "knows". `--no-admin`: nothing listens.
+//!
+//! `--ack-without-listening`: ack every add but open no listeners — a
+//! ztunnel broken on its side of the exchange, not refusing the pod.
 //!
 //! `--hold-acks-until FILE`: open a pod's listeners (event `listening`) but
 //! ack its add only once FILE exists — a ztunnel whose acks come late, so a
@@ -47,6 +50,7 @@ struct Opts {
     socket: PathBuf,
     nack: Option<String>,
     no_ack: bool,
+    ack_without_listening: bool,
     bind: Bind,
     hello_version: i32,
     hold_acks_until: Option<PathBuf>,
@@ -67,6 +71,7 @@ fn opts() -> Opts {
         socket: PathBuf::new(),
         nack: None,
         no_ack: false,
+        ack_without_listening: false,
         bind: Bind::DualStack,
         hello_version: Version::V1 as i32,
         hold_acks_until: None,
@@ -79,6 +84,7 @@ fn opts() -> Opts {
             "--socket" => o.socket = args.next().expect("--socket PATH").into(),
             "--nack" => o.nack = Some(args.next().expect("--nack TEXT")),
             "--no-ack" => o.no_ack = true,
+            "--ack-without-listening" => o.ack_without_listening = true,
             "--v4-only" => o.bind = Bind::V4Only,
             "--hello-version" => o.hello_version = args.next().expect("N").parse().expect("number"),
             "--hold-acks-until" => o.hold_acks_until = Some(args.next().expect("FILE").into()),
@@ -248,6 +254,8 @@ fn session(fd: &OwnedFd, o: &Opts, on_accept: &OnAccept) -> Result<(), String> {
                     None
                 } else if let Some(t) = &o.nack {
                     Some(WorkloadResponse::nack(t))
+                } else if o.ack_without_listening {
+                    Some(WorkloadResponse::ack())
                 } else {
                     let netns = fds.pop().unwrap();
                     let ino = nix::sys::stat::fstat(netns.as_raw_fd())

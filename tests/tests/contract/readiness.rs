@@ -102,8 +102,9 @@ fn pending_then_ready() -> TestResult {
     );
     ensure!(http_get(port, "/healthz")?.0 == 200);
 
-    // A ztunnel that refuses the pod: it stays Pending; after the grace the
-    // node is not ready, naming the pod.
+    // A ztunnel that refuses the pod: it stays Pending. That is ztunnel's
+    // verdict on one pod, not a fault of the node: after the grace the
+    // condition stays True, its reason naming the pod.
     let mut refusing = PeerProc::start(Path::new(PEER), &agent.zds, &["--nack", "not today"])?;
     agent.wait_ztunnel(
         refusing.pid().context("no pid")?,
@@ -117,6 +118,27 @@ fn pending_then_ready() -> TestResult {
         out.stdout,
         out.stderr
     );
+    let n = wait_reason(&agent, "PodsRefusedByZtunnel")?;
+    let msg = n["agent"]["condition"]["message"]
+        .as_str()
+        .unwrap_or_default();
+    ensure!(
+        msg.starts_with("1 of 1 ambient pods refused by ztunnel (it nacks their add; the pods wait, the node captures) for >1s: shop/cart ("),
+        "{msg}"
+    );
+    ensure!(n["agent"]["condition"]["ready"] == true, "{n}");
+    ensure!(
+        n["agent"]["waiting"][0]["ztunnel_refused"] == true,
+        "{}",
+        n["agent"]["waiting"]
+    );
+    ensure!(http_get(port, "/readyz")?.0 == 200);
+
+    // A ztunnel that acks but opens no listeners: nothing refuses the pod,
+    // capture just cannot complete, so past the grace the node is not
+    // ready, naming the pod.
+    refusing.kill();
+    let mut broken = PeerProc::start(Path::new(PEER), &agent.zds, &["--ack-without-listening"])?;
     let n = wait_reason(&agent, "PodsPendingEnrollment")?;
     let msg = n["agent"]["condition"]["message"]
         .as_str()
@@ -137,7 +159,7 @@ fn pending_then_ready() -> TestResult {
 
     // A ztunnel that takes it (and knows its workload): its snapshot's add
     // is acked, the pod Served, the node ready.
-    refusing.kill();
+    broken.kill();
     let _taking = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
     f.wait_state("Served")?;
     let n = wait_reason(&agent, "RedirectionReady")?;

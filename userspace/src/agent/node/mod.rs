@@ -56,6 +56,8 @@ mod supervise;
 mod uninstall;
 mod zds;
 
+use pods::Cause;
+
 pub use uninstall::Uninstall;
 
 /// How often Enabled pods are checked for their listeners, at most.
@@ -265,18 +267,22 @@ impl super::report::Inputs for Node {
         pending_grace: Duration,
     ) -> readiness::Inputs {
         let dp = self.dp.lock().unwrap();
+        let refused = self.pods.refused_by_ztunnel();
         let pods = dp
             .maps
             .states()
             .into_iter()
-            .map(|(cookie, e)| PodView {
-                name: dp
-                    .maps
-                    .meta(cookie)
-                    .map(|m| format!("{}/{}", m.workload.namespace, m.workload.name))
-                    .unwrap_or_else(|| format!("netns:{cookie}")),
-                state: e.state(),
-                changed_at_ns: e.changed_at_ns,
+            .map(|(cookie, e)| {
+                let meta = dp.maps.meta(cookie);
+                PodView {
+                    name: meta
+                        .as_ref()
+                        .map(|m| format!("{}/{}", m.workload.namespace, m.workload.name))
+                        .unwrap_or_else(|| format!("netns:{cookie}")),
+                    state: e.state(),
+                    changed_at_ns: e.changed_at_ns,
+                    ztunnel_refused: meta.is_some_and(|m| refused.contains(&m.uid)),
+                }
             })
             .collect();
         readiness::Inputs {

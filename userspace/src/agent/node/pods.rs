@@ -30,6 +30,22 @@ pub(super) struct Retry {
     in_flight: bool,
     /// Why the last attempt left the pod Pending.
     last_error: Option<String>,
+    /// Whose the last failure was.
+    cause: Cause,
+}
+
+/// Whose fault a failed attempt is, for the node condition: a pod ztunnel
+/// refuses is that pod's problem (the node captures, others enroll), so it
+/// must not take the whole node out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(super) enum Cause {
+    /// ztunnel answered the add with an error (a nack): its verdict on this
+    /// pod.
+    ZtunnelRefused,
+    /// Anything else: no ztunnel, ZDS broke, listeners never appeared, the
+    /// node's own capture failed.
+    #[default]
+    Other,
 }
 
 impl Retry {
@@ -40,6 +56,7 @@ impl Retry {
             backoff: RETRY_MIN,
             in_flight,
             last_error,
+            cause: Cause::Other,
         }
     }
 }
@@ -187,10 +204,11 @@ impl PodTable {
 
     /// The pod's attempt failed: the next one is due after the backoff,
     /// which doubles (up to `RETRY_MAX`).
-    pub(super) fn failed(&self, uid: &str, why: &str) {
+    pub(super) fn failed(&self, uid: &str, cause: Cause, why: &str) {
         self.retry(uid, |r| {
             r.in_flight = false;
             r.last_error = Some(why.to_owned());
+            r.cause = cause;
             r.due = Some(Instant::now() + r.backoff);
             r.backoff = (r.backoff * 2).min(RETRY_MAX);
         });
@@ -269,6 +287,17 @@ impl PodTable {
         .unwrap_or(false)
     }
 
+    /// The uids of waiting pods whose last attempt ztunnel refused.
+    pub(super) fn refused_by_ztunnel(&self) -> std::collections::HashSet<String> {
+        self.by_uid
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, p)| matches!(&p.plan, Plan::Retry(r) if r.cause == Cause::ZtunnelRefused))
+            .map(|(uid, _)| uid.clone())
+            .collect()
+    }
+
     /// Pods that wait, with why their last attempt failed.
     pub(super) fn waiting(&self) -> Vec<WaitingPod> {
         let mut out: Vec<WaitingPod> = self
@@ -282,6 +311,7 @@ impl PodTable {
                 Some(WaitingPod {
                     uid: uid.clone(),
                     last_error: e.clone(),
+                    ztunnel_refused: r.cause == Cause::ZtunnelRefused,
                 })
             })
             .collect();
@@ -311,13 +341,18 @@ mod tests {
         let now = Instant::now();
         assert!(!t.take_due("u1", now), "not twice while in flight");
         assert!(t.in_flight("u1"));
-        t.failed("u1", "nack");
+        t.failed("u1", Cause::ZtunnelRefused, "nack");
         assert!(!t.take_due("u1", Instant::now()), "backing off");
+        assert!(t.waiting()[0].ztunnel_refused);
+        assert_eq!(t.refused_by_ztunnel(), ["u1".to_string()].into());
         assert!(t.take_due("u1", Instant::now() + RETRY_MIN));
-        t.failed("u1", "nack again");
+        t.failed("u1", Cause::Other, "add failed: connection reset");
         // The backoff doubled: one minimum interval is not enough any more.
         assert!(!t.take_due("u1", Instant::now() + RETRY_MIN));
-        assert_eq!(t.waiting()[0].last_error, "nack again");
+        // The last failure decides whose it is.
+        assert_eq!(t.waiting()[0].last_error, "add failed: connection reset");
+        assert!(!t.waiting()[0].ztunnel_refused);
+        assert!(t.refused_by_ztunnel().is_empty());
         t.acked_by("u1", Some(42));
         t.taken("u1");
         assert_eq!(t.staying()[0].ztunnel, Some(Ztunnel::Pid(42)));
@@ -329,12 +364,12 @@ mod tests {
     fn a_leaving_pod_is_never_offered_again() {
         let t = PodTable::default();
         t.insert(7, pod("u1"), None);
-        t.failed("u1", "nack");
+        t.failed("u1", Cause::ZtunnelRefused, "nack");
         t.leaving("u1");
         for _ in 0..2 {
             assert!(!t.take_due("u1", Instant::now() + RETRY_MAX));
             // A late answer or a snapshot cannot bring it back.
-            t.failed("u1", "late nack");
+            t.failed("u1", Cause::ZtunnelRefused, "late nack");
             t.attempting("u1");
             t.waits_again("u1", "listeners gone");
         }
@@ -346,7 +381,7 @@ mod tests {
     fn unknown_pods_are_never_due() {
         let t = PodTable::default();
         assert!(!t.take_due("nope", Instant::now()));
-        t.failed("nope", "x");
+        t.failed("nope", Cause::Other, "x");
         assert!(t.waiting().is_empty());
         assert_eq!(t.cookie("nope"), None);
     }

@@ -38,8 +38,8 @@ impl Node {
     }
 
     /// Schedules a retry with exponential backoff.
-    pub(super) fn fail(&self, uid: &str, why: &str) {
-        self.pods.failed(uid, why);
+    pub(super) fn fail(&self, uid: &str, cause: Cause, why: &str) {
+        self.pods.failed(uid, cause, why);
     }
 
     /// Keeps the map's states true: Enabled pods whose listeners are gone

@@ -29,7 +29,7 @@ impl Node {
         pid: Option<i32>,
         out: Result<Answer, ZdsError>,
     ) -> Result<(), String> {
-        let why = match out {
+        let (cause, why) = match out {
             Ok(Answer::Ack) => {
                 self.metrics().zds_answer(true);
                 // Before the pod can turn Enabled: the served check asks this one.
@@ -45,7 +45,7 @@ impl Node {
                     Err(e) => {
                         self.metrics().failed(Failure::NoListeners);
                         self.pod_event(uid, Reason::ZtunnelListenersMissing, &e);
-                        e
+                        (Cause::Other, e)
                     }
                 }
             }
@@ -58,15 +58,15 @@ impl Node {
                 );
                 self.metrics().zds_answer(false);
                 self.metrics().failed(Failure::Nack);
-                format!("ztunnel nacked add: {t}")
+                (Cause::ZtunnelRefused, format!("ztunnel nacked add: {t}"))
             }
             Err(e) => {
                 warn!(%uid, error = %e, "add failed");
                 self.metrics().failed(Failure::Zds);
-                format!("add failed: {e}")
+                (Cause::Other, format!("add failed: {e}"))
             }
         };
-        self.fail(uid, &why);
+        self.fail(uid, cause, &why);
         self.release_orphans(Some(uid));
         Err(why)
     }
