@@ -230,6 +230,32 @@ impl AddrKey {
     }
 }
 
+/// Why the tc programs dropped a packet for what it is rather than for a
+/// pod's state: the index into the node-wide `drops` counter array. Such a
+/// packet may not say which pod sent it, so these are not per pod.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DropReason {
+    /// IPv6 whose extension-header chain is longer than the programs walk,
+    /// or cut short: it could hide a TCP SYN, so it never leaves a captured
+    /// interface.
+    Malformed = 0,
+}
+
+impl DropReason {
+    pub const ALL: [DropReason; 1] = [DropReason::Malformed];
+
+    /// The metric label.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            DropReason::Malformed => "malformed",
+        }
+    }
+}
+
+/// Entries of the `drops` array (one per [`DropReason`]).
+pub const DROP_REASONS: u32 = DropReason::ALL.len() as u32;
+
 /// Per-pod counters (per-CPU map, key: netns cookie), summed by user space.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -16,14 +16,14 @@ use aya_ebpf::{
 };
 use core::ffi::c_void;
 use sluice_common::{
-    Counters, FlowKey, HintVerdict, Role, FAMILY_V4, MARK_MASK, MARK_REDIRECT, MARK_ZTUNNEL,
-    POD_FLAG_BYPASS_INBOUND, PORT_HBONE, PORT_OUTBOUND,
+    Counters, DropReason, FlowKey, HintVerdict, Role, FAMILY_V4, MARK_MASK, MARK_REDIRECT,
+    MARK_ZTUNNEL, POD_FLAG_BYPASS_INBOUND, PORT_HBONE, PORT_OUTBOUND,
 };
 
 use crate::{
     addr::{is_loopback, is_probe},
     dns,
-    maps::{count, FLOW_HINTS, NODE_NETNS, POD_STATE},
+    maps::{count, count_drop, FLOW_HINTS, NODE_NETNS, POD_STATE},
     packet::{parse, parse_tcp, Parsed, Tcp},
     tc::{
         listener_present, mark, mark_redirect, netns_cookie, pod_flags, pod_of, put_hint,
@@ -50,7 +50,7 @@ pub fn egress(ctx: &TcContext) -> i32 {
             }
             let cookie = netns_cookie(ctx);
             if unsafe { POD_STATE.get(cookie) }.is_some() {
-                count(cookie, |c: &mut Counters| &mut c.dropped_fail_closed);
+                count_drop(DropReason::Malformed);
                 return TC_SHOT;
             }
             return TC_OK;
@@ -170,7 +170,10 @@ pub fn reroute_ingress(ctx: &TcContext) -> i32 {
         Parsed::Tcp(t) => t,
         Parsed::Udp(_) | Parsed::Other => return TC_OK,
         // A SYN could hide there: nothing opaque passes a captured interface.
-        Parsed::Opaque => return TC_SHOT,
+        Parsed::Opaque => {
+            count_drop(DropReason::Malformed);
+            return TC_SHOT;
+        }
     };
     if !t.is_syn() {
         if terminated_locally(ctx, &t) {

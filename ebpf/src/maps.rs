@@ -4,11 +4,11 @@
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuHashMap, SockHash},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, SockHash},
 };
 use sluice_common::{
-    AddrKey, Counters, DnsCounters, DnsFlow, DnsFlowKey, FlowHint, FlowKey, ListenerKey, PodEntry,
-    PodMeta, Stamp, REROUTE_LEN,
+    AddrKey, Counters, DnsCounters, DnsFlow, DnsFlowKey, DropReason, FlowHint, FlowKey,
+    ListenerKey, PodEntry, PodMeta, Stamp, DROP_REASONS, REROUTE_LEN,
 };
 
 /// Upper bound on pods per node (Kubernetes' default max-pods is 110).
@@ -91,6 +91,20 @@ pub static DNS_FLOWS: LruHashMap<DnsFlowKey, DnsFlow> = LruHashMap::pinned(8192,
 /// Per-pod DNS capture counters. Per-CPU like `counters`.
 #[map(name = "dns_counters")]
 pub static DNS_COUNTERS: PerCpuHashMap<u64, DnsCounters> = PerCpuHashMap::pinned(MAX_PODS, 0);
+
+/// Packets dropped for what they are, by [`DropReason`] (node-wide: such a
+/// packet may not say which pod sent it). Per-CPU like `counters`.
+#[map(name = "drops")]
+pub static DROPS: PerCpuArray<u64> = PerCpuArray::pinned(DROP_REASONS, 0);
+
+/// Adds one to the node-wide count of drops for `reason`.
+#[inline(always)]
+pub fn count_drop(reason: DropReason) {
+    if let Some(c) = DROPS.get_ptr_mut(reason as u32) {
+        // Per-CPU value: no other writer, a plain add is enough.
+        unsafe { *c += 1 };
+    }
+}
 
 /// Adds one to a pod's DNS counter, creating the entry on first use.
 #[inline(always)]

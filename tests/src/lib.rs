@@ -16,6 +16,7 @@ pub mod mockapi;
 pub mod ns;
 pub mod routed;
 pub mod sink;
+pub mod sniff;
 pub mod standin;
 pub mod topology;
 pub mod wait;

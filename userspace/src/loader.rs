@@ -9,7 +9,7 @@
 //! ```text
 //! progs/{steer,egress,ingress,lo,host,reroute}   the six programs
 //! maps/{pod_state,pod_meta,pod_addrs,pod_flags,pod_reroute,listeners,counters,flow_hints,node_netns,stamp,
-//!      dns_listeners,dns_flows,dns_counters}
+//!      dns_listeners,dns_flows,dns_counters,drops}
 //! maps_next/                        only during a migration
 //! pods/<netns cookie>/{steer,egress_<if>,ingress_<if> or reroute_<if>,lo,host_<if>}   a pod's links
 //! ```
@@ -855,6 +855,7 @@ mod tests {
             ("dns_counters", (5, 8, 40)),
             ("dns_flows", (9, 24, 32)),
             ("dns_listeners", (18, 16, 4)),
+            ("drops", (6, 4, 8)),
             ("flow_hints", (9, 40, 24)),
             ("listeners", (18, 16, 4)),
             ("node_netns", (2, 4, 8)),

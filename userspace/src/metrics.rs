@@ -32,6 +32,8 @@ pub struct Sample {
     pub dns: sluice_common::DnsCounters,
     /// Enrolled pods by DNS mode (captured, pass-through, off).
     pub dns_modes: Vec<(&'static str, u64)>,
+    /// Node-wide drops by reason (`DropReason`).
+    pub drops: Vec<(&'static str, u64)>,
 }
 
 /// Where samples come from (the agent's node view).
@@ -509,6 +511,13 @@ impl Collector for MapCollector {
                 ("no_listener", k.missing_socket),
             ],
         )?;
+        counters(
+            &mut enc,
+            "dropped_packets",
+            "Packets the programs dropped for what they are, not for a pod's state (node-wide): malformed = IPv6 whose extension headers hide what it carries",
+            "reason",
+            &s.drops,
+        )?;
         Ok(())
     }
 }
@@ -549,6 +558,7 @@ mod tests {
                     ..Default::default()
                 },
                 dns_modes: vec![("captured", 2), ("off", 1)],
+                drops: vec![("malformed", 4)],
             }
         }
     }
@@ -575,6 +585,7 @@ mod tests {
             "sluice_pods{state=\"Enabled\"} 2",
             "sluice_captured_connections_total{listener=\"inbound\"} 7",
             "sluice_dropped_syns_total{reason=\"not_enabled\"} 3",
+            "sluice_dropped_packets_total{reason=\"malformed\"} 4",
             "sluice_dns_queries_total{result=\"captured_udp\"} 5",
             "sluice_dns_answers_total{result=\"unmapped\"} 1",
             "sluice_dns_pods{mode=\"captured\"} 2",

@@ -4,13 +4,13 @@
 
 use std::path::Path;
 
-use aya::maps::{HashMap, Map, MapData, MapError, PerCpuHashMap, SockHash};
+use aya::maps::{HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap, SockHash};
 use serde::Serialize;
 use std::net::IpAddr;
 
 use sluice_common::{
-    AddrKey, Counters, DnsCounters, FlowHint, FlowKey, ListenerKey, PodEntry, PodMeta, PodState,
-    Role, FAMILY_V4, FAMILY_V6, NAMESPACE_LEN, NETNS_PATH_LEN, POD_NAME_LEN, POD_UID_LEN,
+    AddrKey, Counters, DnsCounters, DropReason, FlowHint, FlowKey, ListenerKey, PodEntry, PodMeta,
+    PodState, Role, FAMILY_V4, FAMILY_V6, NAMESPACE_LEN, NETNS_PATH_LEN, POD_NAME_LEN, POD_UID_LEN,
     REROUTE_LEN, SERVICE_ACCOUNT_LEN,
 };
 
@@ -54,6 +54,8 @@ pub struct Maps {
     /// ztunnel's DNS proxy sockets and the DNS counters; `None` as `pod_flags`.
     dns_listeners: Option<SockHash<MapData, ListenerKey>>,
     dns_counters: Option<PerCpuHashMap<MapData, u64, DnsCounters>>,
+    /// Node-wide drops by `DropReason`; `None` as `pod_flags`.
+    drops: Option<PerCpuArray<MapData, u64>>,
     /// Told of every state change (the agent; none for the CLI).
     observer: Option<Observer>,
 }
@@ -173,6 +175,7 @@ impl Maps {
             pod_reroute: take("pod_reroute").ok().and_then(|m| m.try_into().ok()),
             dns_listeners: take("dns_listeners").ok().and_then(|m| m.try_into().ok()),
             dns_counters: take("dns_counters").ok().and_then(|m| m.try_into().ok()),
+            drops: take("drops").ok().and_then(|m| m.try_into().ok()),
             observer: None,
         })
     }
@@ -422,6 +425,14 @@ impl Maps {
         self.dns_listeners
             .iter()
             .flat_map(|m| m.keys().filter_map(Result::ok))
+    }
+
+    /// Packets the programs dropped node-wide for `reason`, summed over CPUs.
+    pub fn drops(&self, reason: DropReason) -> u64 {
+        self.drops
+            .as_ref()
+            .and_then(|m| m.get(&(reason as u32), 0).ok())
+            .map_or(0, |per_cpu| per_cpu.iter().sum())
     }
 
     pub fn dns_counters(&self, cookie: u64) -> DnsCounters {

@@ -10,6 +10,7 @@ use sluice_tests::{
     harness::{Fixture, APP_PORT, REMOTE_PORT, UDP_PORT},
     standin::{Bind, StandIn},
     topology::Family,
+    wait,
 };
 
 use crate::{trial, TestResult};
@@ -51,6 +52,10 @@ pub fn trials() -> Vec<Trial> {
     v.push(trial(
         "contract::ipv6::x1_extension_headers_do_not_hide_tcp_from_capture",
         x1,
+    ));
+    v.push(trial(
+        "contract::ipv6::x4_a_header_chain_too_long_to_read_never_leaves_the_pod",
+        x4,
     ));
     for fam in [Family::V4, Family::V6] {
         v.push(trial(
@@ -283,6 +288,62 @@ fn x1() -> TestResult {
             "inbound with {ext:?} was not captured: {acc:?}"
         );
     }
+    Ok(())
+}
+
+/// An IPv6 packet whose extension-header chain is longer than the programs
+/// walk (six) could hide a SYN around ztunnel: it never leaves an enrolled
+/// pod, and is counted as a malformed drop. Released, the pod sends the
+/// same packet out (so the sniffer would have seen it).
+fn x4() -> TestResult {
+    use sluice_tests::sniff::{send_dstopts_chain, Sniffer};
+    let f = enabled("x4", Bind::DualStack)?;
+    let (std::net::IpAddr::V6(pod), std::net::IpAddr::V6(client)) =
+        (f.topo.pod_ip(Family::V6), f.topo.client_ip(Family::V6))
+    else {
+        anyhow::bail!("the topology's v6 addresses are not v6");
+    };
+    let sniffer = Sniffer::start(&f.topo.client)?;
+    let hidden = |s: &sluice_tests::sniff::Seen| s.src == pod && s.next_header == 60;
+    let malformed = || -> anyhow::Result<u64> {
+        let maps = sluice::state::Maps::open_pinned(&f.topo.pins.maps())?;
+        Ok(maps.drops(sluice_common::DropReason::Malformed))
+    };
+    send_dstopts_chain(&f.topo.pod, client, REMOTE_PORT, 7)?;
+    // A datagram behind it on the same path, which leaves (row O5): once the
+    // client has it, the chain would have arrived too.
+    let marker = b"sluice-x4-marker";
+    sluice_tests::ns::run_in(&f.topo.pod, move || {
+        let s = std::net::UdpSocket::bind("[::]:0")?;
+        s.send_to(marker, sa(client.into(), UDP_PORT)).map(drop)
+    })?;
+    let mut seen = Vec::new();
+    wait::until("the marker datagram at the client", wait::DEADLINE, || {
+        seen.extend(sniffer.drain());
+        if seen
+            .iter()
+            .any(|s| s.src == pod && s.payload.ends_with(marker))
+        {
+            Ok(())
+        } else {
+            Err(seen.len())
+        }
+    })?;
+    ensure!(
+        !seen.iter().any(hidden),
+        "the chain left the enrolled pod: {seen:?}"
+    );
+    ensure!(malformed()? == 1, "malformed drops: {}", malformed()?);
+    f.unenroll()?;
+    send_dstopts_chain(&f.topo.pod, client, REMOTE_PORT, 7)?;
+    wait::until("the chain from the released pod", wait::DEADLINE, || {
+        let now = sniffer.drain();
+        if now.iter().any(hidden) {
+            Ok(())
+        } else {
+            Err(now)
+        }
+    })?;
     Ok(())
 }
 

@@ -139,6 +139,10 @@ impl metrics::Source for MapSource {
             kernel: CounterView::from(kernel),
             dns,
             dns_modes,
+            drops: sluice_common::DropReason::ALL
+                .iter()
+                .map(|r| (r.as_str(), dp.maps.drops(*r)))
+                .collect(),
         }
     }
 }
