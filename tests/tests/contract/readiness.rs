@@ -335,6 +335,13 @@ fn tainted_node_api(log: Arc<Mutex<Vec<(String, Value)>>>) -> kube::Client {
         while let Some((req, send)) = handle.next_request().await {
             let (method, path) = (req.method().clone(), req.uri().path().to_owned());
             let body = req.into_body().collect_bytes().await.unwrap_or_default();
+            // Events on the (cluster-scoped) node land in `default`.
+            if path == "/apis/events.k8s.io/v1/namespaces/default/events" {
+                let ev: Value = serde_json::from_slice(&body).unwrap();
+                log.lock().unwrap().push((path.clone(), ev.clone()));
+                mockapi::reply(send, 200, &ev);
+                continue;
+            }
             if method == Method::PATCH {
                 let v: Value = serde_json::from_slice(&body).unwrap();
                 match path.as_str() {
@@ -385,7 +392,6 @@ fn untaint_when_ready() -> TestResult {
             node.clone() as Arc<dyn server::Handler>,
             stop.clone(),
         ));
-        let _peer = PeerProc::start(Path::new(PEER), &zds, &[])?;
         let cfg = ReportConfig {
             untaint: vec!["cni.istio.io/not-ready".into()],
             ..ReportConfig::default()
@@ -402,6 +408,18 @@ fn untaint_when_ready() -> TestResult {
             Some(api),
             stop.clone(),
         ));
+        // Not ready until a ztunnel connects; then the flip is an Event on
+        // the node.
+        wait::until_async("the first condition written", wait::DEADLINE, || {
+            let l = log.lock().unwrap().clone();
+            if l.iter().any(|(p, _)| p.ends_with("/status")) {
+                Ok(())
+            } else {
+                Err(l)
+            }
+        })
+        .await?;
+        let _peer = PeerProc::start(Path::new(PEER), &zds, &[])?;
         wait::until_async("the taint removed", wait::DEADLINE, || {
             let l = log.lock().unwrap().clone();
             if l.iter().any(|(p, _)| p == "/api/v1/nodes/node-a") {
@@ -437,6 +455,21 @@ fn untaint_when_ready() -> TestResult {
                 .count()
                 == 1,
             "the taint is removed once: {log:?}"
+        );
+        let events: Vec<&Value> = log
+            .iter()
+            .filter(|(p, _)| p.contains("/events"))
+            .map(|(_, v)| v)
+            .collect();
+        ensure!(
+            events.iter().any(|e| e["reason"] == "RedirectionReady"
+                && e["type"] == "Normal"
+                && e["regarding"]["kind"] == "Node"
+                && e["regarding"]["name"] == "node-a"
+                && e["note"]
+                    .as_str()
+                    .is_some_and(|n| n.starts_with("RedirectionReady: "))),
+            "no RedirectionReady event on the node: {events:?}"
         );
         Ok(())
     });

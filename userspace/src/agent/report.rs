@@ -143,6 +143,10 @@ pub async fn run<N: Inputs>(
             cfg.heartbeat,
         )
     });
+    // Flips of the condition, as Events on the Node (`kubectl describe node`).
+    let events = api
+        .as_ref()
+        .map(|a| crate::kube::events::Events::start(a.client.clone(), &a.node));
     let mut untainted = false;
     let mut last_pass = Instant::now();
     loop {
@@ -162,6 +166,21 @@ pub async fn run<N: Inputs>(
         let before = report.condition();
         if before.as_ref().map(|b| (b.ready, b.reason)) != Some((cond.ready, cond.reason)) {
             info!(ready = cond.ready, reason = cond.reason.as_str(), message = %cond.message, "node condition");
+        }
+        // Not for the first pass: the condition itself shows where it starts.
+        if let (Some(b), Some(ev)) = (&before, &events) {
+            if b.ready != cond.ready {
+                use crate::kube::events::Reason as Ev;
+                let reason = if cond.ready {
+                    Ev::RedirectionReady
+                } else {
+                    Ev::RedirectionNotReady
+                };
+                ev.node(
+                    reason,
+                    format!("{}: {}", cond.reason.as_str(), cond.message),
+                );
+            }
         }
         report
             .metrics

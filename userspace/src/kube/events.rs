@@ -1,6 +1,8 @@
-//! Kubernetes Events on pods: what `kubectl describe pod` and `kubectl get
-//! events` show when the agent could not capture a pod, ztunnel would not
-//! take it, or the agent changed its capture behind the scenes. Failures of
+//! Kubernetes Events on pods and on the node: what `kubectl describe pod`,
+//! `kubectl describe node` and `kubectl get events` show when the agent could
+//! not capture a pod, ztunnel would not take it, the agent changed its
+//! capture behind the scenes, or the node's redirection readiness flipped
+//! (ztunnel gone, plugin missing…). Failures of
 //! CNI ADD itself are not repeated here: kubelet already records the
 //! plugin's error on the pod (`FailedCreatePodSandBox`).
 //!
@@ -44,6 +46,11 @@ pub enum Reason {
     /// The pod carried istio-cni's in-pod rules: sluice captures it now and
     /// removed them.
     TookOverFromIstioCni,
+    /// On the node: its condition turned True (the note has the reason).
+    RedirectionReady,
+    /// On the node: its condition turned False (ztunnel disconnected, the
+    /// plugin missing, pods pending…; the note has the reason and message).
+    RedirectionNotReady,
 }
 
 impl Reason {
@@ -57,13 +64,18 @@ impl Reason {
             Self::CaptureRepaired => "CaptureRepaired",
             Self::CaptureReleased => "CaptureReleased",
             Self::TookOverFromIstioCni => "TookOverFromIstioCni",
+            Self::RedirectionReady => "RedirectionReady",
+            Self::RedirectionNotReady => "RedirectionNotReady",
         }
     }
 
     pub const fn warning(self) -> bool {
         !matches!(
             self,
-            Self::CaptureRepaired | Self::CaptureReleased | Self::TookOverFromIstioCni
+            Self::CaptureRepaired
+                | Self::CaptureReleased
+                | Self::TookOverFromIstioCni
+                | Self::RedirectionReady
         )
     }
 
@@ -76,6 +88,7 @@ impl Reason {
             Self::CaptureFailed | Self::InvalidAnnotation | Self::TookOverFromIstioCni => "Capture",
             Self::CaptureRepaired => "Verify",
             Self::CaptureReleased => "Release",
+            Self::RedirectionReady | Self::RedirectionNotReady => "Report",
         }
     }
 }
@@ -109,17 +122,35 @@ impl PodRef {
     }
 }
 
+/// What an event is about.
+#[derive(Debug, Clone)]
+enum Regarding {
+    Pod(PodRef),
+    /// This node.
+    Node,
+}
+
+fn node_ref(name: &str) -> ObjectReference {
+    ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Node".into()),
+        name: Some(name.to_owned()),
+        ..Default::default()
+    }
+}
+
 /// The agent's event publisher.
 #[derive(Clone)]
 pub struct Events {
-    tx: mpsc::Sender<(PodRef, Reason, String)>,
+    tx: mpsc::Sender<(Regarding, Reason, String)>,
 }
 
 impl Events {
     /// Starts the publishing task (on the current tokio runtime); events
     /// name this node as the reporting instance.
     pub fn start(client: kube::Client, node: &str) -> Self {
-        let (tx, mut rx) = mpsc::channel::<(PodRef, Reason, String)>(QUEUE);
+        let (tx, mut rx) = mpsc::channel::<(Regarding, Reason, String)>(QUEUE);
+        let node = node.to_owned();
         let recorder = Recorder::new(
             client,
             Reporter {
@@ -128,7 +159,7 @@ impl Events {
             },
         );
         tokio::spawn(async move {
-            while let Some((pod, reason, note)) = rx.recv().await {
+            while let Some((regarding, reason, note)) = rx.recv().await {
                 let ev = Event {
                     type_: if reason.warning() {
                         EventType::Warning
@@ -140,8 +171,14 @@ impl Events {
                     action: reason.action().into(),
                     secondary: None,
                 };
-                if let Err(e) = recorder.publish(&ev, &pod.object_ref()).await {
-                    debug!(pod = %format!("{}/{}", pod.namespace, pod.name), reason = reason.as_str(), error = %e, "could not publish an event");
+                let (object, what) = match &regarding {
+                    Regarding::Pod(p) => {
+                        (p.object_ref(), format!("pod {}/{}", p.namespace, p.name))
+                    }
+                    Regarding::Node => (node_ref(&node), format!("node {node}")),
+                };
+                if let Err(e) = recorder.publish(&ev, &object).await {
+                    debug!(regarding = %what, reason = reason.as_str(), error = %e, "could not publish an event");
                 }
             }
         });
@@ -151,7 +188,16 @@ impl Events {
     /// Queues an event; drops it when the queue is full (a burst the API
     /// is not keeping up with: the agent's own log has each of them).
     pub fn pod(&self, pod: PodRef, reason: Reason, note: impl Into<String>) {
-        if self.tx.try_send((pod, reason, note.into())).is_err() {
+        self.queue(Regarding::Pod(pod), reason, note.into());
+    }
+
+    /// Queues an event on this node.
+    pub fn node(&self, reason: Reason, note: impl Into<String>) {
+        self.queue(Regarding::Node, reason, note.into());
+    }
+
+    fn queue(&self, regarding: Regarding, reason: Reason, note: String) {
+        if self.tx.try_send((regarding, reason, note)).is_err() {
             debug!(reason = reason.as_str(), "event queue full: event dropped");
         }
     }
