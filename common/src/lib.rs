@@ -240,15 +240,21 @@ pub enum DropReason {
     /// or cut short: it could hide a TCP SYN, so it never leaves a captured
     /// interface.
     Malformed = 0,
+    /// A SYN leaving a captured interface from an address no enrolled pod
+    /// has, on a kernel whose tc programs cannot learn a packet's netns (so
+    /// the address is all that names the pod); or a rerouted interface's
+    /// SYN there.
+    UnknownSource = 1,
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 1] = [DropReason::Malformed];
+    pub const ALL: [DropReason; 2] = [DropReason::Malformed, DropReason::UnknownSource];
 
     /// The metric label.
     pub const fn as_str(self) -> &'static str {
         match self {
             DropReason::Malformed => "malformed",
+            DropReason::UnknownSource => "unknown_source",
         }
     }
 }

@@ -48,12 +48,13 @@ pub fn egress(ctx: &TcContext) -> i32 {
             if mark(ctx) & MARK_MASK == MARK_ZTUNNEL {
                 return TC_OK;
             }
-            let cookie = netns_cookie(ctx);
-            if unsafe { POD_STATE.get(cookie) }.is_some() {
-                count_drop(DropReason::Malformed);
-                return TC_SHOT;
+            // A socket of no enrolled pod (not this pod's own) may send it;
+            // without netns cookies, this interface is captured, so no.
+            if netns_cookie(ctx).is_some_and(|c| unsafe { POD_STATE.get(c) }.is_none()) {
+                return TC_OK;
             }
-            return TC_OK;
+            count_drop(DropReason::Malformed);
+            return TC_SHOT;
         }
     };
     // Rows O4/O6: ztunnel's own sockets (and what they accepted) leave untouched.
@@ -66,19 +67,24 @@ pub fn egress(ctx: &TcContext) -> i32 {
     }
     if t.is_syn() {
         // A new outbound connection (row O1): steer it to 15001 or fail closed (F1).
-        // A SYN without a socket (crafted, odd paths) reads as the host netns:
-        // then the source address names the pod.
-        let mut cookie = netns_cookie(ctx);
-        let mut pod = unsafe { POD_STATE.get(cookie) };
-        if pod.is_none() {
-            let Some(c) = pod_of(t.family, &t.saddr) else {
+        // The pod is the socket's netns; a SYN without a socket (crafted, odd
+        // paths) reads as the host netns, and a kernel that cannot tell has
+        // none: then the source address names the pod.
+        let by_socket = netns_cookie(ctx);
+        let found = by_socket
+            .and_then(|c| unsafe { POD_STATE.get(c) }.map(|p| (c, p)))
+            .or_else(|| {
+                let c = pod_of(t.family, &t.saddr)?;
+                unsafe { POD_STATE.get(c) }.map(|p| (c, p))
+            });
+        let Some((cookie, pod)) = found else {
+            if by_socket.is_some() {
                 return TC_OK;
-            };
-            cookie = c;
-            pod = unsafe { POD_STATE.get(cookie) };
-        }
-        let Some(pod) = pod else {
-            return TC_OK;
+            }
+            // This interface is captured (the program runs nowhere else) and
+            // the SYN's source is no pod's: it does not leave around ztunnel.
+            count_drop(DropReason::UnknownSource);
+            return TC_SHOT;
         };
         if !pod.steers() {
             count(cookie, |c: &mut Counters| &mut c.dropped_fail_closed);
@@ -189,8 +195,13 @@ pub fn reroute_ingress(ctx: &TcContext) -> i32 {
     if assigned != 0 {
         return TC_SHOT;
     }
-    // The packet's socket is now the listener: its netns is the pod's.
-    let cookie = netns_cookie(ctx);
+    // The packet's socket is now the listener: its netns is the pod's. A
+    // kernel that cannot tell the netns cannot tell the pod (the agent
+    // refuses rerouted interfaces there): fail closed.
+    let Some(cookie) = netns_cookie(ctx) else {
+        count_drop(DropReason::UnknownSource);
+        return TC_SHOT;
+    };
     if !unsafe { POD_STATE.get(cookie) }.is_some_and(|p| p.steers()) {
         count(cookie, |c: &mut Counters| &mut c.dropped_fail_closed);
         return TC_SHOT;
@@ -303,8 +314,11 @@ pub fn host_egress(ctx: &TcContext) -> i32 {
     if !t.is_syn() || unsafe { (*ctx.skb.skb).__bindgen_anon_2.sk }.is_null() {
         return TCX_NEXT;
     }
+    // The socket's netns must be the node's. Where tc cannot ask, having a
+    // socket here says as much: IP orphans every packet it receives, so a
+    // forwarded or bridged SYN has none on this egress.
     let node = NODE_NETNS.get(0).copied().unwrap_or(0);
-    if node == 0 || netns_cookie(ctx) != node {
+    if node == 0 || netns_cookie(ctx).is_some_and(|c| c != node) {
         return TCX_NEXT;
     }
     if let Some(cookie) = pod_of(t.family, &t.daddr) {

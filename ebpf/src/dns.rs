@@ -55,7 +55,9 @@ pub fn egress_udp(ctx: &TcContext, u: &Udp) -> i32 {
     if u.dport != PORT_DNS || mark(ctx) & MARK_MASK == MARK_ZTUNNEL {
         return TC_ACT_OK;
     }
-    let cookie = netns_cookie(ctx);
+    let Some(cookie) = netns_cookie(ctx).or_else(|| pod_of(u.family, &u.saddr)) else {
+        return TC_ACT_OK;
+    };
     if !dns_on(cookie) {
         return TC_ACT_OK;
     }

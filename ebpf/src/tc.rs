@@ -27,11 +27,22 @@ pub fn mark_redirect(ctx: &TcContext) {
     ctx.set_mark((mark(ctx) & !MARK_MASK) | MARK_REDIRECT);
 }
 
-/// The pod of an outgoing packet. In tc this helper answers from the packet's
-/// socket, which every SYN an app sends has.
+/// Whether tc programs may call `bpf_get_netns_cookie` (Linux ≥ 6.15). Set
+/// by the loader from its probe before the programs are loaded; a read-only
+/// global, so the verifier of an older kernel prunes the call it would
+/// reject and never sees it.
+#[no_mangle]
+static NETNS_COOKIE_IN_TC: u8 = 1;
+
+/// The netns of an outgoing packet's socket (which every SYN an app sends
+/// has), by cookie; `None` on kernels whose tc programs cannot ask, where
+/// callers find the pod by the packet's address instead.
 #[inline(always)]
-pub fn netns_cookie(ctx: &TcContext) -> u64 {
-    unsafe { bpf_get_netns_cookie(ctx.as_ptr()) }
+pub fn netns_cookie(ctx: &TcContext) -> Option<u64> {
+    if unsafe { core::ptr::read_volatile(&NETNS_COOKIE_IN_TC) } == 0 {
+        return None;
+    }
+    Some(unsafe { bpf_get_netns_cookie(ctx.as_ptr()) })
 }
 
 /// The pod an incoming packet is addressed to, if it is one of a pod's addresses.

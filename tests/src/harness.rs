@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use sluice::{
     enroll::{self, Enrolled},
+    features::Features,
     loader::Dataplane,
     state::{Maps, PodRecord},
     uid::PodUid,
@@ -26,10 +27,36 @@ pub fn is_root() -> bool {
     nix::unistd::geteuid().is_root()
 }
 
+thread_local! {
+    static AS_IF_KERNEL: std::cell::Cell<Option<Features>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with every [`Fixture`] it makes on this thread loading its
+/// dataplane as if the kernel offered only `features`: the fallbacks for
+/// older kernels, tested on this one.
+pub fn as_if_kernel<R>(features: Features, f: impl FnOnce() -> R) -> R {
+    AS_IF_KERNEL.set(Some(features));
+    let out = f();
+    AS_IF_KERNEL.set(None);
+    out
+}
+
+/// This kernel's features without `bpf_get_netns_cookie` in tc programs
+/// (as on Linux < 6.15).
+pub fn without_netns_cookie_in_tc() -> Features {
+    Features {
+        netns_cookie_in_tc: false,
+        ..Features::get()
+    }
+}
+
 /// A pod netns with an app on 8080, a "remote" server on 9090 in the client
 /// netns, UDP echo services on both sides, and optionally the stand-in.
 pub struct Fixture {
     pub uid: PodUid,
+    /// The kernel features its dataplane is loaded with (`None`: the probed
+    /// ones), from [`as_if_kernel`] when it was made.
+    features: Option<Features>,
     pub app: App,
     pub remote: App,
     pub standin: Option<StandIn>,
@@ -48,6 +75,7 @@ impl Fixture {
         let topo = Topology::with_subnet(tag, n)?;
         Ok(Self {
             uid: PodUid::new(&format!("pod-{tag}"))?,
+            features: AS_IF_KERNEL.get(),
             app: App::start(&topo.pod, APP_PORT),
             remote: App::start(&topo.client, REMOTE_PORT),
             standin: standin.map(|b| StandIn::start(&topo.pod, b)),
@@ -60,7 +88,11 @@ impl Fixture {
     }
 
     pub fn dataplane(&self) -> anyhow::Result<Dataplane> {
-        Ok(Dataplane::load_or_adopt(self.topo.pins.clone())?)
+        let pins = self.topo.pins.clone();
+        Ok(match self.features {
+            Some(f) => Dataplane::load_or_adopt_with(pins, f)?,
+            None => Dataplane::load_or_adopt(pins)?,
+        })
     }
 
     pub fn enroll(&self) -> anyhow::Result<Enrolled> {

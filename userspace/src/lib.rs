@@ -12,6 +12,7 @@ pub mod control;
 pub mod enroll;
 pub mod explain;
 pub mod fault;
+pub mod features;
 pub mod hostside;
 pub mod kube;
 pub mod lifecycle;

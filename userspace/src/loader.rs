@@ -25,7 +25,10 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 
-use crate::state::{Maps, StateError};
+use crate::{
+    features::Features,
+    state::{Maps, StateError},
+};
 
 /// The eBPF object built by `cargo xtask build-ebpf`, embedded at compile time.
 static EMBEDDED_OBJECT: &[u8] = aya::include_bytes_aligned!(env!("SLUICE_EBPF_OBJECT"));
@@ -99,6 +102,16 @@ pub enum LoadError {
          or one that converts these maps"
     )]
     Incompatible(String),
+    #[error("this kernel lacks what sluice needs: {}", .0.join(", "))]
+    KernelTooOld(Vec<&'static str>),
+}
+
+/// An `EbpfLoader` whose programs' feature globals follow `features`.
+fn loader_for(features: Features, cookie: &mut u8) -> EbpfLoader<'_> {
+    *cookie = u8::from(features.netns_cookie_in_tc);
+    let mut l = EbpfLoader::new();
+    l.override_global("NETNS_COOKIE_IN_TC", &*cookie, true);
+    l
 }
 
 /// Where everything lives in bpffs.
@@ -234,7 +247,13 @@ impl Dataplane {
     /// Adopts the pinned dataplane as it is, or loads and pins it if there
     /// is none (CLI commands working on the pins without an agent).
     pub fn load_or_adopt(pins: Pins) -> Result<Self, LoadError> {
-        Self::open(pins, false)
+        Self::open(pins, false, Features::get())
+    }
+
+    /// [`load_or_adopt`](Self::load_or_adopt) as if the kernel offered only
+    /// `features` (tests of the fallbacks on a kernel that has more).
+    pub fn load_or_adopt_with(pins: Pins, features: Features) -> Result<Self, LoadError> {
+        Self::open(pins, false, features)
     }
 
     /// Like [`load_or_adopt`](Self::load_or_adopt), and replaces pinned
@@ -242,19 +261,19 @@ impl Dataplane {
     /// The agent's start: it owns the node's dataplane. Costs a load of this
     /// build's programs to compare tags (≈ 35 ms).
     pub fn load_adopt_or_upgrade(pins: Pins) -> Result<Self, LoadError> {
-        Self::open(pins, true)
+        Self::open(pins, true, Features::get())
     }
 
-    fn open(pins: Pins, upgrade: bool) -> Result<Self, LoadError> {
+    fn open(pins: Pins, upgrade: bool, features: Features) -> Result<Self, LoadError> {
         ensure_bpffs(pins.root())?;
         let _lock = lock(&pins)?;
         if !pins.is_loaded() {
-            return Self::load(pins);
+            return Self::load(pins, features);
         }
         // Before the maps are opened as this build's types: a migration may
         // have to replace them first.
         let adoption = if upgrade {
-            match Self::upgrade(&pins) {
+            match Self::upgrade(&pins, features) {
                 Ok(a) => a,
                 Err(e) => Adoption::Kept(crate::error_line(&e)),
             }
@@ -281,7 +300,7 @@ impl Dataplane {
     /// a process killed midway leaves every link on a working build's
     /// programs, the old pinned maps authoritative until their renames, and
     /// the next start finishes.
-    fn upgrade(pins: &Pins) -> Result<Adoption, LoadError> {
+    fn upgrade(pins: &Pins, features: Features) -> Result<Adoption, LoadError> {
         let object = ebpf_object();
         if object.is_empty() {
             return Ok(Adoption::Same);
@@ -324,7 +343,8 @@ impl Dataplane {
                 source,
             })?;
         }
-        let mut loader = EbpfLoader::new();
+        let mut cookie = 0;
+        let mut loader = loader_for(features, &mut cookie);
         loader.default_map_pin_directory(pins.maps());
         for c in &changes {
             loader.map_pin_path(c.map.as_str(), next_dir.join(&c.map));
@@ -553,7 +573,7 @@ impl Dataplane {
         })
     }
 
-    fn load(pins: Pins) -> Result<Self, LoadError> {
+    fn load(pins: Pins, features: Features) -> Result<Self, LoadError> {
         let object = ebpf_object();
         if object.is_empty() {
             return Err(LoadError::NoObject);
@@ -564,7 +584,12 @@ impl Dataplane {
                 source,
             })?;
         }
-        let mut ebpf = EbpfLoader::new()
+        let missing = features.missing();
+        if !missing.is_empty() {
+            return Err(LoadError::KernelTooOld(missing));
+        }
+        let mut cookie = 0;
+        let mut ebpf = loader_for(features, &mut cookie)
             .default_map_pin_directory(pins.maps())
             .load(&object)?;
         let result = (|| {

@@ -423,6 +423,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             };
             let node = status::NodeView {
                 programs_loaded: pins.is_loaded(),
+                kernel: sluice::features::describe(),
                 stamp: sluice::stamp::read(&pins.maps()).map(|s| s.to_string()),
                 agent,
                 agent_error,

@@ -243,7 +243,7 @@ impl Metrics {
         );
         registry.register(
             "build_info",
-            "1, labelled with the agent's version, the kernel release and the pinned dataplane's stamp",
+            "1, labelled with the agent's version, the kernel release and the features the dataplane uses on it, and the pinned dataplane's stamp",
             m.build_info.clone(),
         );
         registry.register(

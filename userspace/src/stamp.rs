@@ -29,6 +29,9 @@ pub fn of_object(object: &[u8]) -> Result<Layout, aya_obj::ParseError> {
     Ok(obj
         .maps
         .iter()
+        // Global data sections (`.rodata`: the feature flags) belong to the
+        // programs, loaded with them each time, never pinned or migrated.
+        .filter(|(name, _)| !name.starts_with('.'))
         .map(|(name, m)| {
             (
                 name.clone(),

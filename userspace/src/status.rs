@@ -17,6 +17,8 @@ use crate::{
 #[derive(Debug, Clone, Serialize)]
 pub struct NodeView {
     pub programs_loaded: bool,
+    /// The kernel release and the features the dataplane uses (probed).
+    pub kernel: String,
     /// Which build pinned the dataplane (version, map layout digest), from
     /// the pinned stamp; `None` for a build from before stamps.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -42,6 +44,7 @@ pub fn node_lines(n: &NodeView) -> String {
         "not loaded"
     };
     let _ = writeln!(out, "programs:   {loaded}");
+    let _ = writeln!(out, "kernel:     {}", n.kernel);
     if let Some(s) = &n.stamp {
         let _ = writeln!(out, "stamp:      {s}");
     }

@@ -7,7 +7,7 @@ use libtest_mimic::Trial;
 use sluice_common::{PodState, Role, MARK_ZTUNNEL};
 use sluice_tests::{
     flow::{connect, udp, Held, Opts, Reached},
-    harness::{Fixture, APP_PORT, REMOTE_PORT, UDP_PORT},
+    harness::{as_if_kernel, without_netns_cookie_in_tc, Fixture, APP_PORT, REMOTE_PORT, UDP_PORT},
     standin::{Bind, StandIn},
     topology::Family,
     wait,
@@ -43,6 +43,12 @@ pub fn trials() -> Vec<Trial> {
                 format!("contract::{}::{name}", fam.name()),
                 move || f(fam),
             ));
+            // The same rows where tc programs cannot learn a packet's netns
+            // (Linux < 6.15): pods are found by their addresses.
+            v.push(trial(
+                format!("contract::no_netns_cookie_in_tc::{}::{name}", fam.name()),
+                move || as_if_kernel(without_netns_cookie_in_tc(), || f(fam)),
+            ));
         }
     }
     v.push(trial(
@@ -58,6 +64,20 @@ pub fn trials() -> Vec<Trial> {
         x4,
     ));
     for fam in [Family::V4, Family::V6] {
+        v.push(trial(
+            format!(
+                "contract::{}::x5_syn_from_an_address_added_after_enrollment_is_captured",
+                fam.name()
+            ),
+            move || x5(fam, Cookies::InTc),
+        ));
+        v.push(trial(
+            format!(
+                "contract::no_netns_cookie_in_tc::{}::x5_syn_from_an_address_added_after_enrollment_is_dropped",
+                fam.name()
+            ),
+            move || as_if_kernel(without_netns_cookie_in_tc(), || x5(fam, Cookies::None)),
+        ));
         v.push(trial(
             format!(
                 "contract::{}::x3_spoofed_source_over_lo_is_not_exempt",
@@ -344,6 +364,60 @@ fn x4() -> TestResult {
             Err(now)
         }
     })?;
+    Ok(())
+}
+
+/// Whether the tc programs learn a packet's netns (Linux ≥ 6.15).
+#[derive(Clone, Copy)]
+enum Cookies {
+    InTc,
+    None,
+}
+
+/// The pod gains an address after it was enrolled (the agent publishes
+/// addresses at enrollment and at ztunnel's ack). A SYN from it: where tc
+/// learns the socket's netns, it is the pod's and captured; where it cannot
+/// (the pod is found by source address), it names no pod, and the SYN is
+/// dropped on the captured interface (counted `unknown_source`) instead of
+/// leaving around ztunnel.
+fn x5(fam: Family, cookies: Cookies) -> TestResult {
+    let f = enabled("x5", Bind::DualStack)?;
+    let (late, prefix) = match fam {
+        Family::V4 => ("10.200.0.77".parse::<std::net::IpAddr>()?, "24"),
+        Family::V6 => ("fd00:200::77".parse()?, "64"),
+    };
+    let cidr = format!("{late}/{prefix}");
+    let mut args = vec!["-n", &f.topo.pod, "addr", "add", &cidr, "dev", "eth0"];
+    if fam == Family::V6 {
+        args.push("nodad");
+    }
+    sluice_tests::topology::ip(&args)?;
+    let dst = sa(fam.client(), REMOTE_PORT);
+    let opts = Opts {
+        bind: Some(late),
+        timeout: Some(Duration::from_secs(1)),
+        ..Opts::default()
+    };
+    let r = connect(&f.topo.pod, dst, opts);
+    let acc = f.standin().accepted();
+    let unknown = sluice::state::Maps::open_pinned(&f.topo.pins.maps())?
+        .drops(sluice_common::DropReason::UnknownSource);
+    match cookies {
+        Cookies::InTc => {
+            // (Which source ztunnel's onward connection uses is ztunnel's.)
+            expect_reply(&r, &format!("app:{REMOTE_PORT} peer="))?;
+            ensure!(
+                acc.len() == 1 && acc[0].role == Role::Outbound && acc[0].local == dst,
+                "not captured: {acc:?}"
+            );
+            ensure!(unknown == 0, "{unknown} unknown-source drops");
+        }
+        Cookies::None => {
+            ensure!(matches!(r, Reached::TimedOut), "expected a drop, got {r:?}");
+            ensure!(acc.is_empty(), "reached ztunnel: {acc:?}");
+            ensure!(unknown >= 1, "no unknown-source drop counted");
+        }
+    }
     Ok(())
 }
 

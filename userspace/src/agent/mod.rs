@@ -284,10 +284,9 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         cfg.served.clone(),
         cfg.orphan_grace,
     );
-    let kernel = nix::sys::utsname::uname()
-        .map(|u| u.release().to_string_lossy().into_owned())
-        .unwrap_or_default();
-    node.report().metrics.set_build_info(&kernel, &stamp);
+    node.report()
+        .metrics
+        .set_build_info(&crate::features::describe(), &stamp);
     // Before anything is served: every pod left by an earlier agent is
     // completely captured, or its teardown finished (crash safety).
     {
