@@ -34,6 +34,11 @@ pub enum EnrollError {
     NetnsTaken { path: String, uid: String },
     #[error("no enrolled pod has uid {0}")]
     UnknownPod(PodUid),
+    #[error(
+        "istio.io/reroute-virtual-interfaces ({0}) needs bpf_get_netns_cookie in tc programs \
+         (Linux ≥ 6.15), which this kernel lacks: the pod is not captured"
+    )]
+    RerouteUnsupported(String),
     #[error("the pod of netns cookie {0} is being torn down (Draining): it is not enabled again")]
     Draining(u64),
     #[error("netns {0} now belongs to another namespace than the enrolled pod's")]
@@ -124,6 +129,10 @@ pub fn attach_pod(
     let netns = Netns::open(netns_path)?;
     if let Some(why) = netns.host_like() {
         return Err(EnrollError::HostNetns { path, why });
+    }
+    // The reroute program tells a pod by its listener's netns alone.
+    if !options.reroute.is_empty() && !dp.features.netns_cookie_in_tc {
+        return Err(EnrollError::RerouteUnsupported(options.reroute.join(",")));
     }
     let cookie = netns.cookie()?;
     if let Some(cookie) = dp.maps.find_uid(uid) {

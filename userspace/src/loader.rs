@@ -165,6 +165,9 @@ pub struct Dataplane {
     pub maps: Maps,
     /// What this process found pinned when it started.
     pub adoption: Adoption,
+    /// The kernel features the programs were loaded for (probed; fewer in
+    /// tests of the fallbacks).
+    pub features: Features,
 }
 
 /// How a process came by the dataplane.
@@ -280,10 +283,11 @@ impl Dataplane {
         } else {
             Adoption::Same
         };
-        let mut dp = Self::adopt(pins.clone()).map_err(|e| match incompatible(&pins) {
-            Some(why) => LoadError::Incompatible(why),
-            None => e,
-        })?;
+        let mut dp =
+            Self::adopt(pins.clone(), features).map_err(|e| match incompatible(&pins) {
+                Some(why) => LoadError::Incompatible(why),
+                None => e,
+            })?;
         dp.adoption = adoption;
         Ok(dp)
     }
@@ -556,7 +560,7 @@ impl Dataplane {
         Ok(())
     }
 
-    fn adopt(pins: Pins) -> Result<Self, LoadError> {
+    fn adopt(pins: Pins, features: Features) -> Result<Self, LoadError> {
         let (steer, egress, ingress, lo) = pinned_programs(&pins)?;
         Ok(Self {
             steer,
@@ -570,6 +574,7 @@ impl Dataplane {
             maps: Maps::open_pinned(&pins.maps())?,
             pins,
             adoption: Adoption::Same,
+            features,
         })
     }
 
@@ -630,6 +635,7 @@ impl Dataplane {
             dns_capture: true,
             maps,
             adoption: Adoption::Loaded,
+            features,
         })
     }
 }

@@ -13,7 +13,7 @@ use sluice::options::PodOptions;
 use sluice_common::{PodState, Role};
 use sluice_tests::{
     flow::{connect, Opts, Reached},
-    harness::{Fixture, APP_PORT, REMOTE_PORT},
+    harness::{as_if_kernel, without_netns_cookie_in_tc, Fixture, APP_PORT, REMOTE_PORT},
     istio,
     standin::Bind,
     topology::{ip, Family},
@@ -39,7 +39,36 @@ pub fn trials() -> Vec<Trial> {
             move || reroute(fam),
         ));
     }
+    v.push(trial(
+        "options::no_netns_cookie_in_tc::i7_reroute_is_refused_with_the_reason",
+        reroute_refused,
+    ));
     v
+}
+
+/// Where tc programs cannot learn a packet's netns, the reroute program
+/// could not tell the VM's pod: a pod asking for it is refused, whole, with
+/// the reason, and nothing of it stays.
+fn reroute_refused() -> TestResult {
+    let f = as_if_kernel(without_netns_cookie_in_tc(), || {
+        Fixture::new("rrn", Some(Bind::DualStack))
+    })?;
+    let e = f
+        .enroll_with(PodOptions {
+            reroute: vec!["tap0".into()],
+            ..PodOptions::default()
+        })
+        .expect_err("enrolled with reroute on a kernel that cannot tell its pod");
+    ensure!(
+        e.to_string()
+            .contains("needs bpf_get_netns_cookie in tc programs (Linux ≥ 6.15)"),
+        "{e}"
+    );
+    ensure!(
+        sluice::status::read(&f.topo.pins)?.is_empty(),
+        "something of the refused pod stayed"
+    );
+    Ok(())
 }
 
 /// What a flow came to: the listener that took it (if any), and the reply.
