@@ -50,6 +50,15 @@ pub fn without_netns_cookie_in_tc() -> Features {
     }
 }
 
+/// This kernel's features as on Linux < 6.6: no tcx (cls_bpf filters), and
+/// so no netns cookies in tc either.
+pub fn without_tcx() -> Features {
+    Features {
+        tcx: false,
+        ..without_netns_cookie_in_tc()
+    }
+}
+
 /// A pod netns with an app on 8080, a "remote" server on 9090 in the client
 /// netns, UDP echo services on both sides, and optionally the stand-in.
 pub struct Fixture {
@@ -143,7 +152,12 @@ impl Fixture {
 
     pub fn unenroll(&self) -> anyhow::Result<()> {
         let mut maps = Maps::open_pinned(&self.topo.pins.maps())?;
-        Ok(enroll::unenroll(&self.topo.pins, &mut maps, &self.uid)?)
+        Ok(enroll::unenroll(
+            &self.topo.pins,
+            &mut maps,
+            None,
+            &self.uid,
+        )?)
     }
 
     pub fn pod_record(&self) -> anyhow::Result<PodRecord> {

@@ -188,7 +188,7 @@ impl Drop for Topology {
     fn drop(&mut self) {
         // Unenroll everything and drop the test's own bpffs root first, while
         // the netns still exists, then the namespaces (which take the veth).
-        if let Err(e) = sluice::enroll::uninstall(&self.pins) {
+        if let Err(e) = sluice::enroll::uninstall(&self.pins, None) {
             eprintln!("cleanup: uninstall {}: {e}", self.pins.root().display());
         }
         for ns in [&self.pod, &self.client] {

@@ -20,6 +20,7 @@ use crate::{
     routes::{self, RouteError},
     sockets::{self, SocketError},
     state::{boottime_ns, Maps, StateError},
+    tcfilter,
     uid::PodUid,
     workload::Workload,
 };
@@ -148,11 +149,23 @@ pub fn attach_pod(
     // Pins without state can only be the remains of an interrupted enroll;
     // a fresh pod has none, and skips the teardown's netlink round trips.
     if dp.pins.pod(cookie).exists() {
-        teardown(&dp.pins, &mut dp.maps, Some(&netns), cookie)?;
+        teardown(
+            &dp.pins,
+            &mut dp.maps,
+            Some(&netns),
+            dp.node.as_ref(),
+            cookie,
+        )?;
     }
 
     if let Err(e) = attach(dp, &netns, cookie, uid, &path, workload, options) {
-        let _ = teardown(&dp.pins, &mut dp.maps, Some(&netns), cookie);
+        let _ = teardown(
+            &dp.pins,
+            &mut dp.maps,
+            Some(&netns),
+            dp.node.as_ref(),
+            cookie,
+        );
         return Err(e);
     }
     // A pod istio-cni captured before: sluice's capture is in place now, so
@@ -173,7 +186,13 @@ pub fn attach_pod(
         Err(e) => {
             // Both rule sets at once would misroute outbound traffic: back
             // out and leave the pod to Istio's rules, with the reason.
-            let _ = teardown(&dp.pins, &mut dp.maps, Some(&netns), cookie);
+            let _ = teardown(
+                &dp.pins,
+                &mut dp.maps,
+                Some(&netns),
+                dp.node.as_ref(),
+                cookie,
+            );
             Err(e.into())
         }
     }
@@ -312,30 +331,26 @@ fn attach_link(
     dir: &Path,
     spec: &LinkSpec,
 ) -> Result<(), EnrollError> {
-    let link = match spec {
+    let path = dir.join(spec.pin_name());
+    let tcx = dp.features.tcx;
+    match spec {
         LinkSpec::Steer => {
             let aerr = |source| EnrollError::Attach {
                 what: "sk_lookup".into(),
                 source,
             };
             let id = dp.steer.attach(netns).map_err(aerr)?;
-            FdLink::from(dp.steer.take_link(id).map_err(aerr)?)
+            pin(FdLink::from(dp.steer.take_link(id).map_err(aerr)?), &path)
         }
-        // tc attaches resolve interface names in the calling thread's netns,
-        // so they happen on the netns thread; the link is pinned back here
-        // (bpffs refuses pins from a thread in another netns).
         LinkSpec::Egress(i) => {
-            let prog = &mut dp.egress;
-            netns.run(|| attach_tc(prog, i, TcAttachType::Egress))??
+            let tc = Tc::new(i, TcAttachType::Egress, tcx);
+            tc.attach(&mut dp.egress, netns, &path)
         }
         LinkSpec::Ingress(i) => {
-            let prog = &mut dp.ingress;
-            netns.run(|| attach_tc(prog, i, TcAttachType::Ingress))??
+            let tc = Tc::new(i, TcAttachType::Ingress, tcx);
+            tc.attach(&mut dp.ingress, netns, &path)
         }
-        LinkSpec::Lo => {
-            let prog = &mut dp.lo;
-            netns.run(|| attach_tc(prog, "lo", TcAttachType::Ingress))??
-        }
+        LinkSpec::Lo => Tc::new("lo", TcAttachType::Ingress, tcx).attach(&mut dp.lo, netns, &path),
         LinkSpec::Reroute(i) => {
             let Some(prog) = dp.reroute.as_mut() else {
                 return Err(EnrollError::Pin {
@@ -343,7 +358,7 @@ fn attach_link(
                     reason: "the pinned dataplane predates the reroute program".into(),
                 });
             };
-            netns.run(|| attach_tc(prog, i, TcAttachType::Ingress))??
+            Tc::new(i, TcAttachType::Ingress, tcx).attach(prog, netns, &path)
         }
         // In the node netns, first in the chain: it only writes hints and
         // passes every packet on (TCX_NEXT), so the primary CNI's programs
@@ -355,17 +370,78 @@ fn attach_link(
                     reason: "no node netns or host-side program".into(),
                 });
             };
-            node.netns.run(|| {
-                attach_tc_ordered(
-                    prog,
-                    &peer.host_iface,
-                    TcAttachType::Egress,
-                    LinkOrder::first(),
-                )
-            })??
+            Tc {
+                order: LinkOrder::first(),
+                ..Tc::new(&peer.host_iface, TcAttachType::Egress, tcx)
+            }
+            .attach(prog, &node.netns, &path)
         }
-    };
-    pin(link, &dir.join(spec.pin_name()))
+    }
+}
+
+/// One tc attachment: a tcx link (at `order` in the device's chain), or on
+/// kernels without tcx sluice's cls_bpf filter (`tcfilter`).
+struct Tc<'a> {
+    iface: &'a str,
+    kind: TcAttachType,
+    order: LinkOrder,
+    tcx: bool,
+}
+
+impl<'a> Tc<'a> {
+    /// After the device's other programs.
+    fn new(iface: &'a str, kind: TcAttachType, tcx: bool) -> Self {
+        Self {
+            iface,
+            kind,
+            order: LinkOrder::default(),
+            tcx,
+        }
+    }
+
+    /// Attaches `prog` in `ns` and pins at `path` the link, or the program
+    /// as the filter's record. Interface names resolve in the calling
+    /// thread's netns, so the attach runs on the netns thread; the pin is
+    /// made back here (bpffs refuses pins from a thread in another netns).
+    fn attach(
+        self,
+        prog: &mut aya::programs::SchedClassifier,
+        ns: &Netns,
+        path: &Path,
+    ) -> Result<(), EnrollError> {
+        let what = || format!("tc {:?} on {}", self.kind, self.iface);
+        let aerr = |source| EnrollError::Attach {
+            what: what(),
+            source,
+        };
+        let (iface, kind) = (self.iface, self.kind);
+        if !self.tcx {
+            ns.run(|| tcfilter::attach(prog, iface, kind))?
+                .map_err(aerr)?;
+            return tcfilter::pin_record(prog, path).map_err(|e| EnrollError::Pin {
+                what: path.display().to_string(),
+                reason: e.to_string(),
+            });
+        }
+        let order = self.order;
+        let link = ns.run(|| -> Result<FdLink, EnrollError> {
+            let id = prog
+                .attach_with_options(iface, kind, TcAttachOptions::TcxOrder(order))
+                .map_err(aerr)?;
+            let link = prog.take_link(id).map_err(aerr)?;
+            FdLink::try_from(link).map_err(|e| EnrollError::Pin {
+                what: what(),
+                reason: crate::error_line(&e),
+            })
+        })??;
+        pin(link, path)
+    }
+}
+
+/// Whether the pin at `path` records an attachment: a link, or the program
+/// standing for a cls_bpf filter.
+fn attached(path: &Path) -> bool {
+    tcfilter::pinned(path).is_some()
 }
 
 /// What [`repair`] found and did for one pod.
@@ -396,7 +472,13 @@ pub fn repair(dp: &mut Dataplane, cookie: u64, takeover: bool) -> Result<Repair,
     let draining = dp.maps.entry(cookie).and_then(|e| e.state()) == Some(PodState::Draining);
     if draining {
         let netns = open_pod_netns(&dp.maps, cookie).ok();
-        teardown(&dp.pins, &mut dp.maps, netns.as_ref(), cookie)?;
+        teardown(
+            &dp.pins,
+            &mut dp.maps,
+            netns.as_ref(),
+            dp.node.as_ref(),
+            cookie,
+        )?;
         return Ok(Repair::TornDown);
     }
     let netns = open_pod_netns(&dp.maps, cookie)?;
@@ -414,7 +496,7 @@ pub fn repair(dp: &mut Dataplane, cookie: u64, takeover: bool) -> Result<Repair,
     let reroute = dp.maps.options(cookie).reroute;
     for spec in expected_links(&ifaces, &peers, &reroute) {
         let pin_path = dir.join(spec.pin_name());
-        if PinnedLink::from_pin(&pin_path).is_ok() {
+        if attached(&pin_path) {
             continue;
         }
         // A pin that does not open as a link is debris.
@@ -451,7 +533,7 @@ pub fn missing_links(dp: &Dataplane, cookie: u64) -> Result<Vec<String>, EnrollE
     Ok(expected_links(&ifaces, &peers, &reroute)
         .into_iter()
         .map(|spec| spec.pin_name())
-        .filter(|name| PinnedLink::from_pin(dir.join(name)).is_err())
+        .filter(|name| !attached(&dir.join(name)))
         .collect())
 }
 
@@ -467,44 +549,12 @@ pub fn remove_orphan_pins(pins: &Pins, maps: &Maps) -> Result<usize, EnrollError
                 continue;
             };
             if !known.contains(&cookie) {
-                remove_links(pins, cookie)?;
+                remove_links(pins, cookie, &Filters::default())?;
                 n += 1;
             }
         }
     }
     Ok(n)
-}
-
-/// Attaches a tc program with a tcx link (in the calling thread's netns),
-/// after the device's other programs.
-fn attach_tc(
-    prog: &mut aya::programs::SchedClassifier,
-    iface: &str,
-    kind: TcAttachType,
-) -> Result<FdLink, EnrollError> {
-    attach_tc_ordered(prog, iface, kind, LinkOrder::default())
-}
-
-/// [`attach_tc`] at position `order` in the device's chain.
-fn attach_tc_ordered(
-    prog: &mut aya::programs::SchedClassifier,
-    iface: &str,
-    kind: TcAttachType,
-    order: LinkOrder,
-) -> Result<FdLink, EnrollError> {
-    let what = || format!("tc {kind:?} on {iface}");
-    let aerr = |source| EnrollError::Attach {
-        what: what(),
-        source,
-    };
-    let id = prog
-        .attach_with_options(iface, kind, TcAttachOptions::TcxOrder(order))
-        .map_err(aerr)?;
-    let link = prog.take_link(id).map_err(aerr)?;
-    FdLink::try_from(link).map_err(|e| EnrollError::Pin {
-        what: what(),
-        reason: crate::error_line(&e),
-    })
 }
 
 fn pin(link: FdLink, path: &Path) -> Result<(), EnrollError> {
@@ -613,14 +663,22 @@ pub fn register_uid(dp: &mut Dataplane, uid: &PodUid) -> Result<Enrolled, Enroll
 }
 
 /// Unenrolls a pod: nothing of it remains (links, pins, routes, map entries).
-pub fn unenroll(pins: &Pins, maps: &mut Maps, uid: &PodUid) -> Result<(), EnrollError> {
+/// `node`: the node's netns, where a kernel without tcx has a filter on the
+/// host side of the pod's veth (without it, that inert filter goes with the
+/// veth).
+pub fn unenroll(
+    pins: &Pins,
+    maps: &mut Maps,
+    node: Option<&hostside::Node>,
+    uid: &PodUid,
+) -> Result<(), EnrollError> {
     let cookie = maps
         .find_uid(uid)
         .ok_or_else(|| EnrollError::UnknownPod(uid.clone()))?;
     // The netns may be gone with the pod (its routes went with it), or its
     // path may now name another netns: only touch the one with our cookie.
     let netns = open_pod_netns(maps, cookie).ok();
-    teardown(pins, maps, netns.as_ref(), cookie)
+    teardown(pins, maps, netns.as_ref(), node, cookie)
 }
 
 /// Removes everything of one pod. Idempotent; also the rollback of `enroll`.
@@ -628,6 +686,7 @@ fn teardown(
     pins: &Pins,
     maps: &mut Maps,
     netns: Option<&Netns>,
+    node: Option<&hostside::Node>,
     cookie: u64,
 ) -> Result<(), EnrollError> {
     // Fail closed while links go away one by one; `Draining` is final: a
@@ -637,20 +696,76 @@ fn teardown(
         maps.set_state(cookie, PodState::Draining, boottime_ns())?;
     }
     crash_point("unenroll:draining");
-    remove_links(pins, cookie)?;
+    let ifaces: Vec<String> = match netns {
+        Some(ns) => ns
+            .run(interfaces)?
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|i| i != "lo")
+            .collect(),
+        None => Vec::new(),
+    };
+    // Where each cls_bpf filter is (kernels without tcx): the hooks the
+    // pod's interfaces call for now. A filter on an interface that is gone
+    // went with it.
+    let filters = Filters {
+        netns,
+        node,
+        specs: match (netns, node) {
+            (Some(ns), node) => {
+                let peers = node
+                    .map(|n| hostside::peers(ns, n, &ifaces).unwrap_or_default())
+                    .unwrap_or_default();
+                expected_links(&ifaces, &peers, &maps.options(cookie).reroute)
+            }
+            (None, _) => Vec::new(),
+        },
+    };
+    remove_links(pins, cookie, &filters)?;
     if let Some(netns) = netns {
-        netns.run(|| -> Result<(), EnrollError> {
-            let ifaces: Vec<String> = interfaces()
-                .unwrap_or_default()
-                .into_iter()
-                .filter(|i| i != "lo")
-                .collect();
-            Ok(routes::remove(&ifaces)?)
-        })??;
+        netns.run(|| routes::remove(&ifaces))??;
     }
     crash_point("unenroll:routes");
     maps.remove_pod(cookie)?;
     Ok(())
+}
+
+/// What [`remove_links`] needs to remove a pod's cls_bpf filters: the netns
+/// they are in and the hook each pin name stands for.
+#[derive(Default)]
+struct Filters<'a> {
+    netns: Option<&'a Netns>,
+    node: Option<&'a hostside::Node>,
+    specs: Vec<LinkSpec>,
+}
+
+impl Filters<'_> {
+    /// Removes the filter the record `name` stands for, where it can be
+    /// reached.
+    fn detach(&self, name: &str) -> Result<(), EnrollError> {
+        let Some(spec) = self.specs.iter().find(|s| s.pin_name() == name) else {
+            return Ok(());
+        };
+        let (ns, iface, kind) = match spec {
+            LinkSpec::Steer => return Ok(()),
+            LinkSpec::Egress(i) => (self.netns, i.as_str(), TcAttachType::Egress),
+            LinkSpec::Ingress(i) | LinkSpec::Reroute(i) => {
+                (self.netns, i.as_str(), TcAttachType::Ingress)
+            }
+            LinkSpec::Lo => (self.netns, "lo", TcAttachType::Ingress),
+            LinkSpec::Host(p) => (
+                self.node.map(|n| &n.netns),
+                p.host_iface.as_str(),
+                TcAttachType::Egress,
+            ),
+        };
+        let Some(ns) = ns else { return Ok(()) };
+        ns.run(|| tcfilter::detach(iface, kind))?
+            .map_err(|source| EnrollError::Attach {
+                what: format!("removing the tc {kind:?} filter on {iface}"),
+                source,
+            })
+    }
 }
 
 /// Unpins (and so detaches) every link of a pod and removes its directory.
@@ -658,14 +773,18 @@ fn teardown(
 /// new SYNs from outside, connections over lo (ztunnel's to the app, for a
 /// connection it already accepted) must not meet an sk_lookup whose `lo`
 /// hint is already gone, which would refuse them.
-fn remove_links(pins: &Pins, cookie: u64) -> Result<(), EnrollError> {
+fn remove_links(pins: &Pins, cookie: u64, filters: &Filters<'_>) -> Result<(), EnrollError> {
     let dir = pins.pod(cookie);
     if let Ok(entries) = fs::read_dir(&dir) {
         let mut entries: Vec<_> = entries.flatten().collect();
         entries.sort_by_key(|e| e.file_name() != "steer");
         for e in entries {
+            if tcfilter::pinned(&e.path()) == Some(tcfilter::Pinned::Program) {
+                filters.detach(&e.file_name().to_string_lossy())?;
+            }
             match PinnedLink::from_pin(e.path()) {
-                // Unpinned and dropped: the last reference goes, the link detaches.
+                // Unpinned and dropped: the last reference goes, the link
+                // detaches (a filter's record just goes).
                 Ok(link) => drop(link.unpin()),
                 Err(_) => drop(fs::remove_file(e.path())),
             }
@@ -686,7 +805,8 @@ fn remove_links(pins: &Pins, cookie: u64) -> Result<(), EnrollError> {
 
 /// Unenrolls every pod and removes the node-wide pins. Works from whatever is
 /// pinned, also when the maps cannot be opened (e.g. left by another version).
-pub fn uninstall(pins: &Pins) -> Result<usize, EnrollError> {
+/// `node` as for [`unenroll`].
+pub fn uninstall(pins: &Pins, node: Option<&hostside::Node>) -> Result<usize, EnrollError> {
     if !pins.root().exists() {
         return Ok(0);
     }
@@ -695,7 +815,7 @@ pub fn uninstall(pins: &Pins) -> Result<usize, EnrollError> {
     if let Some(maps) = maps.as_mut() {
         for cookie in maps.cookies() {
             let netns = open_pod_netns(maps, cookie).ok();
-            teardown(pins, maps, netns.as_ref(), cookie)?;
+            teardown(pins, maps, netns.as_ref(), node, cookie)?;
             n += 1;
         }
     }
@@ -703,7 +823,7 @@ pub fn uninstall(pins: &Pins) -> Result<usize, EnrollError> {
     if let Ok(entries) = fs::read_dir(pins.pods()) {
         for e in entries.flatten() {
             if let Some(cookie) = e.file_name().to_str().and_then(|s| s.parse().ok()) {
-                remove_links(pins, cookie)?;
+                remove_links(pins, cookie, &Filters::default())?;
             }
         }
     }

@@ -17,7 +17,8 @@ pub struct Features {
     /// sk_lookup programs (Linux 5.9): steering to ztunnel's listeners.
     /// Required.
     pub sk_lookup: bool,
-    /// tcx attachment of tc programs (6.6). Required today.
+    /// tcx attachment of tc programs (6.6). Without it the programs are
+    /// attached as cls_bpf filters (`tcfilter`).
     pub tcx: bool,
     /// `bpf_get_netns_cookie` in tc programs (6.15). Without it the tc
     /// programs find a packet's pod by its address instead (see
@@ -53,9 +54,6 @@ impl Features {
         let mut out = Vec::new();
         if !self.sk_lookup {
             out.push("sk_lookup programs (Linux ≥ 5.9)");
-        }
-        if !self.tcx {
-            out.push("tcx attachment of tc programs (Linux ≥ 6.6)");
         }
         out
     }
@@ -168,10 +166,12 @@ mod tests {
             netns_cookie_in_tc: false,
             ..all
         };
-        assert_eq!(
-            old.missing(),
-            ["tcx attachment of tc programs (Linux ≥ 6.6)"]
-        );
+        assert!(old.missing().is_empty(), "tcx and cookies have fallbacks");
+        let ancient = Features {
+            sk_lookup: false,
+            ..old
+        };
+        assert_eq!(ancient.missing(), ["sk_lookup programs (Linux ≥ 5.9)"]);
         assert_eq!(old.summary(), "sk_lookup,no-tcx,no-netns_cookie_in_tc");
     }
 }

@@ -32,6 +32,7 @@ pub mod stamp;
 pub mod state;
 pub mod status;
 pub mod sysctl;
+pub mod tcfilter;
 pub mod uid;
 pub mod watchdog;
 pub mod workload;

@@ -106,6 +106,13 @@ pub enum LoadError {
     KernelTooOld(Vec<&'static str>),
 }
 
+/// Why another build's pinned programs stay on a kernel without tcx: its
+/// cls_bpf filters have no link to switch in place, and replacing them one
+/// by one could leave a moment without capture.
+const NO_TCX_UPGRADE: &str =
+    "replacing the programs of running pods needs tcx links (Linux ≥ 6.6); \
+     the pinned build keeps running until the node reboots";
+
 /// An `EbpfLoader` whose programs' feature globals follow `features`.
 fn loader_for(features: Features, cookie: &mut u8) -> EbpfLoader<'_> {
     *cookie = u8::from(features.netns_cookie_in_tc);
@@ -341,6 +348,9 @@ impl Dataplane {
                 "the pinned maps have a layout this build cannot migrate ({c}); the pinned build keeps running"
             )));
         }
+        if !changes.is_empty() && !features.tcx {
+            return Ok(Adoption::Kept(NO_TCX_UPGRADE.into()));
+        }
         if !changes.is_empty() {
             fs::create_dir_all(&next_dir).map_err(|source| LoadError::Io {
                 what: format!("creating {}", next_dir.display()),
@@ -428,6 +438,9 @@ impl Dataplane {
         if changed.is_empty() {
             stamp(pins);
             return Ok(Adoption::Same);
+        }
+        if !features.tcx {
+            return Ok(Adoption::Kept(NO_TCX_UPGRADE.into()));
         }
         // Every pod's links of a changed program, each switched atomically.
         let mut links = 0;

@@ -402,7 +402,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 "no enrolled pod has uid {uid} (sluice is not loaded on this node)"
             );
             let mut maps = Maps::open_pinned(&pins.maps()).context("opening pinned maps")?;
-            enroll::unenroll(&pins, &mut maps, &uid)?;
+            enroll::unenroll(&pins, &mut maps, None, &uid)?;
             println!("unenrolled pod {uid}");
         }
         Cmd::Status { output, pod } => {
@@ -587,7 +587,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 return uninstall_via_agent(&cli.control_socket, pins.root(), resp);
             }
             cni.install(&cli.control_socket)?.uninstall()?;
-            let n = enroll::uninstall(&pins)?;
+            let n = enroll::uninstall(&pins, None)?;
             println!("removed sluice from this node ({n} pods unenrolled; sluice-cni removed)");
         }
         Cmd::UninstallCluster {

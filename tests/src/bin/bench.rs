@@ -532,13 +532,13 @@ fn enrollment(report: &mut Report) -> anyhow::Result<()> {
                 &Default::default(),
             )?;
             sluice_ms.push(t.elapsed().as_secs_f64() * 1e3);
-            enroll::unenroll(&dp.pins, &mut dp.maps, &uid)?;
+            enroll::unenroll(&dp.pins, &mut dp.maps, dp.node.as_ref(), &uid)?;
             let t = Instant::now();
             istio::apply(&p.name)?;
             ipt_ms.push(t.elapsed().as_secs_f64() * 1e3);
         }
         drop(dp);
-        enroll::uninstall(&pins)?;
+        enroll::uninstall(&pins, None)?;
         let (s, i): (f64, f64) = (sluice_ms.iter().sum(), ipt_ms.iter().sum());
         report.put("enroll_time_ratio_iptables_vs_sluice", i / s);
         report.put("enroll_total_ms_sluice", s);
@@ -628,7 +628,7 @@ fn memory(report: &mut Report) -> anyhow::Result<()> {
         ensure!(maps.pods().len() == MEMORY_PODS);
         Ok(())
     })();
-    let _ = enroll::uninstall(&pins);
+    let _ = enroll::uninstall(&pins, None);
     drop(pods);
     result
 }
@@ -762,7 +762,7 @@ fn served_in(report: &mut Report, dir: &std::path::Path, pods: &BarePods) -> any
         report.put("time_to_served_ms_max_10k_workloads", percentile(ms, 1.0));
         Ok(())
     })();
-    let _ = enroll::uninstall(&pins);
+    let _ = enroll::uninstall(&pins, None);
     result
 }
 

@@ -1076,6 +1076,20 @@ fn discovery_skips_host() -> TestResult {
         .args(["netns", "exec", &f.topo.pod, "sleep", "60"])
         .spawn()?;
     let result = (|| -> TestResult {
+        // `ip netns exec` enters the pod netns before it execs sleep: wait
+        // until it has, or discovery would rightly skip it as a host process.
+        use std::os::unix::fs::MetadataExt as _;
+        let ino = |p: &Path| std::fs::metadata(p).map(|m| m.ino()).ok();
+        let pod_ns = ino(&f.topo.pod_netns_path());
+        let app_ns = std::path::PathBuf::from(format!("/proc/{}/ns/net", app.id()));
+        wait::until("the app process in the pod netns", wait::DEADLINE, || {
+            let now = ino(&app_ns);
+            if now.is_some() && now == pod_ns {
+                Ok(())
+            } else {
+                Err(now)
+            }
+        })?;
         for p in [shim.id(), app.id()] {
             std::fs::write(cg.join("cgroup.procs"), p.to_string())?;
         }

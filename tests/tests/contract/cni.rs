@@ -162,7 +162,7 @@ impl Node {
 
 impl Drop for Node {
     fn drop(&mut self) {
-        let _ = sluice::enroll::uninstall(&self.pins);
+        let _ = sluice::enroll::uninstall(&self.pins, None);
         let _ = ip(&["netns", "del", &self.pod]);
         let _ = ip(&["netns", "del", &self.node]);
         let _ = std::fs::remove_dir_all(&self.dir);

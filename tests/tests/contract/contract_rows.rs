@@ -7,7 +7,10 @@ use libtest_mimic::Trial;
 use sluice_common::{PodState, Role, MARK_ZTUNNEL};
 use sluice_tests::{
     flow::{connect, udp, Held, Opts, Reached},
-    harness::{as_if_kernel, without_netns_cookie_in_tc, Fixture, APP_PORT, REMOTE_PORT, UDP_PORT},
+    harness::{
+        as_if_kernel, without_netns_cookie_in_tc, without_tcx, Fixture, APP_PORT, REMOTE_PORT,
+        UDP_PORT,
+    },
     standin::{Bind, StandIn},
     topology::Family,
     wait,
@@ -48,6 +51,11 @@ pub fn trials() -> Vec<Trial> {
             v.push(trial(
                 format!("contract::no_netns_cookie_in_tc::{}::{name}", fam.name()),
                 move || as_if_kernel(without_netns_cookie_in_tc(), || f(fam)),
+            ));
+            // And without tcx (Linux < 6.6): cls_bpf filters.
+            v.push(trial(
+                format!("contract::no_tcx::{}::{name}", fam.name()),
+                move || as_if_kernel(without_tcx(), || f(fam)),
             ));
         }
     }
@@ -651,6 +659,28 @@ fn f2(fam: Family) -> TestResult {
     expect_reply(&r, &format!("app:{REMOTE_PORT} peer={}", peer(fam.pod())))?;
     ensure!(f.standin().accepted().is_empty(), "captured after unenroll");
     ensure!(!f.topo.pins.pod(cookie).exists(), "pod pins remain");
+    // No tc program of ours on the pod's interfaces (tcx links, or the
+    // cls_bpf filters of kernels without tcx).
+    for (dev, hook) in [("eth0", "ingress"), ("eth0", "egress"), ("lo", "ingress")] {
+        let out = std::process::Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &f.topo.pod,
+                "tc",
+                "filter",
+                "show",
+                "dev",
+                dev,
+                hook,
+            ])
+            .output()?;
+        let shown = String::from_utf8_lossy(&out.stdout);
+        ensure!(
+            !shown.contains("sluice"),
+            "a filter remains on {dev} {hook}: {shown}"
+        );
+    }
     let maps = sluice::state::Maps::open_pinned(&f.topo.pins.maps())?;
     ensure!(!maps.cookies().contains(&cookie), "map entries remain");
     let rule = sluice_tests::topology::has_redirect_rule(&f.topo.pod)?;

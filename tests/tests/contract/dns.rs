@@ -20,7 +20,7 @@ use sluice_tests::{
         self, Client, Got, BIG_NAME, PROXY_V4, PROXY_V6, TYPE_A, TYPE_AAAA, UPSTREAM_V4,
         UPSTREAM_V6,
     },
-    harness::{as_if_kernel, peer_bin, steering, without_netns_cookie_in_tc, Fixture},
+    harness::{as_if_kernel, peer_bin, steering, without_netns_cookie_in_tc, without_tcx, Fixture},
     istio,
     standin::Bind,
     topology::Family,
@@ -43,6 +43,13 @@ pub fn trials() -> Vec<Trial> {
                 fam.name()
             ),
             move || as_if_kernel(without_netns_cookie_in_tc(), || captured(fam)),
+        ));
+        v.push(trial(
+            format!(
+                "dns::no_tcx::{}::d1_d2_queries_reach_the_proxy_answers_come_from_the_resolver",
+                fam.name()
+            ),
+            move || as_if_kernel(without_tcx(), || captured(fam)),
         ));
         v.push(trial(
             name("d1_dig_gets_the_proxys_answer_over_udp_and_tcp"),

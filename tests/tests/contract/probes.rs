@@ -17,7 +17,7 @@ use sluice_common::{PodState, Role};
 use sluice_tests::{
     agent::AgentProc,
     flow::{connect, Opts, Reached},
-    harness::{as_if_kernel, without_netns_cookie_in_tc, Fixture, APP_PORT},
+    harness::{as_if_kernel, without_netns_cookie_in_tc, without_tcx, Fixture, APP_PORT},
     ns::{netns_path, run_in},
     routed::Behind,
     standin::Bind,
@@ -44,6 +44,13 @@ pub fn trials() -> Vec<Trial> {
                 fam.name()
             ),
             move || as_if_kernel(without_netns_cookie_in_tc(), || host_and_forwarded(fam)),
+        ));
+        v.push(trial(
+            format!(
+                "probes::no_tcx::{}::i3h_host_socket_reaches_app_forwarded_is_captured",
+                fam.name()
+            ),
+            move || as_if_kernel(without_tcx(), || host_and_forwarded(fam)),
         ));
         v.push(trial(
             format!(

@@ -434,7 +434,7 @@ impl Node {
                 .maps
                 .find_uid(&uid)
                 .map(|c| (dp.maps.counters(c), dp.maps.dns_counters(c)));
-            enroll::unenroll(&dp.pins, &mut dp.maps, &uid)?;
+            enroll::unenroll(&dp.pins, &mut dp.maps, dp.node.as_ref(), &uid)?;
             if let Some((c, d)) = last {
                 this.retired.lock().unwrap().add(&c);
                 this.retired_dns.lock().unwrap().add(&d);
