@@ -511,42 +511,86 @@ fn ns_path(name: &str) -> PathBuf {
     PathBuf::from(format!("/run/netns/{name}"))
 }
 
-/// Scenario 5: capture setup for N pods, sluice vs iptables-restore + routes.
+/// Per-pod times of the enrollment scenario, ms.
+#[derive(Default)]
+struct Timings {
+    tcx: Vec<f64>,
+    tcx_teardown: Vec<f64>,
+    cls_bpf: Vec<f64>,
+    cls_bpf_teardown: Vec<f64>,
+    iptables: Vec<f64>,
+}
+
+/// Scenario 5: capture setup for N pods, sluice (tcx links, and cls_bpf
+/// filters as on kernels without tcx) vs iptables-restore + routes.
 fn enrollment(report: &mut Report) -> anyhow::Result<()> {
     let pods = bare_pods("en", ENROLL_PODS)?;
     let result = (|| -> anyhow::Result<()> {
         let pins = Pins::new(format!("/sys/fs/bpf/sluice-bench-{}", std::process::id()));
+        let nl_pins = Pins::new(format!(
+            "/sys/fs/bpf/sluice-bench-nl-{}",
+            std::process::id()
+        ));
         // Loading is once per node, not per pod: not part of the per-pod cost.
         let mut dp = Dataplane::load_or_adopt(pins.clone())?;
-        let (mut sluice_ms, mut ipt_ms) = (Vec::new(), Vec::new());
-        // Interleaved per pod: sluice attaches (and is removed again), then
-        // Istio's rules go into the same netns the way istio-cni applies them.
+        // The same programs attached as cls_bpf filters (kernels without tcx).
+        let no_tcx = sluice::features::Features {
+            tcx: false,
+            ..sluice::features::Features::get()
+        };
+        let mut nl = Dataplane::load_or_adopt_with(nl_pins.clone(), no_tcx)?;
+        let mut ms = Timings::default();
+        // Interleaved per pod: sluice attaches with tcx links (and is removed
+        // again), then with cls_bpf filters, then Istio's rules go into the
+        // same netns the way istio-cni applies them.
         for (i, p) in pods.iter().enumerate() {
             let uid = PodUid::new(&format!("en-{i}"))?;
-            let t = Instant::now();
-            enroll::attach_pod(
-                &mut dp,
-                &ns_path(&p.name),
-                &uid,
-                &workload(&p.name),
-                &Default::default(),
-            )?;
-            sluice_ms.push(t.elapsed().as_secs_f64() * 1e3);
-            enroll::unenroll(&dp.pins, &mut dp.maps, dp.node.as_ref(), &uid)?;
+            for (dp, enroll_ms, teardown_ms) in [
+                (&mut dp, &mut ms.tcx, &mut ms.tcx_teardown),
+                (&mut nl, &mut ms.cls_bpf, &mut ms.cls_bpf_teardown),
+            ] {
+                let t = Instant::now();
+                enroll::attach_pod(
+                    dp,
+                    &ns_path(&p.name),
+                    &uid,
+                    &workload(&p.name),
+                    &Default::default(),
+                )?;
+                enroll_ms.push(t.elapsed().as_secs_f64() * 1e3);
+                let t = Instant::now();
+                enroll::unenroll(&dp.pins, &mut dp.maps, dp.node.as_ref(), &uid)?;
+                teardown_ms.push(t.elapsed().as_secs_f64() * 1e3);
+            }
             let t = Instant::now();
             istio::apply(&p.name)?;
-            ipt_ms.push(t.elapsed().as_secs_f64() * 1e3);
+            ms.iptables.push(t.elapsed().as_secs_f64() * 1e3);
         }
-        drop(dp);
+        drop((dp, nl));
         enroll::uninstall(&pins, None)?;
-        let (s, i): (f64, f64) = (sluice_ms.iter().sum(), ipt_ms.iter().sum());
+        enroll::uninstall(&nl_pins, None)?;
+        let (s, i): (f64, f64) = (ms.tcx.iter().sum(), ms.iptables.iter().sum());
         report.put("enroll_time_ratio_iptables_vs_sluice", i / s);
         report.put("enroll_total_ms_sluice", s);
         report.put("enroll_total_ms_iptables", i);
-        report.put("enroll_p50_ms_sluice", percentile(sluice_ms.clone(), 0.5));
-        report.put("enroll_p99_ms_sluice", percentile(sluice_ms, 0.99));
-        report.put("enroll_p50_ms_iptables", percentile(ipt_ms.clone(), 0.5));
-        report.put("enroll_p99_ms_iptables", percentile(ipt_ms, 0.99));
+        for (key, v) in [
+            ("sluice", ms.tcx),
+            ("iptables", ms.iptables),
+            ("sluice_cls_bpf", ms.cls_bpf),
+        ] {
+            report.put(&format!("enroll_p50_ms_{key}"), percentile(v.clone(), 0.5));
+            report.put(&format!("enroll_p99_ms_{key}"), percentile(v, 0.99));
+        }
+        for (key, v) in [
+            ("sluice", ms.tcx_teardown),
+            ("sluice_cls_bpf", ms.cls_bpf_teardown),
+        ] {
+            report.put(
+                &format!("teardown_p50_ms_{key}"),
+                percentile(v.clone(), 0.5),
+            );
+            report.put(&format!("teardown_p99_ms_{key}"), percentile(v, 0.99));
+        }
         Ok(())
     })();
     drop(pods);
