@@ -203,6 +203,28 @@ fn cargo(args: &[&str]) -> Result<()> {
         .args(args))
 }
 
+/// Where the CNI tests find the static plugin.
+const STATIC_CNI_ENV: &str = "SLUICE_CNI_BIN";
+
+/// The binaries the tests run besides their own (the eBPF objects aside);
+/// returns the static CNI plugin's path, for STATIC_CNI_ENV.
+fn build_test_bins() -> Result<PathBuf> {
+    // The lifecycle tests run the `sluice` binary itself; the crash tests
+    // need its crash points (never in a shipped build).
+    cargo(&[
+        "build",
+        "-p",
+        "sluice",
+        "--bins",
+        "--features",
+        "fault-injection",
+    ])?;
+    // The agent copies the plugin from beside itself; the CNI tests run the
+    // static build the image ships.
+    cargo(&["build", "-p", "sluice-cni"])?;
+    build_cni()
+}
+
 fn test(extra: &[String], repeat: u32, cpu_hog: bool) -> Result<()> {
     setup::run()?;
     build_ebpf()?;
@@ -220,20 +242,7 @@ fn test(extra: &[String], repeat: u32, cpu_hog: bool) -> Result<()> {
         .concat(),
     )?;
     deploy::check()?;
-    // The lifecycle tests run the `sluice` binary itself; the crash tests
-    // need its crash points (never in a shipped build).
-    cargo(&[
-        "build",
-        "-p",
-        "sluice",
-        "--bins",
-        "--features",
-        "fault-injection",
-    ])?;
-    // The agent copies the plugin from beside itself; the CNI tests run the
-    // static build the image ships (SLUICE_CNI_BIN).
-    cargo(&["build", "-p", "sluice-cni"])?;
-    let static_cni = build_cni()?;
+    let static_cni = build_test_bins()?;
     let mut args = [&["test"][..], &host].concat();
     if !extra.is_empty() {
         args.push("--");
@@ -252,7 +261,7 @@ fn test(extra: &[String], repeat: u32, cpu_hog: bool) -> Result<()> {
             Command::new("cargo")
                 .current_dir(workspace_root())
                 .args(&args)
-                .env("SLUICE_CNI_BIN", &static_cni),
+                .env(STATIC_CNI_ENV, &static_cni),
         )
         .with_context(|| format!("test run {run} of {repeat} failed"))?;
     }
