@@ -1,8 +1,10 @@
 //! Everything that is not plain cargo: toolchain setup, the eBPF build, tests,
-//! the demo, benchmarks, the container image and the deploy/ checks.
+//! the demo, benchmarks, the container image, the deploy/ checks, and the
+//! tests in VMs on older kernels.
 
 mod deploy;
 mod fuzz;
+mod kernels;
 mod setup;
 
 use std::{
@@ -73,6 +75,9 @@ enum Cmd {
     },
     /// Render, lint and validate deploy/ (manifests, Helm chart); shellcheck scripts.
     CheckDeploy,
+    /// Build the contract tests and run them (or `--run` a command) in a qemu
+    /// VM booting Debian's 6.1 or 6.12 kernel (root; installs qemu on first use).
+    TestKernels(kernels::Args),
 }
 
 fn main() -> Result<()> {
@@ -106,6 +111,7 @@ fn main() -> Result<()> {
         Cmd::Bench => bench(),
         Cmd::Image { tag } => deploy::image(&tag),
         Cmd::CheckDeploy => deploy::check(),
+        Cmd::TestKernels(args) => kernels::run(args),
     }
 }
 
