@@ -1,8 +1,10 @@
 //! Everything that is not plain cargo: toolchain setup, the eBPF build, tests,
-//! the demo, benchmarks, the container image and the deploy/ checks.
+//! the demo, benchmarks, the container image, the deploy/ checks, and the
+//! tests in VMs on older kernels.
 
 mod deploy;
 mod fuzz;
+mod kernels;
 mod setup;
 
 use std::{
@@ -73,6 +75,9 @@ enum Cmd {
     },
     /// Render, lint and validate deploy/ (manifests, Helm chart); shellcheck scripts.
     CheckDeploy,
+    /// Build the contract tests and run them (or `--run` a command) in a qemu
+    /// VM booting Debian's 6.1 or 6.12 kernel (root; installs qemu on first use).
+    TestKernels(kernels::Args),
 }
 
 fn main() -> Result<()> {
@@ -106,6 +111,7 @@ fn main() -> Result<()> {
         Cmd::Bench => bench(),
         Cmd::Image { tag } => deploy::image(&tag),
         Cmd::CheckDeploy => deploy::check(),
+        Cmd::TestKernels(args) => kernels::run(args),
     }
 }
 
@@ -203,6 +209,28 @@ fn cargo(args: &[&str]) -> Result<()> {
         .args(args))
 }
 
+/// Where the CNI tests find the static plugin.
+const STATIC_CNI_ENV: &str = "SLUICE_CNI_BIN";
+
+/// The binaries the tests run besides their own (the eBPF objects aside);
+/// returns the static CNI plugin's path, for STATIC_CNI_ENV.
+fn build_test_bins() -> Result<PathBuf> {
+    // The lifecycle tests run the `sluice` binary itself; the crash tests
+    // need its crash points (never in a shipped build).
+    cargo(&[
+        "build",
+        "-p",
+        "sluice",
+        "--bins",
+        "--features",
+        "fault-injection",
+    ])?;
+    // The agent copies the plugin from beside itself; the CNI tests run the
+    // static build the image ships.
+    cargo(&["build", "-p", "sluice-cni"])?;
+    build_cni()
+}
+
 fn test(extra: &[String], repeat: u32, cpu_hog: bool) -> Result<()> {
     setup::run()?;
     build_ebpf()?;
@@ -220,20 +248,7 @@ fn test(extra: &[String], repeat: u32, cpu_hog: bool) -> Result<()> {
         .concat(),
     )?;
     deploy::check()?;
-    // The lifecycle tests run the `sluice` binary itself; the crash tests
-    // need its crash points (never in a shipped build).
-    cargo(&[
-        "build",
-        "-p",
-        "sluice",
-        "--bins",
-        "--features",
-        "fault-injection",
-    ])?;
-    // The agent copies the plugin from beside itself; the CNI tests run the
-    // static build the image ships (SLUICE_CNI_BIN).
-    cargo(&["build", "-p", "sluice-cni"])?;
-    let static_cni = build_cni()?;
+    let static_cni = build_test_bins()?;
     let mut args = [&["test"][..], &host].concat();
     if !extra.is_empty() {
         args.push("--");
@@ -252,7 +267,7 @@ fn test(extra: &[String], repeat: u32, cpu_hog: bool) -> Result<()> {
             Command::new("cargo")
                 .current_dir(workspace_root())
                 .args(&args)
-                .env("SLUICE_CNI_BIN", &static_cni),
+                .env(STATIC_CNI_ENV, &static_cni),
         )
         .with_context(|| format!("test run {run} of {repeat} failed"))?;
     }

@@ -76,7 +76,7 @@ pub fn missing_for_ebpf() -> Option<String> {
     None
 }
 
-fn which(bin: &str) -> bool {
+pub fn which(bin: &str) -> bool {
     if bin.starts_with('/') {
         return Path::new(bin).exists();
     }
