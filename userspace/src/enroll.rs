@@ -149,23 +149,11 @@ pub fn attach_pod(
     // Pins without state can only be the remains of an interrupted enroll;
     // a fresh pod has none, and skips the teardown's netlink round trips.
     if dp.pins.pod(cookie).exists() {
-        teardown(
-            &dp.pins,
-            &mut dp.maps,
-            Some(&netns),
-            dp.node.as_ref(),
-            cookie,
-        )?;
+        teardown_in(dp, &netns, cookie)?;
     }
 
     if let Err(e) = attach(dp, &netns, cookie, uid, &path, workload, options) {
-        let _ = teardown(
-            &dp.pins,
-            &mut dp.maps,
-            Some(&netns),
-            dp.node.as_ref(),
-            cookie,
-        );
+        let _ = teardown_in(dp, &netns, cookie);
         return Err(e);
     }
     // A pod istio-cni captured before: sluice's capture is in place now, so
@@ -186,13 +174,7 @@ pub fn attach_pod(
         Err(e) => {
             // Both rule sets at once would misroute outbound traffic: back
             // out and leave the pod to Istio's rules, with the reason.
-            let _ = teardown(
-                &dp.pins,
-                &mut dp.maps,
-                Some(&netns),
-                dp.node.as_ref(),
-                cookie,
-            );
+            let _ = teardown_in(dp, &netns, cookie);
             Err(e.into())
         }
     }
@@ -766,6 +748,17 @@ impl Filters<'_> {
                 source,
             })
     }
+}
+
+/// [`teardown`] of a pod whose netns is open, with the dataplane's node.
+fn teardown_in(dp: &mut Dataplane, netns: &Netns, cookie: u64) -> Result<(), EnrollError> {
+    teardown(
+        &dp.pins,
+        &mut dp.maps,
+        Some(netns),
+        dp.node.as_ref(),
+        cookie,
+    )
 }
 
 /// Unpins (and so detaches) every link of a pod and removes its directory.
