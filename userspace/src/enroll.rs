@@ -687,21 +687,14 @@ fn teardown(
             .collect(),
         None => Vec::new(),
     };
-    // Where each cls_bpf filter is (kernels without tcx): the hooks the
-    // pod's interfaces call for now. A filter on an interface that is gone
-    // went with it.
+    // Where each cls_bpf filter is (kernels without tcx): worked out from
+    // the pod's interfaces only when a record is met.
     let filters = Filters {
         netns,
         node,
-        specs: match (netns, node) {
-            (Some(ns), node) => {
-                let peers = node
-                    .map(|n| hostside::peers(ns, n, &ifaces).unwrap_or_default())
-                    .unwrap_or_default();
-                expected_links(&ifaces, &peers, &maps.options(cookie).reroute)
-            }
-            (None, _) => Vec::new(),
-        },
+        ifaces: &ifaces,
+        reroute: maps.options(cookie).reroute,
+        specs: Default::default(),
     };
     remove_links(pins, cookie, &filters)?;
     if let Some(netns) = netns {
@@ -713,19 +706,37 @@ fn teardown(
 }
 
 /// What [`remove_links`] needs to remove a pod's cls_bpf filters: the netns
-/// they are in and the hook each pin name stands for.
+/// they are in and, from the pod's interfaces as they are now, the hook each
+/// record stands for. A filter on an interface that is gone went with it.
 #[derive(Default)]
 struct Filters<'a> {
     netns: Option<&'a Netns>,
     node: Option<&'a hostside::Node>,
-    specs: Vec<LinkSpec>,
+    ifaces: &'a [String],
+    reroute: Vec<String>,
+    /// The expected links, worked out at the first record (tcx pods never
+    /// pay for the host-side lookup).
+    specs: std::cell::OnceCell<Vec<LinkSpec>>,
 }
 
 impl Filters<'_> {
+    fn specs(&self) -> &[LinkSpec] {
+        self.specs.get_or_init(|| {
+            let Some(ns) = self.netns else {
+                return Vec::new();
+            };
+            let peers = self
+                .node
+                .map(|n| hostside::peers(ns, n, self.ifaces).unwrap_or_default())
+                .unwrap_or_default();
+            expected_links(self.ifaces, &peers, &self.reroute)
+        })
+    }
+
     /// Removes the filter the record `name` stands for, where it can be
     /// reached.
     fn detach(&self, name: &str) -> Result<(), EnrollError> {
-        let Some(spec) = self.specs.iter().find(|s| s.pin_name() == name) else {
+        let Some(spec) = self.specs().iter().find(|s| s.pin_name() == name) else {
             return Ok(());
         };
         let (ns, iface, kind) = match spec {
@@ -772,14 +783,18 @@ fn remove_links(pins: &Pins, cookie: u64, filters: &Filters<'_>) -> Result<(), E
         let mut entries: Vec<_> = entries.flatten().collect();
         entries.sort_by_key(|e| e.file_name() != "steer");
         for e in entries {
-            if tcfilter::pinned(&e.path()) == Some(tcfilter::Pinned::Program) {
-                filters.detach(&e.file_name().to_string_lossy())?;
-            }
-            match PinnedLink::from_pin(e.path()) {
+            match tcfilter::pinned(&e.path()) {
                 // Unpinned and dropped: the last reference goes, the link
-                // detaches (a filter's record just goes).
-                Ok(link) => drop(link.unpin()),
-                Err(_) => drop(fs::remove_file(e.path())),
+                // detaches.
+                Some(tcfilter::Pinned::Link) => match PinnedLink::from_pin(e.path()) {
+                    Ok(link) => drop(link.unpin()),
+                    Err(_) => drop(fs::remove_file(e.path())),
+                },
+                Some(tcfilter::Pinned::Program) => {
+                    filters.detach(&e.file_name().to_string_lossy())?;
+                    drop(fs::remove_file(e.path()));
+                }
+                None => drop(fs::remove_file(e.path())),
             }
             crash_point(&format!(
                 "unenroll:link:{}",

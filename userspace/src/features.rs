@@ -153,7 +153,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_disable_list_turns_features_off_and_names_what_is_missing() {
+    fn only_a_missing_sk_lookup_is_fatal_and_the_summary_names_each_feature() {
         let all = Features {
             sk_lookup: true,
             tcx: true,

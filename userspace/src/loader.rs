@@ -114,10 +114,11 @@ const NO_TCX_UPGRADE: &str =
      the pinned build keeps running until the node reboots";
 
 /// An `EbpfLoader` whose programs' feature globals follow `features`.
-fn loader_for(features: Features, cookie: &mut u8) -> EbpfLoader<'_> {
-    *cookie = u8::from(features.netns_cookie_in_tc);
+fn loader_for(features: Features) -> EbpfLoader<'static> {
+    static VALUES: [u8; 2] = [0, 1];
     let mut l = EbpfLoader::new();
-    l.override_global("NETNS_COOKIE_IN_TC", &*cookie, true);
+    let cookie = &VALUES[usize::from(features.netns_cookie_in_tc)];
+    l.override_global("NETNS_COOKIE_IN_TC", cookie, true);
     l
 }
 
@@ -357,8 +358,7 @@ impl Dataplane {
                 source,
             })?;
         }
-        let mut cookie = 0;
-        let mut loader = loader_for(features, &mut cookie);
+        let mut loader = loader_for(features);
         loader.default_map_pin_directory(pins.maps());
         for c in &changes {
             loader.map_pin_path(c.map.as_str(), next_dir.join(&c.map));
@@ -606,8 +606,7 @@ impl Dataplane {
         if !missing.is_empty() {
             return Err(LoadError::KernelTooOld(missing));
         }
-        let mut cookie = 0;
-        let mut ebpf = loader_for(features, &mut cookie)
+        let mut ebpf = loader_for(features)
             .default_map_pin_directory(pins.maps())
             .load(&object)?;
         let result = (|| {
