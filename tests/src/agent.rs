@@ -76,6 +76,7 @@ impl AgentProc {
             env: env
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
+                .chain(crate::harness::as_if_kernel_env().map(|(k, v)| (k.to_owned(), v)))
                 .collect(),
             zds: dir.join("ztunnel.sock"),
             control: dir.join("agent.sock"),
@@ -425,7 +426,7 @@ pub fn free_port() -> anyhow::Result<u16> {
 pub fn http_get(port: u16, path: &str) -> anyhow::Result<(u16, String)> {
     use std::io::{Read as _, Write as _};
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;
-    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    s.set_read_timeout(Some(crate::wait::scaled(Duration::from_secs(5))))?;
     write!(
         s,
         "GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n"

@@ -41,6 +41,27 @@ pub fn as_if_kernel<R>(features: Features, f: impl FnOnce() -> R) -> R {
     out
 }
 
+/// The environment that makes a `sluice` process see the kernel as
+/// [`as_if_kernel`] set it on this thread (the features it turns off), if
+/// it is set and differs from this kernel's.
+pub fn as_if_kernel_env() -> Option<(&'static str, String)> {
+    let (f, real) = (AS_IF_KERNEL.get()?, Features::get());
+    let off: Vec<&str> = [
+        ("sk_lookup", f.sk_lookup, real.sk_lookup),
+        ("tcx", f.tcx, real.tcx),
+        (
+            "netns_cookie_in_tc",
+            f.netns_cookie_in_tc,
+            real.netns_cookie_in_tc,
+        ),
+    ]
+    .into_iter()
+    .filter(|(_, on, real)| !on && *real)
+    .map(|(name, ..)| name)
+    .collect();
+    (!off.is_empty()).then(|| (sluice::features::DISABLE_ENV, off.join(",")))
+}
+
 /// This kernel's features without `bpf_get_netns_cookie` in tc programs
 /// (as on Linux < 6.15).
 pub fn without_netns_cookie_in_tc() -> Features {
@@ -150,12 +171,15 @@ impl Fixture {
         Ok(enroll::register_uid(&mut dp, &self.uid)?)
     }
 
+    /// Unenrolls the pod, with the client netns as the node's (where a
+    /// kernel without tcx has the host-side filter to remove).
     pub fn unenroll(&self) -> anyhow::Result<()> {
         let mut maps = Maps::open_pinned(&self.topo.pins.maps())?;
+        let node = sluice::hostside::Node::open(&crate::ns::netns_path(&self.topo.client))?;
         Ok(enroll::unenroll(
             &self.topo.pins,
             &mut maps,
-            None,
+            Some(&node),
             &self.uid,
         )?)
     }

@@ -37,3 +37,41 @@ pub fn proc_status_kib(pid: u32, field: &str) -> anyhow::Result<u64> {
         .and_then(|v| v.parse().ok())
         .with_context(|| format!("no {field} in /proc/{pid}/status"))
 }
+
+/// The cls_bpf filters on `iface`'s `dir` hook (`"ingress"` or
+/// `"egress"`) in netns `ns` (an `ip netns` name), as `tc` shows them:
+/// (priority, program id), in the order they run. The kernel's answer, not
+/// sluice's record of it.
+pub fn filter_programs(ns: &str, iface: &str, dir: &str) -> anyhow::Result<Vec<(u64, u32)>> {
+    let out = std::process::Command::new("ip")
+        .args([
+            "netns", "exec", ns, "tc", "-j", "filter", "show", "dev", iface, dir,
+        ])
+        .output()
+        .context("running tc")?;
+    anyhow::ensure!(
+        out.status.success(),
+        "tc filter show dev {iface} {dir} in {ns}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let filters: Vec<serde_json::Value> =
+        serde_json::from_slice(&out.stdout).context("tc's JSON output")?;
+    Ok(filters
+        .iter()
+        .filter(|f| f["kind"] == "bpf")
+        .filter_map(|f| {
+            let id = f["options"]["prog"]["id"].as_u64()?;
+            Some((f["pref"].as_u64()?, id as u32))
+        })
+        .collect())
+}
+
+/// The program id sluice's filter (priority 1) on a hook runs (see
+/// [`filter_programs`]).
+pub fn filter_program(ns: &str, iface: &str, dir: &str) -> anyhow::Result<u32> {
+    let all = filter_programs(ns, iface, dir)?;
+    all.iter()
+        .find(|(pref, _)| *pref == 1)
+        .map(|(_, id)| *id)
+        .with_context(|| format!("no bpf filter at priority 1 on {iface} {dir} in {ns}: {all:?}"))
+}

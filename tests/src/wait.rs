@@ -18,6 +18,24 @@ const TICK: Duration = Duration::from_millis(10);
 /// test is failing anyway (a loaded CI machine must never hit it).
 pub const DEADLINE: Duration = Duration::from_secs(20);
 
+/// Every deadline is multiplied by this whole number, if set: an emulated
+/// VM (`cargo xtask test-kernels` without hardware virtualization) runs
+/// everything many times slower.
+pub const FACTOR_ENV: &str = "SLUICE_TEST_DEADLINE_FACTOR";
+
+/// `within`, times [`FACTOR_ENV`].
+pub fn scaled(within: Duration) -> Duration {
+    static FACTOR: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    let f = *FACTOR.get_or_init(|| {
+        std::env::var(FACTOR_ENV)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|f| *f >= 1)
+            .unwrap_or(1)
+    });
+    within * f
+}
+
 /// Polls `probe` until it returns `Ok`, or fails after `within` with
 /// `what` and the last `Err` the probe gave (what it saw instead).
 pub fn until<T, S: Debug>(
@@ -25,7 +43,7 @@ pub fn until<T, S: Debug>(
     within: Duration,
     mut probe: impl FnMut() -> Result<T, S>,
 ) -> anyhow::Result<T> {
-    let start = Instant::now();
+    let (start, within) = (Instant::now(), scaled(within));
     loop {
         if let Some(done) = settled(what, within, start, probe()) {
             return done;
@@ -75,7 +93,7 @@ pub async fn until_async<T, S: Debug>(
     within: Duration,
     mut probe: impl FnMut() -> Result<T, S>,
 ) -> anyhow::Result<T> {
-    let start = Instant::now();
+    let (start, within) = (Instant::now(), scaled(within));
     loop {
         if let Some(done) = settled(what, within, start, probe()) {
             return done;

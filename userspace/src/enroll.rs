@@ -17,6 +17,7 @@ use crate::{
     loader::{Dataplane, Pins},
     netns::{addresses, interfaces, Netns, NetnsError},
     options::PodOptions,
+    podlinks::{expected_links, LinkSpec, Side},
     routes::{self, RouteError},
     sockets::{self, SocketError},
     state::{boottime_ns, Maps, StateError},
@@ -178,56 +179,6 @@ pub fn attach_pod(
             Err(e.into())
         }
     }
-}
-
-/// One link of a pod: what it attaches and its pin name under
-/// `pods/<cookie>/`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum LinkSpec {
-    /// sk_lookup on the pod netns.
-    Steer,
-    /// tcx egress on a pod interface.
-    Egress(String),
-    /// tcx ingress on a pod interface.
-    Ingress(String),
-    /// tcx ingress on the pod's `lo`.
-    Lo,
-    /// tcx egress on the host side (node netns) of a pod interface.
-    Host(HostPeer),
-    /// tcx ingress on a pod interface whose TCP is rerouted to 15001 (in
-    /// place of `Ingress`).
-    Reroute(String),
-}
-
-impl LinkSpec {
-    pub fn pin_name(&self) -> String {
-        // bpffs reserves '.' in names; interface names may contain it.
-        match self {
-            LinkSpec::Steer => "steer".into(),
-            LinkSpec::Egress(i) => format!("egress_{}", i.replace('.', "_")),
-            LinkSpec::Ingress(i) => format!("ingress_{}", i.replace('.', "_")),
-            LinkSpec::Lo => "lo".into(),
-            LinkSpec::Host(p) => format!("host_{}", p.pod_iface.replace('.', "_")),
-            LinkSpec::Reroute(i) => format!("reroute_{}", i.replace('.', "_")),
-        }
-    }
-}
-
-/// Every link a pod with interfaces `ifaces` (not `lo`), node-side peers
-/// `peers` and rerouted interfaces `reroute` has, in attach order.
-pub fn expected_links(ifaces: &[String], peers: &[HostPeer], reroute: &[String]) -> Vec<LinkSpec> {
-    let mut v = vec![LinkSpec::Steer];
-    for i in ifaces {
-        v.push(LinkSpec::Egress(i.clone()));
-        v.push(if reroute.contains(i) {
-            LinkSpec::Reroute(i.clone())
-        } else {
-            LinkSpec::Ingress(i.clone())
-        });
-    }
-    v.push(LinkSpec::Lo);
-    v.extend(peers.iter().cloned().map(LinkSpec::Host));
-    v
 }
 
 /// The node-side peers of the pod's interfaces, when the dataplane knows the
@@ -739,19 +690,14 @@ impl Filters<'_> {
         let Some(spec) = self.specs().iter().find(|s| s.pin_name() == name) else {
             return Ok(());
         };
-        let (ns, iface, kind) = match spec {
-            LinkSpec::Steer => return Ok(()),
-            LinkSpec::Egress(i) => (self.netns, i.as_str(), TcAttachType::Egress),
-            LinkSpec::Ingress(i) | LinkSpec::Reroute(i) => {
-                (self.netns, i.as_str(), TcAttachType::Ingress)
-            }
-            LinkSpec::Lo => (self.netns, "lo", TcAttachType::Ingress),
-            LinkSpec::Host(p) => (
-                self.node.map(|n| &n.netns),
-                p.host_iface.as_str(),
-                TcAttachType::Egress,
-            ),
+        let Some(hook) = spec.tc_hook() else {
+            return Ok(());
         };
+        let ns = match hook.side {
+            Side::Pod => self.netns,
+            Side::Node => self.node.map(|n| &n.netns),
+        };
+        let (iface, kind) = (hook.iface, hook.kind);
         let Some(ns) = ns else { return Ok(()) };
         ns.run(|| tcfilter::detach(iface, kind))?
             .map_err(|source| EnrollError::Attach {

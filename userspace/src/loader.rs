@@ -106,13 +106,6 @@ pub enum LoadError {
     KernelTooOld(Vec<&'static str>),
 }
 
-/// Why another build's pinned programs stay on a kernel without tcx: its
-/// cls_bpf filters have no link to switch in place, and replacing them one
-/// by one could leave a moment without capture.
-const NO_TCX_UPGRADE: &str =
-    "replacing the programs of running pods needs tcx links (Linux ≥ 6.6); \
-     the pinned build keeps running until the node reboots";
-
 /// An `EbpfLoader` whose programs' feature globals follow `features`.
 fn loader_for(features: Features) -> EbpfLoader<'static> {
     static VALUES: [u8; 2] = [0, 1];
@@ -236,6 +229,12 @@ fn program_of_link(pin_name: &str) -> Option<&'static str> {
     }
 }
 
+/// What an agent's start does besides adopting the pinned dataplane.
+struct Upgrade<'a> {
+    /// Where the host-side filters are (kernels without tcx).
+    node: Option<&'a crate::hostside::Node>,
+}
+
 /// A replacement program is pinned under this suffix, then renamed over the
 /// old pin (bpffs renames replace atomically), so the program pins are never
 /// missing, even to a process killed in between.
@@ -258,24 +257,29 @@ impl Dataplane {
     /// Adopts the pinned dataplane as it is, or loads and pins it if there
     /// is none (CLI commands working on the pins without an agent).
     pub fn load_or_adopt(pins: Pins) -> Result<Self, LoadError> {
-        Self::open(pins, false, Features::get())
+        Self::open(pins, None, Features::get())
     }
 
     /// [`load_or_adopt`](Self::load_or_adopt) as if the kernel offered only
     /// `features` (tests of the fallbacks on a kernel that has more).
     pub fn load_or_adopt_with(pins: Pins, features: Features) -> Result<Self, LoadError> {
-        Self::open(pins, false, features)
+        Self::open(pins, None, features)
     }
 
     /// Like [`load_or_adopt`](Self::load_or_adopt), and replaces pinned
     /// programs of another build with this build's ([`Adoption::Upgraded`]).
     /// The agent's start: it owns the node's dataplane. Costs a load of this
     /// build's programs to compare tags (≈ 35 ms).
-    pub fn load_adopt_or_upgrade(pins: Pins) -> Result<Self, LoadError> {
-        Self::open(pins, true, Features::get())
+    /// `node`: the node's netns, where a kernel without tcx has the filters
+    /// of the pods' host-side program to replace.
+    pub fn load_adopt_or_upgrade(
+        pins: Pins,
+        node: Option<&crate::hostside::Node>,
+    ) -> Result<Self, LoadError> {
+        Self::open(pins, Some(Upgrade { node }), Features::get())
     }
 
-    fn open(pins: Pins, upgrade: bool, features: Features) -> Result<Self, LoadError> {
+    fn open(pins: Pins, upgrade: Option<Upgrade>, features: Features) -> Result<Self, LoadError> {
         ensure_bpffs(pins.root())?;
         let _lock = lock(&pins)?;
         if !pins.is_loaded() {
@@ -283,8 +287,8 @@ impl Dataplane {
         }
         // Before the maps are opened as this build's types: a migration may
         // have to replace them first.
-        let adoption = if upgrade {
-            match Self::upgrade(&pins, features) {
+        let adoption = if let Some(Upgrade { node }) = upgrade {
+            match Self::upgrade(&pins, features, node) {
                 Ok(a) => a,
                 Err(e) => Adoption::Kept(crate::error_line(&e)),
             }
@@ -312,7 +316,11 @@ impl Dataplane {
     /// a process killed midway leaves every link on a working build's
     /// programs, the old pinned maps authoritative until their renames, and
     /// the next start finishes.
-    fn upgrade(pins: &Pins, features: Features) -> Result<Adoption, LoadError> {
+    fn upgrade(
+        pins: &Pins,
+        features: Features,
+        node: Option<&crate::hostside::Node>,
+    ) -> Result<Adoption, LoadError> {
         let object = ebpf_object();
         if object.is_empty() {
             return Ok(Adoption::Same);
@@ -332,6 +340,16 @@ impl Dataplane {
         for e in fs::read_dir(&next_dir).into_iter().flatten().flatten() {
             let _ = fs::remove_file(e.path());
         }
+        for pod in fs::read_dir(pins.pods()).into_iter().flatten().flatten() {
+            for e in fs::read_dir(pod.path()).into_iter().flatten().flatten() {
+                if e.file_name()
+                    .to_string_lossy()
+                    .starts_with(crate::refilter::NEXT_PREFIX)
+                {
+                    let _ = fs::remove_file(e.path());
+                }
+            }
+        }
         let layout_err = |what: &str, e: String| LoadError::Io {
             what: what.to_owned(),
             source: std::io::Error::other(e),
@@ -348,9 +366,6 @@ impl Dataplane {
             return Ok(Adoption::Kept(format!(
                 "the pinned maps have a layout this build cannot migrate ({c}); the pinned build keeps running"
             )));
-        }
-        if !changes.is_empty() && !features.tcx {
-            return Ok(Adoption::Kept(NO_TCX_UPGRADE.into()));
         }
         if !changes.is_empty() {
             fs::create_dir_all(&next_dir).map_err(|source| LoadError::Io {
@@ -439,16 +454,17 @@ impl Dataplane {
             stamp(pins);
             return Ok(Adoption::Same);
         }
-        if !features.tcx {
-            return Ok(Adoption::Kept(NO_TCX_UPGRADE.into()));
-        }
-        // Every pod's links of a changed program, each switched atomically.
+        // Every pod's links of a changed program, each switched atomically:
+        // a tcx or sk_lookup link by BPF_LINK_UPDATE, a cls_bpf filter
+        // (kernels without tcx) replaced at its handle.
         let mut links = 0;
+        let mut filters = crate::refilter::Refilter::new(&pins.maps(), node);
         let pods = fs::read_dir(pins.pods()).map_err(|source| LoadError::Io {
             what: format!("listing {}", pins.pods().display()),
             source,
         })?;
         for pod in pods.flatten() {
+            let cookie = pod.file_name().to_str().and_then(|c| c.parse::<u64>().ok());
             for link in fs::read_dir(pod.path()).into_iter().flatten().flatten() {
                 let name = link.file_name();
                 let Some(prog) = program_of_link(&name.to_string_lossy()) else {
@@ -457,16 +473,44 @@ impl Dataplane {
                 if !changed.contains(&prog) {
                     continue;
                 }
-                let p = ebpf.program(prog).ok_or_else(|| missing(prog))?;
-                let fd = p.fd().map_err(perr(prog))?;
-                crate::relink::update(&link.path(), std::os::fd::AsFd::as_fd(fd)).map_err(
-                    |source| LoadError::Io {
-                        what: format!("pointing {} at this build's {prog}", link.path().display()),
-                        source,
-                    },
-                )?;
-                links += 1;
-                crate::fault::crash_point("upgrade_link");
+                let switched = match crate::tcfilter::pinned(&link.path()) {
+                    Some(crate::tcfilter::Pinned::Link) => {
+                        let p = ebpf.program(prog).ok_or_else(|| missing(prog))?;
+                        let fd = p.fd().map_err(perr(prog))?;
+                        crate::relink::update(&link.path(), std::os::fd::AsFd::as_fd(fd)).map_err(
+                            |source| LoadError::Io {
+                                what: format!(
+                                    "pointing {} at this build's {prog}",
+                                    link.path().display()
+                                ),
+                                source,
+                            },
+                        )?;
+                        true
+                    }
+                    Some(crate::tcfilter::Pinned::Program) => {
+                        let p: &mut SchedClassifier = ebpf
+                            .program_mut(prog)
+                            .ok_or_else(|| missing(prog))?
+                            .try_into()
+                            .map_err(perr(prog))?;
+                        let Some(cookie) = cookie else { continue };
+                        filters
+                            .switch(cookie, &link.path(), p)
+                            .map_err(|e| LoadError::Io {
+                                what: format!(
+                                    "pointing the filter of {} at this build's {prog}",
+                                    link.path().display()
+                                ),
+                                source: std::io::Error::other(e.to_string()),
+                            })?
+                    }
+                    None => false,
+                };
+                if switched {
+                    links += 1;
+                    crate::fault::crash_point("upgrade_link");
+                }
             }
         }
         crate::fault::crash_point("upgrade_links");

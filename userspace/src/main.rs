@@ -402,7 +402,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 "no enrolled pod has uid {uid} (sluice is not loaded on this node)"
             );
             let mut maps = Maps::open_pinned(&pins.maps()).context("opening pinned maps")?;
-            enroll::unenroll(&pins, &mut maps, None, &uid)?;
+            enroll::unenroll(&pins, &mut maps, this_netns_as_node().as_ref(), &uid)?;
             println!("unenrolled pod {uid}");
         }
         Cmd::Status { output, pod } => {
@@ -587,7 +587,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 return uninstall_via_agent(&cli.control_socket, pins.root(), resp);
             }
             cni.install(&cli.control_socket)?.uninstall()?;
-            let n = enroll::uninstall(&pins, None)?;
+            let n = enroll::uninstall(&pins, this_netns_as_node().as_ref())?;
             println!("removed sluice from this node ({n} pods unenrolled; sluice-cni removed)");
         }
         Cmd::UninstallCluster {
@@ -700,4 +700,13 @@ fn print_agent(resp: Response) -> anyhow::Result<()> {
             "unexpected answer from the agent: {other:?}"
         )),
     }
+}
+
+/// This process's netns as the node's, for commands that remove pods
+/// without an agent: run on the node (as the agent's container is), it is
+/// where the host side of the pods' veths is, and their host-side cls_bpf
+/// filters (kernels without tcx) are removed there. Anywhere else it holds
+/// no pod's peer and nothing is touched.
+fn this_netns_as_node() -> Option<sluice::hostside::Node> {
+    sluice::hostside::Node::open(std::path::Path::new("/proc/self/ns/net")).ok()
 }

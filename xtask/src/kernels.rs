@@ -89,6 +89,9 @@ const INIT_MODULES: &[&str] = &["virtio_pci", "9pnet_virtio", "9p", "overlay"];
 const START_MARKER: &str = "SLUICE-VM-START";
 const EXIT_MARKER: &str = "SLUICE-VM-EXIT ";
 /// From starting qemu to the command, emulated on a busy host: 15 s is usual.
+/// What the tests multiply their deadlines by (`tests/src/wait.rs`).
+const DEADLINE_FACTOR_ENV: &str = "SLUICE_TEST_DEADLINE_FACTOR";
+
 const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
 
 pub fn run(args: Args) -> Result<()> {
@@ -105,12 +108,17 @@ pub fn run(args: Args) -> Result<()> {
         .iter()
         .map(|&k| prepare(k))
         .collect::<Result<Vec<_>>>()?;
+    let accel = accelerator();
+    // Under emulation everything runs many times slower: the tests' waits
+    // for state get that much longer to fail (a deadline is only ever met
+    // by a failing test).
+    let factor = if accel.contains(&"tcg") { "10" } else { "1" };
+    let env = [(DEADLINE_FACTOR_ENV, OsStr::new(factor))];
     let command = match &args.run {
-        Some(cmd) => command_file(&std::env::current_dir()?, &[], cmd),
-        None => contract_command(&args.args)?,
+        Some(cmd) => command_file(&std::env::current_dir()?, &env, cmd),
+        None => contract_command(&args.args, &env)?,
     };
     let timeout = Duration::from_secs(args.timeout);
-    let accel = accelerator();
     let outcomes: Vec<_> = kernels
         .iter()
         .map(|k| (k, boot(k, &accel, &command, timeout)))
@@ -317,7 +325,7 @@ fn fetch(package: &str, kver: &str, root: &Path) -> Result<()> {
 
 /// Builds what the contract tests run (as `cargo xtask test` does, without
 /// its lint) and returns the guest's command file running the test binary.
-fn contract_command(args: &[String]) -> Result<String> {
+fn contract_command(args: &[String], env: &[(&str, &OsStr)]) -> Result<String> {
     setup::run()?;
     crate::build_ebpf()?;
     crate::build_ebpf_variant()?;
@@ -328,11 +336,9 @@ fn contract_command(args: &[String]) -> Result<String> {
         cmd.push_str(&quote(arg));
     }
     // cargo runs a test binary from its package's directory.
-    Ok(command_file(
-        &workspace_root().join("tests"),
-        &[(crate::STATIC_CNI_ENV, static_cni.as_os_str())],
-        &cmd,
-    ))
+    let mut env = env.to_vec();
+    env.push((crate::STATIC_CNI_ENV, static_cni.as_os_str()));
+    Ok(command_file(&workspace_root().join("tests"), &env, &cmd))
 }
 
 /// Builds the contract test binary; returns its path.

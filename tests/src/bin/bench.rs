@@ -514,15 +514,18 @@ fn ns_path(name: &str) -> PathBuf {
 /// Per-pod times of the enrollment scenario, ms.
 #[derive(Default)]
 struct Timings {
+    /// As sluice attaches on this kernel: tcx links where it has them.
     tcx: Vec<f64>,
     tcx_teardown: Vec<f64>,
+    /// As cls_bpf filters, where that is not the default (kernels with tcx).
     cls_bpf: Vec<f64>,
     cls_bpf_teardown: Vec<f64>,
     iptables: Vec<f64>,
 }
 
-/// Scenario 5: capture setup for N pods, sluice (tcx links, and cls_bpf
-/// filters as on kernels without tcx) vs iptables-restore + routes.
+/// Scenario 5: capture setup for N pods, sluice (as it attaches on this
+/// kernel, and on a kernel with tcx also with the cls_bpf filters of kernels
+/// without it) vs iptables-restore + routes.
 fn enrollment(report: &mut Report) -> anyhow::Result<()> {
     let pods = bare_pods("en", ENROLL_PODS)?;
     let result = (|| -> anyhow::Result<()> {
@@ -532,23 +535,27 @@ fn enrollment(report: &mut Report) -> anyhow::Result<()> {
             std::process::id()
         ));
         // Loading is once per node, not per pod: not part of the per-pod cost.
+        let features = sluice::features::Features::get();
         let mut dp = Dataplane::load_or_adopt(pins.clone())?;
-        // The same programs attached as cls_bpf filters (kernels without tcx).
+        // The same programs attached as cls_bpf filters (kernels without tcx),
+        // where the kernel has tcx for the default.
         let no_tcx = sluice::features::Features {
             tcx: false,
-            ..sluice::features::Features::get()
+            ..features
         };
         let mut nl = Dataplane::load_or_adopt_with(nl_pins.clone(), no_tcx)?;
         let mut ms = Timings::default();
-        // Interleaved per pod: sluice attaches with tcx links (and is removed
-        // again), then with cls_bpf filters, then Istio's rules go into the
-        // same netns the way istio-cni applies them.
+        // Interleaved per pod: sluice attaches as it does on this kernel (and
+        // is removed again), then with cls_bpf filters if that is not the
+        // same, then Istio's rules go into the same netns the way istio-cni
+        // applies them.
         for (i, p) in pods.iter().enumerate() {
             let uid = PodUid::new(&format!("en-{i}"))?;
-            for (dp, enroll_ms, teardown_ms) in [
-                (&mut dp, &mut ms.tcx, &mut ms.tcx_teardown),
-                (&mut nl, &mut ms.cls_bpf, &mut ms.cls_bpf_teardown),
-            ] {
+            let mut variants = vec![(&mut dp, &mut ms.tcx, &mut ms.tcx_teardown)];
+            if features.tcx {
+                variants.push((&mut nl, &mut ms.cls_bpf, &mut ms.cls_bpf_teardown));
+            }
+            for (dp, enroll_ms, teardown_ms) in variants {
                 let t = Instant::now();
                 enroll::attach_pod(
                     dp,
@@ -578,6 +585,9 @@ fn enrollment(report: &mut Report) -> anyhow::Result<()> {
             ("iptables", ms.iptables),
             ("sluice_cls_bpf", ms.cls_bpf),
         ] {
+            if v.is_empty() {
+                continue;
+            }
             report.put(&format!("enroll_p50_ms_{key}"), percentile(v.clone(), 0.5));
             report.put(&format!("enroll_p99_ms_{key}"), percentile(v, 0.99));
         }
@@ -585,6 +595,9 @@ fn enrollment(report: &mut Report) -> anyhow::Result<()> {
             ("sluice", ms.tcx_teardown),
             ("sluice_cls_bpf", ms.cls_bpf_teardown),
         ] {
+            if v.is_empty() {
+                continue;
+            }
             report.put(
                 &format!("teardown_p50_ms_{key}"),
                 percentile(v.clone(), 0.5),
@@ -864,6 +877,7 @@ fn write(report: &Report) -> anyhow::Result<()> {
         .unwrap_or_default();
     let json = serde_json::json!({
         "kernel": kernel,
+        "kernel_features": sluice::features::Features::get().summary(),
         "cpu": cpu,
         "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         "rounds": ROUNDS,
@@ -877,6 +891,9 @@ fn write(report: &Report) -> anyhow::Result<()> {
     for (k, v) in &report.results {
         println!("| {k} | {v} |");
     }
-    println!("\nkernel {kernel}, {cpu}; results in target/bench/results.json");
+    println!(
+        "\nkernel {kernel} ({}), {cpu}; results in target/bench/results.json",
+        sluice::features::Features::get().summary()
+    );
     Ok(())
 }

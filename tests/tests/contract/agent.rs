@@ -20,7 +20,7 @@ use sluice_tests::{
     agent::{free_port, http_get, AgentProc, Out, PeerProc},
     app::App,
     flow::{connect as tcp, Opts, Reached},
-    harness::{steering, Fixture, APP_PORT, REMOTE_PORT},
+    harness::{as_if_kernel, steering, without_tcx, Fixture, APP_PORT, REMOTE_PORT},
     ns::spawn_in,
     topology::Family,
     wait,
@@ -106,6 +106,33 @@ pub fn trials() -> Vec<Trial> {
                 eprintln!(
                     "skipping the map-layout migration test: {LAYOUT} is missing (`cargo xtask build-ebpf --variant` builds it; `cargo xtask test` does)"
                 );
+                t.with_ignored_flag(true)
+            }
+        },
+        // Kernels without tcx replace each cls_bpf filter's program in place.
+        trial(
+            "agent::no_tcx::restart_over_another_builds_programs_replaces_them_in_place_under_load",
+            || as_if_kernel(without_tcx(), programs_replaced),
+        ),
+        {
+            let t = trial(
+                "agent::no_tcx::upgrade_to_another_build_and_back_under_load_loses_no_connection",
+                || as_if_kernel(without_tcx(), another_build),
+            );
+            if Path::new(VARIANT).exists() {
+                t
+            } else {
+                t.with_ignored_flag(true)
+            }
+        },
+        {
+            let t = trial(
+                "agent::no_tcx::migrate_to_another_map_layout_and_back_under_load_loses_no_connection",
+                || as_if_kernel(without_tcx(), another_layout),
+            );
+            if Path::new(LAYOUT).exists() {
+                t
+            } else {
                 t.with_ignored_flag(true)
             }
         },
@@ -1157,6 +1184,7 @@ fn crash_agent_at(agent: &AgentProc, f: &Fixture, step: &str, object: Option<&st
         .arg(agent.dir.join("crashing-zds.sock"))
         .args(["--metrics-addr", "off", "--health-addr", "off"])
         .env("SLUICE_CRASH_AT", step)
+        .envs(sluice_tests::harness::as_if_kernel_env())
         .stderr(std::process::Stdio::null());
     if let Some(o) = object {
         cmd.env("SLUICE_EBPF_OBJECT_FILE", o);
@@ -1393,18 +1421,39 @@ fn another_build() -> TestResult {
     Ok(())
 }
 
-/// The program id each of the pod's pinned links runs, by link pin name.
+/// The program id each of the pod's pinned links runs, by link pin name: a
+/// link's own, or (kernels without tcx) the one the kernel's filter for a
+/// record runs.
 fn link_programs(f: &Fixture) -> anyhow::Result<std::collections::BTreeMap<String, u32>> {
     let dir = f.topo.pins.pod(f.pod_record()?.netns_cookie);
     let mut out = std::collections::BTreeMap::new();
     for e in std::fs::read_dir(dir)? {
         let path = e?.path();
-        let link =
-            aya::programs::links::FdLink::from(aya::programs::links::PinnedLink::from_pin(&path)?);
-        out.insert(
-            path.file_name().unwrap().to_string_lossy().into_owned(),
-            link.info()?.program_id(),
-        );
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let id = match sluice::tcfilter::pinned(&path) {
+            Some(sluice::tcfilter::Pinned::Program) => {
+                let (iface, dir) = match name.split_once('_') {
+                    Some(("egress", i)) => (i, "egress"),
+                    Some((_, i)) => (i, "ingress"),
+                    None => ("lo", "ingress"),
+                };
+                let runs = sluice_tests::inspect::filter_program(&f.topo.pod, iface, dir)?;
+                let recorded = aya::programs::SchedClassifier::from_pin(&path)?
+                    .info()?
+                    .id();
+                ensure!(
+                    recorded == runs,
+                    "the record {name} holds program {recorded}, its filter runs {runs}"
+                );
+                runs
+            }
+            _ => aya::programs::links::FdLink::from(aya::programs::links::PinnedLink::from_pin(
+                &path,
+            )?)
+            .info()?
+            .program_id(),
+        };
+        out.insert(name, id);
     }
     Ok(out)
 }

@@ -10,7 +10,7 @@ use std::{net::SocketAddr, path::Path};
 
 use anyhow::{ensure, Context as _};
 use libtest_mimic::Trial;
-use sluice::enroll::{expected_links, LinkSpec};
+use sluice::podlinks::{expected_links, LinkSpec};
 use sluice_tests::{
     agent::{AgentProc, PeerProc},
     flow::{connect, Opts},

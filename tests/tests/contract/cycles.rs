@@ -12,8 +12,8 @@ use sluice::{
 };
 use sluice_tests::{
     agent::{AgentProc, PeerProc},
-    harness::Fixture,
-    inspect::{pinned_programs, proc_status_kib},
+    harness::{as_if_kernel, without_tcx, Fixture},
+    inspect::{filter_programs, pinned_programs, proc_status_kib},
 };
 
 use crate::{trial, TestResult};
@@ -24,10 +24,17 @@ const PEER: &str = env!("CARGO_BIN_EXE_sluice-zds-peer");
 const WARM_UP: usize = 20;
 
 pub fn trials() -> Vec<Trial> {
-    vec![trial(
-        "cycles::enroll_unenroll_cycles_leak_nothing",
-        leak_nothing,
-    )]
+    vec![
+        trial("cycles::enroll_unenroll_cycles_leak_nothing", || {
+            leak_nothing(cycles())
+        }),
+        // cls_bpf filters (kernels without tcx): a tenth of the cycles, the
+        // filters are counted from the kernel as links are.
+        trial(
+            "cycles::no_tcx::enroll_unenroll_cycles_leak_nothing",
+            || as_if_kernel(without_tcx(), || leak_nothing(cycles().div_ceil(10))),
+        ),
+    ]
 }
 
 fn cycles() -> usize {
@@ -42,6 +49,7 @@ fn cycles() -> usize {
 #[derive(Debug, PartialEq, Eq)]
 struct Counts {
     agent_fds: usize,
+    /// Links and cls_bpf filters running sluice's programs.
     links: usize,
     pod_pins: usize,
     pod_rules_and_routes: usize,
@@ -49,10 +57,17 @@ struct Counts {
 }
 
 fn count(f: &Fixture, agent_pid: u32, prog_ids: &[u32]) -> anyhow::Result<Counts> {
-    let links = aya::programs::loaded_links()
+    let mut links = aya::programs::loaded_links()
         .filter_map(Result::ok)
         .filter(|l| prog_ids.contains(&l.program_id()))
         .count();
+    // Kernels without tcx: the pod's cls_bpf filters running them.
+    for (iface, dir) in [("eth0", "egress"), ("eth0", "ingress"), ("lo", "ingress")] {
+        links += filter_programs(&f.topo.pod, iface, dir)?
+            .iter()
+            .filter(|(_, id)| prog_ids.contains(id))
+            .count();
+    }
     let pod_pins = std::fs::read_dir(f.topo.pins.pods())?.count();
     let mut routes = 0;
     for args in [
@@ -118,7 +133,7 @@ fn cycle(agent: &AgentProc, f: &Fixture, i: usize) -> TestResult {
     unenroll(agent, f, i)
 }
 
-fn leak_nothing() -> TestResult {
+fn leak_nothing(n: usize) -> TestResult {
     let f = Fixture::new("cy", None)?;
     let agent = AgentProc::start(&f.topo.pins)?;
     let pid = agent.pid().context("agent pid")?;
@@ -153,7 +168,6 @@ fn leak_nothing() -> TestResult {
     }
     let before = count(&f, pid, &prog_ids)?;
     let rss_before = proc_status_kib(pid, "VmRSS:")?;
-    let n = cycles();
     for i in WARM_UP..WARM_UP + n {
         cycle(&agent, &f, i)?;
     }

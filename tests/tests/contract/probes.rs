@@ -12,7 +12,10 @@ use aya::programs::{
     LinkOrder, SchedClassifier,
 };
 use libtest_mimic::Trial;
-use sluice::loader::{PROG_HOST, PROG_LO};
+use sluice::{
+    features::Features,
+    loader::{PROG_HOST, PROG_LO},
+};
 use sluice_common::{PodState, Role};
 use sluice_tests::{
     agent::AgentProc,
@@ -62,7 +65,11 @@ pub fn trials() -> Vec<Trial> {
     }
     v.push(trial(
         "probes::ipv4::host_side_link_is_first_and_goes_with_the_pod",
-        host_link_lifecycle,
+        || host_link_lifecycle(Features::get()),
+    ));
+    v.push(trial(
+        "probes::no_tcx::ipv4::host_side_filter_is_first_and_goes_with_the_pod",
+        || as_if_kernel(without_tcx(), || host_link_lifecycle(without_tcx())),
     ));
     v.push(trial(
         "probes::ipv4::agent_node_netns_flag_attaches_and_reports",
@@ -153,7 +160,7 @@ fn host_while_pending(fam: Family) -> TestResult {
 /// node's interface — ahead of a primary CNI's program that ends the chain
 /// (`TC_ACT_OK`), which would otherwise hide every SYN from it — and leaves
 /// with the pod.
-fn host_link_lifecycle() -> TestResult {
+fn host_link_lifecycle(features: Features) -> TestResult {
     let f = Fixture::new("i3hl", Some(Bind::DualStack))?;
     let pins = f.topo.pins.clone();
     drop(f.dataplane()?); // loads and pins the programs
@@ -161,18 +168,39 @@ fn host_link_lifecycle() -> TestResult {
     let id = |name: &str| ids.get(name).map(|(id, _)| *id).context(name.to_owned());
     let (host_id, cni_id) = (id(PROG_HOST)?, id(PROG_LO)?);
     // The stand-in "CNI" program: sluice_lo, which passes (ends the chain)
-    // and hints nothing for these SYNs.
+    // and hints nothing for these SYNs. Attached as the kernel allows: a
+    // tcx link, or a cls_bpf filter at a later priority than sluice's.
     let cni_prog = pins.progs().join(PROG_LO);
-    let cni_link = run_in(&f.topo.client, move || -> anyhow::Result<FdLink> {
+    let tcx = features.tcx;
+    let cni_link = run_in(&f.topo.client, move || -> anyhow::Result<Option<FdLink>> {
         let mut p = SchedClassifier::from_pin(&cni_prog)?;
+        if !tcx {
+            let _ = aya::programs::tc::qdisc_add_clsact("veth-c");
+            let options = TcAttachOptions::Netlink(aya::programs::tc::NlOptions {
+                priority: 100,
+                ..Default::default()
+            });
+            let link = p.attach_with_options("veth-c", TcAttachType::Egress, options)?;
+            // Stays until the veth goes with the topology.
+            std::mem::forget(p.take_link(link)?);
+            return Ok(None);
+        }
         let link = p.attach_with_options(
             "veth-c",
             TcAttachType::Egress,
             TcAttachOptions::TcxOrder(LinkOrder::default()),
         )?;
-        Ok(FdLink::try_from(p.take_link(link)?)?)
+        Ok(Some(FdLink::try_from(p.take_link(link)?)?))
     })?;
-    let tcx = |ns: &str| {
+    let node_side = |ns: &str| -> anyhow::Result<Vec<u32>> {
+        if !tcx {
+            return Ok(
+                sluice_tests::inspect::filter_programs(ns, "veth-c", "egress")?
+                    .into_iter()
+                    .map(|(_, id)| id)
+                    .collect(),
+            );
+        }
         run_in(ns, || {
             SchedClassifier::query_tcx("veth-c", TcAttachType::Egress)
                 .map(|(_, progs)| progs.iter().map(|p| p.id()).collect::<Vec<u32>>())
@@ -180,7 +208,7 @@ fn host_link_lifecycle() -> TestResult {
         })
         .map_err(anyhow::Error::msg)
     };
-    ensure!(tcx(&f.topo.client)? == vec![cni_id]);
+    ensure!(node_side(&f.topo.client)? == vec![cni_id]);
 
     let e = f.enroll_with_node()?;
     let pin = pins.pod(e.cookie).join("host_eth0");
@@ -189,7 +217,7 @@ fn host_link_lifecycle() -> TestResult {
         "no host-side link pinned at {}",
         pin.display()
     );
-    let progs = tcx(&f.topo.client)?;
+    let progs = node_side(&f.topo.client)?;
     ensure!(
         progs == vec![host_id, cni_id],
         "node side runs {progs:?}, want sluice_host ({host_id}) first"
@@ -203,7 +231,7 @@ fn host_link_lifecycle() -> TestResult {
     );
 
     f.unenroll()?;
-    let progs = tcx(&f.topo.client)?;
+    let progs = node_side(&f.topo.client)?;
     ensure!(
         progs == vec![cni_id],
         "after unenroll the node side runs {progs:?}"

@@ -31,14 +31,8 @@ pub fn bind(path: &Path) -> std::io::Result<std::os::unix::net::UnixListener> {
         std::fs::create_dir_all(dir)?;
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
     }
-    match std::fs::remove_file(path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
-        _ => {}
-    }
-    let l = std::os::unix::net::UnixListener::bind(path)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
-    l.set_nonblocking(true)?;
-    Ok(l)
+    let fd = crate::unixsock::bind_private(path, nix::sys::socket::SockType::Stream, 128)?;
+    Ok(std::os::unix::net::UnixListener::from(fd))
 }
 
 pub async fn serve(

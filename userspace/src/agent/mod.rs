@@ -229,7 +229,14 @@ async fn hold_incompatible(cfg: Config, why: String) -> anyhow::Result<()> {
 }
 
 async fn serve(cfg: Config) -> anyhow::Result<()> {
-    let mut dp = match Dataplane::load_adopt_or_upgrade(cfg.pins.clone()) {
+    let node = match &cfg.node_netns {
+        Some(path) => Some(
+            crate::hostside::Node::open(path)
+                .with_context(|| format!("--node-netns {}", path.display()))?,
+        ),
+        None => None,
+    };
+    let mut dp = match Dataplane::load_adopt_or_upgrade(cfg.pins.clone(), node.as_ref()) {
         Ok(dp) => dp,
         Err(crate::loader::LoadError::Incompatible(why)) => {
             return hold_incompatible(cfg, why).await
@@ -240,9 +247,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         crate::loader::Adoption::Kept(_) => warn!(dataplane = %dp.adoption, "dataplane"),
         a => info!(dataplane = %a, "dataplane"),
     }
-    if let Some(path) = &cfg.node_netns {
-        let node = crate::hostside::Node::open(path)
-            .with_context(|| format!("--node-netns {}", path.display()))?;
+    if let Some(node) = node {
         if let Some(why) = dp.set_node(node).err() {
             warn!(error = %why, "host-originated probes stay captured");
         }

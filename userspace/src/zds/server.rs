@@ -148,30 +148,13 @@ impl Hub {
     }
 }
 
-/// Binds the ZDS socket (replacing a stale one) and listens.
+/// Binds the ZDS socket (replacing a stale one, root only) and listens.
 pub fn bind(path: &Path) -> std::io::Result<OwnedFd> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    match std::fs::remove_file(path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
-        _ => {}
-    }
-    use nix::sys::socket::{
-        bind, listen, socket, AddressFamily, Backlog, SockFlag, SockType, UnixAddr,
-    };
-    let fd = socket(
-        AddressFamily::Unix,
-        SockType::SeqPacket,
-        SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
-        None,
-    )?;
-    bind(fd.as_raw_fd(), &UnixAddr::new(path)?)?;
     // Root only, whatever the umask: a peer here receives pods' netns fds.
-    // Set before listen(), so no connection is ever taken under another mode.
-    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
-    listen(&fd, Backlog::new(16).expect("valid backlog"))?;
-    Ok(fd)
+    crate::unixsock::bind_private(path, nix::sys::socket::SockType::SeqPacket, 16)
 }
 
 /// Accepts connections until `shutdown` flips, each served by its own task.

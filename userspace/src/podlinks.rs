@@ -1,0 +1,88 @@
+//! The links a pod has: what each attaches where, and the name of its pin
+//! under `pods/<cookie>/`. Enrollment attaches them, repair completes them,
+//! teardown and upgrades find them by these names.
+
+use aya::programs::TcAttachType;
+
+use crate::hostside::HostPeer;
+
+/// The netns a tc hook is in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// The pod's.
+    Pod,
+    /// The node's (the host side of a pod's veth).
+    Node,
+}
+
+/// A tc hook: a device and direction in the pod's or the node's netns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TcHook<'a> {
+    pub side: Side,
+    pub iface: &'a str,
+    pub kind: TcAttachType,
+}
+
+/// One link of a pod: what it attaches and its pin name under
+/// `pods/<cookie>/`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LinkSpec {
+    /// sk_lookup on the pod netns.
+    Steer,
+    /// tc egress on a pod interface.
+    Egress(String),
+    /// tc ingress on a pod interface.
+    Ingress(String),
+    /// tc ingress on the pod's `lo`.
+    Lo,
+    /// tc egress on the host side (node netns) of a pod interface.
+    Host(HostPeer),
+    /// tc ingress on a pod interface whose TCP is rerouted to 15001 (in
+    /// place of `Ingress`).
+    Reroute(String),
+}
+
+impl LinkSpec {
+    pub fn pin_name(&self) -> String {
+        // bpffs reserves '.' in names; interface names may contain it.
+        match self {
+            LinkSpec::Steer => "steer".into(),
+            LinkSpec::Egress(i) => format!("egress_{}", i.replace('.', "_")),
+            LinkSpec::Ingress(i) => format!("ingress_{}", i.replace('.', "_")),
+            LinkSpec::Lo => "lo".into(),
+            LinkSpec::Host(p) => format!("host_{}", p.pod_iface.replace('.', "_")),
+            LinkSpec::Reroute(i) => format!("reroute_{}", i.replace('.', "_")),
+        }
+    }
+
+    /// Where a tc link sits (`None` for the netns-wide sk_lookup link).
+    pub fn tc_hook(&self) -> Option<TcHook<'_>> {
+        let (side, iface, kind) = match self {
+            LinkSpec::Steer => return None,
+            LinkSpec::Egress(i) => (Side::Pod, i.as_str(), TcAttachType::Egress),
+            LinkSpec::Ingress(i) | LinkSpec::Reroute(i) => {
+                (Side::Pod, i.as_str(), TcAttachType::Ingress)
+            }
+            LinkSpec::Lo => (Side::Pod, "lo", TcAttachType::Ingress),
+            LinkSpec::Host(p) => (Side::Node, p.host_iface.as_str(), TcAttachType::Egress),
+        };
+        Some(TcHook { side, iface, kind })
+    }
+}
+
+/// Every link a pod with interfaces `ifaces` (not `lo`), node-side peers
+/// `peers` and rerouted interfaces `reroute` has, in attach order.
+pub fn expected_links(ifaces: &[String], peers: &[HostPeer], reroute: &[String]) -> Vec<LinkSpec> {
+    let mut v = vec![LinkSpec::Steer];
+    for i in ifaces {
+        v.push(LinkSpec::Egress(i.clone()));
+        v.push(if reroute.contains(i) {
+            LinkSpec::Reroute(i.clone())
+        } else {
+            LinkSpec::Ingress(i.clone())
+        });
+    }
+    v.push(LinkSpec::Lo);
+    v.extend(peers.iter().cloned().map(LinkSpec::Host));
+    v
+}
