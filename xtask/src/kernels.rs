@@ -94,6 +94,17 @@ const DEADLINE_FACTOR_ENV: &str = "SLUICE_TEST_DEADLINE_FACTOR";
 
 const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
 
+/// The contract tests whose name contains `filter`, in a VM booting the
+/// oldest supported kernel (6.1): what `cargo xtask test` runs last.
+pub fn oldest(filter: &str) -> Result<()> {
+    run(Args {
+        kernels: vec![Kernel::V6_1],
+        run: None,
+        timeout: 1800,
+        args: vec![filter.to_owned()],
+    })
+}
+
 pub fn run(args: Args) -> Result<()> {
     ensure!(
         std::env::consts::ARCH == "x86_64",
