@@ -18,6 +18,10 @@ use sluice_tests::istio::Backend;
 
 pub fn trials() -> Vec<Trial> {
     vec![
+        trial(
+            "lifecycle::takeover_check_counts_a_netns_nf_tables_tables",
+            nf_tables_counted,
+        ),
         trial("lifecycle::takeover_from_istio_cni", || {
             takeover_from_istio_cni(Backend::Default, ["iptables-nft", "ip6tables-nft"])
         }),
@@ -500,4 +504,37 @@ fn sysctls_with_read_only_proc_sys() -> TestResult {
     })();
     let _ = std::fs::remove_dir(&host_proc);
     result
+}
+
+/// The take-over check answers a pod netns without nf_tables tables from
+/// one netlink dump (no iptables tool runs for it), and sees the table an
+/// iptables-nft rule set makes there.
+fn nf_tables_counted() -> TestResult {
+    let f = Fixture::new("nft", None)?;
+    let netns = sluice::netns::Netns::open(&f.topo.pod_netns_path())?;
+    let count = || netns.run(sluice::migrate::nf_tables_count);
+    ensure!(
+        count()? == Some(0),
+        "a fresh pod netns counts {:?}",
+        count()?
+    );
+    let out = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &f.topo.pod,
+            "iptables-nft",
+            "-t",
+            "nat",
+            "-N",
+            "ISTIO_OUTPUT",
+        ])
+        .output()?;
+    ensure!(out.status.success(), "iptables-nft: {out:?}");
+    let n = count()?;
+    ensure!(
+        n.is_some_and(|n| n >= 1),
+        "after iptables-nft made a chain: {n:?}"
+    );
+    Ok(())
 }
