@@ -620,7 +620,8 @@ fn initramfs(k: &Prepared, command: &str) -> Result<Vec<u8>> {
 }
 
 /// Stage 1, /init in the initramfs: the host's root (9p, read-only) under a
-/// tmpfs overlay, the kernel's filesystems and this kernel's modules (for
+/// tmpfs overlay (its /tmp too: a workspace cloned under /tmp must stay
+/// visible), the kernel's filesystems and this kernel's modules (for
 /// modprobe) in it, then PID 1 becomes stage 2 there.
 fn stage1(insmods: &str, modules: &Path, kver: &str) -> String {
     format!(
@@ -642,7 +643,6 @@ mkdir -p dev/pts dev/shm
 mount -t devpts devpts dev/pts
 mount -t tmpfs tmpfs dev/shm
 mount -t tmpfs -o mode=0755 tmpfs run
-mount -t tmpfs -o mode=1777 tmpfs tmp
 mount -t bpf bpf sys/fs/bpf
 mount -t cgroup2 cgroup2 sys/fs/cgroup
 mkdir -p lib/modules/{kver}
