@@ -17,7 +17,7 @@ use crate::{
     loader::{Dataplane, Pins},
     netns::{addresses, interfaces, Netns, NetnsError},
     options::PodOptions,
-    podlinks::{expected_links, LinkSpec, Side},
+    podlinks::{self, expected_links, LinkSpec, Side},
     routes::{self, RouteError},
     sockets::{self, SocketError},
     state::{boottime_ns, Maps, StateError},
@@ -676,11 +676,7 @@ impl Filters<'_> {
             let Some(ns) = self.netns else {
                 return Vec::new();
             };
-            let peers = self
-                .node
-                .map(|n| hostside::peers(ns, n, self.ifaces).unwrap_or_default())
-                .unwrap_or_default();
-            expected_links(self.ifaces, &peers, &self.reroute)
+            podlinks::links_now(ns, self.ifaces, self.node, &self.reroute)
         })
     }
 

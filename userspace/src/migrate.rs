@@ -106,12 +106,13 @@ pub fn istio_rules(netns: &Netns) -> Result<Vec<&'static str>, MigrateError> {
         let mut found = Vec::new();
         for (nft, legacy, legacy_in_use, plain) in TOOLS {
             let mut answered = no_nft_rules;
-            let mut tools = vec![legacy];
-            if !no_nft_rules {
-                tools.insert(0, nft);
-            }
-            for tool in tools {
-                if tool == legacy && !Path::new(legacy_in_use).exists() {
+            for tool in [nft, legacy] {
+                let skip = if tool == nft {
+                    no_nft_rules
+                } else {
+                    !Path::new(legacy_in_use).exists()
+                };
+                if skip {
                     continue;
                 }
                 if let Some(hit) = has_istio_chains(tool)? {

@@ -4,7 +4,10 @@
 
 use aya::programs::TcAttachType;
 
-use crate::hostside::HostPeer;
+use crate::{
+    hostside::{self, HostPeer, Node},
+    netns::Netns,
+};
 
 /// The netns a tc hook is in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,4 +88,19 @@ pub fn expected_links(ifaces: &[String], peers: &[HostPeer], reroute: &[String])
     v.push(LinkSpec::Lo);
     v.extend(peers.iter().cloned().map(LinkSpec::Host));
     v
+}
+
+/// The links of a pod in `netns` with interfaces `ifaces` (not `lo`) as they
+/// are now, the host side found from `node`'s netns (none without it, or
+/// when it cannot be found: only the host-side links are then missing).
+pub fn links_now(
+    netns: &Netns,
+    ifaces: &[String],
+    node: Option<&Node>,
+    reroute: &[String],
+) -> Vec<LinkSpec> {
+    let peers = node
+        .map(|n| hostside::peers(netns, n, ifaces).unwrap_or_default())
+        .unwrap_or_default();
+    expected_links(ifaces, &peers, reroute)
 }

@@ -18,9 +18,9 @@ use std::{
 use aya::programs::{ProgramError, SchedClassifier};
 
 use crate::{
-    hostside::{self, Node},
+    hostside::Node,
     netns::{interfaces, Netns, NetnsError},
-    podlinks::{expected_links, LinkSpec, Side},
+    podlinks::{self, LinkSpec, Side},
     state::{Maps, StateError},
     tcfilter,
 };
@@ -157,10 +157,7 @@ impl<'a> Refilter<'a> {
             .into_iter()
             .filter(|i| i != "lo")
             .collect();
-        let peers = node
-            .map(|n| hostside::peers(&netns, n, &ifaces).unwrap_or_default())
-            .unwrap_or_default();
-        let specs = expected_links(&ifaces, &peers, &maps.options(cookie).reroute);
+        let specs = podlinks::links_now(&netns, &ifaces, node, &maps.options(cookie).reroute);
         Ok(Some(PodHooks { netns, specs }))
     }
 }
