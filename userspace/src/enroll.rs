@@ -100,6 +100,10 @@ pub fn enroll_with(
     options: &PodOptions,
 ) -> Result<Enrolled, EnrollError> {
     let a = attach_pod(dp, netns_path, uid, workload, options)?;
+    if let Err(e) = take_over(&a.netns) {
+        back_out(dp, &a.netns, a.cookie);
+        return Err(e);
+    }
     register(&mut dp.maps, &a.netns, a.cookie, None)
 }
 
@@ -107,15 +111,12 @@ pub fn enroll_with(
 pub struct Attached {
     pub netns: Netns,
     pub cookie: u64,
-    /// The iptables tools whose istio-cni in-pod rules were removed (empty:
-    /// the pod was not istio-cni's).
-    pub took_over: Vec<&'static str>,
 }
 
 /// Attaches capture to a pod netns and records the pod as `Pending`: from its
 /// first link on, its new connections fail closed until listeners are
-/// registered. Returns the open netns, its cookie, and whether it was taken
-/// over from istio-cni.
+/// registered. Returns the open netns and its cookie. The pod may still
+/// carry istio-cni's rules: [`take_over`] comes next.
 pub fn attach_pod(
     dp: &mut Dataplane,
     netns_path: &Path,
@@ -157,27 +158,36 @@ pub fn attach_pod(
         let _ = teardown_in(dp, &netns, cookie);
         return Err(e);
     }
-    // A pod istio-cni captured before: sluice's capture is in place now, so
-    // Istio's rules can go without a moment uncaptured.
-    let takeover = crate::migrate::istio_rules(&netns).and_then(|tools| {
-        if !tools.is_empty() {
-            crate::migrate::remove_istio_rules(&netns, &tools)?;
-            tracing::info!(%uid, ?tools, "took the pod over from istio-cni: its in-pod iptables rules are removed");
-        }
-        Ok(tools)
-    });
-    match takeover {
-        Ok(took_over) => Ok(Attached {
-            netns,
-            cookie,
-            took_over,
-        }),
-        Err(e) => {
-            // Both rule sets at once would misroute outbound traffic: back
-            // out and leave the pod to Istio's rules, with the reason.
-            let _ = teardown_in(dp, &netns, cookie);
-            Err(e.into())
-        }
+    Ok(Attached { netns, cookie })
+}
+
+/// Takes a pod over from istio-cni, if it was istio-cni's: with sluice's
+/// capture attached ([`attach_pod`]), Istio's in-pod rules go without a
+/// moment uncaptured. Returns the iptables tools whose rules were removed
+/// (empty: not istio-cni's pod). Runs those tools (seconds at worst, killed
+/// after [`crate::migrate::CHILD_TIMEOUT`]): the agent calls it without the
+/// dataplane, so other pods' enrollments go on meanwhile. On an error the
+/// caller backs the pod out ([`back_out`]): both rule sets at once would
+/// misroute outbound traffic, so the pod is left to Istio's rules, with the
+/// reason.
+pub fn take_over(netns: &Netns) -> Result<Vec<&'static str>, EnrollError> {
+    let tools = crate::migrate::istio_rules(netns)?;
+    if !tools.is_empty() {
+        crate::migrate::remove_istio_rules(netns, &tools)?;
+        tracing::info!(
+            ?tools,
+            "took the pod over from istio-cni: its in-pod iptables rules are removed"
+        );
+    }
+    Ok(tools)
+}
+
+/// Removes everything [`attach_pod`] attached for the pod of `cookie`,
+/// whatever the pod's state: an enrollment that could not finish.
+/// Best effort: what cannot be removed now, the next start's repair finds.
+pub fn back_out(dp: &mut Dataplane, netns: &Netns, cookie: u64) {
+    if let Err(e) = teardown_in(dp, netns, cookie) {
+        tracing::warn!(cookie, error = %e, "backing out an enrollment left something behind");
     }
 }
 
@@ -371,10 +381,29 @@ impl<'a> Tc<'a> {
     }
 }
 
-/// Whether the pin at `path` records an attachment: a link, or the program
-/// standing for a cls_bpf filter.
-fn attached(path: &Path) -> bool {
-    tcfilter::pinned(path).is_some()
+/// Whether `spec` is attached, as its pin at `path` records: a link (attached
+/// while pinned), or the program standing for a cls_bpf filter, which counts
+/// only while the kernel still runs that program in sluice's filter on the
+/// hook (a filter can be deleted behind the record's back).
+fn attached(dp: &Dataplane, netns: &Netns, spec: &LinkSpec, path: &Path) -> bool {
+    match tcfilter::pinned(path) {
+        None => false,
+        Some(tcfilter::Pinned::Link) => true,
+        Some(tcfilter::Pinned::Program(id)) => {
+            let Some(hook) = spec.tc_hook() else {
+                return false;
+            };
+            let ns = match hook.side {
+                Side::Pod => netns,
+                Side::Node => match &dp.node {
+                    Some(node) => &node.netns,
+                    None => return false,
+                },
+            };
+            let running = ns.run(|| tcfilter::filter_program(hook.iface, hook.kind));
+            matches!(running, Ok(Ok(Some(running))) if running == id)
+        }
+    }
 }
 
 /// What [`repair`] found and did for one pod.
@@ -429,7 +458,7 @@ pub fn repair(dp: &mut Dataplane, cookie: u64, takeover: bool) -> Result<Repair,
     let reroute = dp.maps.options(cookie).reroute;
     for spec in expected_links(&ifaces, &peers, &reroute) {
         let pin_path = dir.join(spec.pin_name());
-        if attached(&pin_path) {
+        if attached(dp, &netns, &spec, &pin_path) {
             continue;
         }
         // A pin that does not open as a link is debris.
@@ -465,8 +494,8 @@ pub fn missing_links(dp: &Dataplane, cookie: u64) -> Result<Vec<String>, EnrollE
     let reroute = dp.maps.options(cookie).reroute;
     Ok(expected_links(&ifaces, &peers, &reroute)
         .into_iter()
+        .filter(|spec| !attached(dp, &netns, spec, &dir.join(spec.pin_name())))
         .map(|spec| spec.pin_name())
-        .filter(|name| !attached(&dir.join(name)))
         .collect())
 }
 
@@ -732,7 +761,7 @@ fn remove_links(pins: &Pins, cookie: u64, filters: &Filters<'_>) -> Result<(), E
                     Ok(link) => drop(link.unpin()),
                     Err(_) => drop(fs::remove_file(e.path())),
                 },
-                Some(tcfilter::Pinned::Program) => {
+                Some(tcfilter::Pinned::Program(_)) => {
                     filters.detach(&e.file_name().to_string_lossy())?;
                     drop(fs::remove_file(e.path()));
                 }

@@ -11,18 +11,16 @@
 
 use std::{os::fd::AsRawFd, path::Path};
 
-use aya::maps::{Array, MapData};
-use netlink_packet_core::{
-    NetlinkHeader, NetlinkMessage, NetlinkPayload, NLM_F_ACK, NLM_F_REQUEST,
+use crate::{
+    netns::{Netns, NetnsError},
+    rtnl::Rtnl,
 };
+use aya::maps::{Array, MapData};
 use netlink_packet_route::{
     link::{InfoKind, LinkAttribute, LinkInfo, LinkMessage},
     nsid::{NsidAttribute, NsidMessage},
     RouteNetlinkMessage,
 };
-use netlink_sys::{protocols::NETLINK_ROUTE, Socket};
-
-use crate::netns::{Netns, NetnsError};
 
 /// Name of the map holding the node's netns cookie.
 pub const NODE_MAP: &str = "node_netns";
@@ -124,14 +122,14 @@ pub fn peers(pod: &Netns, node: &Node, ifaces: &[String]) -> Result<Vec<HostPeer
     // Seen from the pod: each interface, and the id it gives the node netns.
     let node_fd = raw_fd(&node.netns);
     let (links, node_id) = pod.run(|| -> Result<_, HostSideError> {
-        let nl = Rtnl::open()?;
+        let nl = open()?;
         let mut links = Vec::new();
         for i in ifaces {
-            if let Some(l) = nl.link_by_name(i)? {
+            if let Some(l) = link_by_name(&nl, i)? {
                 links.push(l);
             }
         }
-        Ok((links, nl.nsid_of(node_fd)?))
+        Ok((links, nsid_of(&nl, node_fd)?))
     })??;
     let Some(node_id) = node_id else {
         return Ok(Vec::new());
@@ -146,13 +144,13 @@ pub fn peers(pod: &Netns, node: &Node, ifaces: &[String]) -> Result<Vec<HostPeer
     // Seen from the node: the peer points back at the pod interface.
     let pod_fd = raw_fd(pod);
     node.netns.run(|| -> Result<_, HostSideError> {
-        let nl = Rtnl::open()?;
-        let Some(pod_id) = nl.nsid_of(pod_fd)? else {
+        let nl = open()?;
+        let Some(pod_id) = nsid_of(&nl, pod_fd)? else {
             return Ok(Vec::new());
         };
         let mut out = Vec::new();
         for l in candidates {
-            let Some(peer) = nl.link_by_index(l.peer_index.unwrap_or(0))? else {
+            let Some(peer) = link_by_index(&nl, l.peer_index.unwrap_or(0))? else {
                 continue;
             };
             if peer.veth && peer.peer_index == Some(l.index) && peer.peer_nsid == Some(pod_id) {
@@ -167,107 +165,57 @@ pub fn peers(pod: &Netns, node: &Node, ifaces: &[String]) -> Result<Vec<HostPeer
     })?
 }
 
-/// A blocking rtnetlink socket in the calling thread's netns (one request at
-/// a time: a handful per enrollment, no runtime needed).
-struct Rtnl {
-    sock: Socket,
+fn open() -> Result<Rtnl, HostSideError> {
+    Rtnl::open().map_err(|source| HostSideError::Netlink {
+        what: "socket",
+        source,
+    })
 }
 
-impl Rtnl {
-    fn open() -> Result<Self, HostSideError> {
-        let err = |source| HostSideError::Netlink {
-            what: "socket",
-            source,
-        };
-        let mut sock = Socket::new(NETLINK_ROUTE).map_err(err)?;
-        sock.bind_auto().map_err(err)?;
-        sock.connect(&netlink_sys::SocketAddr::new(0, 0))
-            .map_err(err)?;
-        Ok(Self { sock })
-    }
+/// One request on `nl`, its error named for `what`.
+fn ask(
+    nl: &Rtnl,
+    what: &'static str,
+    msg: RouteNetlinkMessage,
+) -> Result<Option<RouteNetlinkMessage>, HostSideError> {
+    nl.request(msg)
+        .map_err(|source| HostSideError::Netlink { what, source })
+}
 
-    /// Sends one request and returns its one answer; `Ok(None)` when the
-    /// kernel answers ENODEV/ENOENT (no such link, no id).
-    fn request(
-        &self,
-        what: &'static str,
-        msg: RouteNetlinkMessage,
-    ) -> Result<Option<RouteNetlinkMessage>, HostSideError> {
-        let err = |source| HostSideError::Netlink { what, source };
-        let mut header = NetlinkHeader::default();
-        header.flags = NLM_F_REQUEST | NLM_F_ACK;
-        header.sequence_number = 1;
-        let mut nl = NetlinkMessage::new(header, NetlinkPayload::from(msg));
-        nl.finalize();
-        let mut buf = vec![0u8; nl.buffer_len()];
-        nl.serialize(&mut buf);
-        self.sock.send(&buf, 0).map_err(err)?;
-        let mut answer = None;
-        loop {
-            let mut rbuf: Vec<u8> = Vec::with_capacity(1 << 16);
-            let n = self.sock.recv(&mut rbuf, 0).map_err(err)?;
-            let mut off = 0;
-            while off < n {
-                let m = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&rbuf[off..n])
-                    .map_err(|e| err(std::io::Error::other(e.to_string())))?;
-                let len = m.header.length as usize;
-                match m.payload {
-                    NetlinkPayload::InnerMessage(inner) => answer = Some(inner),
-                    NetlinkPayload::Error(e) => {
-                        return match e.code {
-                            None => Ok(answer),
-                            Some(c) if [libc::ENODEV, libc::ENOENT].contains(&-c.get()) => Ok(None),
-                            Some(_) => Err(err(e.to_io())),
-                        }
-                    }
-                    NetlinkPayload::Done(_) => return Ok(answer),
-                    _ => {}
-                }
-                if len == 0 {
-                    break;
-                }
-                off += len;
-            }
-        }
-    }
+fn link(nl: &Rtnl, msg: LinkMessage) -> Result<Option<Link>, HostSideError> {
+    Ok(
+        match ask(nl, "get link", RouteNetlinkMessage::GetLink(msg))? {
+            Some(RouteNetlinkMessage::NewLink(m)) => Some(Link::from_message(&m)),
+            _ => None,
+        },
+    )
+}
 
-    fn link(&self, msg: LinkMessage) -> Result<Option<Link>, HostSideError> {
-        Ok(
-            match self.request("get link", RouteNetlinkMessage::GetLink(msg))? {
-                Some(RouteNetlinkMessage::NewLink(m)) => Some(Link::from_message(&m)),
+fn link_by_name(nl: &Rtnl, name: &str) -> Result<Option<Link>, HostSideError> {
+    let mut msg = LinkMessage::default();
+    msg.attributes.push(LinkAttribute::IfName(name.to_owned()));
+    link(nl, msg)
+}
+
+fn link_by_index(nl: &Rtnl, index: u32) -> Result<Option<Link>, HostSideError> {
+    let mut msg = LinkMessage::default();
+    msg.header.index = index;
+    link(nl, msg)
+}
+
+/// The id `nl`'s netns gives the netns open as `fd`, if it has one.
+fn nsid_of(nl: &Rtnl, fd: i32) -> Result<Option<i32>, HostSideError> {
+    let mut msg = NsidMessage::default();
+    msg.attributes.push(NsidAttribute::Fd(fd as u32));
+    Ok(
+        match ask(nl, "get netns id", RouteNetlinkMessage::GetNsId(msg))? {
+            Some(RouteNetlinkMessage::NewNsId(m)) => m.attributes.iter().find_map(|a| match a {
+                NsidAttribute::Id(id) if *id >= 0 => Some(*id),
                 _ => None,
-            },
-        )
-    }
-
-    fn link_by_name(&self, name: &str) -> Result<Option<Link>, HostSideError> {
-        let mut msg = LinkMessage::default();
-        msg.attributes.push(LinkAttribute::IfName(name.to_owned()));
-        self.link(msg)
-    }
-
-    fn link_by_index(&self, index: u32) -> Result<Option<Link>, HostSideError> {
-        let mut msg = LinkMessage::default();
-        msg.header.index = index;
-        self.link(msg)
-    }
-
-    /// The id this netns gives the netns open as `fd`, if it has one.
-    fn nsid_of(&self, fd: i32) -> Result<Option<i32>, HostSideError> {
-        let mut msg = NsidMessage::default();
-        msg.attributes.push(NsidAttribute::Fd(fd as u32));
-        Ok(
-            match self.request("get netns id", RouteNetlinkMessage::GetNsId(msg))? {
-                Some(RouteNetlinkMessage::NewNsId(m)) => {
-                    m.attributes.iter().find_map(|a| match a {
-                        NsidAttribute::Id(id) if *id >= 0 => Some(*id),
-                        _ => None,
-                    })
-                }
-                _ => None,
-            },
-        )
-    }
+            }),
+            _ => None,
+        },
+    )
 }
 
 /// A netns's raw fd, for requests that name a netns by fd (valid while

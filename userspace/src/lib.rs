@@ -28,6 +28,7 @@ pub mod readiness;
 pub mod refilter;
 pub mod relink;
 pub mod routes;
+pub mod rtnl;
 pub mod served;
 pub mod sockets;
 pub mod stamp;

@@ -488,7 +488,7 @@ impl Dataplane {
                         )?;
                         true
                     }
-                    Some(crate::tcfilter::Pinned::Program) => {
+                    Some(crate::tcfilter::Pinned::Program(_)) => {
                         let p: &mut SchedClassifier = ebpf
                             .program_mut(prog)
                             .ok_or_else(|| missing(prog))?

@@ -79,6 +79,7 @@ pub struct Metrics {
     served_checks: Family<Labels, Counter>,
     served_fallbacks: Gauge,
     captured_late: Counter,
+    repairs: Counter,
     build_info: Family<Vec<(&'static str, String)>, Gauge>,
     cni_requests: Family<Labels, Counter>,
     cni_seconds: Family<Labels, Histogram>,
@@ -169,6 +170,7 @@ impl Metrics {
             served_checks: Family::default(),
             served_fallbacks: Gauge::default(),
             captured_late: Counter::default(),
+            repairs: Counter::default(),
             build_info: Family::default(),
             cni_requests: Family::default(),
             // 1 ms … ≈ 16 s.
@@ -242,6 +244,11 @@ impl Metrics {
             m.captured_late.clone(),
         );
         registry.register(
+            "capture_repairs",
+            "Enrolled pods whose capture verification found incomplete (a link or filter gone, an interface added) and completed",
+            m.repairs.clone(),
+        );
+        registry.register(
             "build_info",
             "1, labelled with the agent's version, the kernel release and the features the dataplane uses on it, and the pinned dataplane's stamp",
             m.build_info.clone(),
@@ -281,6 +288,11 @@ impl Metrics {
     /// A running pod was captured by the reconcile, not at its CNI ADD.
     pub fn captured_after_start(&self) {
         self.captured_late.inc();
+    }
+
+    /// An enrolled pod's capture was found incomplete and completed.
+    pub fn capture_repaired(&self) {
+        self.repairs.inc();
     }
 
     pub fn failed(&self, why: Failure) {

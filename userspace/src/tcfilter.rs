@@ -104,8 +104,11 @@ pub fn pin_record(prog: &SchedClassifier, path: &Path) -> io::Result<()> {
 pub enum Pinned {
     /// A BPF link (tcx, sk_lookup): attached while pinned.
     Link,
-    /// A program: the record of a cls_bpf filter.
-    Program,
+    /// A program (its kernel id): the record of a cls_bpf filter. Unlike a
+    /// link, the record does not keep the filter attached: anyone with
+    /// CAP_NET_ADMIN in the netns can delete the filter; [`filter_program`]
+    /// says whether it is still there.
+    Program(u32),
 }
 
 /// What is pinned at `path`, if anything readable. (Opening a pin does not
@@ -128,10 +131,77 @@ pub fn pinned(path: &Path) -> Option<Pinned> {
     if kind.contains("bpf-link") {
         Some(Pinned::Link)
     } else if kind.contains("bpf-prog") {
-        Some(Pinned::Program)
+        prog_id(&fd).map(Pinned::Program)
     } else {
         None
     }
+}
+
+/// The kernel id of the program open as `fd`.
+fn prog_id(fd: &std::os::fd::OwnedFd) -> Option<u32> {
+    // struct bpf_prog_info begins with type and id; the kernel fills what
+    // fits in the length given.
+    let mut info = [0u32; 2];
+    // union bpf_attr, BPF_OBJ_GET_INFO_BY_FD: bpf_fd, info_len, info.
+    let mut attr = [0u8; 16];
+    attr[0..4].copy_from_slice(&(fd.as_raw_fd() as u32).to_ne_bytes());
+    attr[4..8].copy_from_slice(&(std::mem::size_of_val(&info) as u32).to_ne_bytes());
+    attr[8..16].copy_from_slice(&(info.as_mut_ptr() as u64).to_ne_bytes());
+    const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+    // SAFETY: a zeroed bpf_attr naming a live fd and a buffer of the length
+    // given, valid for the call.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_OBJ_GET_INFO_BY_FD,
+            attr.as_mut_ptr(),
+            attr.len(),
+        )
+    };
+    (r == 0).then_some(info[1])
+}
+
+/// The id of the program sluice's filter on `iface`'s `kind` hook runs, in
+/// the calling thread's netns; `None` when there is no such filter (deleted,
+/// or its qdisc or interface gone).
+pub fn filter_program(iface: &str, kind: TcAttachType) -> io::Result<Option<u32>> {
+    use netlink_packet_route::{
+        tc::{TcAttribute, TcFilterBpfOption, TcHandle as NlHandle, TcMessage, TcOption},
+        RouteNetlinkMessage,
+    };
+    let Ok(index) = nix::net::if_::if_nametoindex(iface) else {
+        return Ok(None);
+    };
+    let mut msg = TcMessage::default();
+    msg.header.index = index as i32;
+    msg.header.parent = NlHandle {
+        major: NlHandle::INGRESS.major,
+        minor: match kind {
+            TcAttachType::Egress => NlHandle::MIN_EGRESS,
+            _ => NlHandle::MIN_INGRESS,
+        },
+    };
+    msg.header.handle = NlHandle::from(u32::from(HANDLE));
+    // TC_H_MAKE(priority << 16, protocol): aya attaches for every protocol.
+    msg.header.info = ((PRIORITY as u32) << 16) | u32::from((libc::ETH_P_ALL as u16).to_be());
+    msg.attributes.push(TcAttribute::Kind("bpf".into()));
+    let answer =
+        match crate::rtnl::Rtnl::open()?.request(RouteNetlinkMessage::GetTrafficFilter(msg)) {
+            Ok(a) => a,
+            // No clsact qdisc on the device (any more).
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+    let Some(RouteNetlinkMessage::NewTrafficFilter(m)) = answer else {
+        return Ok(None);
+    };
+    Ok(m.attributes.iter().find_map(|a| match a {
+        TcAttribute::Options(opts) => opts.iter().find_map(|o| match o {
+            TcOption::Bpf(TcFilterBpfOption::ProgId(id)) => Some(*id),
+            _ => None,
+        }),
+        _ => None,
+    }))
 }
 
 /// The OS error at the bottom of `e`'s causes, if any.

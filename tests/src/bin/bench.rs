@@ -557,13 +557,15 @@ fn enrollment(report: &mut Report) -> anyhow::Result<()> {
             }
             for (dp, enroll_ms, teardown_ms) in variants {
                 let t = Instant::now();
-                enroll::attach_pod(
+                let a = enroll::attach_pod(
                     dp,
                     &ns_path(&p.name),
                     &uid,
                     &workload(&p.name),
                     &Default::default(),
                 )?;
+                // The agent's enrollment checks for istio-cni's rules too.
+                enroll::take_over(&a.netns)?;
                 enroll_ms.push(t.elapsed().as_secs_f64() * 1e3);
                 let t = Instant::now();
                 enroll::unenroll(&dp.pins, &mut dp.maps, dp.node.as_ref(), &uid)?;

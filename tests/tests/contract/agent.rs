@@ -63,6 +63,10 @@ pub fn trials() -> Vec<Trial> {
             "agent::ztunnel_upgrade_old_gone_before_new_acks_refuses_no_connection",
             upgrade_old_gone_first,
         ),
+        trial(
+            "agent::a_slow_iptables_tool_holds_up_only_its_own_pod",
+            slow_takeover_check,
+        ),
         trial("agent::port_hijack_after_ztunnel_died_gets_nothing", hijack),
         trial("agent::bad_peers_leave_the_agent_serving", bad_peers),
         trial(
@@ -1431,16 +1435,13 @@ fn link_programs(f: &Fixture) -> anyhow::Result<std::collections::BTreeMap<Strin
         let path = e?.path();
         let name = path.file_name().unwrap().to_string_lossy().into_owned();
         let id = match sluice::tcfilter::pinned(&path) {
-            Some(sluice::tcfilter::Pinned::Program) => {
+            Some(sluice::tcfilter::Pinned::Program(recorded)) => {
                 let (iface, dir) = match name.split_once('_') {
                     Some(("egress", i)) => (i, "egress"),
                     Some((_, i)) => (i, "ingress"),
                     None => ("lo", "ingress"),
                 };
                 let runs = sluice_tests::inspect::filter_program(&f.topo.pod, iface, dir)?;
-                let recorded = aya::programs::SchedClassifier::from_pin(&path)?
-                    .info()?
-                    .id();
                 ensure!(
                     recorded == runs,
                     "the record {name} holds program {recorded}, its filter runs {runs}"
@@ -1850,4 +1851,97 @@ fn json_logs() -> TestResult {
         "--log-format text gave {first:?}"
     );
     Ok(())
+}
+
+/// The istio-cni take-over check runs the iptables tools in a pod netns
+/// that has nf_tables tables. A tool that takes its time (a busy xtables
+/// lock) holds up that pod's enrollment only: the check runs without the
+/// dataplane held, so another pod's enrollment completes meanwhile. The
+/// stand-in tool blocks on a FIFO until the test releases it (the agent
+/// would kill it after 5 s: by then b's enrollment is long done).
+fn slow_takeover_check() -> TestResult {
+    use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+    let a = Fixture::in_subnet("ta", None, 1)?;
+    let b = Fixture::in_subnet("tb", None, 2)?;
+    let dir = std::path::PathBuf::from(format!("/tmp/sluice-slowipt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    let result = (|| -> TestResult {
+        let (fifo, pidfile) = (dir.join("release"), dir.join("pid"));
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600))?;
+        // The first tool run blocks until released; the later ones answer
+        // at once (no Istio chains either way).
+        let script = format!(
+            "#!/bin/sh\n[ -e {pid} ] && exit 0\necho $$ > {pid}\ncat {fifo} > /dev/null\nexit 0\n",
+            pid = pidfile.display(),
+            fifo = fifo.display()
+        );
+        for tool in ["iptables", "ip6tables"] {
+            for variant in ["-nft-save", "-legacy-save", "-save"] {
+                let path = dir.join(format!("{tool}{variant}"));
+                std::fs::write(&path, &script)?;
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))?;
+            }
+        }
+        // Pod a has an nf_tables table, so its check runs the tools.
+        sluice_tests::ns::exec(
+            &a.topo.pod,
+            &["iptables-nft", "-t", "filter", "-N", "SLUICE_TEST"],
+        )?;
+        let mut agent = AgentProc::start(&a.topo.pins)?;
+        let path = format!(
+            "{}:{}",
+            dir.display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        agent.set_env("PATH", Some(&path));
+        agent.restart()?;
+        let _peer = peer(&agent)?;
+        std::thread::scope(|s| -> TestResult {
+            let first = s.spawn(|| enroll(&agent, &a));
+            let pid = wait::until("pod a's iptables tool to run", wait::DEADLINE, || {
+                std::fs::read_to_string(&pidfile)
+                    .ok()
+                    .and_then(|p| p.trim().parse::<i32>().ok())
+                    .ok_or("no pid yet")
+            })?;
+            let out = enroll(&agent, &b)?;
+            ensure!(
+                out.ok && steering(&out.stdout),
+                "b: {} {}\n{}",
+                out.stdout,
+                out.stderr,
+                agent.log()
+            );
+            let alive = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .is_ok_and(|s| !s.contains(") Z "));
+            ensure!(
+                alive && !first.is_finished(),
+                "b's enrollment waited for a's iptables tool (tool alive: {alive}, a finished: {})\n{}",
+                first.is_finished(),
+                agent.log()
+            );
+            // Released (a writer opens the FIFO): a's check finds no Istio
+            // chains and its enrollment completes.
+            drop(
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .custom_flags(libc::O_NONBLOCK)
+                    .open(&fifo)?,
+            );
+            let out = first.join().expect("enroll thread panicked")?;
+            ensure!(
+                out.ok && steering(&out.stdout),
+                "a: {} {}\n{}",
+                out.stdout,
+                out.stderr,
+                agent.log()
+            );
+            Ok(())
+        })?;
+        ensure!(sluice::status::read(&a.topo.pins)?.len() == 2);
+        Ok(())
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
 }

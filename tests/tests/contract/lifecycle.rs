@@ -8,7 +8,7 @@ use anyhow::{ensure, Context as _};
 use libtest_mimic::Trial;
 use sluice_tests::{
     flow::{connect, Opts},
-    harness::{sluice_bin, Fixture, APP_PORT},
+    harness::{as_if_kernel, sluice_bin, without_tcx, Fixture, APP_PORT, REMOTE_PORT},
     standin::Bind,
     topology::{ip, Family},
 };
@@ -51,6 +51,10 @@ pub fn trials() -> Vec<Trial> {
         trial(
             "lifecycle::a_hung_iptables_tool_is_killed_and_the_enroll_backs_out",
             hung_iptables,
+        ),
+        trial(
+            "lifecycle::no_tcx::a_filter_deleted_behind_sluices_back_is_found_and_attached_again",
+            || as_if_kernel(without_tcx(), deleted_filter),
         ),
     ]
 }
@@ -535,6 +539,68 @@ fn nf_tables_counted() -> TestResult {
     ensure!(
         n.is_some_and(|n| n >= 1),
         "after iptables-nft made a chain: {n:?}"
+    );
+    Ok(())
+}
+
+/// Kernels without tcx: sluice's cls_bpf filter deleted behind its back
+/// (`tc filter del` by anything holding CAP_NET_ADMIN in the pod) leaves its
+/// record pinned. The record alone must not count: CHECK's `missing_links`
+/// names the filter, repair attaches it again, and outbound is captured
+/// again.
+fn deleted_filter() -> TestResult {
+    use sluice::enroll::{self, Repair};
+    let f = Fixture::new("fdel", Some(Bind::DualStack))?;
+    let e = f.enroll()?;
+    ensure!(e.state == sluice_common::PodState::Enabled, "{e:?}");
+    let dst = SocketAddr::new(Family::V4.client(), REMOTE_PORT);
+    let outbound = || {
+        let r = connect(&f.topo.pod, dst, Opts::default());
+        r.reply().map(str::to_owned).ok_or(r)
+    };
+    outbound().map_err(|r| anyhow::anyhow!("outbound before: {r:?}"))?;
+    ensure!(
+        f.standin().accepted().len() == 1,
+        "not captured to begin with"
+    );
+
+    sluice_tests::ns::exec(
+        &f.topo.pod,
+        &["tc", "filter", "del", "dev", "eth0", "egress"],
+    )?;
+    // The deletion took effect: outbound leaves around the stand-in now.
+    outbound().map_err(|r| anyhow::anyhow!("outbound without the filter: {r:?}"))?;
+    ensure!(
+        f.standin().accepted().len() == 1,
+        "captured although the egress filter was deleted: the test's premise does not hold"
+    );
+
+    let mut dp = f.dataplane()?;
+    let missing = enroll::missing_links(&dp, e.cookie)?;
+    ensure!(
+        missing == ["egress_eth0"],
+        "CHECK's view of the pod: missing {missing:?}, want [egress_eth0] (the record alone was taken for the filter)"
+    );
+    let repaired = enroll::repair(&mut dp, e.cookie, false)?;
+    ensure!(
+        repaired
+            == Repair::Repaired {
+                relinked: vec!["egress_eth0".into()],
+                istio_rules: vec![],
+            },
+        "{repaired:?}"
+    );
+    let missing = enroll::missing_links(&dp, e.cookie)?;
+    ensure!(
+        missing.is_empty(),
+        "still missing after repair: {missing:?}"
+    );
+    drop(dp);
+    outbound().map_err(|r| anyhow::anyhow!("outbound after repair: {r:?}"))?;
+    ensure!(
+        f.standin().accepted().len() == 2,
+        "outbound not captured after repair: {:?}",
+        f.standin().accepted()
     );
     Ok(())
 }

@@ -341,6 +341,7 @@ impl Node {
                     );
                     let note = format!("capture was incomplete and has been completed: links attached {relinked:?}, istio-cni rules removed {istio_rules:?}");
                     self.pod_event(&uid, crate::kube::events::Reason::CaptureRepaired, &note);
+                    self.metrics().capture_repaired();
                 }
                 Ok(enroll::Repair::TornDown) => {
                     self.custody.forget(&uid);

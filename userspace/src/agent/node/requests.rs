@@ -345,16 +345,41 @@ impl Node {
         let (w, u) = (workload.clone(), uid.clone());
         let started = Instant::now();
         let attached = tokio::task::spawn_blocking(move || -> Result<_, EnrollError> {
-            let mut dp = this.dp.lock().unwrap();
-            let a = enroll::attach_pod(&mut dp, &netns, &u, &w, &options)?;
-            // The netns stays open from here on: adds and registrations use it.
-            if let Some(meta) = dp.maps.meta(a.cookie) {
-                this.pods.insert(a.cookie, meta, Some(a.netns));
+            let (cookie, netns) = {
+                let mut dp = this.dp.lock().unwrap();
+                let a = enroll::attach_pod(&mut dp, &netns, &u, &w, &options)?;
+                // The netns stays open from here on: adds and registrations use it.
+                if let Some(meta) = dp.maps.meta(a.cookie) {
+                    let kept = a.netns.try_clone().map_err(|source| EnrollError::Io {
+                        what: "duplicating the pod's netns fd".into(),
+                        source,
+                    });
+                    match kept {
+                        Ok(kept) => this.pods.insert(a.cookie, meta, Some(kept)),
+                        Err(e) => {
+                            enroll::back_out(&mut dp, &a.netns, a.cookie);
+                            return Err(e);
+                        }
+                    }
+                }
+                // Its first add goes out below: the supervision pass must
+                // not send another.
+                this.pods.attempting(u.as_str());
+                (a.cookie, a.netns)
+            };
+            // istio-cni's rules, if any, go without the dataplane held: the
+            // iptables tools may take seconds, and other pods' enrollments
+            // must not wait for them. This pod is Pending (fail closed) and
+            // marked attempting meanwhile, so nothing else acts on it.
+            match enroll::take_over(&netns) {
+                Ok(took_over) => Ok((cookie, took_over)),
+                Err(e) => {
+                    let mut dp = this.dp.lock().unwrap();
+                    enroll::back_out(&mut dp, &netns, cookie);
+                    this.pods.remove(u.as_str());
+                    Err(e)
+                }
             }
-            // Its first add goes out below: the supervision pass (which
-            // needs the dataplane, held here) must not send another.
-            this.pods.attempting(u.as_str());
-            Ok((a.cookie, a.took_over))
         })
         .await?;
         let cookie = match attached {

@@ -1,0 +1,67 @@
+//! A blocking rtnetlink socket in the calling thread's netns, one request at
+//! a time: the handful of requests an enrollment or a repair makes need no
+//! async runtime (what `rtnetlink` offers) and must run on the thread that
+//! entered the pod's or the node's netns.
+
+use std::io;
+
+use netlink_packet_core::{
+    NetlinkHeader, NetlinkMessage, NetlinkPayload, NLM_F_ACK, NLM_F_REQUEST,
+};
+use netlink_packet_route::RouteNetlinkMessage;
+use netlink_sys::{protocols::NETLINK_ROUTE, Socket};
+
+pub struct Rtnl {
+    sock: Socket,
+}
+
+impl Rtnl {
+    /// A socket bound in the calling thread's netns (it stays in that netns
+    /// whatever the thread does next).
+    pub fn open() -> io::Result<Self> {
+        let mut sock = Socket::new(NETLINK_ROUTE)?;
+        sock.bind_auto()?;
+        sock.connect(&netlink_sys::SocketAddr::new(0, 0))?;
+        Ok(Self { sock })
+    }
+
+    /// Sends one request and returns its one answer; `Ok(None)` when the
+    /// kernel answers ENODEV/ENOENT (no such link, filter or id).
+    pub fn request(&self, msg: RouteNetlinkMessage) -> io::Result<Option<RouteNetlinkMessage>> {
+        let mut header = NetlinkHeader::default();
+        header.flags = NLM_F_REQUEST | NLM_F_ACK;
+        header.sequence_number = 1;
+        let mut nl = NetlinkMessage::new(header, NetlinkPayload::from(msg));
+        nl.finalize();
+        let mut buf = vec![0u8; nl.buffer_len()];
+        nl.serialize(&mut buf);
+        self.sock.send(&buf, 0)?;
+        let mut answer = None;
+        loop {
+            let mut rbuf: Vec<u8> = Vec::with_capacity(1 << 16);
+            let n = self.sock.recv(&mut rbuf, 0)?;
+            let mut off = 0;
+            while off < n {
+                let m = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&rbuf[off..n])
+                    .map_err(|e| io::Error::other(e.to_string()))?;
+                let len = m.header.length as usize;
+                match m.payload {
+                    NetlinkPayload::InnerMessage(inner) => answer = Some(inner),
+                    NetlinkPayload::Error(e) => {
+                        return match e.code {
+                            None => Ok(answer),
+                            Some(c) if [libc::ENODEV, libc::ENOENT].contains(&-c.get()) => Ok(None),
+                            Some(_) => Err(e.to_io()),
+                        }
+                    }
+                    NetlinkPayload::Done(_) => return Ok(answer),
+                    _ => {}
+                }
+                if len == 0 {
+                    break;
+                }
+                off += len;
+            }
+        }
+    }
+}
