@@ -45,45 +45,112 @@ impl std::ops::Deref for BarePods {
 
 impl Drop for BarePods {
     fn drop(&mut self) {
-        for p in &self.0 {
-            let _ = ip(&["netns", "del", &p.name]);
+        let mut lines: String = self
+            .0
+            .iter()
+            .map(|p| format!("netns del {}\n", p.name))
+            .collect();
+        lines += &format!("netns del {}\n", self.1);
+        if let Err(e) = ip_batch(None, &lines) {
+            eprintln!("cleanup: {e}");
         }
-        let _ = ip(&["netns", "del", &self.1]);
     }
 }
 
+/// Runs `ip [-n ns] -force -batch -` with `lines`: one process for many
+/// commands (`-force`: a failing line does not stop the others).
+fn ip_batch(ns: Option<&str>, lines: &str) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let mut cmd = std::process::Command::new("ip");
+    if let Some(ns) = ns {
+        cmd.args(["-n", ns]);
+    }
+    let mut child = cmd
+        .args(["-force", "-batch", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .context("running ip -batch")?;
+    child.stdin.take().unwrap().write_all(lines.as_bytes())?;
+    let out = child.wait_with_output()?;
+    ensure!(
+        out.status.success(),
+        "ip -batch: {}",
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    Ok(())
+}
+
+/// `n` pod netns, each with an `eth0` (address 10.210.x.y/32, up) whose
+/// veth peer is in the node netns, and `lo` up. Made with two `ip -batch`
+/// runs and netlink from inside each pod netns (an `ip` process per step
+/// cost a minute at 1,000 pods).
 pub fn bare_pods(tag: &str, n: usize) -> anyhow::Result<BarePods> {
-    let node = format!("slb-{tag}-{}-node", std::process::id());
-    ip(&["netns", "add", &node])?;
-    let mut pods = BarePods(Vec::with_capacity(n), node.clone());
-    for i in 0..n {
-        let name = format!("slb-{tag}-{}-{i}", std::process::id());
-        ip(&["netns", "add", &name])?;
-        pods.0.push(BarePod { name: name.clone() });
-        let addr = IpAddr::V4(Ipv4Addr::new(
+    let pid = std::process::id();
+    let node = format!("slb-{tag}-{pid}-node");
+    let pods = BarePods(
+        (0..n)
+            .map(|i| BarePod {
+                name: format!("slb-{tag}-{pid}-{i}"),
+            })
+            .collect(),
+        node.clone(),
+    );
+    // From here on, Drop removes whatever was made.
+    let mut add = format!("netns add {node}\n");
+    for p in pods.iter() {
+        add += &format!("netns add {}\n", p.name);
+    }
+    ip_batch(None, &add)?;
+    let veths: String = pods
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            format!(
+                "link add veth{i} type veth peer name eth0 netns {}\n",
+                p.name
+            )
+        })
+        .collect();
+    ip_batch(Some(&node), &veths)?;
+    for (i, p) in pods.iter().enumerate() {
+        let addr = Ipv4Addr::new(
             10,
             210 + (i / 65536) as u8,
             (i / 256 % 256) as u8,
             (i % 256) as u8,
-        ));
-        let host_end = format!("veth{i}");
-        ip(&[
-            "-n", &node, "link", "add", &host_end, "type", "veth", "peer", "name", "eth0", "netns",
-            &name,
-        ])?;
-        ip(&[
-            "-n",
-            &name,
-            "addr",
-            "add",
-            &format!("{addr}/32"),
-            "dev",
-            "eth0",
-        ])?;
-        ip(&["-n", &name, "link", "set", "eth0", "up"])?;
-        ip(&["-n", &name, "link", "set", "lo", "up"])?;
+        );
+        sluice_tests::ns::run_in(&p.name, move || configure_pod(addr))
+            .with_context(|| format!("configuring {}", p.name))?;
     }
     Ok(pods)
+}
+
+/// In the calling thread's netns: `addr/32` on eth0, eth0 and lo up.
+fn configure_pod(addr: Ipv4Addr) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()?;
+    rt.block_on(async {
+        let (conn, handle, _) = rtnetlink::new_connection()?;
+        tokio::spawn(conn);
+        let eth0 = nix::net::if_::if_nametoindex("eth0")?;
+        let lo = nix::net::if_::if_nametoindex("lo")?;
+        handle
+            .address()
+            .add(eth0, IpAddr::V4(addr), 32)
+            .execute()
+            .await?;
+        for link in [eth0, lo] {
+            handle
+                .link()
+                .set(rtnetlink::LinkUnspec::new_with_index(link).up().build())
+                .execute()
+                .await?;
+        }
+        anyhow::Ok(())
+    })
 }
 
 /// A bpffs root of the bench's own, unenrolled and removed on drop.
@@ -133,12 +200,16 @@ fn istio_cni_enroll(pod: &str) -> anyhow::Result<f64> {
     Ok(ms(t))
 }
 
-fn put_percentiles(report: &mut Report, key: &str, v: &[f64]) {
+/// `{what}_ms_{p50,p99,p999}_{variant}`.
+fn put_percentiles(report: &mut Report, what: &str, variant: &str, v: &[f64]) {
     if v.is_empty() {
         return;
     }
     for (q, name) in [(0.5, "p50"), (0.99, "p99"), (0.999, "p999")] {
-        report.put(&format!("{key}_{name}"), percentile(v.to_vec(), q));
+        report.put(
+            &format!("{what}_ms_{name}_{variant}"),
+            percentile(v.to_vec(), q),
+        );
     }
 }
 
@@ -201,7 +272,7 @@ pub fn enrollment(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyho
     report.put("enroll_ms_cold_iptables", t["enroll_iptables"][0]);
     for (k, v) in &t {
         let (what, variant) = k.split_once('_').unwrap();
-        put_percentiles(report, &format!("{what}_ms_{variant}"), v);
+        put_percentiles(report, what, variant, v);
     }
     report.put(
         "enroll_ratio_iptables_vs_sluice",
@@ -292,6 +363,17 @@ struct ProbeRun {
     /// Time the probe thread was runnable but not running (waiting for a
     /// CPU, not for RTNL), ms, from its schedstat.
     runqueue_ms: f64,
+    /// How long it ran, ms.
+    wall_ms: f64,
+}
+
+impl ProbeRun {
+    /// Time spent waiting for RTNL, ms: each request's latency beyond
+    /// `idle_median`, summed, less the time waiting for a CPU.
+    fn waited_ms(&self, idle_median: f64) -> f64 {
+        let excess: f64 = self.lat.iter().map(|l| (l - idle_median).max(0.0)).sum();
+        (excess - self.runqueue_ms).max(0.0)
+    }
 }
 
 /// The calling thread's time waiting on a run queue, ns (schedstat's second field).
@@ -316,6 +398,7 @@ impl RtnlProbe {
                 let lo = nix::net::if_::if_nametoindex("lo")?;
                 let mut lat = Vec::new();
                 let rq0 = runqueue_ns();
+                let start = Instant::now();
                 while !s.load(Ordering::Relaxed) {
                     let t = Instant::now();
                     handle
@@ -326,7 +409,11 @@ impl RtnlProbe {
                     lat.push(ms(t));
                 }
                 let runqueue_ms = (runqueue_ns() - rq0) as f64 / 1e6;
-                Ok(ProbeRun { lat, runqueue_ms })
+                Ok(ProbeRun {
+                    lat,
+                    runqueue_ms,
+                    wall_ms: ms(start),
+                })
             })
         });
         Self { stop, thread }
@@ -343,8 +430,10 @@ impl RtnlProbe {
 /// RTNL hold time per enrollment: the RTNL probe runs idle, then while pods
 /// are enrolled one after another by each variant; the probe's waiting
 /// beyond its idle median, summed, less the time it waited for a CPU
-/// rather than for RTNL, divided by the pods enrolled meanwhile. (An
-/// estimate: it misses holds that start and end within one probe request.)
+/// rather than for RTNL and less what it waited for at the idle run's rate
+/// (others' RTNL use: the rest of the machine), divided by the pods
+/// enrolled meanwhile. (An estimate: it misses holds that start and end
+/// within one probe request.)
 fn rtnl_hold(
     report: &mut Report,
     cfg: &Config,
@@ -362,9 +451,12 @@ fn rtnl_hold(
     let _del = DelNs(probe_ns.clone());
     let probe = RtnlProbe::start(&probe_ns);
     std::thread::sleep(cfg.rtnl_idle);
-    let idle = probe.stop()?.lat;
+    let idle_run = probe.stop()?;
+    let idle = idle_run.lat.clone();
     ensure!(!idle.is_empty(), "the RTNL probe made no request");
     let idle_median = percentile(idle.clone(), 0.5);
+    let idle_rate = idle_run.waited_ms(idle_median) / idle_run.wall_ms;
+    report.put("rtnl_probe_wait_ms_per_s_idle", idle_rate * 1e3);
     report.put("rtnl_probe_ms_p50_idle", idle_median);
     report.put("rtnl_probe_ms_p99_idle", percentile(idle.clone(), 0.99));
     report.put("rtnl_probe_ms_max_idle", percentile(idle, 1.0));
@@ -633,9 +725,12 @@ fn churn_with(
 /// enrolled through it.
 pub fn memory(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyhow::Result<()> {
     let n = cfg.memory_pods;
+    let t = Instant::now();
     let pods = bare_pods("mem", n)?;
+    eprintln!("bench: memory: {n} pod netns made in {:.1?}", t.elapsed());
     let pins = OwnPins::new("mem");
     let agent = AgentProc::start(&pins.0)?;
+    let t = Instant::now();
     for (i, p) in pods.iter().enumerate() {
         let resp = control::call(
             &agent.control,
@@ -652,6 +747,7 @@ pub fn memory(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyhow::R
             "enroll through the agent failed: {resp:?}"
         );
     }
+    eprintln!("bench: memory: {n} pods enrolled in {:.1?}", t.elapsed());
     let pid = agent_pid(&agent)?;
     let rss_kib = proc_status_kib(pid as u32, "VmRSS:")?;
     let map_bytes = map_memlock(pid)?;
@@ -663,8 +759,16 @@ pub fn memory(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyhow::R
     let maps = Maps::open_pinned(&pins.0.maps())?;
     ensure!(maps.pods().len() == n);
     drop(agent);
-    drop(pins);
+    // The namespaces first: the kernel detaches their links in batches,
+    // much faster than unenrolling pod by pod; the pins go after.
+    let t = Instant::now();
     drop(pods);
+    let netns = t.elapsed();
+    drop(pins);
+    eprintln!(
+        "bench: memory: cleaned up in {:.1?} (netns {netns:.1?})",
+        t.elapsed()
+    );
     Ok(())
 }
 
