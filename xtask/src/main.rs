@@ -69,7 +69,9 @@ enum Cmd {
     },
     /// Setup, build, and run the demo: enroll a pod netns and show captured traffic.
     Demo,
-    /// Build in release and run the benchmarks (root): sluice vs Istio's rules vs none.
+    /// Build in release and run the benchmarks (root): sluice vs istio-cni's rules vs none.
+    /// SLUICE_BENCH=cpu,latency,… picks scenarios, SLUICE_BENCH_SMOKE=1 shrinks every
+    /// count (a quick check), SLUICE_BENCH_SEED=N repeats a run's round order.
     Bench,
     /// Build the container image (needs a Docker engine).
     Image {
