@@ -384,7 +384,11 @@ fn write(report: &Report, cfg: &Config) -> anyhow::Result<()> {
     )?;
     println!("| figure | value |\n|---|---|");
     for (k, v) in &report.results {
-        println!("| {k} | {v} |");
+        if v.is_nan() {
+            println!("| {k} | null |");
+        } else {
+            println!("| {k} | {v} |");
+        }
     }
     println!(
         "\nkernel {kernel} ({}), {cpu}; seed {}{}; results in target/bench/results.json",
