@@ -16,6 +16,7 @@ mod metrics;
 mod options;
 mod probes;
 mod readiness;
+mod runtime;
 mod served;
 
 use libtest_mimic::{Arguments, Failed, Trial};
@@ -45,6 +46,7 @@ fn main() {
     trials.extend(agent::trials());
     trials.extend(crash::trials());
     trials.extend(cni::trials());
+    trials.extend(runtime::trials());
     trials.extend(kube::trials());
     trials.extend(readiness::trials());
     trials.extend(served::trials());
