@@ -9,7 +9,7 @@
 
 use aya_ebpf::{
     bindings::bpf_sock_tuple,
-    bindings::{tcx_action_base::TCX_NEXT, BPF_F_CURRENT_NETNS, TC_ACT_OK, TC_ACT_SHOT},
+    bindings::{tcx_action_base::TCX_NEXT, BPF_F_CURRENT_NETNS, TC_ACT_SHOT},
     helpers::{bpf_sk_assign, bpf_sk_release, bpf_skc_lookup_tcp},
     programs::TcContext,
     EbpfContext,
@@ -31,7 +31,12 @@ use crate::{
     },
 };
 
-const TC_OK: i32 = TC_ACT_OK;
+/// Not ours to decide: the next program on the hook runs (tcx's
+/// `TCX_NEXT`, cls_bpf's `TC_ACT_UNSPEC`: the next filter), and with none the
+/// packet goes on. sluice's pod-side links are appended after the device's
+/// other programs; passing on with `TCX_NEXT` rather than `TC_ACT_OK` lets
+/// programs attached after them still see the packet.
+const TC_OK: i32 = TCX_NEXT;
 const TC_SHOT: i32 = TC_ACT_SHOT;
 const BPF_TCP_LISTEN: u32 = 10;
 
