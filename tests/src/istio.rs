@@ -239,3 +239,232 @@ pub fn apply_host_probe_snat(
     }
     Ok(())
 }
+
+/// istio-cni's in-pod rules as its node agent builds them today
+/// (`cni/pkg/iptables` `AppendInpodRules`, default settings: IPv6 on, DNS
+/// capture on, not ingress mode): inbound is a nat `REDIRECT` to 15006 (no
+/// TPROXY, unlike the older reference file above), outbound a nat
+/// `REDIRECT` to 15001, DNS to 15053 with ztunnel's DNS flows in conntrack
+/// zone 1, in the `iptables-restore` form istio-cni feeds `--noflush`.
+pub fn istio_cni_rules(v6: bool) -> String {
+    let (lo, probe) = if v6 {
+        ("::1/128", "fd16:9254:7127:1337:ffff:ffff:ffff:ffff")
+    } else {
+        ("127.0.0.1/32", "169.254.7.127")
+    };
+    let mark = "0x539/0xfff";
+    let tproxy_mark = "0x111/0xfff";
+    format!(
+        "* mangle
+-N ISTIO_PRERT
+-N ISTIO_OUTPUT
+-A PREROUTING -j ISTIO_PRERT
+-A OUTPUT -j ISTIO_OUTPUT
+-A ISTIO_PRERT -m mark --mark {mark} -j CONNMARK --set-xmark {tproxy_mark}
+-A ISTIO_OUTPUT -m connmark --mark {tproxy_mark} -j CONNMARK --restore-mark --nfmask 0xffffffff --ctmask 0xffffffff
+COMMIT
+* nat
+-N ISTIO_PRERT
+-N ISTIO_OUTPUT
+-A OUTPUT -j ISTIO_OUTPUT
+-A PREROUTING -j ISTIO_PRERT
+-A ISTIO_PRERT -s {probe} -p tcp -m tcp -j ACCEPT
+-A ISTIO_OUTPUT -d {probe} -p tcp -m tcp -j ACCEPT
+-A ISTIO_PRERT ! -d {lo} -p tcp ! --dport 15008 -m mark ! --mark {mark} -j REDIRECT --to-ports 15006
+-A ISTIO_OUTPUT ! -o lo -p udp -m mark ! --mark {mark} -m udp --dport 53 -j REDIRECT --to-port 15053
+-A ISTIO_OUTPUT ! -d {lo} -p tcp --dport 53 -m mark ! --mark {mark} -j REDIRECT --to-ports 15053
+-A ISTIO_OUTPUT -p tcp -m mark --mark {tproxy_mark} -j ACCEPT
+-A ISTIO_OUTPUT ! -d {lo} -o lo -j ACCEPT
+-A ISTIO_OUTPUT ! -d {lo} -p tcp -m mark ! --mark {mark} -j REDIRECT --to-ports 15001
+COMMIT
+* raw
+-N ISTIO_PRERT
+-N ISTIO_OUTPUT
+-A PREROUTING -j ISTIO_PRERT
+-A OUTPUT -j ISTIO_OUTPUT
+-A ISTIO_OUTPUT -p udp -m mark --mark {mark} -m udp --dport 53 -j CT --zone 1
+-A ISTIO_PRERT -p udp -m mark ! --mark {mark} -m udp --sport 53 -j CT --zone 1
+COMMIT
+"
+    )
+}
+
+/// Captures the pod in netns `ns` the way istio-cni's node agent does today
+/// (`CreateInpodRules`), with nothing more: from a thread in the pod netns,
+/// the policy routing over netlink (`local default dev lo table 100`,
+/// replaced, and `fwmark 0x111/0xfff lookup 100` at 32764, both families);
+/// then its state check, `iptables-save` and `ip6tables-save` (a fresh netns
+/// has no rules, so nothing more is checked); then `iptables-restore
+/// --noflush -v` and `ip6tables-restore --noflush -v` with
+/// [`istio_cni_rules`]. Each tool runs as istio-cni runs it in a pod
+/// (`UsePodScopedXtablesLock`): forked from a thread of its own in the pod
+/// netns that has unshared its mount namespace, made `/` private and
+/// bind-mounted `/dev/null` over `/etc/nsswitch.conf` (nf_tables needs no
+/// xtables lock). No `ip netns exec`, no `ip` command.
+pub fn apply_istio_cni(ns: &str) -> anyhow::Result<()> {
+    let path = netns_path(ns);
+    ensure!(path.exists(), "no netns {ns}");
+    let netns =
+        std::fs::File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+    let netns = std::sync::Arc::new(netns);
+    let n2 = netns.clone();
+    std::thread::spawn(move || -> anyhow::Result<()> {
+        nix::sched::setns(&*n2, nix::sched::CloneFlags::CLONE_NEWNET)?;
+        istio_cni_routes()?;
+        for save in ["iptables-save", "ip6tables-save"] {
+            // The state check: a clean netns shows no rules.
+            sandboxed(&n2, save, &[], None)?;
+        }
+        sandboxed(
+            &n2,
+            "iptables-restore",
+            &["--noflush", "-v"],
+            Some(istio_cni_rules(false)),
+        )?;
+        sandboxed(
+            &n2,
+            "ip6tables-restore",
+            &["--noflush", "-v"],
+            Some(istio_cni_rules(true)),
+        )?;
+        Ok(())
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("istio-cni replica thread panicked"))?
+}
+
+/// istio-cni's `AddLoopbackRoutes` and `AddInpodMarkIPRule`, over netlink
+/// in the calling thread's netns.
+fn istio_cni_routes() -> anyhow::Result<()> {
+    use netlink_packet_route::{
+        route::{RouteScope, RouteType},
+        rule::{RuleAction, RuleAttribute},
+    };
+    use rtnetlink::RouteMessageBuilder;
+    use std::net::{Ipv4Addr, Ipv6Addr};
+    let v6 = std::fs::read_to_string("/proc/sys/net/ipv6/conf/lo/disable_ipv6")
+        .map(|v| v.trim() != "1")
+        .unwrap_or(true);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()?;
+    rt.block_on(async {
+        let (conn, handle, _) = rtnetlink::new_connection()?;
+        tokio::spawn(conn);
+        let lo = nix::net::if_::if_nametoindex("lo")?;
+        let r4 = RouteMessageBuilder::<Ipv4Addr>::new()
+            .destination_prefix(Ipv4Addr::UNSPECIFIED, 0)
+            .table_id(100)
+            .output_interface(lo)
+            .kind(RouteType::Local)
+            .scope(RouteScope::Host)
+            .build();
+        handle.route().add(r4).replace().execute().await?;
+        if v6 {
+            let r6 = RouteMessageBuilder::<Ipv6Addr>::new()
+                .destination_prefix(Ipv6Addr::UNSPECIFIED, 0)
+                .table_id(100)
+                .output_interface(lo)
+                .kind(RouteType::Local)
+                .scope(RouteScope::Host)
+                .build();
+            handle.route().add(r6).replace().execute().await?;
+        }
+        let mut r = handle
+            .rule()
+            .add()
+            .v4()
+            .fw_mark(0x111)
+            .priority(32764)
+            .table_id(100)
+            .action(RuleAction::ToTable);
+        r.message_mut()
+            .attributes
+            .push(RuleAttribute::FwMask(0xfff));
+        ignore_exists(r.execute().await)?;
+        let mut r = handle
+            .rule()
+            .add()
+            .v6()
+            .fw_mark(0x111)
+            .priority(32764)
+            .table_id(100)
+            .action(RuleAction::ToTable);
+        r.message_mut()
+            .attributes
+            .push(RuleAttribute::FwMask(0xfff));
+        ignore_exists(r.execute().await)?;
+        anyhow::Ok(())
+    })
+}
+
+fn ignore_exists(r: Result<(), rtnetlink::Error>) -> anyhow::Result<()> {
+    match r {
+        Err(rtnetlink::Error::NetlinkError(m))
+            if m.code.map(|c| -c.get()) == Some(libc::EEXIST) =>
+        {
+            Ok(())
+        }
+        other => Ok(other?),
+    }
+}
+
+/// Runs `bin` as istio-cni's `runInSandbox` does: on a new thread in the
+/// pod netns `netns` with a mount namespace of its own (`/` private,
+/// `/dev/null` over `/etc/nsswitch.conf`), which ends with the thread. Like
+/// istio-cni, a sandbox that cannot be set up runs the tool without it.
+fn sandboxed(
+    netns: &std::sync::Arc<std::fs::File>,
+    bin: &'static str,
+    args: &'static [&'static str],
+    stdin: Option<String>,
+) -> anyhow::Result<String> {
+    let netns = netns.clone();
+    std::thread::spawn(move || -> anyhow::Result<String> {
+        use nix::mount::{mount, MsFlags};
+        nix::sched::setns(&*netns, nix::sched::CloneFlags::CLONE_NEWNET)?;
+        // Mounts only once `/` is private in a namespace of this thread's
+        // own: they must never reach the host's.
+        let private = nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS).and_then(|()| {
+            mount(
+                None::<&str>,
+                "/",
+                None::<&str>,
+                MsFlags::MS_PRIVATE | MsFlags::MS_REC,
+                None::<&str>,
+            )
+        });
+        if private.is_ok() {
+            let _ = mount(
+                Some("/dev/null"),
+                "/etc/nsswitch.conf",
+                None::<&str>,
+                MsFlags::MS_BIND | MsFlags::MS_RDONLY,
+                None::<&str>,
+            );
+        }
+        let mut child = Command::new(bin)
+            .args(args)
+            .stdin(if stdin.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("running {bin}"))?;
+        if let Some(input) = stdin {
+            child.stdin.take().unwrap().write_all(input.as_bytes())?;
+        }
+        let out = child.wait_with_output()?;
+        ensure!(
+            out.status.success(),
+            "{bin}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("{bin} sandbox thread panicked"))?
+}

@@ -1,11 +1,17 @@
-//! Trivial TCP services for benchmarks: accept and close at once, or read and
-//! discard. The same sink stands behind every variant, so only the
-//! redirection differs between them.
+//! Trivial TCP services for benchmarks: accept and close at once, read and
+//! discard, or echo. The same sink stands behind every variant, so only the
+//! redirection differs between them. Each counts the connections it
+//! accepted, so a benchmark can check that its connections went where it
+//! meant them to (captured, or not).
 
 use std::{
-    io::Read,
+    io::{Read, Write},
     net::{IpAddr, Ipv6Addr, SocketAddr, TcpListener},
     os::fd::AsRawFd,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
 };
 
 use sluice_common::MARK_ZTUNNEL;
@@ -19,10 +25,13 @@ pub enum Mode {
     AcceptClose,
     /// accept(), read until EOF, discard (bulk throughput).
     Discard,
+    /// accept(), write back whatever is read until EOF (request/response).
+    Echo,
 }
 
 pub struct Sink {
     fd: i32,
+    accepted: Arc<AtomicU64>,
 }
 
 impl Sink {
@@ -37,8 +46,15 @@ impl Sink {
         Self::start(ns, port, mode, true)
     }
 
+    /// Connections accepted so far.
+    pub fn accepted(&self) -> u64 {
+        self.accepted.load(Ordering::SeqCst)
+    }
+
     fn start(ns: &str, port: u16, mode: Mode, ztunnel: bool) -> Self {
         let (tx, rx) = std::sync::mpsc::channel();
+        let accepted = Arc::new(AtomicU64::new(0));
+        let count = accepted.clone();
         spawn_in(ns, move || {
             let s = Socket::new(Domain::IPV6, Type::STREAM, None).unwrap();
             s.set_only_v6(false).unwrap();
@@ -55,16 +71,32 @@ impl Sink {
             tx.send(l.as_raw_fd()).unwrap();
             for c in l.incoming() {
                 let Ok(mut c) = c else { break };
-                if mode == Mode::Discard {
-                    std::thread::spawn(move || {
-                        let mut buf = vec![0u8; 256 * 1024];
-                        while matches!(c.read(&mut buf), Ok(n) if n > 0) {}
-                    });
+                count.fetch_add(1, Ordering::SeqCst);
+                match mode {
+                    Mode::AcceptClose => {}
+                    Mode::Discard => {
+                        std::thread::spawn(move || {
+                            let mut buf = vec![0u8; 256 * 1024];
+                            while matches!(c.read(&mut buf), Ok(n) if n > 0) {}
+                        });
+                    }
+                    Mode::Echo => {
+                        std::thread::spawn(move || {
+                            let _ = c.set_nodelay(true);
+                            let mut buf = vec![0u8; 64 * 1024];
+                            while let Ok(n @ 1..) = c.read(&mut buf) {
+                                if c.write_all(&buf[..n]).is_err() {
+                                    break;
+                                }
+                            }
+                        });
+                    }
                 }
             }
         });
         Self {
             fd: rx.recv().unwrap(),
+            accepted,
         }
     }
 }

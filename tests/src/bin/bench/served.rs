@@ -1,0 +1,182 @@
+//! Scenario `served`: the served check at mesh scale, as before.
+
+use std::{
+    net::{IpAddr, Ipv4Addr},
+    time::Instant,
+};
+
+use anyhow::{ensure, Context as _};
+use rand::rngs::StdRng;
+use sluice::{
+    control::{self, Request},
+    enroll,
+    loader::Pins,
+    served::{fetch, Wanted},
+    state::Maps,
+    uid::PodUid,
+};
+use sluice_tests::{
+    admin,
+    agent::{AgentProc, PeerProc},
+    harness::peer_bin,
+    wait,
+};
+
+use crate::{ns_path, percentile, pods::BarePods, workload, Config, Report};
+
+const SERVED_PODS: usize = 5;
+
+/// The served check against a ztunnel whose config_dump lists
+/// 10,000 workloads (smoke: 1,000): the cost of one check in the agent (wall time, CPU of
+/// this process, which does exactly what the agent does: enter ztunnel's
+/// netns, GET, parse as it streams) and, through a real agent, the time from
+/// enrollment to Served as the pinned map records it.
+pub fn served(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyhow::Result<()> {
+    let dir = std::env::temp_dir().join(format!("sluice-bench-served-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let pods = crate::pods::bare_pods("sv", SERVED_PODS)?;
+    let result = served_in(report, cfg, &dir, &pods);
+    drop(pods);
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+fn served_in(
+    report: &mut Report,
+    cfg: &Config,
+    dir: &std::path::Path,
+    pods: &BarePods,
+) -> anyhow::Result<()> {
+    let k = cfg.mesh_workloads / 1000;
+    // The mesh: 10,000 workloads, the bench pods among the last ones.
+    let mut mesh: Vec<serde_json::Value> = (0..cfg.mesh_workloads - SERVED_PODS)
+        .map(|i| {
+            let ip = IpAddr::V4(Ipv4Addr::new(
+                10,
+                100 + (i / 65536) as u8,
+                (i / 256 % 256) as u8,
+                (i % 256) as u8,
+            ));
+            admin::workload(
+                &format!("ns-{}", i % 100),
+                &format!("w-{i}"),
+                "default",
+                &[ip],
+            )
+        })
+        .collect();
+    for (i, p) in pods.iter().enumerate() {
+        let ip = IpAddr::V4(Ipv4Addr::new(10, 210, 0, i as u8));
+        mesh.push(admin::workload("bench", &p.name, "default", &[ip]));
+    }
+    let file = dir.join("workloads.json");
+    std::fs::write(&file, serde_json::to_vec(&mesh)?)?;
+    report.put(
+        &format!("config_dump_mib_{k}k_workloads"),
+        admin::dump(mesh).len() as f64 / (1024.0 * 1024.0),
+    );
+
+    // One check, as the agent makes it, against a ztunnel stand-in with no
+    // agent to talk to (it only serves its admin API).
+    let mut peer = PeerProc::start(
+        &peer_bin(),
+        &dir.join("no-agent.sock"),
+        &["--admin-workloads", file.to_str().unwrap()],
+    )?;
+    let pid = peer.pid().context("peer pid")? as i32;
+    let wanted = [Wanted {
+        namespace: "bench".into(),
+        name: pods[0].name.clone(),
+        service_account: "default".into(),
+        ips: vec![IpAddr::V4(Ipv4Addr::new(10, 210, 0, 0))],
+    }];
+    wait::until("the admin stand-in to answer", wait::DEADLINE, || {
+        fetch::known(Some(pid), fetch::DEFAULT_ADMIN_PORT, &wanted, None).map_err(|e| e.to_string())
+    })?;
+    let (mut wall, cpu0) = (Vec::new(), cpu_ms_self());
+    for _ in 0..cfg.served_checks {
+        let t = Instant::now();
+        let known = fetch::known(Some(pid), fetch::DEFAULT_ADMIN_PORT, &wanted, None)?;
+        wall.push(t.elapsed().as_secs_f64() * 1e3);
+        ensure!(known.len() == 1, "the pod not found among 10k workloads");
+    }
+    report.put(
+        &format!("served_check_cpu_ms_{k}k_workloads"),
+        (cpu_ms_self() - cpu0) / cfg.served_checks as f64,
+    );
+    report.put(
+        &format!("served_check_ms_{k}k_workloads"),
+        percentile(wall, 0.5),
+    );
+    peer.kill();
+
+    // Enrollment to Served through a real agent and that ztunnel stand-in.
+    let pins = Pins::new(format!(
+        "/sys/fs/bpf/sluice-bench-sv-{}",
+        std::process::id()
+    ));
+    let result = (|| -> anyhow::Result<()> {
+        let agent = AgentProc::start(&pins)?;
+        let _peer = PeerProc::start(
+            &peer_bin(),
+            &agent.zds,
+            &["--admin-workloads", file.to_str().unwrap()],
+        )?;
+        wait::until(
+            "the stand-in connected",
+            wait::DEADLINE,
+            || match control::call(&agent.control, Some(pins.root()), &Request::Status) {
+                Ok(Some(control::Response::Node(n))) if n.ztunnel_connected => Ok(()),
+                other => Err(format!("{other:?}")),
+            },
+        )?;
+        let mut ms = Vec::new();
+        for (i, p) in pods.iter().enumerate() {
+            let uid = format!("sv-{i}");
+            let resp = control::call(
+                &agent.control,
+                Some(pins.root()),
+                &Request::Enroll {
+                    netns: ns_path(&p.name),
+                    uid: uid.clone(),
+                    workload: workload(&p.name),
+                },
+            )?
+            .context("agent not listening")?;
+            ensure!(
+                matches!(resp, control::Response::Enrolled { .. }),
+                "{resp:?}"
+            );
+            let maps = Maps::open_pinned(&pins.maps())?;
+            let e = wait::until("the pod Served", wait::DEADLINE, || {
+                let cookie = maps.find_uid(&PodUid::new(&uid).map_err(|e| e.to_string())?);
+                match cookie.and_then(|c| maps.entry(c)) {
+                    Some(e) if e.state() == Some(sluice_common::PodState::Served) => Ok(e),
+                    other => Err(format!("{other:?}")),
+                }
+            })?;
+            ms.push((e.changed_at_ns - e.enrolled_at_ns) as f64 / 1e6);
+        }
+        report.put(
+            &format!("time_to_served_ms_p50_{k}k_workloads"),
+            percentile(ms.clone(), 0.5),
+        );
+        report.put(
+            &format!("time_to_served_ms_max_{k}k_workloads"),
+            percentile(ms, 1.0),
+        );
+        Ok(())
+    })();
+    let _ = enroll::uninstall(&pins, None);
+    result
+}
+
+/// CPU time (user + system) this process has used, in ms.
+fn cpu_ms_self() -> f64 {
+    let r = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_SELF);
+    r.map(|r| {
+        let t = |tv: nix::sys::time::TimeVal| tv.tv_sec() as f64 * 1e3 + tv.tv_usec() as f64 / 1e3;
+        t(r.user_time()) + t(r.system_time())
+    })
+    .unwrap_or(0.0)
+}
