@@ -17,6 +17,7 @@ mod options;
 mod probes;
 mod readiness;
 mod served;
+mod syncookies;
 
 use libtest_mimic::{Arguments, Failed, Trial};
 use sluice_tests::harness::is_root;
@@ -50,5 +51,6 @@ fn main() {
     trials.extend(served::trials());
     trials.extend(cycles::trials());
     trials.extend(metrics::trials());
+    trials.extend(syncookies::trials());
     libtest_mimic::run(&args, trials).exit();
 }
