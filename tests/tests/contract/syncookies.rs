@@ -53,6 +53,16 @@ pub fn trials() -> Vec<Trial> {
                 move || as_if_kernel(without_tcx(), || f(fam)),
             ));
         }
+        // Rerouting needs netns cookies in tc (refused without: options.rs).
+        let name = format!(
+            "syncookies::{}::a_rerouted_vms_connection_completes_under_syn_cookies",
+            fam.name()
+        );
+        let refused = !sluice::features::Features::get().netns_cookie_in_tc;
+        if refused {
+            eprintln!("skipping {name}: no bpf_get_netns_cookie in tc programs here");
+        }
+        v.push(trial(name, move || rerouted(fam)).with_ignored_flag(refused));
     }
     v
 }
@@ -275,6 +285,90 @@ fn under_cookies(fam: Family) -> TestResult {
     Ok(())
 }
 
+/// Row I7 under SYN cookies: the VM's SYN is assigned to 15001 by the
+/// reroute program (no lookup), so its ACK's lookup needs the hint the
+/// program left, and the ACK must be delivered locally, not forwarded to
+/// the remote around ztunnel.
+fn rerouted(fam: Family) -> TestResult {
+    let f = Fixture::new("scr", Some(Bind::DualStack))?;
+    let vm = crate::options::Vm::new(&f)?;
+    let e = f.enroll_with(sluice::options::PodOptions {
+        reroute: vec!["tap0".into()],
+        ..Default::default()
+    })?;
+    ensure!(e.state == PodState::Enabled, "{e:?}");
+    always_cookies(&f.topo.pod)?;
+    let sniffer = L4Sniffer::start(&f.topo.client)?;
+    let mut problems = Vec::new();
+    let remote = sa(fam.client(), REMOTE_PORT);
+    let r = connect(&vm.ns, remote, Opts::default());
+    problems.extend(replied(
+        "the VM's connection",
+        &r,
+        &format!("app:{REMOTE_PORT}"),
+    ));
+    let acc = f.standin().accepted();
+    let roles: Vec<(Role, SocketAddr)> = acc.iter().map(|a| (a.role, a.orig_dst)).collect();
+    if roles != [(Role::Outbound, remote)] {
+        problems.push(format!("ztunnel accepted {roles:?}"));
+    }
+    let c = f.pod_record()?.counters;
+    if c.captured_outbound != 1 {
+        problems.push(format!("counters: {c:?}"));
+    }
+    // The remote sees only ztunnel's connection, from the pod's address:
+    // nothing from the VM's own address (10.202.*, fd00:202:*) arrived.
+    // A datagram from the VM, which the pod forwards, bounds the wait.
+    let vm_ip = match fam {
+        Family::V4 => IpAddr::from([10, 202, f.topo.subnet, 2]),
+        Family::V6 => format!("fd00:202:{}::2", f.topo.subnet).parse()?,
+    };
+    let marker = b"sluice-syncookie-vm-marker";
+    let to = sa(fam.client(), sluice_tests::harness::UDP_PORT);
+    run_in(&vm.ns, move || {
+        std::net::UdpSocket::bind(SocketAddr::new(vm_ip, 0))?
+            .send_to(marker, to)
+            .map(drop)
+    })?;
+    let mut seen: Vec<Segment> = Vec::new();
+    wait::until(
+        "the VM's marker datagram at the client",
+        wait::DEADLINE,
+        || {
+            seen.extend(sniffer.drain());
+            let arrived = seen
+                .iter()
+                .any(|s| s.proto == 17 && s.payload.windows(marker.len()).any(|w| w == marker));
+            if arrived {
+                Ok(())
+            } else {
+                Err(seen.len())
+            }
+        },
+    )?;
+    let leaked: Vec<&Segment> = seen
+        .iter()
+        .filter(|s| s.proto == 6 && s.src.ip() == vm_ip)
+        .collect();
+    if !leaked.is_empty() {
+        problems.push(format!(
+            "the VM's TCP was forwarded around ztunnel: {leaked:?}"
+        ));
+    }
+    let (sent, recv, failed) = cookies(&f.topo.pod)?;
+    if sent == 0 || recv == 0 || failed != 0 {
+        problems.push(format!(
+            "SyncookiesSent {sent}, SyncookiesRecv {recv}, SyncookiesFailed {failed}"
+        ));
+    }
+    let n = unhinted_drops(&f)?;
+    if n != 0 {
+        problems.push(format!("{n} unhinted drops"));
+    }
+    ensure!(problems.is_empty(), "{problems:#?}");
+    Ok(())
+}
+
 /// The flow-hint key of a connection from `from` to `to`, as sk_lookup
 /// sees it (remote = the SYN's source).
 fn hint_key(from: SocketAddr, to: SocketAddr) -> FlowKey {
@@ -294,11 +388,12 @@ fn hint_key(from: SocketAddr, to: SocketAddr) -> FlowKey {
 
 /// Row X3 with a kept hint in the way. A real inbound connection from the
 /// client leaves its `Inbound` hint (kept for a SYN-cookie ACK). A process
-/// in the pod then connects to the app over lo from the very same client
-/// address and port, without ztunnel's mark — looking like ztunnel's
-/// spoofed-source connection. Its SYN must not be steered by that hint:
-/// the lo program writes a `Deny` over it, and sk_lookup refuses and
-/// counts it (`unhinted`).
+/// in the pod (with CAP_NET_ADMIN: it also routes the client's address to
+/// itself, so that it would get the answer) then connects to the app over
+/// lo from the very same client address and port, without ztunnel's mark —
+/// looking like ztunnel's spoofed-source connection. Its SYN must not be
+/// steered to ztunnel's 15006 by that hint: the lo program writes a `Deny`
+/// over it, and sk_lookup refuses and counts it (`unhinted`).
 fn lo_spoof_denied(fam: Family) -> TestResult {
     let f = Fixture::new("lospoof", Some(Bind::DualStack))?;
     ensure!(f.enroll()?.state == PodState::Enabled);
@@ -330,6 +425,22 @@ fn lo_spoof_denied(fam: Family) -> TestResult {
         },
         |s| s.is_empty(),
     )?;
+    let host = match fam {
+        Family::V4 => format!("{}/32", client.ip()),
+        Family::V6 => format!("{}/128", client.ip()),
+    };
+    sluice_tests::topology::ip(&[
+        "-n",
+        &f.topo.pod,
+        "route",
+        "add",
+        "local",
+        &host,
+        "dev",
+        "lo",
+        "table",
+        "local",
+    ])?;
     let before = f.pod_record()?.counters;
     let drops_before = unhinted_drops(&f)?;
     let r = run_in(&f.topo.pod, move || spoofed_connect(client, dst));
