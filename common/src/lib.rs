@@ -309,11 +309,12 @@ impl Counters {
     }
 }
 
-/// What a tc program tells sk_lookup about one connection's first lookup.
+/// What a tc program tells sk_lookup about one connection's listener lookups
+/// (its SYN's, and with SYN cookies its ACK's).
 ///
 /// sk_lookup programs cannot call bpf_get_netns_cookie (tc programs can), so
 /// every SYN's path into a pod crosses one of our tc programs, which leaves
-/// this hint — carrying the pod's netns cookie — for sk_lookup to take.
+/// this hint — carrying the pod's netns cookie — for sk_lookup to read.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HintVerdict {
