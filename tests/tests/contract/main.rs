@@ -18,6 +18,7 @@ mod probes;
 mod readiness;
 mod runtime;
 mod served;
+mod syncookies;
 
 use libtest_mimic::{Arguments, Failed, Trial};
 use sluice_tests::harness::is_root;
@@ -52,5 +53,6 @@ fn main() {
     trials.extend(served::trials());
     trials.extend(cycles::trials());
     trials.extend(metrics::trials());
+    trials.extend(syncookies::trials());
     libtest_mimic::run(&args, trials).exit();
 }
