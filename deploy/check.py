@@ -20,6 +20,7 @@ helm binary) and kubernetes-validate (Kubernetes' OpenAPI schemas).
 """
 
 import copy
+import json
 import os
 import shutil
 import subprocess
@@ -27,6 +28,7 @@ import sys
 import tempfile
 
 import helm_python as helm
+from helm_python import _native as helm_native
 import kubernetes_validate
 import yaml
 
@@ -261,9 +263,15 @@ def lint(chart, label, values):
         ok(f"helm lint --strict ({label})")
 
 
-def render(chart, label, values):
+def render(chart, label, values, kube_version=None):
     try:
-        out = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+        if kube_version is None:
+            out = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+        else:
+            # Chart.render has no kube_version (lint has); Helm's own render
+            # call takes it, as `helm template --kube-version` does.
+            opts = {"name": RELEASE, "namespace": NAMESPACE, "is_install": True, "kube_version": kube_version}
+            out = json.loads(helm_native.call_string("helm_render", chart._raw(), json.dumps(values), json.dumps(opts)))
     except helm.HelmError as e:
         fail(f"helm template ({label})", str(e))
         return {}
@@ -417,7 +425,19 @@ def check_platforms(chart):
         expect("explicit dirs", "--cni-bin-dir=/opt/x/bin" in args_of(ds, "agent"), "cni.binDir does not win")
         se = container(ds, "agent")["securityContext"].get("seLinuxOptions")
         expect("explicit dirs", se == {"level": "s0"}, f"seLinuxOptions {se}")
-    ok("chart platforms: CNI dirs, GKE quota, OpenShift SELinux type")
+    # An empty platform on a GKE cluster (its version says so) is gke, as
+    # Istio's charts detect it; an explicit platform wins.
+    gke_version = "v1.30.5-gke.1014001"
+    for values, want in [({}, "gke"), ({"platform": "k3s"}, "k3s")]:
+        label = f"GKE cluster, values {values}"
+        objs = render(chart, label, values, kube_version=gke_version)
+        if not objs:
+            continue
+        a = args_of(objs["DaemonSet"][0], "agent")
+        bin_dir = dict((p, b) for p, _, b in cases)[want]
+        expect(label, f"--cni-bin-dir={bin_dir}" in a, f"agent args {a}")
+        expect(label, bool(objs.get("ResourceQuota")) == (want == "gke"), "ResourceQuota")
+    ok("chart platforms: CNI dirs, GKE quota, OpenShift SELinux type, GKE detected from the cluster version")
 
 
 def check_rule_defaults(objs, plain):

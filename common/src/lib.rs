@@ -35,11 +35,16 @@ pub const PROBE_ADDR_V6: [u8; 16] = [
     0xfd, 0x16, 0x92, 0x54, 0x71, 0x27, 0x13, 0x37, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
 ];
 
-/// A flow hint left by a tc program is honoured by sk_lookup only this long.
-/// A hint is normally consumed microseconds after it is written (same packet,
-/// same CPU); the bound keeps a stale hint (e.g. a retransmitted SYN whose
-/// lookup never ran) from exempting a later, unrelated flow with the same tuple.
-pub const FLOW_HINT_TTL_NS: u64 = 1_000_000_000;
+/// A TCP flow hint left by a tc program is honoured by sk_lookup this long
+/// after its SYN. A connection's listener lookup normally runs once, on the
+/// SYN's path, microseconds after the hint was written; with SYN cookies
+/// (the listener's queue overflowed, or `tcp_syncookies=2`) it runs again
+/// for the client's ACK (and, if that ACK is lost or the accept queue is
+/// full, for its retransmitted data), one round trip and some RTOs later.
+/// Every SYN writes its own verdict over an older hint of its tuple, so the
+/// bound only decides how late a cookie continuation may come before it is
+/// refused (reset, fail closed), never which connection a hint is for.
+pub const FLOW_HINT_TTL_NS: u64 = 3_000_000_000;
 
 /// `AF_INET` / `AF_INET6` as stored in map keys.
 pub const FAMILY_V4: u8 = 2;
@@ -245,16 +250,28 @@ pub enum DropReason {
     /// the address is all that names the pod); or a rerouted interface's
     /// SYN there.
     UnknownSource = 1,
+    /// A TCP segment that reached a listener lookup in an enrolled pod with
+    /// no fresh hint from a tc program (or a `Deny` one), which sk_lookup
+    /// refused: a SYN on a path sluice does not know (an interface added
+    /// after enrollment, a spoofed source over `lo`), a SYN-cookie ACK that
+    /// came after its hint expired, a stray segment of a closed connection.
+    /// Counted here because the pod is not always known.
+    Unhinted = 2,
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 2] = [DropReason::Malformed, DropReason::UnknownSource];
+    pub const ALL: [DropReason; 3] = [
+        DropReason::Malformed,
+        DropReason::UnknownSource,
+        DropReason::Unhinted,
+    ];
 
     /// The metric label.
     pub const fn as_str(self) -> &'static str {
         match self {
             DropReason::Malformed => "malformed",
             DropReason::UnknownSource => "unknown_source",
+            DropReason::Unhinted => "unhinted",
         }
     }
 }
@@ -292,11 +309,12 @@ impl Counters {
     }
 }
 
-/// What a tc program tells sk_lookup about one connection's first lookup.
+/// What a tc program tells sk_lookup about one connection's listener lookups
+/// (its SYN's, and with SYN cookies its ACK's).
 ///
 /// sk_lookup programs cannot call bpf_get_netns_cookie (tc programs can), so
 /// every SYN's path into a pod crosses one of our tc programs, which leaves
-/// this hint — carrying the pod's netns cookie — for sk_lookup to take.
+/// this hint — carrying the pod's netns cookie — for sk_lookup to read.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HintVerdict {
@@ -321,6 +339,12 @@ pub enum HintVerdict {
     /// A DNS query (UDP to port 53) redirected by the egress program: steer
     /// to the DNS proxy's UDP socket. One hint per datagram.
     DnsUdp = 8,
+    /// The SYN took a path that exempts and steers nothing (over `lo` from
+    /// a source that is neither the pod's nor ztunnel's; to an address no
+    /// pod has): sk_lookup treats it as no hint. Written, rather than
+    /// nothing, so that an older hint of the same tuple (kept for SYN
+    /// cookies) cannot speak for this connection.
+    Deny = 9,
 }
 
 impl HintVerdict {
@@ -334,6 +358,7 @@ impl HintVerdict {
             6 => Some(Self::Bypass),
             7 => Some(Self::DnsTcp),
             8 => Some(Self::DnsUdp),
+            9 => Some(Self::Deny),
             _ => None,
         }
     }
@@ -363,13 +388,25 @@ pub struct FlowKey {
     pub _pad: [u8; 3],
 }
 
+/// [`FlowHint::flags`]: sk_lookup has used this hint (its connection is
+/// counted). TCP hints stay until they expire, because with SYN cookies the
+/// connection's ACK runs the listener lookup again; the flag keeps the
+/// per-pod counters at one per SYN.
+pub const HINT_USED: u32 = 1 << 0;
+/// [`FlowHint::flags`]: the pod's ingress program let the SYN of this
+/// `Host` hint through. A `Host` hint exempts one SYN (the one the node's
+/// socket sent): a later SYN of the tuple that the host side did not hint
+/// again is captured as any other.
+pub const HINT_HOST_TAKEN: u32 = 1 << 1;
+
 /// Value of the flow-hint map.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FlowHint {
     /// A [`HintVerdict`] discriminant.
     pub verdict: u32,
-    pub _pad: u32,
+    /// `HINT_*` bits; 0 when written.
+    pub flags: u32,
     /// The pod (netns cookie) whose tc program wrote the hint.
     pub netns_cookie: u64,
     /// bpf_ktime_get_ns() when the hint was written.

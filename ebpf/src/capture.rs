@@ -5,33 +5,48 @@
 //! Per-packet cost: every TCP packet is parsed; only SYNs touch pod_state,
 //! pod_addrs (ingress), listeners and flow_hints. Non-SYN egress packets cost one socket lookup
 //! (bpf_skc_lookup_tcp), which is how a flow that ztunnel terminates inside the
-//! pod is recognised without any per-flow state of our own.
+//! pod is recognised without any per-flow state of our own (a lookup that
+//! misses the established table runs sk_lookup, which reads the flow's hint:
+//! how a SYN-cookie handshake's ACK is recognised).
+//!
+//! Every SYN that passes a tc program on its way to a listener lookup
+//! leaves its own hint (a `Deny` where nothing is exempt or steered), so a
+//! hint kept from an earlier connection of the same tuple never speaks for
+//! it.
 
 use aya_ebpf::{
     bindings::bpf_sock_tuple,
-    bindings::{tcx_action_base::TCX_NEXT, BPF_F_CURRENT_NETNS, TC_ACT_OK, TC_ACT_SHOT},
-    helpers::{bpf_sk_assign, bpf_sk_release, bpf_skc_lookup_tcp},
+    bindings::{tcx_action_base::TCX_NEXT, BPF_F_CURRENT_NETNS, TC_ACT_SHOT},
+    helpers::{
+        bpf_ktime_get_ns, bpf_sk_assign, bpf_sk_fullsock, bpf_sk_release, bpf_skc_lookup_tcp,
+    },
     programs::TcContext,
     EbpfContext,
 };
 use core::ffi::c_void;
 use sluice_common::{
-    Counters, DropReason, FlowKey, HintVerdict, Role, FAMILY_V4, MARK_MASK, MARK_REDIRECT,
-    MARK_ZTUNNEL, POD_FLAG_BYPASS_INBOUND, PORT_HBONE, PORT_OUTBOUND,
+    Counters, DropReason, FlowKey, HintVerdict, Role, FAMILY_V4, FLOW_HINT_TTL_NS, HINT_HOST_TAKEN,
+    HINT_USED, MARK_MASK, MARK_REDIRECT, MARK_ZTUNNEL, POD_FLAG_BYPASS_INBOUND, PORT_HBONE,
+    PORT_OUTBOUND,
 };
 
 use crate::{
     addr::{is_loopback, is_probe},
     dns,
-    maps::{count, count_drop, FLOW_HINTS, NODE_NETNS, POD_STATE},
+    maps::{count, count_drop, FLOW_HINTS, NODE_NETNS, POD_STATE, TC_LOOKUP},
     packet::{parse, parse_tcp, Parsed, Tcp},
     tc::{
         listener_present, mark, mark_redirect, netns_cookie, pod_flags, pod_of, put_hint,
-        redirect_to_self,
+        put_hint_flags, redirect_to_self,
     },
 };
 
-const TC_OK: i32 = TC_ACT_OK;
+/// Not ours to decide: the next program on the hook runs (tcx's
+/// `TCX_NEXT`, cls_bpf's `TC_ACT_UNSPEC`: the next filter), and with none the
+/// packet goes on. sluice's pod-side links are appended after the device's
+/// other programs; passing on with `TCX_NEXT` rather than `TC_ACT_OK` lets
+/// programs attached after them still see the packet.
+const TC_OK: i32 = TCX_NEXT;
 const TC_SHOT: i32 = TC_ACT_SHOT;
 const BPF_TCP_LISTEN: u32 = 10;
 
@@ -103,9 +118,10 @@ pub fn egress(ctx: &TcContext) -> i32 {
         return redirect_to_self(ctx);
     }
     // Not a SYN: deliver locally only packets of flows a local socket terminates
-    // (outbound flows ztunnel accepted on 15001, the app's replies to ztunnel's
-    // spoofed-source connections: row I4). Flows from before enrollment have no
-    // such socket and leave normally (row I5).
+    // (outbound flows ztunnel accepted on 15001, or whose SYN it answered
+    // with a cookie; the app's replies to ztunnel's spoofed-source
+    // connections: row I4). Flows from before enrollment have no such socket
+    // and leave normally (row I5).
     if terminated_locally(ctx, &t) {
         return redirect_to_self(ctx);
     }
@@ -123,14 +139,20 @@ pub fn ingress(ctx: &TcContext) -> i32 {
         // Established traffic, or our own egress redirect (already checked there).
         return TC_OK;
     }
-    // An address we do not know (added after enrollment?) gets no hint, and
-    // sk_lookup refuses unhinted connections: fail closed.
+    // An address we do not know (added after enrollment?) is steered to
+    // nothing, and sk_lookup refuses it: fail closed. (Row I3's probes pass
+    // there unhinted, as below.)
     let Some(cookie) = pod_of(t.family, &t.daddr) else {
+        if !is_probe(t.family, &t.saddr) {
+            put_hint(0, &flow_key(&t), HintVerdict::Deny);
+        }
         return TC_OK;
     };
+    // Row I3: sk_lookup passes the probe address unhinted (no program writes
+    // another verdict for it, so no older hint can be in the way).
     if is_probe(t.family, &t.saddr) {
         count(cookie, |c: &mut Counters| &mut c.bypassed);
-        return TC_OK; // row I3
+        return TC_OK;
     }
     // Row I3h: the node's own socket sent it (the host-side program said
     // so): sk_lookup lets it through on that hint, in any pod state.
@@ -144,6 +166,8 @@ pub fn ingress(ctx: &TcContext) -> i32 {
         return TC_OK;
     }
     let Some(pod) = (unsafe { POD_STATE.get(cookie) }) else {
+        // Being removed: sk_lookup refuses it.
+        put_hint(cookie, &flow_key(&t), HintVerdict::Deny);
         return TC_OK;
     };
     if !pod.steers() {
@@ -169,8 +193,10 @@ pub fn ingress(ctx: &TcContext) -> i32 {
 /// 15001` does (row I7). The SYN is assigned to ztunnel's 15001 listener
 /// (found in this netns through loopback, which sk_lookup leaves alone) and
 /// marked for local delivery; the listener's netns names the pod. Later
-/// packets of flows ztunnel terminates are delivered locally the same way;
-/// no listener, or a pod that does not steer, drops the SYN (fail closed).
+/// packets of flows ztunnel terminates are delivered locally the same way,
+/// and so is the ACK of a handshake the listener answered with a SYN
+/// cookie, which sk_lookup gives to 15001 on the SYN's hint; no listener,
+/// or a pod that does not steer, drops the SYN (fail closed).
 pub fn reroute_ingress(ctx: &TcContext) -> i32 {
     let t = match parse(ctx) {
         Parsed::Tcp(t) => t,
@@ -206,6 +232,9 @@ pub fn reroute_ingress(ctx: &TcContext) -> i32 {
         count(cookie, |c: &mut Counters| &mut c.dropped_fail_closed);
         return TC_SHOT;
     }
+    // For the cookie ACK's lookup (the SYN itself skips it): counted here,
+    // so marked used.
+    put_hint_flags(cookie, &flow_key(&t), HintVerdict::Outbound, HINT_USED);
     count(cookie, |c: &mut Counters| &mut c.captured_outbound);
     mark_redirect(ctx);
     TC_OK
@@ -239,6 +268,8 @@ fn skc_lookup(
     sport: u16,
     dport: u16,
 ) -> Option<*mut aya_ebpf::bindings::bpf_sock> {
+    // sk_lookup runs inside this lookup: it is told who asks (TC_LOOKUP).
+    let asking = TC_LOOKUP.get_ptr_mut(0);
     let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
     let size = if family == FAMILY_V4 {
         let v4 = unsafe { &mut tuple.__bindgen_anon_1.ipv4 };
@@ -255,6 +286,9 @@ fn skc_lookup(
         v6.dport = dport.to_be();
         core::mem::size_of_val(v6)
     };
+    if let Some(a) = asking {
+        unsafe { *a = 1 };
+    }
     let sk = unsafe {
         bpf_skc_lookup_tcp(
             ctx.as_ptr(),
@@ -264,6 +298,9 @@ fn skc_lookup(
             0,
         )
     };
+    if let Some(a) = asking {
+        unsafe { *a = 0 };
+    }
     (!sk.is_null()).then_some(sk)
 }
 
@@ -289,9 +326,14 @@ pub fn lo_ingress(ctx: &TcContext) -> i32 {
             let exempt = mark(ctx) & MARK_MASK == MARK_ZTUNNEL
                 || is_loopback(t.family, &t.saddr)
                 || (cookie != 0 && pod_of(t.family, &t.saddr) == Some(cookie));
-            if exempt {
-                put_hint(cookie, &flow_key(&t), HintVerdict::Local);
-            }
+            // A SYN that is not exempt is steered nowhere either: sk_lookup
+            // refuses it (row X3), whatever an older hint of its tuple said.
+            let verdict = if exempt {
+                HintVerdict::Local
+            } else {
+                HintVerdict::Deny
+            };
+            put_hint(cookie, &flow_key(&t), verdict);
         }
     }
     TC_OK
@@ -328,11 +370,26 @@ pub fn host_egress(ctx: &TcContext) -> i32 {
 }
 
 /// Did the host-side program hint this SYN as the node's own (for this pod)?
+/// A `Host` hint lets one SYN in, the one it was written for (it stays, for
+/// sk_lookup and a cookie ACK): a later SYN of the tuple the host side did
+/// not hint again (forwarded, not the node's) is captured.
 #[inline(always)]
 fn host_hinted(cookie: u64, t: &Tcp) -> bool {
     let key = flow_key(t);
-    unsafe { FLOW_HINTS.get(key) }
-        .is_some_and(|h| h.verdict == HintVerdict::Host as u32 && h.netns_cookie == cookie)
+    let Some(h) = FLOW_HINTS.get_ptr_mut(key) else {
+        return false;
+    };
+    let hint = unsafe { *h };
+    let fresh = unsafe { bpf_ktime_get_ns() }.wrapping_sub(hint.at_ns) <= FLOW_HINT_TTL_NS;
+    if hint.verdict != HintVerdict::Host as u32
+        || hint.netns_cookie != cookie
+        || hint.flags & HINT_HOST_TAKEN != 0
+        || !fresh
+    {
+        return false;
+    }
+    unsafe { (*h).flags = hint.flags | HINT_HOST_TAKEN };
+    true
 }
 
 #[inline(always)]
@@ -340,14 +397,24 @@ fn flow_key(t: &Tcp) -> FlowKey {
     crate::tc::flow_key(t.family, t.saddr, t.daddr, t.sport, t.dport)
 }
 
-/// Would this packet, received here, match a connected (non-listening) socket
-/// of this netns? That socket can only be one ztunnel made or accepted.
+/// Would this packet, received here, be taken by a socket of this netns
+/// that is ztunnel's? A connected (non-listening) socket can only be one
+/// ztunnel made or accepted. A listener with ztunnel's mark is one that
+/// sk_lookup gave this flow on its SYN's hint: a handshake answered with a
+/// SYN cookie has no socket until that listener takes its ACK, so the ACK
+/// (and what follows it) goes where the SYN went, not out of the pod.
+/// Another listener (the app's, bound to a wildcard address) is not the
+/// flow's: sk_lookup refuses unhinted lookups before one is reached.
 #[inline(always)]
 fn terminated_locally(ctx: &TcContext, t: &Tcp) -> bool {
     let Some(sk) = skc_lookup(ctx, t.family, &t.saddr, &t.daddr, t.sport, t.dport) else {
         return false;
     };
-    let state = unsafe { (*sk).state };
+    let ours = unsafe { (*sk).state } != BPF_TCP_LISTEN || {
+        // A listener is a full socket: its mark can be read.
+        let full = unsafe { bpf_sk_fullsock(sk) };
+        !full.is_null() && unsafe { (*full).mark } & MARK_MASK == MARK_ZTUNNEL
+    };
     unsafe { bpf_sk_release(sk as *mut c_void) };
-    state != BPF_TCP_LISTEN
+    ours
 }

@@ -17,7 +17,7 @@
 //! off — UDP leaves for the resolver, TCP is captured to 15001 (row D4).
 
 use aya_ebpf::{
-    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_OK},
+    bindings::{tcx_action_base::TCX_NEXT, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
     helpers::bpf_csum_diff,
     programs::TcContext,
 };
@@ -36,6 +36,9 @@ use crate::{
     },
 };
 
+/// Passed on to the next program on the hook (see capture.rs `TC_OK`).
+const PASS: i32 = TCX_NEXT;
+
 #[inline(always)]
 fn dns_on(cookie: u64) -> bool {
     pod_flags(cookie) & POD_FLAG_DNS_CAPTURE != 0
@@ -53,22 +56,22 @@ fn dns_id(ctx: &TcContext, u: &Udp) -> Option<u16> {
 /// (row D1); ztunnel's own (mark 0x539) and anything else leave (D3, O5).
 pub fn egress_udp(ctx: &TcContext, u: &Udp) -> i32 {
     if u.dport != PORT_DNS || mark(ctx) & MARK_MASK == MARK_ZTUNNEL {
-        return TC_ACT_OK;
+        return PASS;
     }
     let Some(cookie) = netns_cookie(ctx).or_else(|| pod_of(u.family, &u.saddr)) else {
-        return TC_ACT_OK;
+        return PASS;
     };
     if !dns_on(cookie) {
-        return TC_ACT_OK;
+        return PASS;
     }
     let steers = unsafe { POD_STATE.get(cookie) }.is_some_and(|p| p.steers());
     if !steers || !listener_present(cookie, Role::DnsUdp, u.family) {
         count_dns(cookie, |c: &mut DnsCounters| &mut c.passthrough);
-        return TC_ACT_OK;
+        return PASS;
     }
     // Shorter than a DNS header: not a query the proxy could answer.
     let Some(id) = dns_id(ctx, u) else {
-        return TC_ACT_OK;
+        return PASS;
     };
     let key = DnsFlowKey::new(u.family, u.saddr, u.sport, id);
     let flow = DnsFlow {
@@ -79,7 +82,7 @@ pub fn egress_udp(ctx: &TcContext, u: &Udp) -> i32 {
     };
     if DNS_FLOWS.insert(key, flow, 0).is_err() {
         count_dns(cookie, |c: &mut DnsCounters| &mut c.passthrough);
-        return TC_ACT_OK;
+        return PASS;
     }
     let hint = flow_key(u.family, u.saddr, u.daddr, u.sport, u.dport);
     put_hint(cookie, &hint, HintVerdict::DnsUdp);
@@ -107,10 +110,10 @@ pub fn captures_tcp(cookie: u64, t: &Tcp) -> bool {
 /// else passes untouched.
 pub fn restore_answer(ctx: &TcContext, u: &Udp) -> i32 {
     if u.sport != PORT_DNS_PROXY || !is_loopback(u.family, &u.saddr) {
-        return TC_ACT_OK;
+        return PASS;
     }
     let Some(id) = dns_id(ctx, u) else {
-        return TC_ACT_OK;
+        return PASS;
     };
     // The answer goes to the querying socket: the query's source.
     let key = DnsFlowKey::new(u.family, u.daddr, u.dport, id);
@@ -118,14 +121,14 @@ pub fn restore_answer(ctx: &TcContext, u: &Udp) -> i32 {
         if let Some(cookie) = pod_of(u.family, &u.daddr) {
             count_dns(cookie, |c: &mut DnsCounters| &mut c.replies_unmapped);
         }
-        return TC_ACT_OK;
+        return PASS;
     };
     if rewrite_source(ctx, u, &flow).is_ok() {
         count_dns(flow.netns_cookie, |c: &mut DnsCounters| {
             &mut c.replies_restored
         });
     }
-    TC_ACT_OK
+    PASS
 }
 
 /// Source address and port := the resolver's, with the IPv4 header checksum

@@ -43,10 +43,15 @@ pub static POD_ADDRS: HashMap<AddrKey, u64> = HashMap::pinned(MAX_PODS * 8, BPF_
 #[map(name = "counters")]
 pub static COUNTERS: PerCpuHashMap<u64, Counters> = PerCpuHashMap::pinned(MAX_PODS, 0);
 
-/// Hints from tc programs to sk_lookup about a connection's first lookup.
-/// LRU: an entry lives microseconds (written and consumed on one SYN's path),
-/// so the size only has to cover SYNs in flight at once on the node. 8192
-/// costs ~1 MiB preallocated (65536 cost 8 MiB: `cargo xtask bench`, memory).
+/// Hints from tc programs to sk_lookup about a connection's listener lookups.
+/// LRU: a TCP hint is needed from its SYN until the handshake's last ACK
+/// (one round trip; with SYN cookies that ACK runs the lookup again) and
+/// honoured for `FLOW_HINT_TTL_NS`; older ones are left for the LRU to
+/// evict (the next SYN of a tuple overwrites its hint). 8192 entries, ~1 MiB
+/// preallocated (65536 cost 8 MiB: `cargo xtask bench`, memory), cover over
+/// 2500 new connections a second per node before a hint younger than its
+/// TTL is evicted; an evicted hint only costs a late cookie ACK its
+/// connection (refused, counted `unhinted`).
 #[map(name = "flow_hints")]
 pub static FLOW_HINTS: LruHashMap<FlowKey, FlowHint> = LruHashMap::pinned(8192, 0);
 
@@ -96,6 +101,15 @@ pub static DNS_COUNTERS: PerCpuHashMap<u64, DnsCounters> = PerCpuHashMap::pinned
 /// packet may not say which pod sent it). Per-CPU like `counters`.
 #[map(name = "drops")]
 pub static DROPS: PerCpuArray<u64> = PerCpuArray::pinned(DROP_REASONS, 0);
+
+/// Entry 0 is 1 while a tc program's socket lookup (`bpf_skc_lookup_tcp`)
+/// runs on this CPU. Such a lookup runs sk_lookup too (the listener lookup
+/// is the same function): sk_lookup then only answers — it counts nothing
+/// and marks no hint used — and ignores hints' age, so that a segment of a
+/// connection it steered is never taken for one it did not. tc runs with
+/// bottom halves off, so no other lookup runs on the CPU meanwhile.
+#[map(name = "tc_lookup")]
+pub static TC_LOOKUP: PerCpuArray<u32> = PerCpuArray::pinned(1, 0);
 
 /// Adds one to the node-wide count of drops for `reason`.
 #[inline(always)]

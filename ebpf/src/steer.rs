@@ -1,13 +1,18 @@
 //! sk_lookup: the one place where a new connection in a pod netns is given to a
 //! listener. Runs on every TCP/UDP listener lookup in an enrolled pod's netns
-//! (SYNs, including the TIME_WAIT-reuse path; datagrams to unconnected UDP
-//! sockets); established traffic never reaches it.
+//! (SYNs, including the TIME_WAIT-reuse path; a SYN-cookie ACK, which
+//! misses the established table as the SYN did; datagrams to unconnected
+//! UDP sockets; and the tc programs' own socket lookups); established
+//! traffic never reaches it.
 //!
 //! sk_lookup programs cannot learn their netns (no bpf_get_netns_cookie), so
-//! the pod comes from the hint a tc program left on the SYN's way in.
+//! the pod comes from the hint a tc program left on the SYN's way in. A TCP
+//! hint is kept (until it expires) rather than taken: sk_lookup has no TCP
+//! flags, and a cookie ACK needs the same answer as its SYN.
 //!
-//! Maps touched per TCP lookup: flow_hints (1 lookup + 1 delete), pod_state
-//! (1 lookup), listeners (1 lookup when steering), counters (1 update).
+//! Maps touched per TCP lookup: flow_hints (1 lookup, a flag write on first
+//! use), tc_lookup (1 lookup), pod_state (1 lookup), listeners (1 lookup
+//! when steering), counters (1 update on first use).
 
 use aya_ebpf::{
     bindings::sk_action::{SK_DROP, SK_PASS},
@@ -15,13 +20,15 @@ use aya_ebpf::{
     programs::SkLookupContext,
 };
 use sluice_common::{
-    Counters, DnsCounters, FlowHint, FlowKey, HintVerdict, ListenerKey, Role, FAMILY_V4,
-    FLOW_HINT_TTL_NS, PORT_DNS,
+    Counters, DnsCounters, DropReason, FlowHint, FlowKey, HintVerdict, ListenerKey, Role,
+    FAMILY_V4, FLOW_HINT_TTL_NS, HINT_USED, PORT_DNS,
 };
 
 use crate::{
     addr::{is_loopback, is_probe},
-    maps::{count, count_dns, DNS_LISTENERS, FLOW_HINTS, LISTENERS, POD_STATE},
+    maps::{
+        count, count_dns, count_drop, DNS_LISTENERS, FLOW_HINTS, LISTENERS, POD_STATE, TC_LOOKUP,
+    },
 };
 
 const IPPROTO_TCP: u32 = 6;
@@ -42,23 +49,33 @@ pub fn steer(ctx: &SkLookupContext) -> u32 {
     if is_loopback(family, &local) {
         return SK_PASS;
     }
-    let Some(hint) = take_hint(&key) else {
-        // Row I3: kubelet probes are let through by the ingress program unhinted.
-        if is_probe(family, &remote) {
-            return SK_PASS;
-        }
-        // Every other SYN into an enrolled pod crossed one of our tc programs.
-        // No hint means a path we do not know (an interface added after
-        // enrollment, a hint lost): fail closed.
-        return SK_DROP;
+    // A tc program asking which socket a segment would reach: answer as for
+    // the segment itself, but count nothing and mark nothing (see TC_LOOKUP).
+    let asked_by_tc = TC_LOOKUP.get(0).is_some_and(|v| *v != 0);
+    let Some(hint) = FLOW_HINTS.get_ptr_mut(&key) else {
+        return unhinted(family, &remote, asked_by_tc);
     };
-    let cookie = hint.netns_cookie;
-    let role = match HintVerdict::from_u32(hint.verdict) {
+    let h = unsafe { *hint };
+    // A real lookup honours a hint for its TTL. tc's lookups do not look at
+    // its age: a segment of a connection that was steered keeps being
+    // delivered locally (where this lookup refuses it once the hint is
+    // stale), never sent out of the pod around ztunnel.
+    if !asked_by_tc && unsafe { bpf_ktime_get_ns() }.wrapping_sub(h.at_ns) > FLOW_HINT_TTL_NS {
+        return unhinted(family, &remote, false);
+    }
+    // Count a connection once: on the lookup of its SYN, not again on its
+    // SYN-cookie ACK's (which finds the same hint).
+    let first = !asked_by_tc && h.flags & HINT_USED == 0;
+    if first {
+        unsafe { (*hint).flags = h.flags | HINT_USED };
+    }
+    let cookie = h.netns_cookie;
+    let role = match HintVerdict::from_u32(h.verdict) {
         // Rows O2/I4: arrived over the pod's lo (in-pod, or ztunnel's own
         // connection); row I3h: sent by a socket of the node (kubelet).
         // Row I6: a pod that bypasses inbound capture.
         Some(HintVerdict::Local | HintVerdict::Host | HintVerdict::Bypass) => {
-            if cookie != 0 {
+            if first && cookie != 0 {
                 count(cookie, |c: &mut Counters| &mut c.bypassed);
             }
             return SK_PASS;
@@ -67,14 +84,20 @@ pub fn steer(ctx: &SkLookupContext) -> u32 {
         Some(HintVerdict::Inbound) => Role::Inbound,
         Some(HintVerdict::Hbone) => Role::Hbone,
         Some(HintVerdict::DnsTcp) => Role::DnsTcp,
-        Some(HintVerdict::DnsUdp) | None => return SK_DROP,
+        // Row X3 and unknown destinations: as if there were no hint; the
+        // Deny only overwrote an older hint of the tuple.
+        Some(HintVerdict::Deny | HintVerdict::DnsUdp) | None => {
+            return unhinted(family, &remote, asked_by_tc)
+        }
     };
 
     // Row F1: anything but Enabled/Served fails closed. The tc programs already drop
     // such SYNs silently; a drop here (an RST to the client) only covers races.
     let steers = unsafe { POD_STATE.get(cookie) }.is_some_and(|p| p.steers());
     if !steers {
-        count(cookie, |c: &mut Counters| &mut c.dropped_fail_closed);
+        if first {
+            count(cookie, |c: &mut Counters| &mut c.dropped_fail_closed);
+        }
         return SK_DROP;
     }
     let lkey = ListenerKey::new(cookie, role, family);
@@ -85,6 +108,9 @@ pub fn steer(ctx: &SkLookupContext) -> u32 {
     };
     match assigned {
         Ok(()) => {
+            if !first {
+                return SK_PASS;
+            }
             if role == Role::DnsTcp {
                 count_dns(cookie, |c: &mut DnsCounters| &mut c.captured_tcp);
                 return SK_PASS;
@@ -97,10 +123,30 @@ pub fn steer(ctx: &SkLookupContext) -> u32 {
             SK_PASS
         }
         Err(_) => {
-            count(cookie, |c: &mut Counters| &mut c.missing_socket);
+            if first {
+                count(cookie, |c: &mut Counters| &mut c.missing_socket);
+            }
             SK_DROP
         }
     }
+}
+
+/// A TCP lookup no tc program vouched for.
+#[inline(always)]
+fn unhinted(family: u8, remote: &[u32; 4], asked_by_tc: bool) -> u32 {
+    // Row I3: kubelet probes are let through by the ingress program unhinted.
+    if is_probe(family, remote) {
+        return SK_PASS;
+    }
+    // Every other SYN into an enrolled pod crossed one of our tc programs.
+    // No hint means a path we do not know (an interface added after
+    // enrollment, a hint lost or expired): fail closed. Counted node-wide
+    // (the pod is not known), but not for tc's lookups: the replies of every
+    // uncaptured connection (probes, flows from before enrollment) ask.
+    if !asked_by_tc {
+        count_drop(DropReason::Unhinted);
+    }
+    SK_DROP
 }
 
 /// A UDP datagram for an unconnected socket: a DNS query the egress program
@@ -113,12 +159,9 @@ fn steer_udp(ctx: &SkLookupContext) -> u32 {
     if l.local_port != PORT_DNS as u32 {
         return SK_PASS;
     }
-    let Some(hint) = take_hint(&lookup_key(ctx)) else {
+    let Some(hint) = take_udp_hint(&lookup_key(ctx)) else {
         return SK_PASS;
     };
-    if hint.verdict != HintVerdict::DnsUdp as u32 {
-        return SK_PASS;
-    }
     let cookie = hint.netns_cookie;
     let lkey = ListenerKey::new(cookie, Role::DnsUdp, l.family as u8);
     match DNS_LISTENERS.redirect_sk_lookup(ctx, lkey, 0) {
@@ -183,10 +226,15 @@ fn lookup_key(ctx: &SkLookupContext) -> FlowKey {
     }
 }
 
-/// Takes (reads and deletes) a fresh hint for this connection, if any.
+/// Takes (reads and deletes) a fresh DNS query hint for this datagram, if
+/// any: UDP hints are one per query. A TCP hint of the same addresses and
+/// ports (the key has no protocol) is left for its connection.
 #[inline(always)]
-fn take_hint(key: &FlowKey) -> Option<FlowHint> {
+fn take_udp_hint(key: &FlowKey) -> Option<FlowHint> {
     let h = *unsafe { FLOW_HINTS.get(key) }?;
+    if h.verdict != HintVerdict::DnsUdp as u32 {
+        return None;
+    }
     let _ = FLOW_HINTS.remove(key);
     if unsafe { bpf_ktime_get_ns() }.wrapping_sub(h.at_ns) > FLOW_HINT_TTL_NS {
         return None;

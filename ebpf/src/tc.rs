@@ -71,11 +71,19 @@ pub fn flow_key(family: u8, saddr: [u32; 4], daddr: [u32; 4], sport: u16, dport:
     }
 }
 
+/// Writes this SYN's (or datagram's) verdict for sk_lookup, over any older
+/// hint of the same tuple.
 #[inline(always)]
 pub fn put_hint(cookie: u64, key: &FlowKey, verdict: HintVerdict) {
+    put_hint_flags(cookie, key, verdict, 0)
+}
+
+/// [`put_hint`] with `HINT_*` flags already set.
+#[inline(always)]
+pub fn put_hint_flags(cookie: u64, key: &FlowKey, verdict: HintVerdict, flags: u32) {
     let hint = FlowHint {
         verdict: verdict as u32,
-        _pad: 0,
+        flags,
         netns_cookie: cookie,
         at_ns: unsafe { bpf_ktime_get_ns() },
     };

@@ -75,3 +75,46 @@ pub fn filter_program(ns: &str, iface: &str, dir: &str) -> anyhow::Result<u32> {
         .map(|(_, id)| *id)
         .with_context(|| format!("no bpf filter at priority 1 on {iface} {dir} in {ns}: {all:?}"))
 }
+
+/// Loads a tc program that only returns `TC_ACT_OK` (ends the chain, writes
+/// no map) and pins it at `path`: another CNI's program, for tests of where
+/// sluice's programs run in a chain.
+pub fn pin_pass_program(path: &std::path::Path) -> anyhow::Result<()> {
+    use std::os::{fd::FromRawFd as _, unix::ffi::OsStrExt as _};
+    const BPF_PROG_LOAD: libc::c_long = 5;
+    const BPF_OBJ_PIN: libc::c_long = 6;
+    const PROG_TYPE_SCHED_CLS: u32 = 3;
+    // struct bpf_insn: r0 = 0 (TC_ACT_OK); exit.
+    let insns: [u64; 2] = [0xb7, 0x95];
+    let license = c"GPL";
+    // union bpf_attr, BPF_PROG_LOAD: prog_type, insn_cnt, insns, license.
+    let mut attr = [0u8; 128];
+    attr[0..4].copy_from_slice(&PROG_TYPE_SCHED_CLS.to_ne_bytes());
+    attr[4..8].copy_from_slice(&(insns.len() as u32).to_ne_bytes());
+    attr[8..16].copy_from_slice(&(insns.as_ptr() as u64).to_ne_bytes());
+    attr[16..24].copy_from_slice(&(license.as_ptr() as u64).to_ne_bytes());
+    // SAFETY: a zeroed bpf_attr with the load fields set; the pointers stay
+    // valid for the call.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_PROG_LOAD, attr.as_mut_ptr(), attr.len()) };
+    anyhow::ensure!(
+        fd >= 0,
+        "loading a pass program: {}",
+        std::io::Error::last_os_error()
+    );
+    // SAFETY: a fresh fd the kernel just returned; closed on drop.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes())?;
+    // union bpf_attr, BPF_OBJ_PIN: pathname, bpf_fd.
+    let mut attr = [0u8; 128];
+    attr[0..8].copy_from_slice(&(c_path.as_ptr() as u64).to_ne_bytes());
+    attr[8..12].copy_from_slice(&(std::os::fd::AsRawFd::as_raw_fd(&fd) as u32).to_ne_bytes());
+    // SAFETY: as above.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_PIN, attr.as_mut_ptr(), attr.len()) };
+    anyhow::ensure!(
+        rc == 0,
+        "pinning the pass program at {}: {}",
+        path.display(),
+        std::io::Error::last_os_error()
+    );
+    Ok(())
+}

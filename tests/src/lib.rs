@@ -7,6 +7,7 @@ pub mod admin;
 pub mod agent;
 pub mod app;
 pub mod cni;
+pub mod containerd;
 pub mod dns;
 pub mod flow;
 pub mod harness;

@@ -93,3 +93,96 @@ pub fn send_dstopts_chain(
         s.send_to(&p, &dst.into()).map(drop)
     })
 }
+
+const ETH_P_ALL: u16 = 0x0003;
+const ETH_P_IP: u16 = 0x0800;
+
+/// One TCP segment or UDP datagram as it crossed an interface of a netns
+/// (IPv4, or IPv6 without extension headers).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Segment {
+    /// 6 (TCP) or 17 (UDP).
+    pub proto: u8,
+    pub src: SocketAddr,
+    pub dst: SocketAddr,
+    /// TCP flags (0 for UDP).
+    pub flags: u8,
+    pub payload: Vec<u8>,
+}
+
+/// Every TCP and UDP packet crossing the interfaces of a netns, both ways,
+/// from the moment it is made: what left a pod, whoever sent it.
+pub struct L4Sniffer(Socket);
+
+impl L4Sniffer {
+    pub fn start(netns: &str) -> std::io::Result<Self> {
+        let s = run_in(netns, || {
+            Socket::new(
+                Domain::PACKET,
+                Type::RAW,
+                Some(Protocol::from(i32::from(ETH_P_ALL.to_be()))),
+            )
+        })?;
+        s.set_nonblocking(true)?;
+        Ok(Self(s))
+    }
+
+    /// The packets seen since the last call (without blocking).
+    pub fn drain(&self) -> Vec<Segment> {
+        let mut out = Vec::new();
+        let mut buf = [MaybeUninit::<u8>::uninit(); 2048];
+        while let Ok(n) = self.0.recv(&mut buf) {
+            // SAFETY: recv initialised the first n bytes.
+            let b: Vec<u8> = buf[..n]
+                .iter()
+                .map(|x| unsafe { x.assume_init() })
+                .collect();
+            out.extend(segment(&b));
+        }
+        out
+    }
+}
+
+/// The TCP or UDP packet in an Ethernet frame, if it is one.
+fn segment(b: &[u8]) -> Option<Segment> {
+    use std::net::{IpAddr, Ipv4Addr};
+    let ethertype = u16::from_be_bytes([*b.get(12)?, *b.get(13)?]);
+    let (proto, src, dst, l4) = match ethertype {
+        ETH_P_IP => {
+            let ihl = usize::from(b.get(14)? & 0x0f) * 4;
+            let src: [u8; 4] = b.get(26..30)?.try_into().ok()?;
+            let dst: [u8; 4] = b.get(30..34)?.try_into().ok()?;
+            (
+                *b.get(23)?,
+                IpAddr::from(Ipv4Addr::from(src)),
+                IpAddr::from(Ipv4Addr::from(dst)),
+                14 + ihl,
+            )
+        }
+        ETH_P_IPV6 => {
+            let src: [u8; 16] = b.get(22..38)?.try_into().ok()?;
+            let dst: [u8; 16] = b.get(38..54)?.try_into().ok()?;
+            (
+                *b.get(20)?,
+                IpAddr::from(Ipv6Addr::from(src)),
+                IpAddr::from(Ipv6Addr::from(dst)),
+                54,
+            )
+        }
+        _ => return None,
+    };
+    let port = |at: usize| Some(u16::from_be_bytes([*b.get(at)?, *b.get(at + 1)?]));
+    let (sport, dport) = (port(l4)?, port(l4 + 2)?);
+    let (flags, payload_at) = match proto {
+        6 => (*b.get(l4 + 13)?, l4 + usize::from(b.get(l4 + 12)? >> 4) * 4),
+        17 => (0, l4 + 8),
+        _ => return None,
+    };
+    Some(Segment {
+        proto,
+        src: SocketAddr::new(src, sport),
+        dst: SocketAddr::new(dst, dport),
+        flags,
+        payload: b.get(payload_at..).unwrap_or_default().to_vec(),
+    })
+}

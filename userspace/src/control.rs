@@ -130,6 +130,11 @@ pub struct NodeStatus {
     /// capture, and why (not ambient, opted out, excluded namespace…).
     #[serde(default)]
     pub skipped: Vec<SkippedPod>,
+    /// Pods whose netns the agent watches for new interfaces (see
+    /// `agent/node/linkwatch.rs`): every held pod with an open netns, a
+    /// tick (200 ms) after it arrives or leaves.
+    #[serde(default)]
+    pub link_watches: usize,
 }
 
 /// A pod of this node the agent leaves uncaptured, and why.

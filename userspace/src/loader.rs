@@ -9,7 +9,7 @@
 //! ```text
 //! progs/{steer,egress,ingress,lo,host,reroute}   the six programs
 //! maps/{pod_state,pod_meta,pod_addrs,pod_flags,pod_reroute,listeners,counters,flow_hints,node_netns,stamp,
-//!      dns_listeners,dns_flows,dns_counters,drops}
+//!      dns_listeners,dns_flows,dns_counters,drops,tc_lookup}
 //! maps_next/                        only during a migration
 //! pods/<netns cookie>/{steer,egress_<if>,ingress_<if> or reroute_<if>,lo,host_<if>}   a pod's links
 //! ```
@@ -246,7 +246,7 @@ const MAPS_NEXT: &str = "maps_next";
 
 /// Maps a migration does not copy: ztunnel's listeners (re-registered from
 /// the pods' netns: a socket map cannot be read from user space) and flow
-/// hints (each lives microseconds).
+/// hints (each is needed for a handshake, and honoured for seconds at most).
 const REBUILT: [&str; 2] = ["listeners", "flow_hints"];
 
 /// Per-CPU map types (`BPF_MAP_TYPE_PERCPU_HASH`, `_PERCPU_ARRAY`,
@@ -310,8 +310,8 @@ impl Dataplane {
     /// the program pins. When a pinned map has another size or flags than
     /// this build's, migrates first: this build's version of that map is
     /// created under `maps_next/`, the entries copied (ztunnel's listeners
-    /// re-registered from the pods' netns; flow hints, which live
-    /// microseconds, not copied), every link is pointed at this build's
+    /// re-registered from the pods' netns; flow hints, needed for
+    /// a handshake, not copied), every link is pointed at this build's
     /// programs, then the map pins are renamed over the old ones. Idempotent:
     /// a process killed midway leaves every link on a working build's
     /// programs, the old pinned maps authoritative until their renames, and
@@ -952,6 +952,7 @@ mod tests {
             ("pod_meta", (1, 8, 828)),
             ("pod_state", (1, 8, 24)),
             ("stamp", (2, 4, 64)),
+            ("tc_lookup", (6, 4, 4)),
         ]);
         assert_eq!(
             seen, want,

@@ -526,7 +526,7 @@ impl Collector for MapCollector {
         counters(
             &mut enc,
             "dropped_packets",
-            "Packets the programs dropped for what they are, not for a pod's state (node-wide): malformed = IPv6 whose extension headers hide what it carries",
+            "Packets the programs dropped for what they are, not for a pod's state (node-wide): malformed = IPv6 whose extension headers hide what it carries; unknown_source = a SYN from an address no pod has (kernels without netns cookies in tc); unhinted = a TCP segment to a listener that no tc program steered or exempted (an unknown path, a spoofed source over lo, a SYN-cookie ACK after its hint expired)",
             "reason",
             &s.drops,
         )?;
@@ -570,7 +570,7 @@ mod tests {
                     ..Default::default()
                 },
                 dns_modes: vec![("captured", 2), ("off", 1)],
-                drops: vec![("malformed", 4)],
+                drops: vec![("malformed", 4), ("unhinted", 2)],
             }
         }
     }
@@ -598,6 +598,7 @@ mod tests {
             "sluice_captured_connections_total{listener=\"inbound\"} 7",
             "sluice_dropped_syns_total{reason=\"not_enabled\"} 3",
             "sluice_dropped_packets_total{reason=\"malformed\"} 4",
+            "sluice_dropped_packets_total{reason=\"unhinted\"} 2",
             "sluice_dns_queries_total{result=\"captured_udp\"} 5",
             "sluice_dns_answers_total{result=\"unmapped\"} 1",
             "sluice_dns_pods{mode=\"captured\"} 2",

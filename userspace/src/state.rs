@@ -427,6 +427,11 @@ impl Maps {
             .flat_map(|m| m.keys().filter_map(Result::ok))
     }
 
+    /// The flow hint the tc programs left for `key`, if any (expired or not).
+    pub fn flow_hint(&self, key: &FlowKey) -> Option<FlowHint> {
+        self.flow_hints.get(key, 0).ok()
+    }
+
     /// Packets the programs dropped node-wide for `reason`, summed over CPUs.
     pub fn drops(&self, reason: DropReason) -> u64 {
         self.drops

@@ -16,7 +16,9 @@ use crate::run as exec;
 /// shellcheck (`check-deploy` lints the shell scripts), mount and util-linux's
 /// unshare/setpriv (the tests remount /proc/sys read-only and restrict the
 /// agent's capabilities), a C compiler (crates with C parts, the linker),
-/// dig (a real resolver client for the DNS capture tests).
+/// dig (a real resolver client for the DNS capture tests), containerd with
+/// runc, catatonit as the sandbox's pause process, and protoc (the CRI
+/// client's build script) for the container-runtime test.
 const APT_PACKAGES: &[(&str, &str)] = &[
     ("ip", "iproute2"),
     ("mount", "mount"),
@@ -27,6 +29,10 @@ const APT_PACKAGES: &[(&str, &str)] = &[
     ("/usr/lib/cni/ptp", "containernetworking-plugins"),
     ("shellcheck", "shellcheck"),
     ("dig", "bind9-dnsutils"),
+    ("containerd", "containerd"),
+    ("runc", "runc"),
+    ("catatonit", "catatonit"),
+    ("protoc", "protobuf-compiler"),
 ];
 
 /// `check-deploy` runs its tools from a Python venv; Debian's python3 can
@@ -192,6 +198,9 @@ pub fn apt_install(packages: &[&str]) -> Result<()> {
     eprintln!("setup: installing Debian packages {packages:?}");
     const LOCK_WAIT: &str = "DPkg::Lock::Timeout=120";
     exec(Command::new("apt-get").args(["-o", LOCK_WAIT, "update", "-qq"]))?;
+    // Packages with a daemon (containerd) must not start it on a host with
+    // an init system: the tests run their own, private instance.
+    let _no_daemons = NoDaemonStarts::install()?;
     exec(
         Command::new("apt-get")
             .args([
@@ -205,6 +214,38 @@ pub fn apt_install(packages: &[&str]) -> Result<()> {
             .args(packages)
             .env("DEBIAN_FRONTEND", "noninteractive"),
     )
+}
+
+/// A `policy-rc.d` that answers 101 ("action forbidden") while packages
+/// install, so their maintainer scripts start no service; removed on drop.
+/// An existing policy is left as it is.
+struct NoDaemonStarts(Option<&'static Path>);
+
+impl NoDaemonStarts {
+    const PATH: &'static str = "/usr/sbin/policy-rc.d";
+
+    fn install() -> Result<Self> {
+        let path = Path::new(Self::PATH);
+        if path.exists() {
+            return Ok(Self(None));
+        }
+        std::fs::write(
+            path,
+            "#!/bin/sh\n# written by cargo xtask setup while it installs packages\nexit 101\n",
+        )
+        .with_context(|| format!("writing {}", path.display()))?;
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))?;
+        Ok(Self(Some(path)))
+    }
+}
+
+impl Drop for NoDaemonStarts {
+    fn drop(&mut self) {
+        if let Some(path) = self.0 {
+            let _ = std::fs::remove_file(path);
+        }
+    }
 }
 
 /// `stress-ng`, for `cargo xtask test --cpu-hog` (not needed otherwise).

@@ -168,6 +168,10 @@ pub fn trials() -> Vec<Trial> {
             other_root,
         ),
         trial(
+            "agent::an_interface_added_after_enrollment_is_captured_at_once",
+            interface_added,
+        ),
+        trial(
             "agent::runs_with_the_daemonset_capabilities_and_read_only_proc_sys",
             daemonset_privileges,
         ),
@@ -1527,6 +1531,85 @@ fn programs_replaced() -> TestResult {
     );
     clients.wait_more(20, "after the programs were replaced")?;
     clients.finish_without_failures("programs replaced", &agent)?;
+    Ok(())
+}
+
+/// A second interface (a Multus network, say) added to an enrolled pod is
+/// captured when the kernel announces it, not at the next verification a
+/// minute later (the wait's deadline is a third of that): its links are
+/// pinned, and the pod's connection over it reaches ztunnel's outbound
+/// listener.
+fn interface_added() -> TestResult {
+    use sluice_tests::topology::ip;
+    let f = Fixture::new("ia", None)?;
+    let agent = AgentProc::start(&f.topo.pins)?;
+    let p = peer(&agent)?;
+    enroll_enabled(&agent, &f)?;
+    let dir = f.topo.pins.pod(f.pod_record()?.netns_cookie);
+    ensure!(
+        !dir.join("egress_net1").exists(),
+        "net1 linked before it exists"
+    );
+    let (pod, client) = (f.topo.pod.as_str(), f.topo.client.as_str());
+    ip(&[
+        "link",
+        "add",
+        "net1",
+        "netns",
+        pod,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "net1-peer",
+        "netns",
+        client,
+    ])?;
+    ip(&["-n", pod, "addr", "add", "10.199.0.1/24", "dev", "net1"])?;
+    ip(&[
+        "-n",
+        client,
+        "addr",
+        "add",
+        "10.199.0.2/24",
+        "dev",
+        "net1-peer",
+    ])?;
+    ip(&["-n", client, "link", "set", "net1-peer", "up"])?;
+    ip(&["-n", pod, "link", "set", "net1", "up"])?;
+    wait::until("net1's capture links pinned", wait::DEADLINE, || {
+        let pins: Vec<String> = std::fs::read_dir(&dir)
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        if pins.iter().any(|n| n == "egress_net1") && pins.iter().any(|n| n == "ingress_net1") {
+            Ok(())
+        } else {
+            Err(pins)
+        }
+    })?;
+    let outbound = |p: &PeerProc| {
+        p.events()
+            .iter()
+            .filter(|e| e["event"] == "accepted" && e["role"] == "outbound")
+            .count()
+    };
+    let before = outbound(&p);
+    let r = tcp(
+        pod,
+        SocketAddr::new([10, 199, 0, 2].into(), REMOTE_PORT),
+        Opts::default(),
+    );
+    ensure!(
+        r.reply().is_some_and(|l| l.starts_with("app:9090")),
+        "over net1: {r:?}"
+    );
+    p.wait_for("the connection over net1 accepted as outbound", |_| {
+        outbound(&p) > before
+    })?;
     Ok(())
 }
 

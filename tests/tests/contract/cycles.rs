@@ -14,6 +14,7 @@ use sluice_tests::{
     agent::{AgentProc, PeerProc},
     harness::{as_if_kernel, without_tcx, Fixture},
     inspect::{filter_programs, pinned_programs, proc_status_kib},
+    wait,
 };
 
 use crate::{trial, TestResult};
@@ -128,6 +129,19 @@ fn unenroll(agent: &AgentProc, f: &Fixture, i: usize) -> TestResult {
     Ok(())
 }
 
+/// The agent's link-event socket for the last pod closes a tick after the
+/// pod leaves: fds are counted once none is open.
+fn no_link_watches(agent: &AgentProc) -> TestResult {
+    wait::until("no link-event socket open", wait::DEADLINE, || {
+        let n = agent.node_status().map(|s| s["link_watches"].clone());
+        match n {
+            Ok(v) if v == 0 => Ok(()),
+            other => Err(other.map_err(|e| e.to_string())),
+        }
+    })?;
+    Ok(())
+}
+
 fn cycle(agent: &AgentProc, f: &Fixture, i: usize) -> TestResult {
     enroll(agent, f, i)?;
     unenroll(agent, f, i)
@@ -166,11 +180,13 @@ fn leak_nothing(n: usize) -> TestResult {
     for i in 1..WARM_UP {
         cycle(&agent, &f, i)?;
     }
+    no_link_watches(&agent)?;
     let before = count(&f, pid, &prog_ids)?;
     let rss_before = proc_status_kib(pid, "VmRSS:")?;
     for i in WARM_UP..WARM_UP + n {
         cycle(&agent, &f, i)?;
     }
+    no_link_watches(&agent)?;
     let after = count(&f, pid, &prog_ids)?;
     let rss_after = proc_status_kib(pid, "VmRSS:")?;
     println!(

@@ -56,6 +56,14 @@ pub fn trials() -> Vec<Trial> {
             "lifecycle::no_tcx::a_filter_deleted_behind_sluices_back_is_found_and_attached_again",
             || as_if_kernel(without_tcx(), deleted_filter),
         ),
+        trial(
+            "lifecycle::a_program_after_sluices_on_the_hook_still_runs",
+            || programs_after_sluice(sluice::features::Features::get().tcx),
+        ),
+        trial(
+            "lifecycle::no_tcx::a_filter_after_sluices_on_the_hook_still_runs",
+            || as_if_kernel(without_tcx(), || programs_after_sluice(false)),
+        ),
     ]
 }
 
@@ -548,6 +556,63 @@ fn nf_tables_counted() -> TestResult {
 /// record pinned. The record alone must not count: CHECK's `missing_links`
 /// names the filter, repair attaches it again, and outbound is captured
 /// again.
+/// sluice's pod-side programs are appended after the device's others and
+/// pass what is not theirs on (`TCX_NEXT`; cls_bpf: the next filter): a
+/// program attached after them on the pod's egress still runs for the
+/// packets sluice lets through (UDP that is not DNS, other protocols). The observer is
+/// a second attachment of `sluice_lo` (a tcx link after sluice's, or a
+/// cls_bpf filter at priority 100), its runs counted by the kernel's
+/// program statistics while the test holds them enabled.
+fn programs_after_sluice(tcx: bool) -> TestResult {
+    use aya::programs::{
+        tc::TcAttachOptions, LinkOrder, ProgramInfo, SchedClassifier, TcAttachType,
+    };
+    let f = Fixture::new("order", Some(Bind::DualStack))?;
+    let e = f.enroll()?;
+    ensure!(e.state == sluice_common::PodState::Enabled, "{e:?}");
+    let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime)?;
+    let prog_pin = f.topo.pins.progs().join(sluice::loader::PROG_LO);
+    let pod = f.topo.pod.clone();
+    // Held (tcx) or left on the veth (cls_bpf) until the topology goes.
+    let _link = sluice_tests::ns::run_in(&pod, move || -> anyhow::Result<_> {
+        let mut p = SchedClassifier::from_pin(&prog_pin)?;
+        let options = if tcx {
+            TcAttachOptions::TcxOrder(LinkOrder::default())
+        } else {
+            TcAttachOptions::Netlink(aya::programs::tc::NlOptions {
+                priority: 100,
+                ..Default::default()
+            })
+        };
+        let id = p.attach_with_options("eth0", TcAttachType::Egress, options)?;
+        Ok(p.take_link(id)?)
+    })?;
+    let runs = || -> anyhow::Result<u64> {
+        Ok(ProgramInfo::from_pin(f.topo.pins.progs().join(sluice::loader::PROG_LO))?.run_count())
+    };
+    let before = runs()?;
+    let dst = SocketAddr::new(Family::V4.client(), sluice_tests::harness::UDP_PORT);
+    // Three datagrams the DNS path passes on, three IP packets of an
+    // experimental protocol (253) the capture path passes on.
+    sluice_tests::ns::run_in(&pod, move || -> std::io::Result<()> {
+        use socket2::{Domain, Protocol, Socket, Type};
+        let udp = std::net::UdpSocket::bind("0.0.0.0:0")?;
+        let raw = Socket::new(Domain::IPV4, Type::RAW, Some(Protocol::from(253)))?;
+        for _ in 0..3 {
+            udp.send_to(b"after sluice", dst)?;
+            raw.send_to(b"after sluice", &SocketAddr::new(dst.ip(), 0).into())?;
+        }
+        Ok(())
+    })?;
+    let after = runs()?;
+    ensure!(
+        after >= before + 6,
+        "the program after sluice's ran {} times for 6 packets (sluice ended the chain)",
+        after - before
+    );
+    Ok(())
+}
+
 fn deleted_filter() -> TestResult {
     use sluice::enroll::{self, Repair};
     let f = Fixture::new("fdel", Some(Bind::DualStack))?;

@@ -16,7 +16,9 @@ mod metrics;
 mod options;
 mod probes;
 mod readiness;
+mod runtime;
 mod served;
+mod syncookies;
 
 use libtest_mimic::{Arguments, Failed, Trial};
 use sluice_tests::harness::is_root;
@@ -45,10 +47,12 @@ fn main() {
     trials.extend(agent::trials());
     trials.extend(crash::trials());
     trials.extend(cni::trials());
+    trials.extend(runtime::trials());
     trials.extend(kube::trials());
     trials.extend(readiness::trials());
     trials.extend(served::trials());
     trials.extend(cycles::trials());
     trials.extend(metrics::trials());
+    trials.extend(syncookies::trials());
     libtest_mimic::run(&args, trials).exit();
 }

@@ -199,6 +199,24 @@ fn names_match() -> TestResult {
         })
         .flat_map(families)
         .collect();
+    // Every reason the programs count drops for is exported (zero or not)
+    // and named in the README's row for it.
+    let drops_row = readme
+        .lines()
+        .find(|l| l.starts_with("| `sluice_dropped_packets_total{reason}`"))
+        .ok_or_else(|| anyhow::anyhow!("no README row for sluice_dropped_packets_total"))?;
+    for reason in sluice_common::DropReason::ALL.map(|r| r.as_str()) {
+        ensure!(
+            body.lines().any(|l| l.starts_with(&format!(
+                "sluice_dropped_packets_total{{reason=\"{reason}\"}}"
+            ))),
+            "drop reason {reason} not exported:\n{body}"
+        );
+        ensure!(
+            drops_row.contains(&format!("`{reason}`")),
+            "drop reason {reason} not in the README's row: {drops_row}"
+        );
+    }
     let undocumented: Vec<_> = exported.difference(&documented).collect();
     let missing: Vec<_> = documented.difference(&exported).collect();
     ensure!(

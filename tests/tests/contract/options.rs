@@ -157,12 +157,12 @@ fn bypass_inbound(fam: Family) -> TestResult {
 
 /// A "VM" netns behind the pod: a veth named `tap0` in the pod, the VM's
 /// default route through it, as KubeVirt's virt-launcher sets up a VM.
-struct Vm {
-    ns: String,
+pub(crate) struct Vm {
+    pub(crate) ns: String,
 }
 
 impl Vm {
-    fn new(f: &Fixture) -> anyhow::Result<Self> {
+    pub(crate) fn new(f: &Fixture) -> anyhow::Result<Self> {
         let vm = Self {
             ns: f.topo.pod.replacen("slp-", "slv-", 1),
         };

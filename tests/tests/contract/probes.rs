@@ -12,10 +12,7 @@ use aya::programs::{
     LinkOrder, SchedClassifier,
 };
 use libtest_mimic::Trial;
-use sluice::{
-    features::Features,
-    loader::{PROG_HOST, PROG_LO},
-};
+use sluice::{features::Features, loader::PROG_HOST};
 use sluice_common::{PodState, Role};
 use sluice_tests::{
     agent::AgentProc,
@@ -166,11 +163,15 @@ fn host_link_lifecycle(features: Features) -> TestResult {
     drop(f.dataplane()?); // loads and pins the programs
     let ids = sluice_tests::inspect::pinned_programs(&pins)?;
     let id = |name: &str| ids.get(name).map(|(id, _)| *id).context(name.to_owned());
-    let (host_id, cni_id) = (id(PROG_HOST)?, id(PROG_LO)?);
-    // The stand-in "CNI" program: sluice_lo, which passes (ends the chain)
-    // and hints nothing for these SYNs. Attached as the kernel allows: a
-    // tcx link, or a cls_bpf filter at a later priority than sluice's.
-    let cni_prog = pins.progs().join(PROG_LO);
+    let host_id = id(PROG_HOST)?;
+    // The stand-in "CNI" program: one that passes (ends the chain) and
+    // writes no hint (each of sluice's own programs hints a SYN it sees: a
+    // `Deny`, if nothing else). Pinned beside sluice's programs, so it goes
+    // with them. Attached as the kernel allows: a tcx link, or a cls_bpf
+    // filter at a later priority than sluice's.
+    let cni_prog = pins.progs().join("cni_standin");
+    sluice_tests::inspect::pin_pass_program(&cni_prog)?;
+    let cni_id = SchedClassifier::from_pin(&cni_prog)?.info()?.id();
     let tcx = features.tcx;
     let cni_link = run_in(&f.topo.client, move || -> anyhow::Result<Option<FdLink>> {
         let mut p = SchedClassifier::from_pin(&cni_prog)?;

@@ -348,6 +348,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     let reconcile_task = tokio::spawn(node.clone().reconcile(stop.clone()));
     let announce_task = tokio::spawn(node.clone().announcer(stop.clone()));
     let served_task = tokio::spawn(node.clone().check_served(stop.clone()));
+    let links_task = tokio::spawn(node.clone().watch_links(stop.clone()));
     let report_task = tokio::spawn(report::run(
         node.report().clone(),
         node.clone(),
@@ -409,6 +410,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     let _ = reconcile_task.await;
     let _ = announce_task.await;
     let _ = served_task.await;
+    let _ = links_task.await;
     let _ = api_task.await;
     if let Some(t) = cni_task {
         let _ = t.await;

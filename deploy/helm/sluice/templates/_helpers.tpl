@@ -53,17 +53,28 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
   value: {{ .Values.logLevel | quote }}
 {{- end -}}
 
+{{/* The platform: .Values.platform, else "gke" on a cluster whose version
+says GKE (v1.30.5-gke.1014001), as Istio's charts detect it. */}}
+{{- define "sluice.platform" -}}
+{{- if .Values.platform -}}
+{{- toString .Values.platform -}}
+{{- else if contains "-gke" .Capabilities.KubeVersion.GitVersion -}}
+gke
+{{- end -}}
+{{- end -}}
+
 {{/* The node's CNI config dir: cni.confDir, else the platform's. */}}
 {{- define "sluice.cniConfDir" -}}
 {{- $p := dict "" "/etc/cni/net.d" "gke" "/etc/cni/net.d" "k3s" "/var/lib/rancher/k3s/agent/etc/cni/net.d" "openshift" "/etc/cni/multus/net.d" -}}
-{{- if not (hasKey $p (toString .Values.platform)) -}}
-{{- fail (printf "platform %q: expected one of \"\", gke, k3s, openshift" .Values.platform) -}}
+{{- $platform := include "sluice.platform" . -}}
+{{- if not (hasKey $p $platform) -}}
+{{- fail (printf "platform %q: expected one of \"\", gke, k3s, openshift" $platform) -}}
 {{- end -}}
-{{- default (get $p (toString .Values.platform)) .Values.cni.confDir -}}
+{{- default (get $p $platform) .Values.cni.confDir -}}
 {{- end -}}
 
 {{/* The node's CNI plugin dir: cni.binDir, else the platform's. */}}
 {{- define "sluice.cniBinDir" -}}
 {{- $p := dict "" "/opt/cni/bin" "gke" "/home/kubernetes/bin" "k3s" "/var/lib/rancher/k3s/data/cni" "openshift" "/var/lib/cni/bin" -}}
-{{- default (get $p (toString .Values.platform)) .Values.cni.binDir -}}
+{{- default (get $p (include "sluice.platform" .)) .Values.cni.binDir -}}
 {{- end -}}

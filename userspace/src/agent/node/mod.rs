@@ -48,6 +48,7 @@ use crate::{
 };
 
 mod announce;
+mod linkwatch;
 mod pods;
 mod relist;
 mod requests;
@@ -98,6 +99,8 @@ pub struct Node {
     served: serve::Served,
     /// Whether sluice is being (or was) removed from this node.
     uninstall: watch::Sender<uninstall::Uninstall>,
+    /// Link-event sockets open (`linkwatch`): one per watched pod.
+    link_watches: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 pub use serve::{ServedConfig, DEFAULT_RECHECK, FALLBACK_AFTER};
@@ -198,6 +201,7 @@ impl Node {
             retired_dns: Mutex::default(),
             events,
             skipped: Mutex::default(),
+            link_watches: Default::default(),
             custody: Custody::new(orphan_grace),
             pods: pods::PodTable::default(),
             served: serve::Served::new(served, node_name),
@@ -316,6 +320,28 @@ impl Node {
         let mut guard = self.dp.lock().unwrap();
         let dp = &mut *guard;
         for cookie in dp.maps.cookies() {
+            self.verify_pod(dp, cookie, at_start);
+        }
+        match enroll::remove_orphan_pins(&dp.pins, &dp.maps) {
+            Ok(0) => {}
+            Ok(n) => info!(pods = n, "removed pins of pods without state"),
+            Err(e) => warn!(error = %e, "removing pins of pods without state"),
+        }
+    }
+
+    /// [`Self::verify_all`] for one pod, if it is still enrolled: what the
+    /// link watch runs when the pod's interfaces change. Blocking.
+    pub(super) fn verify_one(&self, cookie: u64) {
+        let mut guard = self.dp.lock().unwrap();
+        if guard.maps.entry(cookie).is_some() {
+            self.verify_pod(&mut guard, cookie, false);
+        }
+    }
+
+    /// Verifies and completes one pod's capture (see [`enroll::repair`]),
+    /// with an Event and a count when something was missing.
+    fn verify_pod(&self, dp: &mut Dataplane, cookie: u64, at_start: bool) {
+        {
             let (uid, pod) = dp
                 .maps
                 .meta(cookie)
@@ -347,7 +373,7 @@ impl Node {
                     self.custody.forget(&uid);
                     self.pods.remove(&uid);
                     info!("finished an interrupted teardown");
-                    continue;
+                    return;
                 }
                 Err(e) => warn!(error = %e, "could not verify the pod's capture; will retry"),
             }
@@ -358,11 +384,6 @@ impl Node {
                     self.pods.insert(cookie, meta, ns);
                 }
             }
-        }
-        match enroll::remove_orphan_pins(&dp.pins, &dp.maps) {
-            Ok(0) => {}
-            Ok(n) => info!(pods = n, "removed pins of pods without state"),
-            Err(e) => warn!(error = %e, "removing pins of pods without state"),
         }
     }
 

@@ -161,6 +161,16 @@ impl PodTable {
             .and_then(|p| p.netns.clone())
     }
 
+    /// Every pod held whose netns is open, by cookie.
+    pub(super) fn open_netns(&self) -> HashMap<u64, Arc<Netns>> {
+        self.by_uid
+            .lock()
+            .unwrap()
+            .values()
+            .filter_map(|p| Some((p.cookie, p.netns.clone()?)))
+            .collect()
+    }
+
     /// Every pod held and not leaving, as of now.
     pub(super) fn staying(&self) -> Vec<Pod> {
         let mut out: Vec<Pod> = self

@@ -117,6 +117,7 @@ impl Node {
                     probes,
                     uninstall: self.uninstall_state().to_string(),
                     skipped: self.skipped.lock().unwrap().clone(),
+                    link_watches: self.link_watches.load(std::sync::atomic::Ordering::Relaxed),
                 })
             }
             Request::CniCheck(CniCheck { pod }) => {

@@ -1,0 +1,500 @@
+//! SYN cookies (issue 17): when a listener's accept queue overflows — or
+//! always, with `net.ipv4.tcp_syncookies=2` — the kernel keeps no state for
+//! a SYN and the client's ACK misses the established table, so the listener
+//! lookup (and sk_lookup) runs again for it. Every captured and every exempt
+//! connection must still complete, to the same listener as its SYN, and no
+//! segment of a captured connection may leave the pod around ztunnel.
+
+use std::net::{IpAddr, SocketAddr};
+
+use anyhow::{ensure, Context as _};
+use libtest_mimic::Trial;
+use sluice_common::{DropReason, FlowKey, HintVerdict, PodState, Role};
+use sluice_tests::{
+    flow::{self, connect, Opts, Reached},
+    harness::{
+        as_if_kernel, without_netns_cookie_in_tc, without_tcx, Fixture, APP_PORT, REMOTE_PORT,
+    },
+    ns::{exec, run_in},
+    sniff::{L4Sniffer, Segment},
+    standin::Bind,
+    topology::Family,
+    wait,
+};
+
+use crate::{trial, TestResult};
+
+type Row = (&'static str, fn(Family) -> TestResult);
+
+pub fn trials() -> Vec<Trial> {
+    let rows: [Row; 2] = [
+        (
+            "captured_and_exempt_connections_complete_under_syn_cookies",
+            under_cookies,
+        ),
+        (
+            "a_spoofed_syn_over_lo_is_denied_over_a_kept_hint",
+            lo_spoof_denied,
+        ),
+    ];
+    let mut v = Vec::new();
+    for fam in [Family::V4, Family::V6] {
+        for (name, f) in rows {
+            v.push(trial(
+                format!("syncookies::{}::{name}", fam.name()),
+                move || f(fam),
+            ));
+            v.push(trial(
+                format!("syncookies::no_netns_cookie_in_tc::{}::{name}", fam.name()),
+                move || as_if_kernel(without_netns_cookie_in_tc(), || f(fam)),
+            ));
+            v.push(trial(
+                format!("syncookies::no_tcx::{}::{name}", fam.name()),
+                move || as_if_kernel(without_tcx(), || f(fam)),
+            ));
+        }
+        // Rerouting needs netns cookies in tc (refused without: options.rs).
+        let name = format!(
+            "syncookies::{}::a_rerouted_vms_connection_completes_under_syn_cookies",
+            fam.name()
+        );
+        let refused = !sluice::features::Features::get().netns_cookie_in_tc;
+        if refused {
+            eprintln!("skipping {name}: no bpf_get_netns_cookie in tc programs here");
+        }
+        v.push(trial(name, move || rerouted(fam)).with_ignored_flag(refused));
+    }
+    v
+}
+
+/// Every listener of netns `ns` answers every SYN with a cookie.
+fn always_cookies(ns: &str) -> TestResult {
+    exec(ns, &["sysctl", "-qw", "net.ipv4.tcp_syncookies=2"])
+}
+
+/// `TcpExt` counters of netns `ns` (`/proc/net/netstat`).
+fn tcp_ext(ns: &str) -> anyhow::Result<std::collections::HashMap<String, u64>> {
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", ns, "cat", "/proc/net/netstat"])
+        .output()?;
+    ensure!(out.status.success(), "reading /proc/net/netstat in {ns}");
+    let text = String::from_utf8(out.stdout)?;
+    let mut rows = text.lines().filter(|l| l.starts_with("TcpExt:"));
+    let (names, values) = (rows.next(), rows.next());
+    let (Some(names), Some(values)) = (names, values) else {
+        anyhow::bail!("no TcpExt rows in /proc/net/netstat: {text}");
+    };
+    Ok(names
+        .split_whitespace()
+        .zip(values.split_whitespace())
+        .skip(1)
+        .filter_map(|(n, v)| Some((n.to_owned(), v.parse().ok()?)))
+        .collect())
+}
+
+/// The cookie counters of netns `ns`: (sent, received, failed).
+fn cookies(ns: &str) -> anyhow::Result<(u64, u64, u64)> {
+    let c = tcp_ext(ns)?;
+    let get = |n: &str| c.get(n).copied().with_context(|| format!("no TcpExt {n}"));
+    Ok((
+        get("SyncookiesSent")?,
+        get("SyncookiesRecv")?,
+        get("SyncookiesFailed")?,
+    ))
+}
+
+fn sa(ip: IpAddr, port: u16) -> SocketAddr {
+    SocketAddr::new(ip, port)
+}
+
+/// How the app prints a peer with this address: "10.0.0.1:" or "[fd00::1]:".
+fn peer(ip: IpAddr) -> String {
+    let s = sa(ip, 1).to_string();
+    s[..s.len() - 1].to_owned()
+}
+
+/// `None` if `r` is a reply starting with `prefix`, else what it was.
+fn replied(what: &str, r: &Reached, prefix: &str) -> Option<String> {
+    match r.reply() {
+        Some(line) if line.starts_with(prefix) => None,
+        _ => Some(format!(
+            "{what}: expected a reply starting {prefix:?}, got {r:?}"
+        )),
+    }
+}
+
+fn unhinted_drops(f: &Fixture) -> anyhow::Result<u64> {
+    Ok(sluice::state::Maps::open_pinned(&f.topo.pins.maps())?.drops(DropReason::Unhinted))
+}
+
+/// Captured (inbound to 15006 and 15008, outbound to 15001) and exempt
+/// (ztunnel's own spoofed-source connection to the app, the app to its own
+/// pod IP, the probe address, a socket of the node) connections in a pod
+/// netns whose listeners all answer with SYN cookies. Each completes at the
+/// listener its SYN was steered to, is counted once, and nothing of the
+/// app's outbound connection leaves the pod but through ztunnel.
+/// Every problem is collected before the test fails, so a failure shows
+/// all of them.
+fn under_cookies(fam: Family) -> TestResult {
+    let f = Fixture::new("sc", Some(Bind::DualStack))?;
+    ensure!(f.enroll()?.state == PodState::Enabled);
+    always_cookies(&f.topo.pod)?;
+    let sniffer = L4Sniffer::start(&f.topo.client)?;
+    let mut problems = Vec::new();
+
+    // Outbound (O1): 15001, then ztunnel onwards to the remote.
+    let remote = sa(fam.client(), REMOTE_PORT);
+    let r = connect(&f.topo.pod, remote, Opts::default());
+    problems.extend(replied(
+        "outbound",
+        &r,
+        &format!("app:{REMOTE_PORT} peer={}", peer(fam.pod())),
+    ));
+    // Inbound (I1), through ztunnel's spoofed-source connection to the app
+    // (I4), whose listener answers with a cookie too.
+    let dst = sa(fam.pod(), APP_PORT);
+    let r = connect(&f.topo.client, dst, Opts::default());
+    problems.extend(replied(
+        "inbound",
+        &r,
+        &format!("app:{APP_PORT} peer={}", peer(fam.client())),
+    ));
+    // HBONE (I2).
+    let hbone = sa(fam.pod(), 15008);
+    let r = connect(&f.topo.client, hbone, Opts::default());
+    problems.extend(replied(
+        "hbone",
+        &r,
+        &format!("hbone local={hbone} peer={}", peer(fam.client())),
+    ));
+    // Exempt: the app to its own pod IP over lo (O2), the probe address (I3).
+    let r = connect(&f.topo.pod, dst, Opts::default());
+    problems.extend(replied(
+        "app to its own pod IP",
+        &r,
+        &format!("app:{APP_PORT} peer={}", peer(fam.pod())),
+    ));
+    let probe = Opts {
+        bind: Some(fam.probe()),
+        ..Opts::default()
+    };
+    let r = connect(&f.topo.client, dst, probe);
+    problems.extend(replied(
+        "probe address",
+        &r,
+        &format!("app:{APP_PORT} peer={}", peer(fam.probe())),
+    ));
+
+    let acc = f.standin().accepted();
+    let roles: Vec<(Role, SocketAddr)> = acc.iter().map(|a| (a.role, a.local)).collect();
+    let want = [
+        (Role::Outbound, remote),
+        (Role::Inbound, dst),
+        (Role::Hbone, hbone),
+    ];
+    if roles != want {
+        problems.push(format!("ztunnel accepted {roles:?}, expected {want:?}"));
+    }
+    // One count per connection, though its cookie ACK found the hint again.
+    let c = f.pod_record()?.counters;
+    if (c.captured_outbound, c.captured_inbound, c.captured_hbone) != (1, 1, 1) {
+        problems.push(format!("counters: {c:?}"));
+    }
+
+    // Nothing of the app's own connection left the pod: every segment from
+    // the pod to the remote's port is ztunnel's onward connection. A marker
+    // datagram sent last on the same path bounds the wait.
+    let onward: Vec<u16> = f.remote.peers().iter().map(|p| p.port()).collect();
+    let marker = b"sluice-syncookie-marker";
+    let to = sa(fam.client(), sluice_tests::harness::UDP_PORT);
+    run_in(&f.topo.pod, move || {
+        let any: SocketAddr = match to {
+            SocketAddr::V4(_) => "0.0.0.0:0".parse().unwrap(),
+            SocketAddr::V6(_) => "[::]:0".parse().unwrap(),
+        };
+        std::net::UdpSocket::bind(any)?
+            .send_to(marker, to)
+            .map(drop)
+    })?;
+    let mut seen: Vec<Segment> = Vec::new();
+    wait::until("the marker datagram at the client", wait::DEADLINE, || {
+        seen.extend(sniffer.drain());
+        let arrived = seen
+            .iter()
+            .any(|s| s.proto == 17 && s.payload.windows(marker.len()).any(|w| w == marker));
+        if arrived {
+            Ok(())
+        } else {
+            Err(seen.len())
+        }
+    })?;
+    let leaked: Vec<&Segment> = seen
+        .iter()
+        .filter(|s| {
+            s.proto == 6
+                && s.src.ip() == fam.pod()
+                && s.dst == remote
+                && !onward.contains(&s.src.port())
+        })
+        .collect();
+    if !leaked.is_empty() {
+        problems.push(format!(
+            "segments of the app's connection left the pod uncaptured (ztunnel's onward ports {onward:?}): {leaked:?}"
+        ));
+    }
+
+    // A socket of the node (kubelet, I3h) reaches the app directly.
+    let node = Fixture::in_subnet("scn", Some(Bind::DualStack), 1)?;
+    ensure!(node.enroll_with_node()?.state == PodState::Enabled);
+    always_cookies(&node.topo.pod)?;
+    let r = connect(
+        &node.topo.client,
+        sa(node.topo.pod_ip(fam), APP_PORT),
+        Opts::default(),
+    );
+    problems.extend(replied(
+        "node's own connection",
+        &r,
+        &format!("app:{APP_PORT} peer={}", peer(node.topo.client_ip(fam))),
+    ));
+    if !node.standin().accepted().is_empty() {
+        problems.push(format!(
+            "the node's connection was captured: {:?}",
+            node.standin().accepted()
+        ));
+    }
+
+    // The kernel did use cookies, and every cookie ACK reached the listener
+    // that sent the cookie (a wrong listener fails the cookie check); none
+    // was refused for want of a hint.
+    for (what, ns) in [("pod", &f.topo.pod), ("node's pod", &node.topo.pod)] {
+        let (sent, recv, failed) = cookies(ns)?;
+        if sent == 0 || recv == 0 || failed != 0 {
+            problems.push(format!(
+                "{what}: SyncookiesSent {sent}, SyncookiesRecv {recv}, SyncookiesFailed {failed}"
+            ));
+        }
+    }
+    for (what, fx) in [("pod", &f), ("node's pod", &node)] {
+        let n = unhinted_drops(fx)?;
+        if n != 0 {
+            problems.push(format!("{what}: {n} unhinted drops"));
+        }
+    }
+    ensure!(problems.is_empty(), "{problems:#?}");
+    Ok(())
+}
+
+/// Row I7 under SYN cookies: the VM's SYN is assigned to 15001 by the
+/// reroute program (no lookup), so its ACK's lookup needs the hint the
+/// program left, and the ACK must be delivered locally, not forwarded to
+/// the remote around ztunnel.
+fn rerouted(fam: Family) -> TestResult {
+    let f = Fixture::new("scr", Some(Bind::DualStack))?;
+    let vm = crate::options::Vm::new(&f)?;
+    let e = f.enroll_with(sluice::options::PodOptions {
+        reroute: vec!["tap0".into()],
+        ..Default::default()
+    })?;
+    ensure!(e.state == PodState::Enabled, "{e:?}");
+    always_cookies(&f.topo.pod)?;
+    let sniffer = L4Sniffer::start(&f.topo.client)?;
+    let mut problems = Vec::new();
+    let remote = sa(fam.client(), REMOTE_PORT);
+    let r = connect(&vm.ns, remote, Opts::default());
+    problems.extend(replied(
+        "the VM's connection",
+        &r,
+        &format!("app:{REMOTE_PORT}"),
+    ));
+    let acc = f.standin().accepted();
+    let roles: Vec<(Role, SocketAddr)> = acc.iter().map(|a| (a.role, a.orig_dst)).collect();
+    if roles != [(Role::Outbound, remote)] {
+        problems.push(format!("ztunnel accepted {roles:?}"));
+    }
+    let c = f.pod_record()?.counters;
+    if c.captured_outbound != 1 {
+        problems.push(format!("counters: {c:?}"));
+    }
+    // The remote sees only ztunnel's connection, from the pod's address:
+    // nothing from the VM's own address (10.202.*, fd00:202:*) arrived.
+    // A datagram from the VM, which the pod forwards, bounds the wait.
+    let vm_ip = match fam {
+        Family::V4 => IpAddr::from([10, 202, f.topo.subnet, 2]),
+        Family::V6 => format!("fd00:202:{}::2", f.topo.subnet).parse()?,
+    };
+    let marker = b"sluice-syncookie-vm-marker";
+    let to = sa(fam.client(), sluice_tests::harness::UDP_PORT);
+    run_in(&vm.ns, move || {
+        std::net::UdpSocket::bind(SocketAddr::new(vm_ip, 0))?
+            .send_to(marker, to)
+            .map(drop)
+    })?;
+    let mut seen: Vec<Segment> = Vec::new();
+    wait::until(
+        "the VM's marker datagram at the client",
+        wait::DEADLINE,
+        || {
+            seen.extend(sniffer.drain());
+            let arrived = seen
+                .iter()
+                .any(|s| s.proto == 17 && s.payload.windows(marker.len()).any(|w| w == marker));
+            if arrived {
+                Ok(())
+            } else {
+                Err(seen.len())
+            }
+        },
+    )?;
+    let leaked: Vec<&Segment> = seen
+        .iter()
+        .filter(|s| s.proto == 6 && s.src.ip() == vm_ip)
+        .collect();
+    if !leaked.is_empty() {
+        problems.push(format!(
+            "the VM's TCP was forwarded around ztunnel: {leaked:?}"
+        ));
+    }
+    let (sent, recv, failed) = cookies(&f.topo.pod)?;
+    if sent == 0 || recv == 0 || failed != 0 {
+        problems.push(format!(
+            "SyncookiesSent {sent}, SyncookiesRecv {recv}, SyncookiesFailed {failed}"
+        ));
+    }
+    let n = unhinted_drops(&f)?;
+    if n != 0 {
+        problems.push(format!("{n} unhinted drops"));
+    }
+    ensure!(problems.is_empty(), "{problems:#?}");
+    Ok(())
+}
+
+/// The flow-hint key of a connection from `from` to `to`, as sk_lookup
+/// sees it (remote = the SYN's source).
+fn hint_key(from: SocketAddr, to: SocketAddr) -> FlowKey {
+    let (r, l) = (
+        sluice::state::addr_key(&from.ip()),
+        sluice::state::addr_key(&to.ip()),
+    );
+    FlowKey {
+        remote_addr: r.addr,
+        local_addr: l.addr,
+        remote_port: from.port(),
+        local_port: to.port(),
+        family: r.family,
+        _pad: [0; 3],
+    }
+}
+
+/// Row X3 with a kept hint in the way. A real inbound connection from the
+/// client leaves its `Inbound` hint (kept for a SYN-cookie ACK). A process
+/// in the pod (with CAP_NET_ADMIN: it also routes the client's address to
+/// itself, so that it would get the answer) then connects to the app over
+/// lo from the very same client address and port, without ztunnel's mark —
+/// looking like ztunnel's spoofed-source connection. Its SYN must not be
+/// steered to ztunnel's 15006 by that hint: the lo program writes a `Deny`
+/// over it, and sk_lookup refuses and counts it (`unhinted`).
+fn lo_spoof_denied(fam: Family) -> TestResult {
+    let f = Fixture::new("lospoof", Some(Bind::DualStack))?;
+    ensure!(f.enroll()?.state == PodState::Enabled);
+    let dst = sa(fam.pod(), APP_PORT);
+    let r = connect(&f.topo.client, dst, Opts::default());
+    ensure!(r.reply().is_some(), "inbound: {r:?}");
+    let acc = f.standin().accepted();
+    ensure!(acc.len() == 1 && acc[0].role == Role::Inbound, "{acc:?}");
+    let client = acc[0].peer;
+    let maps = || sluice::state::Maps::open_pinned(&f.topo.pins.maps());
+    let key = hint_key(client, dst);
+    let kept = maps()?.flow_hint(&key);
+    ensure!(
+        kept.is_some_and(|h| h.verdict == HintVerdict::Inbound as u32),
+        "the inbound connection's hint is not kept: {kept:?}"
+    );
+    // ztunnel's accepted socket for that tuple is gone (the client closed
+    // first), so the pod's SYN reaches the listener lookup.
+    let tuple = format!("( sport = :{APP_PORT} and dport = :{} )", client.port());
+    wait::until_seen(
+        "ztunnel's socket of the inbound connection to close",
+        wait::DEADLINE,
+        || {
+            std::process::Command::new("ip")
+                .args(["netns", "exec", &f.topo.pod, "ss", "-Htan", &tuple])
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+                .unwrap_or_else(|e| e.to_string())
+        },
+        |s| s.is_empty(),
+    )?;
+    let host = match fam {
+        Family::V4 => format!("{}/32", client.ip()),
+        Family::V6 => format!("{}/128", client.ip()),
+    };
+    sluice_tests::topology::ip(&[
+        "-n",
+        &f.topo.pod,
+        "route",
+        "add",
+        "local",
+        &host,
+        "dev",
+        "lo",
+        "table",
+        "local",
+    ])?;
+    let before = f.pod_record()?.counters;
+    let drops_before = unhinted_drops(&f)?;
+    let r = run_in(&f.topo.pod, move || spoofed_connect(client, dst));
+    ensure!(
+        matches!(r, Reached::TimedOut | Reached::Refused),
+        "the spoofed connection over lo: {r:?}"
+    );
+    let acc = f.standin().accepted();
+    ensure!(acc.len() == 1, "ztunnel accepted it: {acc:?}");
+    ensure!(
+        !f.app.peers().contains(&client),
+        "it reached the app: {:?}",
+        f.app.peers()
+    );
+    let after = maps()?.flow_hint(&key);
+    ensure!(
+        after.is_some_and(|h| h.verdict == HintVerdict::Deny as u32),
+        "the lo SYN left no Deny over the kept hint: {after:?}"
+    );
+    // One SYN and its retransmits (1 s apart, within the 1.5 s timeout).
+    let drops = unhinted_drops(&f)? - drops_before;
+    ensure!(
+        (1..=3).contains(&drops),
+        "{drops} unhinted drops counted for the spoofed SYN"
+    );
+    let c = f.pod_record()?.counters;
+    ensure!(
+        c.captured_inbound == before.captured_inbound,
+        "steered: {before:?} -> {c:?}"
+    );
+    Ok(())
+}
+
+/// Connects from `from` (not ours: transparent) to `to`, unmarked.
+fn spoofed_connect(from: SocketAddr, to: SocketAddr) -> Reached {
+    use socket2::{Domain, Socket, Type};
+    let attempt = || -> std::io::Result<std::net::TcpStream> {
+        let domain = if to.is_ipv4() {
+            Domain::IPV4
+        } else {
+            Domain::IPV6
+        };
+        let s = Socket::new(domain, Type::STREAM, None)?;
+        if to.is_ipv4() {
+            s.set_ip_transparent(true)?;
+        } else {
+            flow::set_ipv6_transparent(&s)?;
+        }
+        s.bind(&from.into())?;
+        s.connect_timeout(&to.into(), std::time::Duration::from_millis(1500))?;
+        Ok(s.into())
+    };
+    match attempt() {
+        Ok(s) => flow::exchange(s),
+        Err(e) => flow::classify(e),
+    }
+}

@@ -1,0 +1,232 @@
+//! Interfaces a pod gains after its enrollment (a Multus network, a device
+//! the app creates) are captured as soon as the kernel announces them, not
+//! at the next verification: one rtnetlink socket per held pod, opened in the
+//! pod's netns and subscribed to its link events. Any event there runs that
+//! pod's repair ([`Node::verify_one`]), which is idempotent and attaches
+//! what the pod's interfaces now call for. A socket that overflowed (events
+//! lost) counts as an event. The verification every `RESYNC` stays behind
+//! it, for a pod whose netns could not be opened.
+
+use std::{
+    collections::BTreeSet,
+    os::fd::{AsRawFd, RawFd},
+    sync::atomic::{AtomicUsize, Ordering},
+};
+
+use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr};
+use tokio::{
+    io::{unix::AsyncFd, Interest},
+    sync::mpsc,
+    task::JoinHandle,
+};
+
+use super::*;
+use crate::podlinks::LinkSpec;
+
+/// rtnetlink's multicast group of link events (`RTMGRP_LINK`).
+const RTMGRP_LINK: u32 = 1;
+
+impl Node {
+    /// Keeps a link-event socket for every held pod with an open netns and
+    /// repairs the pods whose links changed, until `stop`.
+    pub async fn watch_links(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+        let (tx, mut rx) = mpsc::unbounded_channel::<u64>();
+        let mut watched: HashMap<u64, JoinHandle<()>> = HashMap::new();
+        let mut tick = tokio::time::interval(CHECK_EVERY);
+        loop {
+            tokio::select! {
+                _ = stop.changed() => break,
+                _ = tick.tick() => {
+                    let this = self.clone();
+                    let have: BTreeSet<u64> = watched.keys().copied().collect();
+                    let Ok(opened) = tokio::task::spawn_blocking(move || this.subscribe_new(&have)).await else {
+                        continue;
+                    };
+                    self.update_watches(&mut watched, opened, &tx).await;
+                }
+                Some(cookie) = rx.recv() => {
+                    // Coalesce: a burst of events looks at each pod once.
+                    let mut due = BTreeSet::from([cookie]);
+                    while let Ok(c) = rx.try_recv() {
+                        due.insert(c);
+                    }
+                    let this = self.clone();
+                    let _ = tokio::task::spawn_blocking(move || {
+                        for cookie in due {
+                            if this.has_unlinked_interface(cookie) {
+                                this.verify_one(cookie);
+                            }
+                        }
+                    })
+                    .await;
+                }
+            }
+        }
+        for (_, task) in watched {
+            task.abort();
+        }
+    }
+
+    /// Opens a link-event socket in the netns of every held pod not in
+    /// `have`; with each, whether the pod already has an interface without
+    /// its capture link (one added between its enrollment and now).
+    /// Blocking: enters each netns on a thread of its own.
+    fn subscribe_new(&self, have: &BTreeSet<u64>) -> Subscriptions {
+        let open = self.pods.open_netns();
+        let mut out = Subscriptions {
+            gone: have
+                .iter()
+                .copied()
+                .filter(|c| !open.contains_key(c))
+                .collect(),
+            new: Vec::new(),
+        };
+        for (cookie, netns) in open {
+            if have.contains(&cookie) {
+                continue;
+            }
+            let dir = self.dp.lock().unwrap().pins.pod(cookie);
+            let opened = netns.run(|| -> std::io::Result<(Watch, bool)> {
+                let sock = Watch::open(&self.link_watches)?;
+                // After subscribing: nothing added from here on is missed.
+                Ok((sock, unlinked_here(&dir)?))
+            });
+            match opened {
+                Ok(Ok((sock, unlinked))) => out.new.push((cookie, sock, unlinked)),
+                // The pod is leaving, or its netns is gone: the next tick
+                // tries again while the pod is still held.
+                Ok(Err(e)) => warn!(cookie, error = %e, "cannot watch the pod's interfaces"),
+                Err(e) => warn!(cookie, error = %e, "cannot watch the pod's interfaces"),
+            }
+        }
+        out
+    }
+
+    /// Whether the pod has an interface without its egress link pinned.
+    /// Link events come for much besides new interfaces (state changes,
+    /// IPv6's per-interface notices when an address is added): only this
+    /// calls for a repair, which would also publish the pod's addresses as
+    /// they are now (an address added since enrollment waits for ztunnel's
+    /// next ack, row X5). An error says yes: the repair reports it.
+    fn has_unlinked_interface(&self, cookie: u64) -> bool {
+        let Some(netns) = self.pods.netns(cookie) else {
+            return false;
+        };
+        let dir = self.dp.lock().unwrap().pins.pod(cookie);
+        !matches!(netns.run(|| unlinked_here(&dir)), Ok(Ok(false)))
+    }
+
+    async fn update_watches(
+        &self,
+        watched: &mut HashMap<u64, JoinHandle<()>>,
+        subs: Subscriptions,
+        tx: &mpsc::UnboundedSender<u64>,
+    ) {
+        for cookie in subs.gone {
+            if let Some(task) = watched.remove(&cookie) {
+                // Resolves once the task is dropped, its socket with it:
+                // the count below never includes a socket still open.
+                task.abort();
+                let _ = task.await;
+            }
+        }
+        for (cookie, sock, unlinked) in subs.new {
+            // SAFETY: the AsyncFd owns the socket, so its fd stays open (and
+            // the same) while registered.
+            let fd = match unsafe { AsyncFd::register_with_interest(sock, Interest::READABLE) } {
+                Ok(fd) => fd,
+                Err(e) => {
+                    warn!(cookie, error = %std::io::Error::from(e), "cannot watch the pod's interfaces");
+                    continue;
+                }
+            };
+            if unlinked {
+                let _ = tx.send(cookie);
+            }
+            watched.insert(cookie, tokio::spawn(relay(fd, cookie, tx.clone())));
+        }
+    }
+}
+
+/// Whether an interface of the calling thread's netns (not `lo`) has no
+/// egress link pinned in the pod's pin directory `dir`.
+fn unlinked_here(dir: &std::path::Path) -> std::io::Result<bool> {
+    Ok(crate::netns::interfaces()?
+        .into_iter()
+        .filter(|i| i != "lo")
+        .any(|i| !dir.join(LinkSpec::Egress(i).pin_name()).exists()))
+}
+
+/// What one subscription pass found: pods no longer held, and new sockets
+/// (with whether the pod needs a repair right away).
+struct Subscriptions {
+    gone: Vec<u64>,
+    new: Vec<(u64, Watch, bool)>,
+}
+
+/// A link-event socket, counted in `open` for as long as it exists (the
+/// count is what `sluice status` shows: 0 means no socket is open).
+struct Watch {
+    sock: Socket,
+    open: Arc<AtomicUsize>,
+}
+
+impl Watch {
+    /// A non-blocking rtnetlink socket in the calling thread's netns,
+    /// subscribed to its link events.
+    fn open(open: &Arc<AtomicUsize>) -> std::io::Result<Self> {
+        // Counted first: the count is never below the sockets open.
+        open.fetch_add(1, Ordering::Relaxed);
+        let mut w = Self {
+            sock: Socket::new(NETLINK_ROUTE).inspect_err(|_| {
+                open.fetch_sub(1, Ordering::Relaxed);
+            })?,
+            open: open.clone(),
+        };
+        w.sock.bind(&SocketAddr::new(0, RTMGRP_LINK))?;
+        w.sock.set_non_blocking(true)?;
+        Ok(w)
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        self.open.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl AsRawFd for Watch {
+    fn as_raw_fd(&self) -> RawFd {
+        self.sock.as_raw_fd()
+    }
+}
+
+/// Sends `cookie` once per batch of link events the socket delivers.
+async fn relay(fd: AsyncFd<Watch>, cookie: u64, tx: mpsc::UnboundedSender<u64>) {
+    let mut buf: Vec<u8> = Vec::with_capacity(1 << 16);
+    loop {
+        let Ok(mut ready) = fd.readable().await else {
+            return;
+        };
+        let mut changed = false;
+        loop {
+            buf.clear();
+            match fd.get_ref().sock.recv(&mut buf, 0) {
+                Ok(_) => changed = true,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    ready.clear_ready();
+                    break;
+                }
+                // Events were dropped for want of buffer: one was a change.
+                Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => changed = true,
+                Err(e) => {
+                    warn!(cookie, error = %e, "the pod's link-event socket failed; verification every minute remains");
+                    return;
+                }
+            }
+        }
+        if changed && tx.send(cookie).is_err() {
+            return;
+        }
+    }
+}
