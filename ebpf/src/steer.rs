@@ -52,7 +52,7 @@ pub fn steer(ctx: &SkLookupContext) -> u32 {
     // A tc program asking which socket a segment would reach: answer as for
     // the segment itself, but count nothing and mark nothing (see TC_LOOKUP).
     let asked_by_tc = TC_LOOKUP.get(0).is_some_and(|v| *v != 0);
-    let Some(hint) = FLOW_HINTS.get_ptr_mut(&key) else {
+    let Some(hint) = FLOW_HINTS.get_ptr_mut(key) else {
         return unhinted(family, &remote, asked_by_tc);
     };
     let h = unsafe { *hint };
