@@ -34,7 +34,7 @@ use crate::{
     addr::{is_loopback, is_probe},
     dns,
     maps::{count, count_drop, FLOW_HINTS, NODE_NETNS, POD_STATE, TC_LOOKUP},
-    packet::{parse, parse_tcp, Parsed, Tcp},
+    packet::{parse, parse_tcp, Parsed, Tcp, L2_ETH},
     tc::{
         listener_present, mark, mark_redirect, netns_cookie, pod_flags, pod_of, put_hint,
         put_hint_flags, redirect_to_self,
@@ -50,12 +50,15 @@ const TC_OK: i32 = TCX_NEXT;
 const TC_SHOT: i32 = TC_ACT_SHOT;
 const BPF_TCP_LISTEN: u32 = 10;
 
-/// Egress on the pod's interface: the app's outbound TCP.
-pub fn egress(ctx: &TcContext) -> i32 {
-    let t = match parse(ctx) {
+/// Egress on the pod's interface: the app's outbound TCP. `L2`: the
+/// interface's link-layer header length (`L2_ETH`, or `L2_NONE` for an L3
+/// device).
+#[inline(always)]
+pub fn egress<const L2: usize>(ctx: &TcContext) -> i32 {
+    let t = match parse::<L2>(ctx) {
         Parsed::Tcp(t) => t,
         // Rows D1-D3: DNS capture; any other UDP is not captured (row O5).
-        Parsed::Udp(u) => return dns::egress_udp(ctx, &u),
+        Parsed::Udp(u) => return dns::egress_udp::<L2>(ctx, &u),
         Parsed::Other => return TC_OK, // row O5
         // IPv6 whose headers hide what it carries: it could be a SYN around
         // ztunnel, so it does not leave an enrolled pod (ztunnel's own aside).
@@ -108,14 +111,14 @@ pub fn egress(ctx: &TcContext) -> i32 {
         // Row D2: TCP to port 53 goes to the DNS proxy when the pod has one.
         if dns::captures_tcp(cookie, &t) {
             put_hint(cookie, &flow_key(&t), HintVerdict::DnsTcp);
-            return redirect_to_self(ctx);
+            return redirect_to_self::<L2>(ctx);
         }
         if !listener_present(cookie, Role::Outbound, t.family) {
             count(cookie, |c: &mut Counters| &mut c.missing_socket);
             return TC_SHOT;
         }
         put_hint(cookie, &flow_key(&t), HintVerdict::Outbound);
-        return redirect_to_self(ctx);
+        return redirect_to_self::<L2>(ctx);
     }
     // Not a SYN: deliver locally only packets of flows a local socket terminates
     // (outbound flows ztunnel accepted on 15001, or whose SYN it answered
@@ -123,7 +126,7 @@ pub fn egress(ctx: &TcContext) -> i32 {
     // connections: row I4). Flows from before enrollment have no such socket
     // and leave normally (row I5).
     if terminated_locally(ctx, &t) {
-        return redirect_to_self(ctx);
+        return redirect_to_self::<L2>(ctx);
     }
     TC_OK
 }
@@ -131,8 +134,9 @@ pub fn egress(ctx: &TcContext) -> i32 {
 /// Ingress on the pod's interface: drop inbound SYNs that ztunnel cannot take
 /// (row F1), so the client retries instead of reaching the app or being reset;
 /// hint the others to sk_lookup (rows I1/I2).
-pub fn ingress(ctx: &TcContext) -> i32 {
-    let Some(t) = parse_tcp(ctx) else {
+#[inline(always)]
+pub fn ingress<const L2: usize>(ctx: &TcContext) -> i32 {
+    let Some(t) = parse_tcp::<L2>(ctx) else {
         return TC_OK;
     };
     if !t.is_syn() || mark(ctx) & MARK_MASK == MARK_REDIRECT {
@@ -198,7 +202,7 @@ pub fn ingress(ctx: &TcContext) -> i32 {
 /// cookie, which sk_lookup gives to 15001 on the SYN's hint; no listener,
 /// or a pod that does not steer, drops the SYN (fail closed).
 pub fn reroute_ingress(ctx: &TcContext) -> i32 {
-    let t = match parse(ctx) {
+    let t = match parse::<L2_ETH>(ctx) {
         Parsed::Tcp(t) => t,
         Parsed::Udp(_) | Parsed::Other => return TC_OK,
         // A SYN could hide there: nothing opaque passes a captured interface.
@@ -308,7 +312,7 @@ fn skc_lookup(
 /// pod IP, ztunnel's spoofed-source connections to the app). sk_lookup cannot
 /// see the input device for these, so tell it with a hint (rows O2, I4).
 pub fn lo_ingress(ctx: &TcContext) -> i32 {
-    let t = match parse(ctx) {
+    let t = match parse::<L2_ETH>(ctx) {
         Parsed::Tcp(t) => Some(t),
         // Row D1: the DNS proxy's answer, given the resolver's address back.
         Parsed::Udp(u) => return dns::restore_answer(ctx, &u),
@@ -350,7 +354,7 @@ pub fn lo_ingress(ctx: &TcContext) -> i32 {
 /// A guest on the host's interface: it never drops or redirects, and says
 /// `TCX_NEXT` so that programs after it (the primary CNI's) still run.
 pub fn host_egress(ctx: &TcContext) -> i32 {
-    let Some(t) = parse_tcp(ctx) else {
+    let Some(t) = parse_tcp::<L2_ETH>(ctx) else {
         return TCX_NEXT;
     };
     if !t.is_syn() || unsafe { (*ctx.skb.skb).__bindgen_anon_2.sk }.is_null() {

@@ -29,7 +29,7 @@ use sluice_common::{
 use crate::{
     addr::is_loopback,
     maps::{count_dns, DNS_FLOWS, POD_STATE},
-    packet::{Tcp, Udp, IPV4_CHECK_OFF, IPV4_SADDR_OFF, IPV6_SADDR_OFF},
+    packet::{Tcp, Udp, IPV4_CHECK, IPV4_SADDR, IPV6_SADDR},
     tc::{
         flow_key, listener_present, mark, netns_cookie, pod_flags, pod_of, put_hint,
         redirect_to_self,
@@ -54,7 +54,7 @@ fn dns_id(ctx: &TcContext, u: &Udp) -> Option<u16> {
 
 /// Egress on the pod's interface, UDP: a query to port 53 goes to the proxy
 /// (row D1); ztunnel's own (mark 0x539) and anything else leave (D3, O5).
-pub fn egress_udp(ctx: &TcContext, u: &Udp) -> i32 {
+pub fn egress_udp<const L2: usize>(ctx: &TcContext, u: &Udp) -> i32 {
     if u.dport != PORT_DNS || mark(ctx) & MARK_MASK == MARK_ZTUNNEL {
         return PASS;
     }
@@ -86,7 +86,7 @@ pub fn egress_udp(ctx: &TcContext, u: &Udp) -> i32 {
     }
     let hint = flow_key(u.family, u.saddr, u.daddr, u.sport, u.dport);
     put_hint(cookie, &hint, HintVerdict::DnsUdp);
-    redirect_to_self(ctx)
+    redirect_to_self::<L2>(ctx)
 }
 
 /// Egress SYN of a steering pod: does it go to the DNS proxy (row D2)? A
@@ -141,8 +141,8 @@ fn rewrite_source(ctx: &TcContext, u: &Udp, flow: &DnsFlow) -> Result<(), i64> {
     if u.family == FAMILY_V4 {
         let (old, new) = (u.saddr[0], flow.resolver_addr[0]);
         ctx.l4_csum_replace(check, old as u64, new as u64, l4_flags | 4)?;
-        ctx.l3_csum_replace(IPV4_CHECK_OFF, old as u64, new as u64, 4)?;
-        ctx.store(IPV4_SADDR_OFF, &new, 0)?;
+        ctx.l3_csum_replace(u.l3 + IPV4_CHECK, old as u64, new as u64, 4)?;
+        ctx.store(u.l3 + IPV4_SADDR, &new, 0)?;
     } else {
         let mut old = u.saddr;
         let mut new = flow.resolver_addr;
@@ -151,7 +151,7 @@ fn rewrite_source(ctx: &TcContext, u: &Udp, flow: &DnsFlow) -> Result<(), i64> {
             return Err(diff);
         }
         ctx.l4_csum_replace(check, 0, diff as u64, l4_flags)?;
-        ctx.store(IPV6_SADDR_OFF, &new, 0)?;
+        ctx.store(u.l3 + IPV6_SADDR, &new, 0)?;
     }
     let (old_port, new_port) = (PORT_DNS_PROXY.to_be(), flow.resolver_port.to_be());
     ctx.l4_csum_replace(

@@ -3,6 +3,9 @@
 //! - `sluice_egress`  (tcx egress, pod interface): captures outbound TCP and
 //!   DNS queries;
 //! - `sluice_ingress` (tcx ingress, pod interface): fails closed on inbound SYNs;
+//! - `sluice_egress_l3`, `sluice_ingress_l3`: the same two for a pod
+//!   interface without an Ethernet header (netkit in L3 mode, WireGuard, tun,
+//!   IP tunnels), whose packets start with their IP header;
 //! - `sluice_lo`      (tcx ingress, pod `lo`): marks in-pod connections as
 //!   exempt; gives the DNS proxy's answers the resolver's address;
 //! - `sluice_reroute` (tcx ingress, a pod's virtual interface, e.g. a VM's
@@ -44,7 +47,16 @@ pub fn sluice_egress(ctx: TcContext) -> i32 {
     if ctx.len() == u32::MAX {
         return aya_ebpf::bindings::TC_ACT_OK;
     }
-    capture::egress(&ctx)
+    capture::egress::<{ packet::L2_ETH }>(&ctx)
+}
+
+#[classifier]
+pub fn sluice_egress_l3(ctx: TcContext) -> i32 {
+    #[cfg(feature = "upgrade-variant")]
+    if ctx.len() == u32::MAX {
+        return aya_ebpf::bindings::TC_ACT_OK;
+    }
+    capture::egress::<{ packet::L2_NONE }>(&ctx)
 }
 
 #[classifier]
@@ -53,7 +65,16 @@ pub fn sluice_ingress(ctx: TcContext) -> i32 {
     if ctx.len() == u32::MAX {
         return aya_ebpf::bindings::TC_ACT_OK;
     }
-    capture::ingress(&ctx)
+    capture::ingress::<{ packet::L2_ETH }>(&ctx)
+}
+
+#[classifier]
+pub fn sluice_ingress_l3(ctx: TcContext) -> i32 {
+    #[cfg(feature = "upgrade-variant")]
+    if ctx.len() == u32::MAX {
+        return aya_ebpf::bindings::TC_ACT_OK;
+    }
+    capture::ingress::<{ packet::L2_NONE }>(&ctx)
 }
 
 #[classifier]

@@ -10,16 +10,20 @@
 use aya_ebpf::programs::TcContext;
 use sluice_common::{FAMILY_V4, FAMILY_V6};
 
-const ETH_HLEN: usize = 14;
+/// The link-layer header before IP: Ethernet's (veth, lo, macvlan, ipvlan)
+/// or none (an L3 device: netkit in L3 mode, WireGuard, tun, IP tunnels),
+/// where the packet starts with its IP header and `skb->protocol` says which.
+pub const L2_ETH: usize = 14;
+pub const L2_NONE: usize = 0;
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86dd;
 const IPPROTO_TCP: u8 = 6;
 const IPPROTO_UDP: u8 = 17;
-/// Where the IPv4 header's checksum and source address sit in the frame.
-pub const IPV4_CHECK_OFF: usize = ETH_HLEN + 10;
-pub const IPV4_SADDR_OFF: usize = ETH_HLEN + 12;
-/// Where the IPv6 header's source address sits in the frame.
-pub const IPV6_SADDR_OFF: usize = ETH_HLEN + 8;
+/// Where the IPv4 header's checksum and source address sit in it.
+pub const IPV4_CHECK: usize = 10;
+pub const IPV4_SADDR: usize = 12;
+/// Where the IPv6 header's source address sits in it.
+pub const IPV6_SADDR: usize = 8;
 const IPPROTO_HOPOPTS: u8 = 0;
 const IPPROTO_ROUTING: u8 = 43;
 const IPPROTO_FRAGMENT: u8 = 44;
@@ -54,8 +58,8 @@ impl Tcp {
     }
 }
 
-/// A UDP datagram's identity, and where its header starts (from the frame's
-/// first byte) for the programs that read or rewrite it.
+/// A UDP datagram's identity, and where its IP and UDP headers start (from
+/// the frame's first byte) for the programs that read or rewrite it.
 pub struct Udp {
     pub family: u8,
     /// Raw network-order words; IPv4 uses word 0.
@@ -64,6 +68,7 @@ pub struct Udp {
     /// Host byte order.
     pub sport: u16,
     pub dport: u16,
+    pub l3: usize,
     pub l4: usize,
 }
 
@@ -138,9 +143,9 @@ struct ExtHead {
 /// Walks the IPv6 extension headers after the fixed header: the upper-layer
 /// protocol and its offset, or `None` for a chain too long or cut short.
 #[inline(always)]
-fn ipv6_upper(ctx: &TcContext, first: u8) -> Option<(u8, usize)> {
+fn ipv6_upper<const L2: usize>(ctx: &TcContext, first: u8) -> Option<(u8, usize)> {
     let mut next = first;
-    let mut off = ETH_HLEN + 40;
+    let mut off = L2 + 40;
     for _ in 0..MAX_EXT_HEADERS {
         let len = match next {
             IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS => {
@@ -173,16 +178,22 @@ fn ipv6_upper(ctx: &TcContext, first: u8) -> Option<(u8, usize)> {
     }
 }
 
-/// Parses an Ethernet frame carrying TCP or UDP over IPv4 or IPv6.
+/// Parses a frame carrying TCP or UDP over IPv4 or IPv6, after a link-layer
+/// header of `L2` bytes ([`L2_ETH`] or [`L2_NONE`]).
 #[inline(always)]
-pub fn parse(ctx: &TcContext) -> Parsed {
-    let Some(proto) = ptr_at::<u16>(ctx, 12) else {
-        return Parsed::Other;
+pub fn parse<const L2: usize>(ctx: &TcContext) -> Parsed {
+    let proto = if L2 == L2_NONE {
+        // Network byte order in the low 16 bits.
+        u16::from_be(unsafe { (*ctx.skb.skb).protocol } as u16)
+    } else {
+        let Some(proto) = ptr_at::<u16>(ctx, 12) else {
+            return Parsed::Other;
+        };
+        u16::from_be(unsafe { *proto })
     };
-    let proto = u16::from_be(unsafe { *proto });
     let (family, saddr, daddr, l4_proto, l4) = match proto {
         ETH_P_IP => {
-            let Some(ip) = ptr_at::<Ipv4Hdr>(ctx, ETH_HLEN) else {
+            let Some(ip) = ptr_at::<Ipv4Hdr>(ctx, L2) else {
                 return Parsed::Other;
             };
             let ip = unsafe { &*ip };
@@ -200,15 +211,15 @@ pub fn parse(ctx: &TcContext) -> Parsed {
                 [ip.saddr, 0, 0, 0],
                 [ip.daddr, 0, 0, 0],
                 ip.protocol,
-                ETH_HLEN + ihl,
+                L2 + ihl,
             )
         }
         ETH_P_IPV6 => {
-            let Some(ip) = ptr_at::<Ipv6Hdr>(ctx, ETH_HLEN) else {
+            let Some(ip) = ptr_at::<Ipv6Hdr>(ctx, L2) else {
                 return Parsed::Other;
             };
             let ip = unsafe { &*ip };
-            match ipv6_upper(ctx, ip.nexthdr) {
+            match ipv6_upper::<L2>(ctx, ip.nexthdr) {
                 Some((IPPROTO_TCP, off)) => (FAMILY_V6, ip.saddr, ip.daddr, IPPROTO_TCP, off),
                 Some((IPPROTO_UDP, off)) => (FAMILY_V6, ip.saddr, ip.daddr, IPPROTO_UDP, off),
                 Some(_) => return Parsed::Other,
@@ -229,6 +240,7 @@ pub fn parse(ctx: &TcContext) -> Parsed {
             daddr,
             sport: u16::from_be(ports[0]),
             dport: u16::from_be(ports[1]),
+            l3: L2,
             l4,
         });
     }
@@ -248,8 +260,8 @@ pub fn parse(ctx: &TcContext) -> Parsed {
 
 /// [`parse`], for the programs that treat anything but TCP alike.
 #[inline(always)]
-pub fn parse_tcp(ctx: &TcContext) -> Option<Tcp> {
-    match parse(ctx) {
+pub fn parse_tcp<const L2: usize>(ctx: &TcContext) -> Option<Tcp> {
+    match parse::<L2>(ctx) {
         Parsed::Tcp(t) => Some(t),
         _ => None,
     }

@@ -91,16 +91,21 @@ pub fn put_hint_flags(cookie: u64, key: &FlowKey, verdict: HintVerdict, flags: u
 }
 
 /// Re-injects the packet at the pod interface's ingress with the "deliver
-/// locally" mark; the policy route (table 100) then makes it local.
+/// locally" mark; the policy route (table 100) then makes it local. `L2`:
+/// the interface's link-layer header length (`packet::L2_ETH` or
+/// `packet::L2_NONE`).
 #[inline(always)]
-pub fn redirect_to_self(ctx: &TcContext) -> i32 {
-    // Destination MAC := source MAC (our own), or the frame re-enters as
-    // PACKET_OTHERHOST and IP drops it.
-    let Ok(src) = ctx.load::<[u8; 6]>(6) else {
-        return TC_ACT_SHOT;
-    };
-    if ctx.store(0, &src, 0).is_err() {
-        return TC_ACT_SHOT;
+pub fn redirect_to_self<const L2: usize>(ctx: &TcContext) -> i32 {
+    // Ethernet: destination MAC := source MAC (our own), or the frame
+    // re-enters as PACKET_OTHERHOST and IP drops it. An L3 device's packet
+    // has no MAC to fix (the kernel re-injects it as the host's).
+    if L2 != crate::packet::L2_NONE {
+        let Ok(src) = ctx.load::<[u8; 6]>(6) else {
+            return TC_ACT_SHOT;
+        };
+        if ctx.store(0, &src, 0).is_err() {
+            return TC_ACT_SHOT;
+        }
     }
     mark_redirect(ctx);
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };

@@ -41,6 +41,11 @@ pub enum EnrollError {
          (Linux ≥ 6.15), which this kernel lacks: the pod is not captured"
     )]
     RerouteUnsupported(String),
+    #[error(
+        "istio.io/reroute-virtual-interfaces names {0}, which has no Ethernet header: \
+         only Ethernet interfaces can be rerouted; the pod is not captured"
+    )]
+    RerouteOnL3(String),
     #[error("the pod of netns cookie {0} is being torn down (Draining): it is not enabled again")]
     Draining(u64),
     #[error("netns {0} now belongs to another namespace than the enrolled pod's")]
@@ -260,7 +265,11 @@ fn attach(
     // grace period under RTNL (≈ 10–20 ms here): most of an enrollment's
     // cost, and threads would not help (RTNL serialises).
     let peers = host_peers(dp, netns, &ifaces);
-    for spec in expected_links(&ifaces, &peers, &options.reroute) {
+    let l3 = podlinks::l3_of(netns, &ifaces);
+    if let Some(i) = podlinks::reroute_on_l3(&l3, &options.reroute) {
+        return Err(EnrollError::RerouteOnL3(i.clone()));
+    }
+    for spec in expected_links(&ifaces, &l3, &peers, &options.reroute) {
         attach_link(dp, netns, &dir, &spec)?;
         crash_point(&format!("enroll:link:{}", spec.pin_name()));
     }
@@ -292,6 +301,19 @@ fn attach_link(
         LinkSpec::Ingress(i) => {
             let tc = Tc::new(i, TcAttachType::Ingress, tcx);
             tc.attach(&mut dp.ingress, netns, &path)
+        }
+        LinkSpec::EgressL3(i) | LinkSpec::IngressL3(i) => {
+            let (prog, kind) = match spec {
+                LinkSpec::EgressL3(_) => (dp.egress_l3.as_mut(), TcAttachType::Egress),
+                _ => (dp.ingress_l3.as_mut(), TcAttachType::Ingress),
+            };
+            let Some(prog) = prog else {
+                return Err(EnrollError::Pin {
+                    what: spec.pin_name(),
+                    reason: "the pinned dataplane predates the programs for interfaces without an Ethernet header".into(),
+                });
+            };
+            Tc::new(i, kind, tcx).attach(prog, netns, &path)
         }
         LinkSpec::Lo => Tc::new("lo", TcAttachType::Ingress, tcx).attach(&mut dp.lo, netns, &path),
         LinkSpec::Reroute(i) => {
@@ -456,7 +478,8 @@ pub fn repair(dp: &mut Dataplane, cookie: u64, takeover: bool) -> Result<Repair,
     let mut relinked = Vec::new();
     let peers = host_peers(dp, &netns, &ifaces);
     let reroute = dp.maps.options(cookie).reroute;
-    for spec in expected_links(&ifaces, &peers, &reroute) {
+    let l3 = podlinks::l3_of(&netns, &ifaces);
+    for spec in expected_links(&ifaces, &l3, &peers, &reroute) {
         let pin_path = dir.join(spec.pin_name());
         if attached(dp, &netns, &spec, &pin_path) {
             continue;
@@ -492,7 +515,8 @@ pub fn missing_links(dp: &Dataplane, cookie: u64) -> Result<Vec<String>, EnrollE
     let ifaces = pod_interfaces(&netns, &path)?;
     let peers = host_peers(dp, &netns, &ifaces);
     let reroute = dp.maps.options(cookie).reroute;
-    Ok(expected_links(&ifaces, &peers, &reroute)
+    let l3 = podlinks::l3_of(&netns, &ifaces);
+    Ok(expected_links(&ifaces, &l3, &peers, &reroute)
         .into_iter()
         .filter(|spec| !attached(dp, &netns, spec, &dir.join(spec.pin_name())))
         .map(|spec| spec.pin_name())

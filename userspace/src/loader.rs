@@ -64,6 +64,8 @@ pub const PROG_INGRESS: &str = "sluice_ingress";
 pub const PROG_LO: &str = "sluice_lo";
 pub const PROG_HOST: &str = "sluice_host";
 pub const PROG_REROUTE: &str = "sluice_reroute";
+pub const PROG_EGRESS_L3: &str = "sluice_egress_l3";
+pub const PROG_INGRESS_L3: &str = "sluice_ingress_l3";
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -157,6 +159,10 @@ pub struct Dataplane {
     pub host: Option<SchedClassifier>,
     /// The reroute program (virtual interfaces); `None` as `host`.
     pub reroute: Option<SchedClassifier>,
+    /// The egress and ingress programs for interfaces without an Ethernet
+    /// header; `None` as `host`.
+    pub egress_l3: Option<SchedClassifier>,
+    pub ingress_l3: Option<SchedClassifier>,
     /// The node's netns, where the host side of pods' interfaces lives; set
     /// by [`Dataplane::set_node`]. Without it no host-side link is attached.
     pub node: Option<crate::hostside::Node>,
@@ -225,6 +231,8 @@ fn program_of_link(pin_name: &str) -> Option<&'static str> {
         n if n.starts_with("ingress_") => Some(PROG_INGRESS),
         n if n.starts_with("host_") => Some(PROG_HOST),
         n if n.starts_with("reroute_") => Some(PROG_REROUTE),
+        n if n.starts_with("l3egress_") => Some(PROG_EGRESS_L3),
+        n if n.starts_with("l3ingress_") => Some(PROG_INGRESS_L3),
         _ => None,
     }
 }
@@ -334,6 +342,8 @@ impl Dataplane {
             PROG_LO,
             PROG_HOST,
             PROG_REROUTE,
+            PROG_EGRESS_L3,
+            PROG_INGRESS_L3,
         ] {
             let _ = fs::remove_file(pins.progs().join(format!("{name}{NEXT}")));
         }
@@ -395,7 +405,15 @@ impl Dataplane {
                 .map_err(perr(PROG_STEER))?;
             p.load().map_err(perr(PROG_STEER))?;
         }
-        for name in [PROG_EGRESS, PROG_INGRESS, PROG_LO, PROG_HOST, PROG_REROUTE] {
+        for name in [
+            PROG_EGRESS,
+            PROG_INGRESS,
+            PROG_LO,
+            PROG_HOST,
+            PROG_REROUTE,
+            PROG_EGRESS_L3,
+            PROG_INGRESS_L3,
+        ] {
             let p: &mut SchedClassifier = ebpf
                 .program_mut(name)
                 .ok_or_else(|| missing(name))?
@@ -433,6 +451,20 @@ impl Dataplane {
                 PROG_REROUTE,
                 match pinned_optional(pins, PROG_REROUTE) {
                     Some(h) => h.info().map_err(perr(PROG_REROUTE))?.tag(),
+                    None => 0,
+                },
+            ),
+            (
+                PROG_EGRESS_L3,
+                match pinned_optional(pins, PROG_EGRESS_L3) {
+                    Some(h) => h.info().map_err(perr(PROG_EGRESS_L3))?.tag(),
+                    None => 0,
+                },
+            ),
+            (
+                PROG_INGRESS_L3,
+                match pinned_optional(pins, PROG_INGRESS_L3) {
+                    Some(h) => h.info().map_err(perr(PROG_INGRESS_L3))?.tag(),
                     None => 0,
                 },
             ),
@@ -626,6 +658,8 @@ impl Dataplane {
             lo,
             host: pinned_optional(&pins, PROG_HOST),
             reroute: pinned_optional(&pins, PROG_REROUTE),
+            egress_l3: pinned_optional(&pins, PROG_EGRESS_L3),
+            ingress_l3: pinned_optional(&pins, PROG_INGRESS_L3),
             node: None,
             dns_capture: true,
             maps: Maps::open_pinned(&pins.maps())?,
@@ -660,9 +694,13 @@ impl Dataplane {
             let lo = load_prog::<SchedClassifier>(&mut ebpf, PROG_LO, &pins)?;
             let host = load_prog::<SchedClassifier>(&mut ebpf, PROG_HOST, &pins)?;
             let reroute = load_prog::<SchedClassifier>(&mut ebpf, PROG_REROUTE, &pins)?;
-            Ok((steer, egress, ingress, lo, host, reroute))
+            let egress_l3 = load_prog::<SchedClassifier>(&mut ebpf, PROG_EGRESS_L3, &pins)?;
+            let ingress_l3 = load_prog::<SchedClassifier>(&mut ebpf, PROG_INGRESS_L3, &pins)?;
+            Ok((
+                steer, egress, ingress, lo, host, reroute, egress_l3, ingress_l3,
+            ))
         })();
-        let (steer, egress, ingress, lo, host, reroute) = match result {
+        let (steer, egress, ingress, lo, host, reroute, egress_l3, ingress_l3) = match result {
             Ok(p) => p,
             Err(e) => {
                 // Leave nothing half-loaded: the next attempt starts clean.
@@ -687,6 +725,8 @@ impl Dataplane {
             lo,
             host: Some(host),
             reroute: Some(reroute),
+            egress_l3: Some(egress_l3),
+            ingress_l3: Some(ingress_l3),
             node: None,
             dns_capture: true,
             maps,

@@ -176,6 +176,48 @@ pub fn interfaces() -> std::io::Result<Vec<String>> {
     Ok(names)
 }
 
+/// Those of `ifaces` (in the calling thread's netns) whose packets carry no
+/// Ethernet header (netkit in L3 mode, WireGuard, tun, IP tunnels: any
+/// hardware type but Ethernet and loopback), by `SIOCGIFHWADDR`. An
+/// interface gone meanwhile is left out.
+pub fn l3_interfaces(ifaces: &[String]) -> std::io::Result<Vec<String>> {
+    const ARPHRD_ETHER: u16 = 1;
+    const ARPHRD_LOOPBACK: u16 = 772;
+    // SAFETY: a plain socket, closed by OwnedFd.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    let mut out = Vec::new();
+    for name in ifaces {
+        // SAFETY: ifreq is plain data; zeroed is a valid value.
+        let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+        let bytes = name.as_bytes();
+        if bytes.len() >= req.ifr_name.len() {
+            continue;
+        }
+        for (d, s) in req.ifr_name.iter_mut().zip(bytes) {
+            *d = *s as libc::c_char;
+        }
+        // SAFETY: SIOCGIFHWADDR reads ifr_name and writes ifr_hwaddr.
+        let r = unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFHWADDR, &mut req) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::ENODEV) {
+                continue;
+            }
+            return Err(e);
+        }
+        // SAFETY: the union's hwaddr member is what SIOCGIFHWADDR fills.
+        let kind = unsafe { req.ifr_ifru.ifru_hwaddr.sa_family };
+        if kind != ARPHRD_ETHER && kind != ARPHRD_LOOPBACK {
+            out.push(name.clone());
+        }
+    }
+    Ok(out)
+}
+
 /// The addresses on every interface but `lo` in the calling thread's netns.
 pub fn addresses() -> std::io::Result<Vec<std::net::IpAddr>> {
     let mut v = Vec::new();

@@ -36,6 +36,10 @@ pub enum LinkSpec {
     Egress(String),
     /// tc ingress on a pod interface.
     Ingress(String),
+    /// tc egress on a pod interface without an Ethernet header.
+    EgressL3(String),
+    /// tc ingress on a pod interface without an Ethernet header.
+    IngressL3(String),
     /// tc ingress on the pod's `lo`.
     Lo,
     /// tc egress on the host side (node netns) of a pod interface.
@@ -52,6 +56,8 @@ impl LinkSpec {
             LinkSpec::Steer => "steer".into(),
             LinkSpec::Egress(i) => format!("egress_{}", i.replace('.', "_")),
             LinkSpec::Ingress(i) => format!("ingress_{}", i.replace('.', "_")),
+            LinkSpec::EgressL3(i) => format!("l3egress_{}", i.replace('.', "_")),
+            LinkSpec::IngressL3(i) => format!("l3ingress_{}", i.replace('.', "_")),
             LinkSpec::Lo => "lo".into(),
             LinkSpec::Host(p) => format!("host_{}", p.pod_iface.replace('.', "_")),
             LinkSpec::Reroute(i) => format!("reroute_{}", i.replace('.', "_")),
@@ -62,8 +68,10 @@ impl LinkSpec {
     pub fn tc_hook(&self) -> Option<TcHook<'_>> {
         let (side, iface, kind) = match self {
             LinkSpec::Steer => return None,
-            LinkSpec::Egress(i) => (Side::Pod, i.as_str(), TcAttachType::Egress),
-            LinkSpec::Ingress(i) | LinkSpec::Reroute(i) => {
+            LinkSpec::Egress(i) | LinkSpec::EgressL3(i) => {
+                (Side::Pod, i.as_str(), TcAttachType::Egress)
+            }
+            LinkSpec::Ingress(i) | LinkSpec::IngressL3(i) | LinkSpec::Reroute(i) => {
                 (Side::Pod, i.as_str(), TcAttachType::Ingress)
             }
             LinkSpec::Lo => (Side::Pod, "lo", TcAttachType::Ingress),
@@ -73,11 +81,23 @@ impl LinkSpec {
     }
 }
 
-/// Every link a pod with interfaces `ifaces` (not `lo`), node-side peers
-/// `peers` and rerouted interfaces `reroute` has, in attach order.
-pub fn expected_links(ifaces: &[String], peers: &[HostPeer], reroute: &[String]) -> Vec<LinkSpec> {
+/// Every link a pod with interfaces `ifaces` (not `lo`; those in `l3`
+/// without an Ethernet header), node-side peers `peers` and rerouted
+/// interfaces `reroute` has, in attach order. A rerouted L3 interface is
+/// refused before this is asked ([`reroute_on_l3`]).
+pub fn expected_links(
+    ifaces: &[String],
+    l3: &[String],
+    peers: &[HostPeer],
+    reroute: &[String],
+) -> Vec<LinkSpec> {
     let mut v = vec![LinkSpec::Steer];
     for i in ifaces {
+        if l3.contains(i) {
+            v.push(LinkSpec::EgressL3(i.clone()));
+            v.push(LinkSpec::IngressL3(i.clone()));
+            continue;
+        }
         v.push(LinkSpec::Egress(i.clone()));
         v.push(if reroute.contains(i) {
             LinkSpec::Reroute(i.clone())
@@ -102,5 +122,21 @@ pub fn links_now(
     let peers = node
         .map(|n| hostside::peers(netns, n, ifaces).unwrap_or_default())
         .unwrap_or_default();
-    expected_links(ifaces, &peers, reroute)
+    expected_links(ifaces, &l3_of(netns, ifaces), &peers, reroute)
+}
+
+/// Which of the pod's `ifaces` have no Ethernet header; none when that
+/// cannot be read (the caller's next netlink step reports the netns).
+pub fn l3_of(netns: &Netns, ifaces: &[String]) -> Vec<String> {
+    netns
+        .run(|| crate::netns::l3_interfaces(ifaces))
+        .ok()
+        .and_then(Result::ok)
+        .unwrap_or_default()
+}
+
+/// A rerouted interface without an Ethernet header, if any: the reroute
+/// program parses Ethernet frames, so such a pod is refused.
+pub fn reroute_on_l3<'a>(l3: &'a [String], reroute: &[String]) -> Option<&'a String> {
+    l3.iter().find(|i| reroute.contains(i))
 }

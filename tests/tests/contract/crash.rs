@@ -26,7 +26,7 @@ const PEER: &str = env!("CARGO_BIN_EXE_sluice-zds-peer");
 const POD_IFACE: &str = "eth0";
 
 fn pod_links() -> Vec<LinkSpec> {
-    expected_links(&[POD_IFACE.to_owned()], &[], &[])
+    expected_links(&[POD_IFACE.to_owned()], &[], &[], &[])
 }
 
 /// Every crash point of an enrollment, in order.

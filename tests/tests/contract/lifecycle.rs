@@ -57,6 +57,23 @@ pub fn trials() -> Vec<Trial> {
             || as_if_kernel(without_tcx(), deleted_filter),
         ),
         trial(
+            "lifecycle::an_interface_without_an_ethernet_header_is_captured",
+            l3_interface,
+        ),
+        trial(
+            "lifecycle::no_tcx::an_interface_without_an_ethernet_header_is_captured",
+            || as_if_kernel(without_tcx(), l3_interface),
+        ),
+        trial(
+            "lifecycle::no_netns_cookie_in_tc::an_interface_without_an_ethernet_header_is_captured",
+            || {
+                as_if_kernel(
+                    sluice_tests::harness::without_netns_cookie_in_tc(),
+                    l3_interface,
+                )
+            },
+        ),
+        trial(
             "lifecycle::a_program_after_sluices_on_the_hook_still_runs",
             || programs_after_sluice(sluice::features::Features::get().tcx),
         ),
@@ -556,6 +573,40 @@ fn nf_tables_counted() -> TestResult {
 /// record pinned. The record alone must not count: CHECK's `missing_links`
 /// names the filter, repair attaches it again, and outbound is captured
 /// again.
+/// An L3 device (here a tun device; netkit in L3 mode and WireGuard alike)
+/// carries packets that start with their IP header: it gets the L3 variants
+/// of the capture programs, and a connection routed through it reaches
+/// ztunnel's outbound listener with its original destination. Nothing reads
+/// the tun device, so a SYN that left by it uncaptured would be lost.
+fn l3_interface() -> TestResult {
+    use sluice_common::Role;
+    let f = Fixture::new("l3", Some(Bind::DualStack))?;
+    let pod = f.topo.pod.as_str();
+    ip(&["-n", pod, "tuntap", "add", "mode", "tun", "name", "tun0"])?;
+    ip(&["-n", pod, "addr", "add", "10.198.0.1/24", "dev", "tun0"])?;
+    ip(&["-n", pod, "link", "set", "tun0", "up"])?;
+    let e = f.enroll()?;
+    ensure!(e.state == sluice_common::PodState::Enabled, "{e:?}");
+    let dir = f.topo.pins.pod(e.cookie);
+    for pin in ["l3egress_tun0", "l3ingress_tun0", "egress_eth0"] {
+        ensure!(dir.join(pin).exists(), "no {pin} pinned");
+    }
+    ensure!(
+        !dir.join("egress_tun0").exists(),
+        "tun0 got the Ethernet program"
+    );
+    let dst = SocketAddr::new([10, 198, 0, 5].into(), REMOTE_PORT);
+    let r = connect(pod, dst, Opts::default());
+    let acc = f.standin().accepted();
+    ensure!(
+        acc.iter()
+            .any(|a| a.role == Role::Outbound && a.local == dst),
+        "the connection over tun0 was not captured: {r:?}, ztunnel accepted {acc:?}; pod counters {:?}",
+        f.pod_record().map(|p| p.counters)
+    );
+    Ok(())
+}
+
 /// sluice's pod-side programs are appended after the device's others and
 /// pass what is not theirs on (`TCX_NEXT`; cls_bpf: the next filter): a
 /// program attached after them on the pod's egress still runs for the

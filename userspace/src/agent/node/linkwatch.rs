@@ -154,7 +154,10 @@ fn unlinked_here(dir: &std::path::Path) -> std::io::Result<bool> {
     Ok(crate::netns::interfaces()?
         .into_iter()
         .filter(|i| i != "lo")
-        .any(|i| !dir.join(LinkSpec::Egress(i).pin_name()).exists()))
+        .any(|i| {
+            let (l2, l3) = (LinkSpec::Egress(i.clone()), LinkSpec::EgressL3(i));
+            !dir.join(l2.pin_name()).exists() && !dir.join(l3.pin_name()).exists()
+        }))
 }
 
 /// What one subscription pass found: pods no longer held, and new sockets
