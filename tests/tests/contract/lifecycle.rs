@@ -582,6 +582,11 @@ fn l3_interface() -> TestResult {
     use sluice_common::Role;
     let f = Fixture::new("l3", Some(Bind::DualStack))?;
     let pod = f.topo.pod.as_str();
+    // The tun driver is a module on distribution kernels (the VMs): its
+    // device node appears once it is loaded.
+    if !Path::new("/dev/net/tun").exists() {
+        let _ = Command::new("modprobe").arg("tun").status();
+    }
     ip(&["-n", pod, "tuntap", "add", "mode", "tun", "name", "tun0"])?;
     ip(&["-n", pod, "addr", "add", "10.198.0.1/24", "dev", "tun0"])?;
     ip(&["-n", pod, "link", "set", "tun0", "up"])?;
