@@ -430,6 +430,14 @@ impl Dataplane {
             Ok(p.info().map_err(perr(name))?.tag())
         };
         let (steer, egress, ingress, lo) = pinned_programs(pins)?;
+        // Pins of a build before a program have none: it counts as changed
+        // (pinned, no link to switch).
+        let optional_tag = |name: &'static str| -> Result<u64, LoadError> {
+            match pinned_optional(pins, name) {
+                Some(p) => Ok(p.info().map_err(perr(name))?.tag()),
+                None => Ok(0),
+            }
+        };
         let pinned = [
             (PROG_STEER, steer.info().map_err(perr(PROG_STEER))?.tag()),
             (PROG_EGRESS, egress.info().map_err(perr(PROG_EGRESS))?.tag()),
@@ -438,36 +446,10 @@ impl Dataplane {
                 ingress.info().map_err(perr(PROG_INGRESS))?.tag(),
             ),
             (PROG_LO, lo.info().map_err(perr(PROG_LO))?.tag()),
-            // Pins of a build before the host-side program have none: it
-            // counts as changed (pinned, no link to switch).
-            (
-                PROG_HOST,
-                match pinned_optional(pins, PROG_HOST) {
-                    Some(h) => h.info().map_err(perr(PROG_HOST))?.tag(),
-                    None => 0,
-                },
-            ),
-            (
-                PROG_REROUTE,
-                match pinned_optional(pins, PROG_REROUTE) {
-                    Some(h) => h.info().map_err(perr(PROG_REROUTE))?.tag(),
-                    None => 0,
-                },
-            ),
-            (
-                PROG_EGRESS_L3,
-                match pinned_optional(pins, PROG_EGRESS_L3) {
-                    Some(h) => h.info().map_err(perr(PROG_EGRESS_L3))?.tag(),
-                    None => 0,
-                },
-            ),
-            (
-                PROG_INGRESS_L3,
-                match pinned_optional(pins, PROG_INGRESS_L3) {
-                    Some(h) => h.info().map_err(perr(PROG_INGRESS_L3))?.tag(),
-                    None => 0,
-                },
-            ),
+            (PROG_HOST, optional_tag(PROG_HOST)?),
+            (PROG_REROUTE, optional_tag(PROG_REROUTE)?),
+            (PROG_EGRESS_L3, optional_tag(PROG_EGRESS_L3)?),
+            (PROG_INGRESS_L3, optional_tag(PROG_INGRESS_L3)?),
         ];
         // A program's tag ignores which maps it uses: after a migration every
         // program is replaced, since the new maps are only the new programs'.
