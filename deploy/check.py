@@ -187,6 +187,7 @@ FULL = {
     "bpfRoot": "/sys/fs/bpf/sluice-test",
     "controlSocket": "/run/sluice-test/agent.sock",
     "zdsSocket": "/var/run/ztunnel-test/ztunnel.sock",
+    "tcAttach": "tcx",
     "cni": {"install": True, "confDir": "/etc/cni/net.d.test", "binDir": "/home/kubernetes/bin",
             "excludeNamespaces": ["kube-system", "monitoring"],
             "ambient": {"dnsCapture": False}},
@@ -335,6 +336,7 @@ def check_full(objs):
         "--node-netns=off",
         "--exclude-namespaces=kube-system,monitoring",
         "--dns-capture=false",
+        "--tc-attach=tcx",
     ]:
         expect("full", flag in a, f"agent args lack {flag}: {a}")
     w = args_of(ds, "watchdog")

@@ -76,7 +76,11 @@ impl AgentProc {
             env: env
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
-                .chain(crate::harness::as_if_kernel_env().map(|(k, v)| (k.to_owned(), v)))
+                .chain(
+                    crate::harness::as_if_kernel_env()
+                        .into_iter()
+                        .map(|(k, v)| (k.to_owned(), v)),
+                )
                 .collect(),
             zds: dir.join("ztunnel.sock"),
             control: dir.join("agent.sock"),

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use sluice::{
     enroll::{self, Enrolled},
-    features::Features,
+    features::{Features, TcAttach},
     loader::Dataplane,
     state::{Maps, PodRecord},
     uid::PodUid,
@@ -29,6 +29,23 @@ pub fn is_root() -> bool {
 
 thread_local! {
     static AS_IF_KERNEL: std::cell::Cell<Option<Features>> = const { std::cell::Cell::new(None) };
+    static TC_ATTACH: std::cell::Cell<TcAttach> = const { std::cell::Cell::new(TcAttach::ClsBpf) };
+}
+
+/// Runs `f` with every [`Fixture`] and agent it makes on this thread
+/// attaching tc programs with tcx links instead of the default cls_bpf
+/// filters (`--tc-attach tcx`). A test of it on a kernel without tcx is
+/// skipped by the caller ([`tcx_available`]).
+pub fn attaching_with_tcx<R>(f: impl FnOnce() -> R) -> R {
+    TC_ATTACH.set(TcAttach::Tcx);
+    let out = f();
+    TC_ATTACH.set(TcAttach::ClsBpf);
+    out
+}
+
+/// Whether this kernel has tcx (else the tcx variants are skipped).
+pub fn tcx_available() -> bool {
+    Features::get().tcx
 }
 
 /// Runs `f` with every [`Fixture`] it makes on this thread loading its
@@ -42,9 +59,17 @@ pub fn as_if_kernel<R>(features: Features, f: impl FnOnce() -> R) -> R {
 }
 
 /// The environment that makes a `sluice` process see the kernel as
-/// [`as_if_kernel`] set it on this thread (the features it turns off), if
-/// it is set and differs from this kernel's.
-pub fn as_if_kernel_env() -> Option<(&'static str, String)> {
+/// [`as_if_kernel`] set it on this thread (the features it turns off), and
+/// attach as [`attaching_with_tcx`] chose.
+pub fn as_if_kernel_env() -> Vec<(&'static str, String)> {
+    let mut env: Vec<(&'static str, String)> = features_env().into_iter().collect();
+    if TC_ATTACH.get() == TcAttach::Tcx {
+        env.push(("SLUICE_TC_ATTACH", "tcx".into()));
+    }
+    env
+}
+
+fn features_env() -> Option<(&'static str, String)> {
     let (f, real) = (AS_IF_KERNEL.get()?, Features::get());
     let off: Vec<&str> = [
         ("sk_lookup", f.sk_lookup, real.sk_lookup),
@@ -87,6 +112,8 @@ pub struct Fixture {
     /// The kernel features its dataplane is loaded with (`None`: the probed
     /// ones), from [`as_if_kernel`] when it was made.
     features: Option<Features>,
+    /// How its dataplane attaches tc programs ([`attaching_with_tcx`]).
+    tc_attach: TcAttach,
     pub app: App,
     pub remote: App,
     pub standin: Option<StandIn>,
@@ -106,6 +133,7 @@ impl Fixture {
         Ok(Self {
             uid: PodUid::new(&format!("pod-{tag}"))?,
             features: AS_IF_KERNEL.get(),
+            tc_attach: TC_ATTACH.get(),
             app: App::start(&topo.pod, APP_PORT),
             remote: App::start(&topo.client, REMOTE_PORT),
             standin: standin.map(|b| StandIn::start(&topo.pod, b)),
@@ -119,10 +147,12 @@ impl Fixture {
 
     pub fn dataplane(&self) -> anyhow::Result<Dataplane> {
         let pins = self.topo.pins.clone();
-        Ok(match self.features {
+        let mut dp = match self.features {
             Some(f) => Dataplane::load_or_adopt_with(pins, f)?,
             None => Dataplane::load_or_adopt(pins)?,
-        })
+        };
+        dp.set_tc_attach(self.tc_attach);
+        Ok(dp)
     }
 
     pub fn enroll(&self) -> anyhow::Result<Enrolled> {

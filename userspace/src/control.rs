@@ -135,6 +135,10 @@ pub struct NodeStatus {
     /// tick (200 ms) after it arrives or leaves.
     #[serde(default)]
     pub link_watches: usize,
+    /// How the agent attaches tc programs to new pods (`--tc-attach`, after
+    /// a fallback to cls_bpf on a kernel without tcx).
+    #[serde(default)]
+    pub tc_attach: crate::features::TcAttach,
 }
 
 /// A pod of this node the agent leaves uncaptured, and why.

@@ -261,9 +261,9 @@ fn attach(
         what: format!("creating {}", dir.display()),
         source,
     })?;
-    // Each tcx attach swaps the device's program array and waits for an RCU
-    // grace period under RTNL (≈ 10–20 ms here): most of an enrollment's
-    // cost, and threads would not help (RTNL serialises).
+    // With tcx (`--tc-attach tcx`) each attach swaps the device's program
+    // array and waits for an RCU grace period under RTNL (≈ 10–20 ms here);
+    // cls_bpf filters (the default) need none.
     let peers = host_peers(dp, netns, &ifaces);
     let l3 = podlinks::l3_of(netns, &ifaces);
     if let Some(i) = podlinks::reroute_on_l3(&l3, &options.reroute) {
@@ -284,7 +284,7 @@ fn attach_link(
     spec: &LinkSpec,
 ) -> Result<(), EnrollError> {
     let path = dir.join(spec.pin_name());
-    let tcx = dp.features.tcx;
+    let tcx = dp.tc_attach == crate::features::TcAttach::Tcx;
     match spec {
         LinkSpec::Steer => {
             let aerr = |source| EnrollError::Attach {
@@ -344,8 +344,8 @@ fn attach_link(
     }
 }
 
-/// One tc attachment: a tcx link (at `order` in the device's chain), or on
-/// kernels without tcx sluice's cls_bpf filter (`tcfilter`).
+/// One tc attachment: sluice's cls_bpf filter (`tcfilter`), or with
+/// `--tc-attach tcx` a tcx link (at `order` in the device's chain).
 struct Tc<'a> {
     iface: &'a str,
     kind: TcAttachType,

@@ -26,6 +26,47 @@ pub struct Features {
     pub netns_cookie_in_tc: bool,
 }
 
+/// How sluice attaches its tc programs. Both run the same programs with the
+/// same verdicts; they differ in what an enrollment costs and in who owns
+/// the attachment:
+///
+/// - `ClsBpf` (the default, every kernel): a clsact qdisc and one netlink
+///   filter per hook at sluice's fixed priority and handle. An attach takes
+///   no RCU grace period, so a pod enrolls in about a millisecond and holds
+///   RTNL for well under one. A filter is no BPF object: anything with
+///   CAP_NET_ADMIN in the netns can delete it, which repair finds and mends.
+/// - `Tcx` (Linux ≥ 6.6): a BPF link per hook, owned through its pin, placed
+///   in the device's chain by order. Every attach and detach waits for an
+///   RCU grace period under RTNL (tcx's program array swap): 10–20 ms each,
+///   three or four per pod, which every netlink user on the node waits out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TcAttach {
+    #[default]
+    ClsBpf,
+    Tcx,
+}
+
+impl TcAttach {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TcAttach::ClsBpf => "cls_bpf",
+            TcAttach::Tcx => "tcx",
+        }
+    }
+}
+
+impl std::str::FromStr for TcAttach {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cls_bpf" | "cls-bpf" => Ok(TcAttach::ClsBpf),
+            "tcx" => Ok(TcAttach::Tcx),
+            other => Err(format!("{other:?}: expected cls_bpf or tcx")),
+        }
+    }
+}
+
 /// Forces probed features off, for testing the fallbacks on a kernel that
 /// has them: a comma-separated list of field names.
 pub const DISABLE_ENV: &str = "SLUICE_DISABLE_KERNEL_FEATURES";

@@ -26,7 +26,7 @@ use aya::{
 };
 
 use crate::{
-    features::Features,
+    features::{Features, TcAttach},
     state::{Maps, StateError},
 };
 
@@ -175,6 +175,9 @@ pub struct Dataplane {
     /// The kernel features the programs were loaded for (probed; fewer in
     /// tests of the fallbacks).
     pub features: Features,
+    /// How new tc attachments are made ([`Dataplane::set_tc_attach`]); pods
+    /// attached otherwise before keep theirs until re-enrolled.
+    pub tc_attach: TcAttach,
 }
 
 /// How a process came by the dataplane.
@@ -648,6 +651,7 @@ impl Dataplane {
             pins,
             adoption: Adoption::Same,
             features,
+            tc_attach: TcAttach::default(),
         })
     }
 
@@ -714,6 +718,7 @@ impl Dataplane {
             maps,
             adoption: Adoption::Loaded,
             features,
+            tc_attach: TcAttach::default(),
         })
     }
 }
@@ -732,6 +737,16 @@ impl Dataplane {
         node.publish(&self.pins.maps())?;
         self.node = Some(node);
         Ok(())
+    }
+
+    /// Chooses how new tc attachments are made; `Tcx` on a kernel without
+    /// tcx falls back to cls_bpf filters. Returns the attach in use.
+    pub fn set_tc_attach(&mut self, wanted: TcAttach) -> TcAttach {
+        self.tc_attach = match wanted {
+            TcAttach::Tcx if !self.features.tcx => TcAttach::ClsBpf,
+            w => w,
+        };
+        self.tc_attach
     }
 
     /// Sets the node's DNS capture default and applies it to every enrolled

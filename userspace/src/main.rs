@@ -213,6 +213,14 @@ enum Cmd {
         /// wins; pods enrolled earlier follow a changed default on restart.
         #[arg(long, default_value_t = true, action = clap::ArgAction::Set, env = "SLUICE_DNS_CAPTURE")]
         dns_capture: bool,
+        /// How tc programs are attached to pods: `cls_bpf` (a clsact qdisc
+        /// and a filter per hook; a pod enrolls in about a millisecond) or
+        /// `tcx` (BPF links, Linux ≥ 6.6; every attach waits for an RCU
+        /// grace period under RTNL, 10–20 ms, three or four per pod). tcx on
+        /// a kernel without it falls back to cls_bpf. Pods attached the other
+        /// way keep their attachments.
+        #[arg(long, default_value = "cls_bpf", env = "SLUICE_TC_ATTACH")]
+        tc_attach: sluice::features::TcAttach,
         /// With --install-cni: how often the CNI config is checked besides
         /// the inotify watch that sees the primary CNI's rewrites at once.
         #[arg(long, default_value = "5s", value_parser = parse_duration)]
@@ -480,6 +488,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             exclude_namespaces,
             cni_recheck,
             dns_capture,
+            tc_attach,
         } => {
             init_tracing(cli.log_format);
             let mut excluded: std::collections::BTreeSet<String> = exclude_namespaces
@@ -542,6 +551,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 node_netns: (node_netns != "off").then(|| PathBuf::from(node_netns)),
                 excluded,
                 dns_capture,
+                tc_attach,
             })?;
         }
         Cmd::Watchdog {

@@ -4,7 +4,7 @@
 //! without capture. The policy rule and table-100 route Istio installs are the
 //! same as sluice's and stay. Uses the iptables tools, as istio-cni does.
 
-use std::{path::Path, process::Command};
+use std::process::Command;
 
 use crate::netns::{Netns, NetnsError};
 
@@ -72,23 +72,16 @@ fn run(bin: &str, args: &[&str]) -> Result<Option<(bool, String, String)>, Migra
 }
 
 /// Per family: the nf_tables and legacy tools (istio-cni uses whichever its
-/// host uses, and our image's default may be the other), the kernel file that
-/// exists only when legacy tables are in use anywhere on the node, and the
-/// plain tool for hosts that ship no variants.
+/// host uses, and our image's default may be the other), the netns' list of
+/// its legacy tables, and the plain tool for hosts that ship no variants.
 const TOOLS: [(&str, &str, &str, &str); 2] = [
-    (
-        "iptables-nft",
-        "iptables-legacy",
-        "/proc/net/ip_tables_names",
-        "iptables",
-    ),
-    (
-        "ip6tables-nft",
-        "ip6tables-legacy",
-        "/proc/net/ip6_tables_names",
-        "ip6tables",
-    ),
+    ("iptables-nft", "iptables-legacy", LEGACY_V4, "iptables"),
+    ("ip6tables-nft", "ip6tables-legacy", LEGACY_V6, "ip6tables"),
 ];
+
+/// The per-netns lists of legacy tables ([`legacy_tables`]).
+pub const LEGACY_V4: &str = "ip_tables_names";
+pub const LEGACY_V6: &str = "ip6_tables_names";
 
 /// Whether `tool`'s rule set holds Istio's chains; `None`: not installed.
 fn has_istio_chains(tool: &str) -> Result<Option<bool>, MigrateError> {
@@ -96,21 +89,32 @@ fn has_istio_chains(tool: &str) -> Result<Option<bool>, MigrateError> {
         .map(|(ok, out, _)| ok && (out.contains(":ISTIO_PRERT") || out.contains(":ISTIO_OUTPUT"))))
 }
 
-/// The iptables tools whose rule set in `netns` holds Istio's chains. A
-/// netns without nf_tables tables (every pod istio-cni never captured, on a
-/// node without legacy iptables) is answered from one netlink query, not
-/// by running the tools: they cost milliseconds per enrollment.
+/// Whether the calling thread's netns has legacy iptables tables of the
+/// family whose list is `names`: the kernel makes a netns' legacy tables on
+/// their first use there, so a netns no legacy tool ever touched lists none
+/// (and a kernel without legacy iptables has no list). `/proc/thread-self`:
+/// `/proc/net` is the netns of the process's main thread, not this one's.
+pub fn legacy_tables(names: &str) -> bool {
+    std::fs::read(format!("/proc/thread-self/net/{names}"))
+        .is_ok_and(|list| !list.iter().all(u8::is_ascii_whitespace))
+}
+
+/// The iptables tools whose rule set in `netns` holds Istio's chains. istio-cni's
+/// rules can only be where the netns has iptables tables at all: a netns
+/// without nf_tables tables (one netlink dump) and without legacy tables
+/// (a proc file) — every pod istio-cni never captured — is answered without
+/// running the tools, which cost milliseconds per enrollment.
 pub fn istio_rules(netns: &Netns) -> Result<Vec<&'static str>, MigrateError> {
     netns.run(|| {
         let no_nft_rules = nf_tables_count() == Some(0);
         let mut found = Vec::new();
-        for (nft, legacy, legacy_in_use, plain) in TOOLS {
+        for (nft, legacy, legacy_names, plain) in TOOLS {
             let mut answered = no_nft_rules;
             for tool in [nft, legacy] {
                 let skip = if tool == nft {
                     no_nft_rules
                 } else {
-                    !Path::new(legacy_in_use).exists()
+                    !legacy_tables(legacy_names)
                 };
                 if skip {
                     continue;

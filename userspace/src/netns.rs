@@ -1,6 +1,6 @@
 //! Network namespace handles: open and validate a netns path, learn its cookie,
-//! and run code inside it on a dedicated thread (setns affects only the calling
-//! thread, so the rest of the process never changes namespace).
+//! and run code inside it (setns affects only the calling thread, which goes
+//! back at once: the rest of the process never changes namespace).
 
 use std::{
     fs::File,
@@ -11,6 +11,8 @@ use std::{
 use nix::sched::{setns, CloneFlags};
 
 const NSFS_MAGIC: i64 = 0x6e73_6673;
+/// `_IO(0xb7, 0x3)`: the kind of namespace an nsfs fd is (Linux ≥ 4.11).
+const NS_GET_NSTYPE: libc::c_ulong = 0xb703;
 
 #[derive(Debug, thiserror::Error)]
 pub enum NetnsError {
@@ -56,8 +58,12 @@ impl Netns {
             file,
             path: path.to_owned(),
         };
-        // nsfs also holds other namespace kinds: entering tells them apart.
-        ns.run(|| ())?;
+        // nsfs also holds the other namespace kinds.
+        // SAFETY: NS_GET_NSTYPE takes no argument and returns the type.
+        let kind = unsafe { libc::ioctl(ns.file.as_raw_fd(), NS_GET_NSTYPE) };
+        if kind != libc::CLONE_NEWNET {
+            return Err(NetnsError::NotNetns(path.to_owned()));
+        }
         Ok(ns)
     }
 
@@ -78,24 +84,33 @@ impl Netns {
         self.file.into()
     }
 
-    /// Runs `f` on a new thread that has entered this netns.
-    pub fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> Result<R, NetnsError> {
-        std::thread::scope(|s| {
-            s.spawn(|| {
-                setns(self.file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|source| {
-                    if source == nix::Error::EINVAL {
-                        NetnsError::NotNetns(self.path.clone())
-                    } else {
-                        NetnsError::Enter {
-                            path: self.path.clone(),
-                            source,
-                        }
-                    }
-                })?;
-                Ok(f())
-            })
-            .join()
-            .expect("netns worker thread panicked")
+    /// Runs `f` inside this netns, on the calling thread: setns(2) moves
+    /// only that thread, and it goes back to the netns it was in when `f`
+    /// returns (also by a panic). An enrollment enters the pod netns several
+    /// times; a thread per visit cost about 100 µs each. `f` is synchronous,
+    /// so nothing else runs on the thread meanwhile. (It must not pin to
+    /// bpffs: pins are refused from a thread in another netns.)
+    pub fn run<R>(&self, f: impl FnOnce() -> R) -> Result<R, NetnsError> {
+        let here = File::open(THREAD_NETNS).map_err(|source| NetnsError::Open {
+            path: THREAD_NETNS.into(),
+            source,
+        })?;
+        self.enter()?;
+        let _back = GoBack(here);
+        Ok(f())
+    }
+
+    /// Moves the calling thread into this netns.
+    fn enter(&self) -> Result<(), NetnsError> {
+        setns(self.file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|source| {
+            if source == nix::Error::EINVAL {
+                NetnsError::NotNetns(self.path.clone())
+            } else {
+                NetnsError::Enter {
+                    path: self.path.clone(),
+                    source,
+                }
+            }
         })
     }
 
@@ -127,6 +142,23 @@ impl AsFd for Netns {
 
 use sluice_cni::hostns::host_like_id;
 pub use sluice_cni::hostns::path_is_host_like;
+
+/// The calling thread's own netns (`/proc/self` would be the main thread's).
+const THREAD_NETNS: &str = "/proc/thread-self/ns/net";
+
+/// Takes the thread back to the netns it left when a [`Netns::run`] ends.
+struct GoBack(File);
+
+impl Drop for GoBack {
+    fn drop(&mut self) {
+        if let Err(e) = setns(self.0.as_fd(), CloneFlags::CLONE_NEWNET) {
+            // A thread stuck in a pod's netns would do its next work (the
+            // API server, other pods) there: stop rather than go on wrong.
+            eprintln!("sluice: cannot return to the thread's own netns ({e}): aborting");
+            std::process::abort();
+        }
+    }
+}
 
 fn udp_socket() -> std::io::Result<OwnedFd> {
     let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };

@@ -7,19 +7,19 @@
 
 use std::net::{Ipv4Addr, Ipv6Addr};
 
+use netlink_packet_core::{NLM_F_CREATE, NLM_F_EXCL};
 use netlink_packet_route::{
-    route::{RouteMessage, RouteScope, RouteType},
+    link::{LinkFlags, LinkMessage},
+    route::{RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteScope, RouteType},
     rule::{RuleAction, RuleAttribute, RuleMessage},
+    AddressFamily, RouteNetlinkMessage,
 };
-use rtnetlink::{Handle, LinkUnspec, RouteMessageBuilder};
 use sluice_common::{MARK_MASK, MARK_REDIRECT, ROUTE_TABLE, RULE_PRIORITY};
 
-use crate::sysctl;
+use crate::{rtnl::Rtnl, sysctl};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RouteError {
-    #[error("rtnetlink: {0}")]
-    Netlink(#[from] rtnetlink::Error),
     #[error("{what}: {source}")]
     Io {
         what: String,
@@ -46,13 +46,6 @@ fn set_accept_local(iface: &str, on: bool) -> Result<(), RouteError> {
     set_sysctl(&format!("net/ipv4/conf/{iface}/accept_local"), on)
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime, RouteError> {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_io()
-        .build()
-        .map_err(io("tokio runtime"))
-}
-
 /// Requests queued on a closing listener move to another listener of its
 /// SO_REUSEPORT group instead of being reset: with it, a ztunnel upgrade (old
 /// and new listeners in one group, the old one closing) loses no connection.
@@ -67,26 +60,27 @@ pub fn install(pod_ifaces: &[String]) -> Result<(), RouteError> {
         set_accept_local(i, true)?;
     }
     set_migrate_req(true)?;
-    let v6 = ipv6_enabled();
-    runtime()?.block_on(async {
-        let (conn, handle, _) = rtnetlink::new_connection().map_err(io("rtnetlink socket"))?;
-        tokio::spawn(conn);
-        let lo = lo_index()?;
-        // The local route needs lo up; the runtime's loopback plugin may not
-        // have run yet when we are called from CNI ADD.
-        handle
-            .link()
-            .set(LinkUnspec::new_with_index(lo).up().build())
-            .execute()
-            .await?;
-        ignore_exists(rule_v4(&handle).execute().await)?;
-        ignore_exists(handle.route().add(route_v4(lo)).execute().await)?;
-        if v6 {
-            ignore_exists(rule_v6(&handle).execute().await)?;
-            ignore_exists(handle.route().add(route_v6(lo)).execute().await)?;
+    let nl = Rtnl::open().map_err(io("rtnetlink socket"))?;
+    let lo = lo_index()?;
+    // The local route needs lo up; the runtime's loopback plugin may not
+    // have run yet when we are called from CNI ADD.
+    let mut up = LinkMessage::default();
+    up.header.index = lo;
+    up.header.flags = LinkFlags::Up;
+    up.header.change_mask = LinkFlags::Up;
+    nl.request(RouteNetlinkMessage::SetLink(up))
+        .map_err(io("setting lo up"))?;
+    for (what, msg) in entries(lo) {
+        let created = match msg {
+            Entry::Rule(m) => RouteNetlinkMessage::NewRule(m),
+            Entry::Route(m) => RouteNetlinkMessage::NewRoute(m),
+        };
+        match nl.request_with(created, NLM_F_CREATE | NLM_F_EXCL) {
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+            r => drop(r.map_err(io(format!("adding the {what}")))?),
         }
-        Ok(())
-    })
+    }
+    Ok(())
 }
 
 /// Removes what [`install`] added. Must run inside the pod netns. Missing
@@ -97,25 +91,37 @@ pub fn remove(pod_ifaces: &[String]) -> Result<(), RouteError> {
         let _ = set_accept_local(i, false);
     }
     let _ = set_migrate_req(false);
-    let v6 = ipv6_enabled();
-    runtime()?.block_on(async {
-        let (conn, handle, _) = rtnetlink::new_connection().map_err(io("rtnetlink socket"))?;
-        tokio::spawn(conn);
-        let lo = lo_index()?;
-        let mut rules = vec![rule_v4(&handle).message_mut().clone()];
-        let mut routes = vec![route_v4(lo)];
-        if v6 {
-            rules.push(rule_v6(&handle).message_mut().clone());
-            routes.push(route_v6(lo));
+    let nl = Rtnl::open().map_err(io("rtnetlink socket"))?;
+    let lo = lo_index()?;
+    for (what, msg) in entries(lo) {
+        let deleted = match msg {
+            Entry::Rule(m) => RouteNetlinkMessage::DelRule(m),
+            Entry::Route(m) => RouteNetlinkMessage::DelRoute(m),
+        };
+        match nl.request(deleted) {
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
+            r => drop(r.map_err(io(format!("removing the {what}")))?),
         }
-        for r in rules {
-            ignore_missing(handle.rule().del(r).execute().await)?;
-        }
-        for r in routes {
-            ignore_missing(handle.route().del(r).execute().await)?;
-        }
-        Ok(())
-    })
+    }
+    Ok(())
+}
+
+enum Entry {
+    Rule(RuleMessage),
+    Route(RouteMessage),
+}
+
+/// The rule and the route, per family IPv6 is usable in.
+fn entries(lo: u32) -> Vec<(&'static str, Entry)> {
+    let mut out = vec![
+        ("IPv4 policy rule", Entry::Rule(rule(AddressFamily::Inet))),
+        ("IPv4 local route", Entry::Route(route_v4(lo))),
+    ];
+    if ipv6_enabled() {
+        out.push(("IPv6 policy rule", Entry::Rule(rule(AddressFamily::Inet6))));
+        out.push(("IPv6 local route", Entry::Route(route_v6(lo))));
+    }
+    out
 }
 
 /// Index of `lo` in the calling thread's netns.
@@ -126,65 +132,58 @@ fn lo_index() -> Result<u32, RouteError> {
     })
 }
 
-fn rule_v4(h: &Handle) -> rtnetlink::RuleAddRequest<Ipv4Addr> {
-    with_mask(h.rule().add().v4())
-}
-
-fn rule_v6(h: &Handle) -> rtnetlink::RuleAddRequest<Ipv6Addr> {
-    with_mask(h.rule().add().v6())
-}
-
-fn with_mask<T>(r: rtnetlink::RuleAddRequest<T>) -> rtnetlink::RuleAddRequest<T> {
-    let mut r = r
-        .fw_mark(MARK_REDIRECT)
-        .priority(RULE_PRIORITY)
-        .table_id(ROUTE_TABLE)
-        .action(RuleAction::ToTable);
-    let msg: &mut RuleMessage = r.message_mut();
-    msg.attributes.push(RuleAttribute::FwMask(MARK_MASK));
-    r
+/// `fwmark 0x111/0xfff lookup 100` at sluice's priority.
+fn rule(family: AddressFamily) -> RuleMessage {
+    let mut m = RuleMessage::default();
+    m.header.family = family;
+    m.header.action = RuleAction::ToTable;
+    m.header.table = if ROUTE_TABLE < 256 {
+        ROUTE_TABLE as u8
+    } else {
+        RouteHeader::RT_TABLE_UNSPEC
+    };
+    m.attributes = vec![
+        RuleAttribute::FwMark(MARK_REDIRECT),
+        RuleAttribute::FwMask(MARK_MASK),
+        RuleAttribute::Priority(RULE_PRIORITY),
+        RuleAttribute::Table(ROUTE_TABLE),
+    ];
+    m
 }
 
 fn route_v4(lo: u32) -> RouteMessage {
     local_route(
-        RouteMessageBuilder::<Ipv4Addr>::new().destination_prefix(Ipv4Addr::UNSPECIFIED, 0),
+        AddressFamily::Inet,
+        RouteAddress::Inet(Ipv4Addr::UNSPECIFIED),
         lo,
     )
 }
 
 fn route_v6(lo: u32) -> RouteMessage {
     local_route(
-        RouteMessageBuilder::<Ipv6Addr>::new().destination_prefix(Ipv6Addr::UNSPECIFIED, 0),
+        AddressFamily::Inet6,
+        RouteAddress::Inet6(Ipv6Addr::UNSPECIFIED),
         lo,
     )
 }
 
 /// `local default dev lo table 100`.
-fn local_route<T>(r: RouteMessageBuilder<T>, lo: u32) -> RouteMessage {
-    r.table_id(ROUTE_TABLE)
-        .output_interface(lo)
-        .kind(RouteType::Local)
-        .scope(RouteScope::Host)
-        .build()
-}
-
-fn errno(e: &rtnetlink::Error) -> Option<i32> {
-    match e {
-        rtnetlink::Error::NetlinkError(m) => m.code.map(|c| -c.get()),
-        _ => None,
-    }
-}
-
-fn ignore_exists(r: Result<(), rtnetlink::Error>) -> Result<(), RouteError> {
-    match r {
-        Err(e) if errno(&e) == Some(libc::EEXIST) => Ok(()),
-        other => Ok(other?),
-    }
-}
-
-fn ignore_missing(r: Result<(), rtnetlink::Error>) -> Result<(), RouteError> {
-    match r {
-        Err(e) if matches!(errno(&e), Some(libc::ENOENT | libc::ESRCH)) => Ok(()),
-        other => Ok(other?),
-    }
+fn local_route(family: AddressFamily, default: RouteAddress, lo: u32) -> RouteMessage {
+    let mut m = RouteMessage::default();
+    m.header.address_family = family;
+    m.header.destination_prefix_length = 0;
+    m.header.table = if ROUTE_TABLE < 256 {
+        ROUTE_TABLE as u8
+    } else {
+        RouteHeader::RT_TABLE_UNSPEC
+    };
+    m.header.kind = RouteType::Local;
+    m.header.scope = RouteScope::Host;
+    m.header.protocol = netlink_packet_route::route::RouteProtocol::Static;
+    m.attributes = vec![
+        RouteAttribute::Destination(default),
+        RouteAttribute::Table(ROUTE_TABLE),
+        RouteAttribute::Oif(lo),
+    ];
+    m
 }

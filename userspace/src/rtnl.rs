@@ -28,8 +28,18 @@ impl Rtnl {
     /// Sends one request and returns its one answer; `Ok(None)` when the
     /// kernel answers ENODEV/ENOENT (no such link, filter or id).
     pub fn request(&self, msg: RouteNetlinkMessage) -> io::Result<Option<RouteNetlinkMessage>> {
+        self.request_with(msg, 0)
+    }
+
+    /// [`Rtnl::request`] with `flags` (e.g. `NLM_F_CREATE | NLM_F_EXCL`)
+    /// besides REQUEST and ACK.
+    pub fn request_with(
+        &self,
+        msg: RouteNetlinkMessage,
+        flags: u16,
+    ) -> io::Result<Option<RouteNetlinkMessage>> {
         let mut header = NetlinkHeader::default();
-        header.flags = NLM_F_REQUEST | NLM_F_ACK;
+        header.flags = NLM_F_REQUEST | NLM_F_ACK | flags;
         header.sequence_number = 1;
         let mut nl = NetlinkMessage::new(header, NetlinkPayload::from(msg));
         nl.finalize();

@@ -26,7 +26,7 @@ use sluice_tests::{
     wait,
 };
 
-use crate::{trial, TestResult};
+use crate::{tcx_trial, trial, TestResult};
 
 const PEER: &str = env!("CARGO_BIN_EXE_sluice-zds-peer");
 /// "Another build" of the programs: the `upgrade-variant` feature (same maps
@@ -113,7 +113,23 @@ pub fn trials() -> Vec<Trial> {
                 t.with_ignored_flag(true)
             }
         },
-        // Kernels without tcx replace each cls_bpf filter's program in place.
+        // tcx links are pointed at the new programs with BPF_LINK_UPDATE.
+        tcx_trial(
+            "agent::tcx::restart_over_another_builds_programs_replaces_them_in_place_under_load",
+            programs_replaced,
+        ),
+        {
+            let t = tcx_trial(
+                "agent::tcx::upgrade_to_another_build_and_back_under_load_loses_no_connection",
+                another_build,
+            );
+            if Path::new(VARIANT).exists() {
+                t
+            } else {
+                t.with_ignored_flag(true)
+            }
+        },
+        // As on kernels without tcx (cls_bpf filters, no netns cookies in tc).
         trial(
             "agent::no_tcx::restart_over_another_builds_programs_replaces_them_in_place_under_load",
             || as_if_kernel(without_tcx(), programs_replaced),

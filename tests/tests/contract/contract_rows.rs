@@ -16,7 +16,7 @@ use sluice_tests::{
     wait,
 };
 
-use crate::{trial, TestResult};
+use crate::{tcx_trial, trial, TestResult};
 
 type Row = (&'static str, fn(Family) -> TestResult);
 
@@ -52,10 +52,15 @@ pub fn trials() -> Vec<Trial> {
                 format!("contract::no_netns_cookie_in_tc::{}::{name}", fam.name()),
                 move || as_if_kernel(without_netns_cookie_in_tc(), || f(fam)),
             ));
-            // And without tcx (Linux < 6.6): cls_bpf filters.
+            // And as on Linux < 6.6: no tcx, no netns cookies in tc.
             v.push(trial(
                 format!("contract::no_tcx::{}::{name}", fam.name()),
                 move || as_if_kernel(without_tcx(), || f(fam)),
+            ));
+            // Attached with tcx links (`--tc-attach tcx`), not filters.
+            v.push(tcx_trial(
+                format!("contract::tcx::{}::{name}", fam.name()),
+                move || f(fam),
             ));
         }
     }

@@ -18,7 +18,7 @@ use sluice_tests::{
     topology::Family,
 };
 
-use crate::{trial, TestResult};
+use crate::{tcx_trial, trial, TestResult};
 
 const PEER: &str = env!("CARGO_BIN_EXE_sluice-zds-peer");
 
@@ -73,6 +73,10 @@ pub fn trials() -> Vec<Trial> {
     }
     v.push(trial(
         "crash::lost_tc_links_are_found_and_attached_again_on_restart",
+        lost_links,
+    ));
+    v.push(tcx_trial(
+        "crash::tcx::lost_tc_links_are_found_and_attached_again_on_restart",
         lost_links,
     ));
     v.push(trial(
@@ -280,9 +284,20 @@ fn lost_links() -> TestResult {
     ensure!(agent.terminate(), "agent did not stop cleanly");
     let dir = f.topo.pins.pod(f.pod_record()?.netns_cookie);
     for l in pod_links().iter().filter(|l| **l != LinkSpec::Steer) {
-        let link = aya::programs::links::PinnedLink::from_pin(dir.join(l.pin_name()))?;
-        // Unpinned and dropped: the link detaches.
-        drop(link.unpin()?);
+        let pin = dir.join(l.pin_name());
+        match sluice::tcfilter::pinned(&pin) {
+            // A cls_bpf filter: deleted from the kernel, its record removed.
+            Some(sluice::tcfilter::Pinned::Program(_)) => {
+                let hook = l.tc_hook().context("a tc link")?;
+                let (iface, kind) = (hook.iface.to_owned(), hook.kind);
+                sluice_tests::ns::run_in(&f.topo.pod, move || {
+                    sluice::tcfilter::detach(&iface, kind)
+                })?;
+                std::fs::remove_file(&pin)?;
+            }
+            // Unpinned and dropped: the link detaches.
+            _ => drop(aya::programs::links::PinnedLink::from_pin(&pin)?.unpin()?),
+        }
     }
     agent.restart()?;
     all_links_pinned(&f)?;

@@ -13,7 +13,7 @@ use sluice_tests::{
     topology::{ip, Family},
 };
 
-use crate::{trial, TestResult};
+use crate::{tcx_trial, trial, TestResult};
 use sluice_tests::istio::Backend;
 
 pub fn trials() -> Vec<Trial> {
@@ -57,6 +57,10 @@ pub fn trials() -> Vec<Trial> {
             || as_if_kernel(without_tcx(), deleted_filter),
         ),
         trial(
+            "lifecycle::a_filter_deleted_behind_sluices_back_is_found_and_attached_again",
+            deleted_filter,
+        ),
+        trial(
             "lifecycle::an_interface_without_an_ethernet_header_is_captured",
             l3_interface,
         ),
@@ -74,8 +78,16 @@ pub fn trials() -> Vec<Trial> {
             },
         ),
         trial(
-            "lifecycle::a_program_after_sluices_on_the_hook_still_runs",
-            || programs_after_sluice(sluice::features::Features::get().tcx),
+            "lifecycle::a_filter_after_sluices_on_the_hook_still_runs",
+            || programs_after_sluice(false),
+        ),
+        tcx_trial(
+            "lifecycle::tcx::a_program_after_sluices_on_the_hook_still_runs",
+            || programs_after_sluice(true),
+        ),
+        tcx_trial(
+            "lifecycle::tcx::an_interface_without_an_ethernet_header_is_captured",
+            l3_interface,
         ),
         trial(
             "lifecycle::no_tcx::a_filter_after_sluices_on_the_hook_still_runs",
@@ -294,11 +306,14 @@ fn bad_input() -> TestResult {
     Ok(())
 }
 
-/// The take-over check runs the iptables tools in the pod netns; one that
-/// never answers is killed after its timeout, and the enrollment backs out
-/// completely with the reason (nothing half-applied, nothing left running).
+/// The take-over check runs the iptables tools in a pod netns that has
+/// iptables tables (here a legacy one, as istio-cni's rules would make); one
+/// that never answers is killed after its timeout, and the enrollment backs
+/// out completely with the reason (nothing half-applied, nothing left
+/// running).
 fn hung_iptables() -> TestResult {
     let f = Fixture::new("hang", None)?;
+    sluice_tests::ns::exec(&f.topo.pod, &["iptables-legacy", "-t", "nat", "-L", "-n"])?;
     let dir = std::path::PathBuf::from(format!("/tmp/sluice-hang-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let pidfile = dir.join("pid");
@@ -535,35 +550,54 @@ fn sysctls_with_read_only_proc_sys() -> TestResult {
     result
 }
 
-/// The take-over check answers a pod netns without nf_tables tables from
-/// one netlink dump (no iptables tool runs for it), and sees the table an
-/// iptables-nft rule set makes there.
+/// The take-over check answers a pod netns without iptables tables from one
+/// netlink dump and two proc files (no iptables tool runs for it), and sees
+/// the tables an iptables-nft or iptables-legacy rule set makes there.
 fn nf_tables_counted() -> TestResult {
+    use sluice::migrate::{legacy_tables, nf_tables_count, LEGACY_V4, LEGACY_V6};
     let f = Fixture::new("nft", None)?;
     let netns = sluice::netns::Netns::open(&f.topo.pod_netns_path())?;
-    let count = || netns.run(sluice::migrate::nf_tables_count);
+    let seen = || {
+        netns.run(|| {
+            (
+                nf_tables_count(),
+                legacy_tables(LEGACY_V4),
+                legacy_tables(LEGACY_V6),
+            )
+        })
+    };
     ensure!(
-        count()? == Some(0),
-        "a fresh pod netns counts {:?}",
-        count()?
+        seen()? == (Some(0), false, false),
+        "a fresh pod netns shows (nf_tables, legacy v4, legacy v6) {:?}",
+        seen()?
     );
-    let out = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &f.topo.pod,
-            "iptables-nft",
-            "-t",
-            "nat",
-            "-N",
-            "ISTIO_OUTPUT",
-        ])
-        .output()?;
-    ensure!(out.status.success(), "iptables-nft: {out:?}");
-    let n = count()?;
+    let tool = |tool: &str| -> TestResult {
+        let out = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &f.topo.pod,
+                tool,
+                "-t",
+                "nat",
+                "-N",
+                "ISTIO_OUTPUT",
+            ])
+            .output()?;
+        ensure!(out.status.success(), "{tool}: {out:?}");
+        Ok(())
+    };
+    tool("iptables-nft")?;
+    let (n, _, _) = seen()?;
     ensure!(
         n.is_some_and(|n| n >= 1),
         "after iptables-nft made a chain: {n:?}"
+    );
+    tool("ip6tables-legacy")?;
+    let (_, v4, v6) = seen()?;
+    ensure!(
+        v6 && !v4,
+        "after ip6tables-legacy made a chain: legacy v4 {v4}, v6 {v6}"
     );
     Ok(())
 }

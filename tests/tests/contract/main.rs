@@ -21,7 +21,7 @@ mod served;
 mod syncookies;
 
 use libtest_mimic::{Arguments, Failed, Trial};
-use sluice_tests::harness::is_root;
+use sluice_tests::harness::{attaching_with_tcx, is_root, tcx_available};
 
 pub type TestResult = anyhow::Result<()>;
 
@@ -32,10 +32,21 @@ pub fn trial(name: impl Into<String>, f: impl FnOnce() -> TestResult + Send + 's
     .with_ignored_flag(!is_root())
 }
 
+/// [`trial`] attaching tc programs with tcx links (`--tc-attach tcx`)
+/// instead of the default cls_bpf filters; skipped on a kernel without tcx.
+pub fn tcx_trial(
+    name: impl Into<String>,
+    f: impl FnOnce() -> TestResult + Send + 'static,
+) -> Trial {
+    trial(name, move || attaching_with_tcx(f)).with_ignored_flag(!is_root() || !tcx_available())
+}
+
 fn main() {
     let args = Arguments::from_args();
     if !is_root() {
         eprintln!("skipping the dataplane tests: they need root (network namespaces, eBPF)");
+    } else if !tcx_available() {
+        eprintln!("skipping the tcx variants (`::tcx::`): this kernel has no tcx (Linux < 6.6)");
     }
     let mut trials = Vec::new();
     trials.extend(contract_rows::trials());

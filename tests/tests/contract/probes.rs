@@ -12,7 +12,7 @@ use aya::programs::{
     LinkOrder, SchedClassifier,
 };
 use libtest_mimic::Trial;
-use sluice::{features::Features, loader::PROG_HOST};
+use sluice::loader::PROG_HOST;
 use sluice_common::{PodState, Role};
 use sluice_tests::{
     agent::AgentProc,
@@ -24,7 +24,7 @@ use sluice_tests::{
     topology::Family,
 };
 
-use crate::{trial, TestResult};
+use crate::{tcx_trial, trial, TestResult};
 
 pub fn trials() -> Vec<Trial> {
     let mut v = Vec::new();
@@ -52,6 +52,13 @@ pub fn trials() -> Vec<Trial> {
             ),
             move || as_if_kernel(without_tcx(), || host_and_forwarded(fam)),
         ));
+        v.push(tcx_trial(
+            format!(
+                "probes::tcx::{}::i3h_host_socket_reaches_app_forwarded_is_captured",
+                fam.name()
+            ),
+            move || host_and_forwarded(fam),
+        ));
         v.push(trial(
             format!(
                 "probes::{}::i3h_host_socket_reaches_app_while_pending",
@@ -61,12 +68,16 @@ pub fn trials() -> Vec<Trial> {
         ));
     }
     v.push(trial(
-        "probes::ipv4::host_side_link_is_first_and_goes_with_the_pod",
-        || host_link_lifecycle(Features::get()),
+        "probes::ipv4::host_side_filter_is_first_and_goes_with_the_pod",
+        || host_link_lifecycle(false),
     ));
     v.push(trial(
         "probes::no_tcx::ipv4::host_side_filter_is_first_and_goes_with_the_pod",
-        || as_if_kernel(without_tcx(), || host_link_lifecycle(without_tcx())),
+        || as_if_kernel(without_tcx(), || host_link_lifecycle(false)),
+    ));
+    v.push(tcx_trial(
+        "probes::tcx::ipv4::host_side_link_is_first_and_goes_with_the_pod",
+        || host_link_lifecycle(true),
     ));
     v.push(trial(
         "probes::ipv4::agent_node_netns_flag_attaches_and_reports",
@@ -157,7 +168,9 @@ fn host_while_pending(fam: Family) -> TestResult {
 /// node's interface — ahead of a primary CNI's program that ends the chain
 /// (`TC_ACT_OK`), which would otherwise hide every SYN from it — and leaves
 /// with the pod.
-fn host_link_lifecycle(features: Features) -> TestResult {
+/// `tcx`: sluice attaches tcx links (and so does the stand-in CNI), else
+/// cls_bpf filters.
+fn host_link_lifecycle(tcx: bool) -> TestResult {
     let f = Fixture::new("i3hl", Some(Bind::DualStack))?;
     let pins = f.topo.pins.clone();
     drop(f.dataplane()?); // loads and pins the programs
@@ -172,7 +185,6 @@ fn host_link_lifecycle(features: Features) -> TestResult {
     let cni_prog = pins.progs().join("cni_standin");
     sluice_tests::inspect::pin_pass_program(&cni_prog)?;
     let cni_id = SchedClassifier::from_pin(&cni_prog)?.info()?.id();
-    let tcx = features.tcx;
     let cni_link = run_in(&f.topo.client, move || -> anyhow::Result<Option<FdLink>> {
         let mut p = SchedClassifier::from_pin(&cni_prog)?;
         if !tcx {

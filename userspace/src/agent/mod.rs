@@ -61,6 +61,8 @@ pub struct Config {
     pub excluded: std::collections::BTreeSet<String>,
     /// The node's DNS capture default (`--dns-capture`).
     pub dns_capture: bool,
+    /// How tc programs are attached (`--tc-attach`).
+    pub tc_attach: crate::features::TcAttach,
 }
 
 /// The API client, once `node` is known to name this host (refused when it
@@ -262,6 +264,16 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
             "DNS capture"
         ),
         Err(e) => warn!(error = %e, "applying the DNS capture default to enrolled pods"),
+    }
+    let tc_attach = dp.set_tc_attach(cfg.tc_attach);
+    if tc_attach != cfg.tc_attach {
+        warn!(
+            wanted = cfg.tc_attach.as_str(),
+            used = tc_attach.as_str(),
+            "--tc-attach tcx needs tcx (Linux ≥ 6.6), which this kernel lacks: attaching cls_bpf filters"
+        );
+    } else {
+        info!(tc_attach = tc_attach.as_str(), "tc programs attach");
     }
     let hub = Arc::new(Hub::default());
     let kube = match &cfg.node_name {

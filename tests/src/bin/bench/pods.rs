@@ -16,7 +16,7 @@ use rand::rngs::StdRng;
 use sluice::{
     control::{self, Request},
     enroll,
-    features::Features,
+    features::{Features, TcAttach},
     loader::{Dataplane, Pins},
     state::Maps,
     uid::PodUid,
@@ -213,8 +213,8 @@ fn put_percentiles(report: &mut Report, what: &str, variant: &str, v: &[f64]) {
     }
 }
 
-/// Scenario `enroll`: per-pod enrollment for sluice (as it attaches on this
-/// kernel, and with cls_bpf filters where that is not the default) against
+/// Scenario `enroll`: per-pod enrollment for sluice (cls_bpf filters, the
+/// default, and tcx links where the kernel has them: keys `_tcx`) against
 /// istio-cni's (the replica), cold and warm; teardown; N pods at once; and
 /// how long each enrollment holds RTNL.
 pub fn enrollment(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyhow::Result<()> {
@@ -235,18 +235,15 @@ pub fn enrollment(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyho
     report.put("enroll_ms_cold_sluice", crate::median(cold));
 
     // Warm, one pod at a time, interleaved per pod: sluice attaches (and is
-    // removed again), then with cls_bpf filters, then istio-cni's replica
+    // removed again), then with tcx links, then istio-cni's replica
     // captures the same netns (last: sluice's take-over check would
     // otherwise find its rules and remove them).
     let pods = bare_pods("en", cfg.enroll_pods)?;
     let pins = OwnPins::new("en");
-    let nl_pins = OwnPins::new("en-nl");
+    let tx_pins = OwnPins::new("en-tx");
     let mut dp = Dataplane::load_or_adopt(pins.0.clone())?;
-    let no_tcx = Features {
-        tcx: false,
-        ..features
-    };
-    let mut nl = Dataplane::load_or_adopt_with(nl_pins.0.clone(), no_tcx)?;
+    let mut tx = Dataplane::load_or_adopt(tx_pins.0.clone())?;
+    tx.set_tc_attach(TcAttach::Tcx);
     let mut t: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     for (i, p) in pods.iter().enumerate() {
         let uid = format!("en-{i}");
@@ -257,12 +254,12 @@ pub fn enrollment(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyho
             .or_default()
             .push(sluice_unenroll(&mut dp, &uid)?);
         if features.tcx {
-            t.entry("enroll_sluice_cls_bpf")
+            t.entry("enroll_sluice_tcx")
                 .or_default()
-                .push(sluice_enroll(&mut nl, &p.name, &uid)?);
-            t.entry("teardown_sluice_cls_bpf")
+                .push(sluice_enroll(&mut tx, &p.name, &uid)?);
+            t.entry("teardown_sluice_tcx")
                 .or_default()
-                .push(sluice_unenroll(&mut nl, &uid)?);
+                .push(sluice_unenroll(&mut tx, &uid)?);
         }
         t.entry("enroll_iptables")
             .or_default()
@@ -280,9 +277,9 @@ pub fn enrollment(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyho
     );
     if features.tcx {
         report.put(
-            "enroll_ratio_iptables_vs_sluice_cls_bpf",
+            "enroll_ratio_iptables_vs_sluice_tcx",
             percentile(t["enroll_iptables"].clone(), 0.5)
-                / percentile(t["enroll_sluice_cls_bpf"].clone(), 0.5),
+                / percentile(t["enroll_sluice_tcx"].clone(), 0.5),
         );
     }
 
@@ -315,8 +312,8 @@ pub fn enrollment(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyho
     report.put(&format!("enroll_{n}_concurrent_s_iptables"), wall);
     drop(pods);
 
-    rtnl_hold(report, cfg, &mut dp, features.tcx.then_some(&mut nl))?;
-    drop((dp, nl));
+    rtnl_hold(report, cfg, &mut dp, features.tcx.then_some(&mut tx))?;
+    drop((dp, tx));
     Ok(())
 }
 
@@ -438,7 +435,7 @@ fn rtnl_hold(
     report: &mut Report,
     cfg: &Config,
     dp: &mut Dataplane,
-    nl: Option<&mut Dataplane>,
+    tx: Option<&mut Dataplane>,
 ) -> anyhow::Result<()> {
     let probe_ns = format!("slb-rtnl-{}", std::process::id());
     ip(&["netns", "add", &probe_ns])?;
@@ -496,12 +493,12 @@ fn rtnl_hold(
     for i in 0..pods.len() {
         sluice_unenroll(dp, &format!("rt-{i}"))?;
     }
-    if let Some(nl) = nl {
-        phase("sluice_cls_bpf", &mut |i, pod| {
-            sluice_enroll(nl, pod, &format!("rt-{i}"))
+    if let Some(tx) = tx {
+        phase("sluice_tcx", &mut |i, pod| {
+            sluice_enroll(tx, pod, &format!("rt-{i}"))
         })?;
         for i in 0..pods.len() {
-            sluice_unenroll(nl, &format!("rt-{i}"))?;
+            sluice_unenroll(tx, &format!("rt-{i}"))?;
         }
     }
     phase("iptables", &mut |_, pod| istio_cni_enroll(pod))?;
@@ -515,18 +512,13 @@ const DONE: u8 = 3;
 /// Scenario `churn`: pods enrolled and unenrolled at a target rate on the
 /// node's dataplane while a steady pod on it carries traffic, in windows
 /// alternating with quiet ones: the steady pod's failed connections and
-/// connect latency, churning vs quiet. Once as sluice attaches on this
-/// kernel and, where that is tcx, once more with cls_bpf filters (keys
-/// `_cls_bpf`): tcx links cap the rate far below the target.
+/// connect latency, churning vs quiet. Once with cls_bpf filters (the
+/// default) and, where the kernel has tcx, once more with tcx links (keys
+/// `_tcx`): they cap the rate far below the target.
 pub fn churn(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyhow::Result<()> {
-    let features = Features::get();
-    churn_with(report, cfg, "", None)?;
-    if features.tcx {
-        let no_tcx = Features {
-            tcx: false,
-            ..features
-        };
-        churn_with(report, cfg, "_cls_bpf", Some(no_tcx))?;
+    churn_with(report, cfg, "", TcAttach::ClsBpf)?;
+    if Features::get().tcx {
+        churn_with(report, cfg, "_tcx", TcAttach::Tcx)?;
     }
     Ok(())
 }
@@ -565,14 +557,12 @@ fn churn_with(
     report: &mut Report,
     cfg: &Config,
     suffix: &str,
-    features: Option<Features>,
+    attach: TcAttach,
 ) -> anyhow::Result<()> {
-    let steady = Setup::with_features(Variant::Sluice, Mode::AcceptClose, features)?;
+    let steady = Setup::with_features(Variant::Sluice, Mode::AcceptClose, None)?;
     let pool = bare_pods("ch", cfg.churn_pool)?;
-    let dp = match features {
-        Some(f) => Dataplane::load_or_adopt_with(steady.topo.pins.clone(), f)?,
-        None => Dataplane::load_or_adopt(steady.topo.pins.clone())?,
-    };
+    let mut dp = Dataplane::load_or_adopt(steady.topo.pins.clone())?;
+    dp.set_tc_attach(attach);
     let dp = Mutex::new(dp);
     let phase = AtomicU8::new(0);
     let ticket = AtomicU64::new(0);

@@ -102,9 +102,9 @@ impl Node {
             Request::Status => {
                 // One lock: a second in the same expression would deadlock
                 // (temporaries live to the end of the statement).
-                let (dataplane, probes) = {
+                let (dataplane, probes, tc_attach) = {
                     let dp = self.dp.lock().unwrap();
-                    (dp.adoption.to_string(), dp.probes())
+                    (dp.adoption.to_string(), dp.probes(), dp.tc_attach)
                 };
                 Response::Node(NodeStatus {
                     condition_type: self.report.condition_type.clone(),
@@ -118,6 +118,7 @@ impl Node {
                     uninstall: self.uninstall_state().to_string(),
                     skipped: self.skipped.lock().unwrap().clone(),
                     link_watches: self.link_watches.load(std::sync::atomic::Ordering::Relaxed),
+                    tc_attach,
                 })
             }
             Request::CniCheck(CniCheck { pod }) => {
