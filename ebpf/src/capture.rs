@@ -49,6 +49,8 @@ use crate::{
 const TC_OK: i32 = TCX_NEXT;
 const TC_SHOT: i32 = TC_ACT_SHOT;
 const BPF_TCP_LISTEN: u32 = 10;
+/// A request socket: a handshake the listener answered without a cookie.
+const BPF_TCP_NEW_SYN_RECV: u32 = 12;
 
 /// Egress on the pod's interface: the app's outbound TCP. `L2`: the
 /// interface's link-layer header length (`L2_ETH`, or `L2_NONE` for an L3
@@ -75,6 +77,11 @@ pub fn egress<const L2: usize>(ctx: &TcContext) -> i32 {
             return TC_SHOT;
         }
     };
+    // An inbound handshake answered from a request socket: its hint has
+    // served (the client's ACK meets that socket, no lookup runs again).
+    if t.is_syn_ack() {
+        release_answered_hint(ctx, &t);
+    }
     // Rows O4/O6: ztunnel's own sockets (and what they accepted) leave untouched.
     if mark(ctx) & MARK_MASK == MARK_ZTUNNEL {
         return TC_OK;
@@ -319,6 +326,12 @@ pub fn lo_ingress(ctx: &TcContext) -> i32 {
         _ => None,
     };
     if let Some(t) = t {
+        // The answer to a SYN that came this way: its hint has served once
+        // the listener answered from a request socket. (The SYN-ACK lost
+        // its socket in loopback's transmit: the lookup tells.)
+        if t.is_syn_ack() && !is_loopback(t.family, &t.saddr) {
+            release_hint_of_request(ctx, &t);
+        }
         if t.is_syn() && !is_loopback(t.family, &t.daddr) {
             // The cookie only serves the counters: 0 (unknown) is fine here.
             let cookie = pod_of(t.family, &t.daddr).unwrap_or(0);
@@ -401,6 +414,35 @@ fn flow_key(t: &Tcp) -> FlowKey {
     crate::tc::flow_key(t.family, t.saddr, t.daddr, t.sport, t.dport)
 }
 
+/// Forgets the hint of the SYN this SYN-ACK answers when a request socket
+/// sent it (the kernel attaches the request socket to a normal SYN-ACK; a
+/// SYN-cookie SYN-ACK has none, and its hint stays for the cookie ACK's
+/// lookup). Hints kept for their TTL would fill the LRU map at any
+/// sustained connection rate, and every insert would then evict.
+#[inline(always)]
+fn release_answered_hint(ctx: &TcContext, t: &Tcp) {
+    let sk = unsafe { (*ctx.skb.skb).__bindgen_anon_2.sk };
+    if !sk.is_null() {
+        let syn = crate::tc::flow_key(t.family, t.daddr, t.saddr, t.dport, t.sport);
+        let _ = FLOW_HINTS.remove(syn);
+    }
+}
+
+/// Forgets the hint of the SYN this SYN-ACK answers when the listener keeps
+/// a request socket for it (a SYN-cookie handshake has none: its hint stays
+/// for the cookie ACK's lookup).
+#[inline(always)]
+fn release_hint_of_request(ctx: &TcContext, t: &Tcp) {
+    let Some(sk) = skc_lookup(ctx, t.family, &t.daddr, &t.saddr, t.dport, t.sport) else {
+        return;
+    };
+    if unsafe { (*sk).state } == BPF_TCP_NEW_SYN_RECV {
+        let syn = crate::tc::flow_key(t.family, t.daddr, t.saddr, t.dport, t.sport);
+        let _ = FLOW_HINTS.remove(syn);
+    }
+    unsafe { bpf_sk_release(sk as *mut c_void) };
+}
+
 /// Would this packet, received here, be taken by a socket of this netns
 /// that is ztunnel's? A connected (non-listening) socket can only be one
 /// ztunnel made or accepted. A listener with ztunnel's mark is one that
@@ -414,7 +456,13 @@ fn terminated_locally(ctx: &TcContext, t: &Tcp) -> bool {
     let Some(sk) = skc_lookup(ctx, t.family, &t.saddr, &t.daddr, t.sport, t.dport) else {
         return false;
     };
-    let ours = unsafe { (*sk).state } != BPF_TCP_LISTEN || {
+    let state = unsafe { (*sk).state };
+    // The app's ACK of an outbound handshake 15001 answered from a request
+    // socket (not a SYN cookie): the SYN's hint has served.
+    if state == BPF_TCP_NEW_SYN_RECV {
+        let _ = FLOW_HINTS.remove(flow_key(t));
+    }
+    let ours = state != BPF_TCP_LISTEN || {
         // A listener is a full socket: its mark can be read.
         let full = unsafe { bpf_sk_fullsock(sk) };
         !full.is_null() && unsafe { (*full).mark } & MARK_MASK == MARK_ZTUNNEL

@@ -56,6 +56,12 @@ impl Tcp {
     pub fn is_syn(&self) -> bool {
         self.flags & (TCP_SYN | TCP_ACK | TCP_RST | TCP_FIN) == TCP_SYN
     }
+
+    /// A listener's answer to a connection request: SYN and ACK.
+    #[inline(always)]
+    pub fn is_syn_ack(&self) -> bool {
+        self.flags & (TCP_SYN | TCP_ACK | TCP_RST | TCP_FIN) == TCP_SYN | TCP_ACK
+    }
 }
 
 /// A UDP datagram's identity, and where its IP and UDP headers start (from

@@ -27,7 +27,11 @@ use crate::{trial, TestResult};
 type Row = (&'static str, fn(Family) -> TestResult);
 
 pub fn trials() -> Vec<Trial> {
-    let rows: [Row; 2] = [
+    let rows: [Row; 3] = [
+        (
+            "a_handshake_without_a_cookie_releases_its_hints",
+            hints_released,
+        ),
         (
             "captured_and_exempt_connections_complete_under_syn_cookies",
             under_cookies,
@@ -386,8 +390,42 @@ fn hint_key(from: SocketAddr, to: SocketAddr) -> FlowKey {
     }
 }
 
+/// Without SYN cookies a handshake answered from a request socket has no
+/// more use for its SYNs' hints: the pod's programs release them (the
+/// SYN-ACK leaving eth0 carries the request socket; the app's ACK of an
+/// outbound handshake, and the SYN-ACK over lo, find one), so at a steady
+/// connection rate the LRU map holds only handshakes in flight instead of
+/// evicting on every insert. Cookie handshakes keep theirs (`under_cookies`
+/// completes only so). Inbound (the client's SYN, and the stand-in's
+/// spoofed-source SYN to the app over lo: the same tuple) and outbound.
+fn hints_released(fam: Family) -> TestResult {
+    let f = Fixture::new("release", Some(Bind::DualStack))?;
+    ensure!(f.enroll()?.state == PodState::Enabled);
+    let dst = sa(fam.pod(), APP_PORT);
+    let r = connect(&f.topo.client, dst, Opts::default());
+    ensure!(r.reply().is_some(), "inbound: {r:?}");
+    let remote = sa(fam.client(), REMOTE_PORT);
+    let r = connect(&f.topo.pod, remote, Opts::default());
+    ensure!(r.reply().is_some(), "outbound: {r:?}");
+    let acc = f.standin().accepted();
+    ensure!(acc.len() == 2, "ztunnel accepted {acc:?}");
+    let maps = sluice::state::Maps::open_pinned(&f.topo.pins.maps())?;
+    for a in &acc {
+        let kept = maps.flow_hint(&hint_key(a.peer, a.local));
+        ensure!(
+            kept.is_none(),
+            "the {:?} connection from {} to {} left its hint: {kept:?}",
+            a.role,
+            a.peer,
+            a.local
+        );
+    }
+    Ok(())
+}
+
 /// Row X3 with a kept hint in the way. A real inbound connection from the
-/// client leaves its `Inbound` hint (kept for a SYN-cookie ACK). A process
+/// client, answered with a SYN cookie, leaves its `Inbound` hint (kept for
+/// the cookie ACK). A process
 /// in the pod (with CAP_NET_ADMIN: it also routes the client's address to
 /// itself, so that it would get the answer) then connects to the app over
 /// lo from the very same client address and port, without ztunnel's mark —
@@ -397,6 +435,7 @@ fn hint_key(from: SocketAddr, to: SocketAddr) -> FlowKey {
 fn lo_spoof_denied(fam: Family) -> TestResult {
     let f = Fixture::new("lospoof", Some(Bind::DualStack))?;
     ensure!(f.enroll()?.state == PodState::Enabled);
+    always_cookies(&f.topo.pod)?;
     let dst = sa(fam.pod(), APP_PORT);
     let r = connect(&f.topo.client, dst, Opts::default());
     ensure!(r.reply().is_some(), "inbound: {r:?}");
