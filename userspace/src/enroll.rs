@@ -806,6 +806,27 @@ fn remove_links(pins: &Pins, cookie: u64, filters: &Filters<'_>) -> Result<(), E
     }
 }
 
+/// How long an uninstall lets connections in flight through ztunnel finish
+/// between steering nothing new and removing the tc programs that carry
+/// them (a request and its answer, not a long-lived connection: those end
+/// with capture, as when ztunnel goes). A SYN dropped meanwhile is retried
+/// by its client after a second, and then reaches the pod uncaptured.
+pub const UNINSTALL_DRAIN: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// The first step of a pod's teardown, alone: `Draining` (new SYNs from
+/// outside fail closed) and its sk_lookup link gone (nothing new reaches
+/// ztunnel). Its tc programs stay.
+fn quiesce(pins: &Pins, maps: &mut Maps, cookie: u64) -> Result<(), EnrollError> {
+    if maps.entry(cookie).and_then(|e| e.state()).is_some() {
+        maps.set_state(cookie, PodState::Draining, boottime_ns())?;
+    }
+    let steer = pins.pod(cookie).join(LinkSpec::Steer.pin_name());
+    if let Ok(link) = PinnedLink::from_pin(&steer) {
+        drop(link.unpin());
+    }
+    Ok(())
+}
+
 /// Unenrolls every pod and removes the node-wide pins. Works from whatever is
 /// pinned, also when the maps cannot be opened (e.g. left by another version).
 /// `node` as for [`unenroll`].
@@ -816,7 +837,18 @@ pub fn uninstall(pins: &Pins, node: Option<&hostside::Node>) -> Result<usize, En
     let mut n = 0;
     let mut maps = Maps::open_pinned(&pins.maps()).ok();
     if let Some(maps) = maps.as_mut() {
-        for cookie in maps.cookies() {
+        let cookies = maps.cookies();
+        // First no pod takes new connections to ztunnel (its sk_lookup goes;
+        // new SYNs from outside are dropped and retried), while the tc
+        // programs still carry the connections ztunnel holds: those in
+        // flight finish before the rest goes.
+        for &cookie in &cookies {
+            quiesce(pins, maps, cookie)?;
+        }
+        if !cookies.is_empty() {
+            std::thread::sleep(UNINSTALL_DRAIN);
+        }
+        for cookie in cookies {
             let netns = open_pod_netns(maps, cookie).ok();
             teardown(pins, maps, netns.as_ref(), node, cookie)?;
             n += 1;
