@@ -142,7 +142,8 @@ pub fn attach_pod(
     if !options.reroute.is_empty() && !dp.features.netns_cookie_in_tc {
         return Err(EnrollError::RerouteUnsupported(options.reroute.join(",")));
     }
-    let cookie = netns.cookie()?;
+    let facts = PodFacts::read(&netns, &path)?;
+    let cookie = facts.cookie;
     if let Some(cookie) = dp.maps.find_uid(uid) {
         return Err(EnrollError::AlreadyEnrolled {
             uid: uid.clone(),
@@ -159,7 +160,7 @@ pub fn attach_pod(
         teardown_in(dp, &netns, cookie)?;
     }
 
-    if let Err(e) = attach(dp, &netns, cookie, uid, &path, workload, options) {
+    if let Err(e) = attach(dp, &netns, &facts, uid, &path, workload, options) {
         let _ = teardown_in(dp, &netns, cookie);
         return Err(e);
     }
@@ -213,6 +214,53 @@ fn host_peers(dp: &Dataplane, netns: &Netns, ifaces: &[String]) -> Vec<HostPeer>
     })
 }
 
+/// What an enrollment reads of a pod netns before it writes anything, in
+/// one visit of the netns: its cookie, addresses, interfaces (besides `lo`)
+/// and which of them have no Ethernet header.
+struct PodFacts {
+    cookie: u64,
+    addrs: Vec<std::net::IpAddr>,
+    ifaces: Vec<String>,
+    l3: Vec<String>,
+}
+
+impl PodFacts {
+    fn read(netns: &Netns, path: &str) -> Result<Self, EnrollError> {
+        let io = |what: &str| {
+            let what = what.to_owned();
+            move |source| EnrollError::Io { what, source }
+        };
+        let (cookie, addrs, ifaces, l3) = netns.run(|| {
+            let cookie = crate::netns::udp_socket_here()
+                .and_then(|s| crate::netns::socket_netns_cookie(std::os::fd::AsFd::as_fd(&s)));
+            let ifaces =
+                interfaces().map(|all| all.into_iter().filter(|i| i != "lo").collect::<Vec<_>>());
+            // None when unreadable: the next netlink step reports the netns.
+            let l3 = ifaces
+                .as_ref()
+                .ok()
+                .and_then(|i| crate::netns::l3_interfaces(i).ok())
+                .unwrap_or_default();
+            (cookie, addresses(), ifaces, l3)
+        })?;
+        let cookie = cookie.map_err(|source| NetnsError::Cookie {
+            path: netns.path().to_owned(),
+            source,
+        })?;
+        let addrs = addrs.map_err(io("listing the pod's addresses"))?;
+        let ifaces = ifaces.map_err(io("listing interfaces"))?;
+        if ifaces.is_empty() {
+            return Err(EnrollError::NoInterface(path.to_owned()));
+        }
+        Ok(Self {
+            cookie,
+            addrs,
+            ifaces,
+            l3,
+        })
+    }
+}
+
 /// The pod's interfaces besides `lo`, read inside its netns.
 fn pod_interfaces(netns: &Netns, path: &str) -> Result<Vec<String>, EnrollError> {
     let ifaces: Vec<String> = netns
@@ -238,12 +286,13 @@ fn pod_interfaces(netns: &Netns, path: &str) -> Result<Vec<String>, EnrollError>
 fn attach(
     dp: &mut Dataplane,
     netns: &Netns,
-    cookie: u64,
+    facts: &PodFacts,
     uid: &PodUid,
     path: &str,
     workload: &Workload,
     options: &PodOptions,
 ) -> Result<(), EnrollError> {
+    let cookie = facts.cookie;
     dp.maps
         .insert_pod(cookie, uid, path, workload, boottime_ns())?;
     // Before any link: a pod that bypasses inbound capture never has its
@@ -251,10 +300,10 @@ fn attach(
     // options: captured fully, the fail-closed side.)
     dp.maps.set_options(cookie, options, dp.dns_capture)?;
     crash_point("enroll:state");
-    refresh_addrs(&mut dp.maps, netns, cookie)?;
+    publish_addrs(&mut dp.maps, netns, cookie, &facts.addrs)?;
     crash_point("enroll:addrs");
-    let ifaces = pod_interfaces(netns, path)?;
-    netns.run(|| routes::install(&ifaces))??;
+    let ifaces = &facts.ifaces;
+    netns.run(|| routes::install(ifaces))??;
     crash_point("enroll:routes");
     let dir = dp.pins.pod(cookie);
     fs::create_dir_all(&dir).map_err(|source| EnrollError::Io {
@@ -264,12 +313,12 @@ fn attach(
     // With tcx (`--tc-attach tcx`) each attach swaps the device's program
     // array and waits for an RCU grace period under RTNL (≈ 10–20 ms here);
     // cls_bpf filters (the default) need none.
-    let peers = host_peers(dp, netns, &ifaces);
-    let l3 = podlinks::l3_of(netns, &ifaces);
-    if let Some(i) = podlinks::reroute_on_l3(&l3, &options.reroute) {
+    let peers = host_peers(dp, netns, ifaces);
+    let l3 = &facts.l3;
+    if let Some(i) = podlinks::reroute_on_l3(l3, &options.reroute) {
         return Err(EnrollError::RerouteOnL3(i.clone()));
     }
-    for spec in expected_links(&ifaces, &l3, &peers, &options.reroute) {
+    for spec in expected_links(ifaces, l3, &peers, &options.reroute) {
         attach_link(dp, netns, &dir, &spec)?;
         crash_point(&format!("enroll:link:{}", spec.pin_name()));
     }
@@ -557,7 +606,17 @@ pub fn refresh_addrs(maps: &mut Maps, netns: &Netns, cookie: u64) -> Result<(), 
         what: "listing the pod's addresses".into(),
         source,
     })?;
-    let refused = maps.set_addrs(cookie, &addrs)?;
+    publish_addrs(maps, netns, cookie, &addrs)
+}
+
+/// Publishes `addrs`, read from the pod's `netns`, as the pod's addresses.
+fn publish_addrs(
+    maps: &mut Maps,
+    netns: &Netns,
+    cookie: u64,
+    addrs: &[std::net::IpAddr],
+) -> Result<(), EnrollError> {
+    let refused = maps.set_addrs(cookie, addrs)?;
     if !refused.is_empty() {
         tracing::warn!(
             cookie,

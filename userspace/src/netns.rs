@@ -129,7 +129,7 @@ impl Netns {
             path: self.path.clone(),
             source,
         };
-        let sock = self.run(udp_socket)?.map_err(err)?;
+        let sock = self.run(udp_socket_here)?.map_err(err)?;
         socket_netns_cookie(sock.as_fd()).map_err(err)
     }
 }
@@ -160,7 +160,8 @@ impl Drop for GoBack {
     }
 }
 
-fn udp_socket() -> std::io::Result<OwnedFd> {
+/// A UDP socket in the calling thread's netns (its cookie names the netns).
+pub fn udp_socket_here() -> std::io::Result<OwnedFd> {
     let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
     if fd < 0 {
         return Err(std::io::Error::last_os_error());

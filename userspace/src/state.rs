@@ -58,6 +58,12 @@ pub struct Maps {
     drops: Option<PerCpuArray<MapData, u64>>,
     /// Told of every state change (the agent; none for the CLI).
     observer: Option<Observer>,
+    /// uid → netns cookie of every pod in `pod_meta`: read once when the
+    /// maps are opened, then kept by this process's own inserts and
+    /// removals (it is the maps' one writer: CLI commands go through a
+    /// running agent), so an enrollment's "already enrolled?" costs no walk
+    /// of the map.
+    uids: std::collections::HashMap<String, u64>,
 }
 
 /// One enrolled pod, as the maps describe it.
@@ -177,7 +183,20 @@ impl Maps {
             dns_counters: take("dns_counters").ok().and_then(|m| m.try_into().ok()),
             drops: take("drops").ok().and_then(|m| m.try_into().ok()),
             observer: None,
-        })
+            uids: Default::default(),
+        }
+        .with_uid_index())
+    }
+
+    /// Fills the uid index from one walk of `pod_meta`.
+    fn with_uid_index(mut self) -> Self {
+        self.uids = self
+            .pod_meta
+            .iter()
+            .filter_map(Result::ok)
+            .map(|(cookie, m)| (cstr(&m.uid), cookie))
+            .collect();
+        self
     }
 
     /// Reports every later state change to `o`.
@@ -196,11 +215,11 @@ impl Maps {
 
     /// Netns cookie of the pod with this uid, if enrolled.
     pub fn find_uid(&self, uid: &PodUid) -> Option<u64> {
-        self.pod_meta
-            .iter()
-            .filter_map(Result::ok)
-            .find(|(_, m)| cstr(&m.uid) == uid.as_str())
-            .map(|(k, _)| k)
+        // From memory; a hit is checked against the map (one lookup).
+        let cookie = *self.uids.get(uid.as_str())?;
+        self.meta(cookie)
+            .is_some_and(|m| m.uid == uid.as_str())
+            .then_some(cookie)
     }
 
     pub fn meta(&self, cookie: u64) -> Option<PodIdentity> {
@@ -301,6 +320,7 @@ impl Maps {
             self.pod_meta
                 .insert(cookie, m, 0)
                 .map_err(merr("pod_meta"))?;
+            self.uids.insert(cstr(&m.uid), cookie);
         }
         let pod = self.meta(cookie);
         match to {
@@ -589,6 +609,7 @@ impl Maps {
         let _ = self.counters.remove(&cookie);
         let _ = self.pod_state.remove(&cookie);
         let _ = self.pod_meta.remove(&cookie);
+        self.uids.retain(|_, c| *c != cookie);
     }
 
     /// Every cookie with any entry in a per-pod map (for cleanup and checks).

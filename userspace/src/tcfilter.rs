@@ -18,7 +18,7 @@ use std::{
 
 use aya::programs::{
     links::Link as _,
-    tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle},
+    tc::{SchedClassifierLink, TcHandle},
     ProgramError, SchedClassifier, TcAttachType,
 };
 
@@ -28,37 +28,73 @@ pub const PRIORITY: u16 = 1;
 pub const HANDLE: TcHandle = TcHandle::new(0x5115, 1);
 
 /// Attaches `prog` as sluice's filter on `iface`'s `kind` hook, in the
-/// calling thread's netns; a filter of ours already there is replaced.
-pub fn attach(
-    prog: &mut SchedClassifier,
-    iface: &str,
-    kind: TcAttachType,
-) -> Result<(), ProgramError> {
-    // The clsact qdisc may be there already (another tc user, an earlier
-    // attach): that is fine.
-    if let Err(e) = tc::qdisc_add_clsact(iface) {
-        if os_error(&e) != Some(libc::EEXIST) {
-            return Err(e.into());
-        }
-    }
-    let options = TcAttachOptions::Netlink(NlOptions {
-        priority: PRIORITY,
-        handle: HANDLE,
-        classid: None,
-    });
-    let id = match prog.attach_with_options(iface, kind, options) {
-        Ok(id) => id,
-        Err(e) if os_error(&e) == Some(libc::EEXIST) => {
-            let ours = SchedClassifierLink::attached(iface, kind, PRIORITY, HANDLE, None)
-                .map_err(ProgramError::IOError)?;
-            prog.attach_to_link(ours)?
-        }
-        Err(e) => return Err(e),
+/// calling thread's netns; a filter of ours already there has its program
+/// replaced in place (no moment without one). Two requests on one rtnetlink
+/// socket: the clsact qdisc (there already is fine: another tc user, an
+/// earlier attach), then the filter, created or replaced
+/// (`NLM_F_CREATE | NLM_F_REPLACE`). The filter outlives this process.
+pub fn attach(prog: &SchedClassifier, iface: &str, kind: TcAttachType) -> Result<(), ProgramError> {
+    use netlink_packet_core::{NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE};
+    use netlink_packet_route::{
+        tc::{
+            TcAttribute, TcBpfFlags, TcFilterBpfOption, TcHandle as NlHandle, TcMessage, TcOption,
+        },
+        RouteNetlinkMessage,
     };
-    // The filter must outlive this process: aya would remove it when the
-    // program or the link handle is dropped.
-    std::mem::forget(prog.take_link(id)?);
+    let index = nix::net::if_::if_nametoindex(iface)
+        .map_err(|e| ProgramError::IOError(io::Error::from(e)))?;
+    let fd = prog.fd()?;
+    let name = prog
+        .info()
+        .ok()
+        .and_then(|i| i.name_as_str().map(str::to_owned))
+        .unwrap_or_else(|| "sluice".into());
+    let nl = crate::rtnl::Rtnl::open()?;
+
+    let mut qdisc = TcMessage::default();
+    qdisc.header.index = index as i32;
+    qdisc.header.handle = NlHandle {
+        major: NlHandle::CLSACT.major,
+        minor: 0,
+    };
+    qdisc.header.parent = NlHandle::CLSACT;
+    qdisc.attributes.push(TcAttribute::Kind("clsact".into()));
+    match nl.request_with(
+        RouteNetlinkMessage::NewQueueDiscipline(qdisc),
+        NLM_F_CREATE | NLM_F_EXCL,
+    ) {
+        Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+        r => drop(r?),
+    }
+
+    let mut filter = TcMessage::default();
+    filter.header.index = index as i32;
+    filter.header.parent = NlHandle {
+        major: NlHandle::CLSACT.major,
+        minor: match kind {
+            TcAttachType::Egress => NlHandle::MIN_EGRESS,
+            _ => NlHandle::MIN_INGRESS,
+        },
+    };
+    filter.header.handle = NlHandle::from(u32::from(HANDLE));
+    filter.header.info = filter_info();
+    filter.attributes.push(TcAttribute::Kind("bpf".into()));
+    filter.attributes.push(TcAttribute::Options(vec![
+        TcOption::Bpf(TcFilterBpfOption::ProgFd(fd.as_fd().as_raw_fd() as u32)),
+        TcOption::Bpf(TcFilterBpfOption::ProgName(name)),
+        TcOption::Bpf(TcFilterBpfOption::Flags(TcBpfFlags::DirectAction)),
+    ]));
+    nl.request_with(
+        RouteNetlinkMessage::NewTrafficFilter(filter),
+        NLM_F_CREATE | NLM_F_REPLACE,
+    )?;
     Ok(())
+}
+
+/// `tcm_info` of sluice's filter: TC_H_MAKE(priority << 16, protocol), for
+/// every protocol.
+fn filter_info() -> u32 {
+    ((PRIORITY as u32) << 16) | u32::from((libc::ETH_P_ALL as u16).to_be())
 }
 
 /// Removes sluice's filter from `iface`'s `kind` hook, in the calling
@@ -182,8 +218,7 @@ pub fn filter_program(iface: &str, kind: TcAttachType) -> io::Result<Option<u32>
         },
     };
     msg.header.handle = NlHandle::from(u32::from(HANDLE));
-    // TC_H_MAKE(priority << 16, protocol): aya attaches for every protocol.
-    msg.header.info = ((PRIORITY as u32) << 16) | u32::from((libc::ETH_P_ALL as u16).to_be());
+    msg.header.info = filter_info();
     msg.attributes.push(TcAttribute::Kind("bpf".into()));
     let answer =
         match crate::rtnl::Rtnl::open()?.request(RouteNetlinkMessage::GetTrafficFilter(msg)) {

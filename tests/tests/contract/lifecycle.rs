@@ -513,7 +513,7 @@ fn sysctls_with_read_only_proc_sys() -> TestResult {
         let out = enroll(None)?;
         ensure!(!out.ok, "enrolled with a read-only /proc/sys?");
         ensure!(
-            out.stderr.contains("accept_local") && out.stderr.contains("Read-only file system"),
+            out.stderr.contains("tcp_migrate_req") && out.stderr.contains("Read-only file system"),
             "{}",
             out.stderr
         );

@@ -204,9 +204,12 @@ impl AsRawFd for Watch {
     }
 }
 
-/// Sends `cookie` once per batch of link events the socket delivers.
+/// Sends `cookie` once per batch of link events the socket delivers. Only
+/// that an event came matters, not what it says: each is read into a small
+/// buffer, truncated (a netlink datagram is consumed whole whatever the
+/// buffer), so a thousand watched pods do not hold a thousand 64 KiB buffers.
 async fn relay(fd: AsyncFd<Watch>, cookie: u64, tx: mpsc::UnboundedSender<u64>) {
-    let mut buf: Vec<u8> = Vec::with_capacity(1 << 16);
+    let mut buf: Vec<u8> = Vec::with_capacity(64);
     loop {
         let Ok(mut ready) = fd.readable().await else {
             return;
