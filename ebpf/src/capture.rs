@@ -1,4 +1,4 @@
-//! tc programs on the pod's interfaces (tcx links). They never pick a listener
+//! tc programs on the pod's interfaces (cls_bpf filters, or tcx links). They never pick a listener
 //! (sk_lookup does); they decide which packets are delivered locally, leave
 //! hints for sk_lookup, and drop SYNs that would otherwise bypass ztunnel.
 //!
@@ -43,9 +43,9 @@ use crate::{
 
 /// Not ours to decide: the next program on the hook runs (tcx's
 /// `TCX_NEXT`, cls_bpf's `TC_ACT_UNSPEC`: the next filter), and with none the
-/// packet goes on. sluice's pod-side links are appended after the device's
-/// other programs; passing on with `TCX_NEXT` rather than `TC_ACT_OK` lets
-/// programs attached after them still see the packet.
+/// packet goes on. Passing on with `TCX_NEXT` rather than `TC_ACT_OK` lets
+/// programs after sluice's on the hook (filters of a later priority, tcx
+/// links appended after sluice's) still see the packet.
 const TC_OK: i32 = TCX_NEXT;
 const TC_SHOT: i32 = TC_ACT_SHOT;
 const BPF_TCP_LISTEN: u32 = 10;

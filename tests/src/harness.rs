@@ -37,10 +37,16 @@ thread_local! {
 /// filters (`--tc-attach tcx`). A test of it on a kernel without tcx is
 /// skipped by the caller ([`tcx_available`]).
 pub fn attaching_with_tcx<R>(f: impl FnOnce() -> R) -> R {
+    // Reset also when `f` panics: the thread runs other tests next.
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            TC_ATTACH.set(TcAttach::ClsBpf);
+        }
+    }
     TC_ATTACH.set(TcAttach::Tcx);
-    let out = f();
-    TC_ATTACH.set(TcAttach::ClsBpf);
-    out
+    let _reset = Reset;
+    f()
 }
 
 /// Whether this kernel has tcx (else the tcx variants are skipped).
@@ -52,10 +58,16 @@ pub fn tcx_available() -> bool {
 /// dataplane as if the kernel offered only `features`: the fallbacks for
 /// older kernels, tested on this one.
 pub fn as_if_kernel<R>(features: Features, f: impl FnOnce() -> R) -> R {
+    // Reset also when `f` panics: the thread runs other tests next.
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            AS_IF_KERNEL.set(None);
+        }
+    }
     AS_IF_KERNEL.set(Some(features));
-    let out = f();
-    AS_IF_KERNEL.set(None);
-    out
+    let _reset = Reset;
+    f()
 }
 
 /// The environment that makes a `sluice` process see the kernel as

@@ -136,9 +136,10 @@ pub struct NodeStatus {
     #[serde(default)]
     pub link_watches: usize,
     /// How the agent attaches tc programs to new pods (`--tc-attach`, after
-    /// a fallback to cls_bpf on a kernel without tcx).
+    /// a fallback to cls_bpf on a kernel without tcx); `None` from an agent
+    /// of a build before the choice.
     #[serde(default)]
-    pub tc_attach: crate::features::TcAttach,
+    pub tc_attach: Option<crate::features::TcAttach>,
 }
 
 /// A pod of this node the agent leaves uncaptured, and why.

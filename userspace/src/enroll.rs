@@ -415,8 +415,8 @@ impl<'a> Tc<'a> {
 
     /// Attaches `prog` in `ns` and pins at `path` the link, or the program
     /// as the filter's record. Interface names resolve in the calling
-    /// thread's netns, so the attach runs on the netns thread; the pin is
-    /// made back here (bpffs refuses pins from a thread in another netns).
+    /// thread's netns, so the attach runs inside `ns`; the pin is made
+    /// outside it (bpffs refuses pins from a thread in another netns).
     fn attach(
         self,
         prog: &mut aya::programs::SchedClassifier,
@@ -430,12 +430,19 @@ impl<'a> Tc<'a> {
         };
         let (iface, kind) = (self.iface, self.kind);
         if !self.tcx {
-            ns.run(|| tcfilter::attach(prog, iface, kind))?
-                .map_err(aerr)?;
-            return tcfilter::pin_record(prog, path).map_err(|e| EnrollError::Pin {
+            // The record first: a filter is no BPF object and outlives this
+            // process, so one attached without its record would be left
+            // running by a teardown (which goes by the records). A record
+            // without its filter counts as not attached ([`attached`]).
+            tcfilter::pin_record(prog, path).map_err(|e| EnrollError::Pin {
                 what: path.display().to_string(),
                 reason: e.to_string(),
-            });
+            })?;
+            if let Err(e) = ns.run(|| tcfilter::attach(prog, iface, kind))? {
+                let _ = fs::remove_file(path);
+                return Err(aerr(e));
+            }
+            return Ok(());
         }
         let order = self.order;
         let link = ns.run(|| -> Result<FdLink, EnrollError> {
@@ -708,7 +715,7 @@ pub fn register_uid(dp: &mut Dataplane, uid: &PodUid) -> Result<Enrolled, Enroll
 }
 
 /// Unenrolls a pod: nothing of it remains (links, pins, routes, map entries).
-/// `node`: the node's netns, where a kernel without tcx has a filter on the
+/// `node`: the node's netns, where cls_bpf attachment has a filter on the
 /// host side of the pod's veth (without it, that inert filter goes with the
 /// veth).
 pub fn unenroll(
@@ -750,7 +757,7 @@ fn teardown(
             .collect(),
         None => Vec::new(),
     };
-    // Where each cls_bpf filter is (kernels without tcx): worked out from
+    // Where each cls_bpf filter is: worked out from
     // the pod's interfaces only when a record is met.
     let filters = Filters {
         netns,

@@ -36,14 +36,20 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> RouteError {
 /// IPv6 route points), from its IPv6 device settings over rtnetlink: a
 /// file under /proc/sys/net costs ~0.1 ms to open from a thread that moved
 /// into another netns (its dentries are rebuilt for that netns).
-fn ipv6_on_lo(nl: &Rtnl, lo: u32) -> bool {
+fn ipv6_on_lo(nl: &Rtnl, lo: u32) -> Result<bool, RouteError> {
     let mut get = LinkMessage::default();
     get.header.index = lo;
-    let Ok(Some(RouteNetlinkMessage::NewLink(m))) = nl.request(RouteNetlinkMessage::GetLink(get))
-    else {
-        return false;
+    let answer = nl
+        .request(RouteNetlinkMessage::GetLink(get))
+        .map_err(io("reading lo's IPv6 settings"))?;
+    let Some(RouteNetlinkMessage::NewLink(m)) = answer else {
+        return Err(RouteError::Io {
+            what: "reading lo's IPv6 settings".into(),
+            source: std::io::Error::other("no answer for lo"),
+        });
     };
-    m.attributes.iter().any(|a| match a {
+    // No IPv6 settings at all: the kernel has no IPv6 here.
+    Ok(m.attributes.iter().any(|a| match a {
         LinkAttribute::AfSpecUnspec(specs) => specs.iter().any(|s| match s {
             AfSpecUnspec::Inet6(v6) => v6
                 .iter()
@@ -51,7 +57,7 @@ fn ipv6_on_lo(nl: &Rtnl, lo: u32) -> bool {
             _ => false,
         }),
         _ => false,
-    })
+    }))
 }
 
 fn set_sysctl(name: &str, on: bool) -> Result<(), RouteError> {
@@ -62,7 +68,10 @@ fn set_sysctl(name: &str, on: bool) -> Result<(), RouteError> {
 /// `net.ipv4.conf.<iface>.accept_local`, set over rtnetlink (the IPv4
 /// device setting alone, by its index in `IFLA_INET_CONF`): cheaper than
 /// its /proc/sys file from a pod's netns (see [`ipv6_on_lo`]), and needs no
-/// writable /proc/sys. An interface gone meanwhile is no error.
+/// writable /proc/sys. An interface gone meanwhile is no error. (The sysctl
+/// handler also flushes cached routes when the value drops to 0; the
+/// rtnetlink path does not, and need not: teardown removes the rule and
+/// route those packets took.)
 fn set_accept_local(nl: &Rtnl, iface: &str, on: bool) -> Result<(), RouteError> {
     const IFLA_INET_CONF: u16 = 1;
     const IPV4_DEVCONF_ACCEPT_LOCAL: u16 = 23;
@@ -108,14 +117,14 @@ pub fn install(pod_ifaces: &[String]) -> Result<(), RouteError> {
     up.header.change_mask = LinkFlags::Up;
     nl.request(RouteNetlinkMessage::SetLink(up))
         .map_err(io("setting lo up"))?;
-    for (what, msg) in entries(&nl, lo) {
+    for (what, msg) in entries(&nl, lo)? {
         let created = match msg {
             Entry::Rule(m) => RouteNetlinkMessage::NewRule(m),
             Entry::Route(m) => RouteNetlinkMessage::NewRoute(m),
         };
-        match nl.request_with(created, NLM_F_CREATE | NLM_F_EXCL) {
+        match nl.change(created, NLM_F_CREATE | NLM_F_EXCL) {
             Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
-            r => drop(r.map_err(io(format!("adding the {what}")))?),
+            r => r.map_err(io(format!("adding the {what}")))?,
         }
     }
     Ok(())
@@ -131,7 +140,7 @@ pub fn remove(pod_ifaces: &[String]) -> Result<(), RouteError> {
     }
     let _ = set_migrate_req(false);
     let lo = lo_index()?;
-    for (what, msg) in entries(&nl, lo) {
+    for (what, msg) in entries(&nl, lo)? {
         let deleted = match msg {
             Entry::Rule(m) => RouteNetlinkMessage::DelRule(m),
             Entry::Route(m) => RouteNetlinkMessage::DelRoute(m),
@@ -150,16 +159,16 @@ enum Entry {
 }
 
 /// The rule and the route, per family IPv6 is usable in.
-fn entries(nl: &Rtnl, lo: u32) -> Vec<(&'static str, Entry)> {
+fn entries(nl: &Rtnl, lo: u32) -> Result<Vec<(&'static str, Entry)>, RouteError> {
     let mut out = vec![
         ("IPv4 policy rule", Entry::Rule(rule(AddressFamily::Inet))),
         ("IPv4 local route", Entry::Route(route_v4(lo))),
     ];
-    if ipv6_on_lo(nl, lo) {
+    if ipv6_on_lo(nl, lo)? {
         out.push(("IPv6 policy rule", Entry::Rule(rule(AddressFamily::Inet6))));
         out.push(("IPv6 local route", Entry::Route(route_v6(lo))));
     }
-    out
+    Ok(out)
 }
 
 /// Index of `lo` in the calling thread's netns.

@@ -31,12 +31,30 @@ impl Rtnl {
         self.request_with(msg, 0)
     }
 
-    /// [`Rtnl::request`] with `flags` (e.g. `NLM_F_CREATE | NLM_F_EXCL`)
-    /// besides REQUEST and ACK.
+    /// A change (`flags` e.g. `NLM_F_CREATE | NLM_F_EXCL` besides REQUEST
+    /// and ACK) whose every error is returned: ENOENT or ENODEV from a
+    /// create (an unknown qdisc or classifier kind, an interface gone
+    /// meanwhile) is a failure, not "nothing there".
+    pub fn change(&self, msg: RouteNetlinkMessage, flags: u16) -> io::Result<()> {
+        self.exchange(msg, flags, false).map(drop)
+    }
+
+    /// [`Rtnl::request`] with `flags` besides REQUEST and ACK.
     pub fn request_with(
         &self,
         msg: RouteNetlinkMessage,
         flags: u16,
+    ) -> io::Result<Option<RouteNetlinkMessage>> {
+        self.exchange(msg, flags, true)
+    }
+
+    /// Sends one request and reads its answer; `missing_is_none`: ENODEV
+    /// and ENOENT read as `Ok(None)`.
+    fn exchange(
+        &self,
+        msg: RouteNetlinkMessage,
+        flags: u16,
+        missing_is_none: bool,
     ) -> io::Result<Option<RouteNetlinkMessage>> {
         let mut header = NetlinkHeader::default();
         header.flags = NLM_F_REQUEST | NLM_F_ACK | flags;
@@ -60,7 +78,12 @@ impl Rtnl {
                     NetlinkPayload::Error(e) => {
                         return match e.code {
                             None => Ok(answer),
-                            Some(c) if [libc::ENODEV, libc::ENOENT].contains(&-c.get()) => Ok(None),
+                            Some(c)
+                                if missing_is_none
+                                    && [libc::ENODEV, libc::ENOENT].contains(&-c.get()) =>
+                            {
+                                Ok(None)
+                            }
                             Some(_) => Err(e.to_io()),
                         }
                     }

@@ -66,7 +66,9 @@ pub fn node_lines(n: &NodeView) -> String {
             if !a.probes.is_empty() {
                 let _ = writeln!(out, "probes:     {}", a.probes);
             }
-            let _ = writeln!(out, "tc attach:  {}", a.tc_attach.as_str());
+            if let Some(t) = a.tc_attach {
+                let _ = writeln!(out, "tc attach:  {}", t.as_str());
+            }
             let zt = if a.ztunnel_connected {
                 "connected"
             } else {

@@ -1,6 +1,6 @@
 //! tc programs attached as cls_bpf filters (a clsact qdisc and a netlink
-//! filter in direct-action mode): how sluice attaches on kernels without tcx
-//! (Linux < 6.6). The programs' verdicts mean the same on both hooks
+//! filter in direct-action mode): how sluice attaches by default, and the
+//! only way on kernels without tcx (Linux < 6.6). The programs' verdicts mean the same on both hooks
 //! (`TC_ACT_UNSPEC` is `TCX_NEXT`: the next filter runs).
 //!
 //! sluice keeps one filter per hook, at a fixed priority and handle, so it
@@ -59,12 +59,12 @@ pub fn attach(prog: &SchedClassifier, iface: &str, kind: TcAttachType) -> Result
     };
     qdisc.header.parent = NlHandle::CLSACT;
     qdisc.attributes.push(TcAttribute::Kind("clsact".into()));
-    match nl.request_with(
+    match nl.change(
         RouteNetlinkMessage::NewQueueDiscipline(qdisc),
         NLM_F_CREATE | NLM_F_EXCL,
     ) {
         Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
-        r => drop(r?),
+        r => r?,
     }
 
     let mut filter = TcMessage::default();
@@ -84,7 +84,7 @@ pub fn attach(prog: &SchedClassifier, iface: &str, kind: TcAttachType) -> Result
         TcOption::Bpf(TcFilterBpfOption::ProgName(name)),
         TcOption::Bpf(TcFilterBpfOption::Flags(TcBpfFlags::DirectAction)),
     ]));
-    nl.request_with(
+    nl.change(
         RouteNetlinkMessage::NewTrafficFilter(filter),
         NLM_F_CREATE | NLM_F_REPLACE,
     )?;

@@ -118,7 +118,7 @@ impl Node {
                     uninstall: self.uninstall_state().to_string(),
                     skipped: self.skipped.lock().unwrap().clone(),
                     link_watches: self.link_watches.load(std::sync::atomic::Ordering::Relaxed),
-                    tc_attach,
+                    tc_attach: Some(tc_attach),
                 })
             }
             Request::CniCheck(CniCheck { pod }) => {
