@@ -438,6 +438,9 @@ impl<'a> Tc<'a> {
                 what: path.display().to_string(),
                 reason: e.to_string(),
             })?;
+            if let Some(name) = path.file_name() {
+                crash_point(&format!("enroll:record:{}", name.to_string_lossy()));
+            }
             if let Err(e) = ns.run(|| tcfilter::attach(prog, iface, kind))? {
                 let _ = fs::remove_file(path);
                 return Err(aerr(e));
