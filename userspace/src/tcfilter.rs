@@ -67,18 +67,7 @@ pub fn attach(prog: &SchedClassifier, iface: &str, kind: TcAttachType) -> Result
         r => r?,
     }
 
-    let mut filter = TcMessage::default();
-    filter.header.index = index as i32;
-    filter.header.parent = NlHandle {
-        major: NlHandle::CLSACT.major,
-        minor: match kind {
-            TcAttachType::Egress => NlHandle::MIN_EGRESS,
-            _ => NlHandle::MIN_INGRESS,
-        },
-    };
-    filter.header.handle = NlHandle::from(u32::from(HANDLE));
-    filter.header.info = filter_info();
-    filter.attributes.push(TcAttribute::Kind("bpf".into()));
+    let mut filter = our_filter(index, kind);
     filter.attributes.push(TcAttribute::Options(vec![
         TcOption::Bpf(TcFilterBpfOption::ProgFd(fd.as_fd().as_raw_fd() as u32)),
         TcOption::Bpf(TcFilterBpfOption::ProgName(name)),
@@ -91,10 +80,24 @@ pub fn attach(prog: &SchedClassifier, iface: &str, kind: TcAttachType) -> Result
     Ok(())
 }
 
-/// `tcm_info` of sluice's filter: TC_H_MAKE(priority << 16, protocol), for
-/// every protocol.
-fn filter_info() -> u32 {
-    ((PRIORITY as u32) << 16) | u32::from((libc::ETH_P_ALL as u16).to_be())
+/// A message naming sluice's bpf filter on interface `index`'s `kind` hook:
+/// the clsact hook, sluice's handle, and in `tcm_info` TC_H_MAKE(priority
+/// << 16, protocol), for every protocol.
+fn our_filter(index: u32, kind: TcAttachType) -> netlink_packet_route::tc::TcMessage {
+    use netlink_packet_route::tc::{TcAttribute, TcHandle as NlHandle, TcMessage};
+    let mut msg = TcMessage::default();
+    msg.header.index = index as i32;
+    msg.header.parent = NlHandle {
+        major: NlHandle::CLSACT.major,
+        minor: match kind {
+            TcAttachType::Egress => NlHandle::MIN_EGRESS,
+            _ => NlHandle::MIN_INGRESS,
+        },
+    };
+    msg.header.handle = NlHandle::from(u32::from(HANDLE));
+    msg.header.info = ((PRIORITY as u32) << 16) | u32::from((libc::ETH_P_ALL as u16).to_be());
+    msg.attributes.push(TcAttribute::Kind("bpf".into()));
+    msg
 }
 
 /// Removes sluice's filter from `iface`'s `kind` hook, in the calling
@@ -202,24 +205,13 @@ fn prog_id(fd: &std::os::fd::OwnedFd) -> Option<u32> {
 /// or its qdisc or interface gone).
 pub fn filter_program(iface: &str, kind: TcAttachType) -> io::Result<Option<u32>> {
     use netlink_packet_route::{
-        tc::{TcAttribute, TcFilterBpfOption, TcHandle as NlHandle, TcMessage, TcOption},
+        tc::{TcAttribute, TcFilterBpfOption, TcOption},
         RouteNetlinkMessage,
     };
     let Ok(index) = nix::net::if_::if_nametoindex(iface) else {
         return Ok(None);
     };
-    let mut msg = TcMessage::default();
-    msg.header.index = index as i32;
-    msg.header.parent = NlHandle {
-        major: NlHandle::INGRESS.major,
-        minor: match kind {
-            TcAttachType::Egress => NlHandle::MIN_EGRESS,
-            _ => NlHandle::MIN_INGRESS,
-        },
-    };
-    msg.header.handle = NlHandle::from(u32::from(HANDLE));
-    msg.header.info = filter_info();
-    msg.attributes.push(TcAttribute::Kind("bpf".into()));
+    let msg = our_filter(index, kind);
     let answer =
         match crate::rtnl::Rtnl::open()?.request(RouteNetlinkMessage::GetTrafficFilter(msg)) {
             Ok(a) => a,
