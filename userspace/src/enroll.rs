@@ -582,10 +582,15 @@ pub fn missing_links(dp: &Dataplane, cookie: u64) -> Result<Vec<String>, EnrollE
         .collect())
 }
 
-/// Removes the pin directories of pods that have no state entry (an enroll
-/// killed before its first step, or a teardown killed after its last):
-/// their links detach. Returns how many there were.
-pub fn remove_orphan_pins(pins: &Pins, maps: &Maps) -> Result<usize, EnrollError> {
+/// Removes the pin directories of pods that have no state entry (maps lost
+/// or replaced while pods were enrolled) and what they stand for
+/// ([`remove_stateless`]). `node` as for [`unenroll`]. Returns how many
+/// there were.
+pub fn remove_orphan_pins(
+    pins: &Pins,
+    maps: &Maps,
+    node: Option<&hostside::Node>,
+) -> Result<usize, EnrollError> {
     let known = maps.cookies();
     let mut n = 0;
     if let Ok(entries) = fs::read_dir(pins.pods()) {
@@ -594,7 +599,7 @@ pub fn remove_orphan_pins(pins: &Pins, maps: &Maps) -> Result<usize, EnrollError
                 continue;
             };
             if !known.contains(&cookie) {
-                remove_links(pins, cookie, &Filters::default())?;
+                remove_stateless(pins, node, cookie)?;
                 n += 1;
             }
         }
@@ -751,6 +756,20 @@ fn teardown(
         maps.set_state(cookie, PodState::Draining, boottime_ns())?;
     }
     crash_point("unenroll:draining");
+    remove_pod_side(pins, netns, node, cookie)?;
+    crash_point("unenroll:routes");
+    maps.remove_pod(cookie)?;
+    Ok(())
+}
+
+/// Removes a pod's links (and their pins) and, in its netns when that is
+/// open, its filters and routes: all of a teardown but the state entry.
+fn remove_pod_side(
+    pins: &Pins,
+    netns: Option<&Netns>,
+    node: Option<&hostside::Node>,
+    cookie: u64,
+) -> Result<(), EnrollError> {
     let ifaces: Vec<String> = match netns {
         Some(ns) => ns
             .run(interfaces)?
@@ -760,52 +779,80 @@ fn teardown(
             .collect(),
         None => Vec::new(),
     };
-    // Where each cls_bpf filter is: worked out from
-    // the pod's interfaces only when a record is met.
-    let filters = Filters {
-        netns,
-        node,
-        ifaces: &ifaces,
-        reroute: maps.options(cookie).reroute,
-        specs: Default::default(),
-    };
-    remove_links(pins, cookie, &filters)?;
+    remove_links(pins, cookie, &Filters::new(netns, node, &ifaces))?;
     if let Some(netns) = netns {
         netns.run(|| routes::remove(&ifaces))??;
     }
-    crash_point("unenroll:routes");
-    maps.remove_pod(cookie)?;
     Ok(())
 }
 
+/// Removes what is left of a pod that has pins but no state entry (maps
+/// lost or unreadable, an uninstall of another version's pins): its links
+/// go with their pins, and its filters and routes with them when its netns
+/// still exists, found by the cookie its pin directory is named after (cls_bpf
+/// filters are no BPF objects: they run on until removed in their netns).
+fn remove_stateless(
+    pins: &Pins,
+    node: Option<&hostside::Node>,
+    cookie: u64,
+) -> Result<(), EnrollError> {
+    let netns = crate::podns::find_by_cookie(cookie);
+    if netns.is_none() {
+        tracing::debug!(
+            cookie,
+            "no netns has this cookie any more: its filters went with it"
+        );
+    }
+    remove_pod_side(pins, netns.as_ref(), node, cookie)
+}
+
 /// What [`remove_links`] needs to remove a pod's cls_bpf filters: the netns
-/// they are in and, from the pod's interfaces as they are now, the hook each
-/// record stands for. A filter on an interface that is gone went with it.
-#[derive(Default)]
+/// they are in and the pod's interfaces as they are now, against which each
+/// record's name is matched. A filter on an interface that is gone went
+/// with it.
 struct Filters<'a> {
     netns: Option<&'a Netns>,
     node: Option<&'a hostside::Node>,
     ifaces: &'a [String],
-    reroute: Vec<String>,
-    /// The expected links, worked out at the first record (tcx pods never
-    /// pay for the host-side lookup).
-    specs: std::cell::OnceCell<Vec<LinkSpec>>,
+    /// The host sides of the pod's interfaces, looked up at the first
+    /// host-side record (most pods have none).
+    peers: std::cell::OnceCell<Vec<HostPeer>>,
 }
 
-impl Filters<'_> {
-    fn specs(&self) -> &[LinkSpec] {
-        self.specs.get_or_init(|| {
-            let Some(ns) = self.netns else {
-                return Vec::new();
-            };
-            podlinks::links_now(ns, self.ifaces, self.node, &self.reroute)
-        })
+impl<'a> Filters<'a> {
+    fn new(
+        netns: Option<&'a Netns>,
+        node: Option<&'a hostside::Node>,
+        ifaces: &'a [String],
+    ) -> Self {
+        Self {
+            netns,
+            node,
+            ifaces,
+            peers: Default::default(),
+        }
+    }
+
+    /// The link the record `name` stands for, if its interface is still there.
+    fn spec(&self, name: &str) -> Option<LinkSpec> {
+        let named = |s: &LinkSpec| s.pin_name() == name;
+        if let Some(s) = podlinks::possible_pod_links(self.ifaces)
+            .into_iter()
+            .find(named)
+        {
+            return Some(s);
+        }
+        let peers = self.peers.get_or_init(|| match (self.netns, self.node) {
+            (Some(ns), Some(node)) => hostside::peers(ns, node, self.ifaces).unwrap_or_default(),
+            _ => Vec::new(),
+        });
+        peers.iter().cloned().map(LinkSpec::Host).find(named)
     }
 
     /// Removes the filter the record `name` stands for, where it can be
     /// reached.
     fn detach(&self, name: &str) -> Result<(), EnrollError> {
-        let Some(spec) = self.specs().iter().find(|s| s.pin_name() == name) else {
+        let Some(spec) = self.spec(name) else {
             return Ok(());
         };
         let Some(hook) = spec.tc_hook() else {
@@ -927,7 +974,7 @@ pub fn uninstall(pins: &Pins, node: Option<&hostside::Node>) -> Result<usize, En
     if let Ok(entries) = fs::read_dir(pins.pods()) {
         for e in entries.flatten() {
             if let Some(cookie) = e.file_name().to_str().and_then(|s| s.parse().ok()) {
-                remove_links(pins, cookie, &Filters::default())?;
+                remove_stateless(pins, node, cookie)?;
             }
         }
     }

@@ -110,6 +110,27 @@ pub fn expected_links(
     v
 }
 
+/// Every pod-side link a pod with interfaces `ifaces` (not `lo`) could
+/// have, whatever its options and interface kinds: what a record's name is
+/// matched against when it is removed (host-side links need the node's
+/// view, [`LinkSpec::Host`]).
+pub fn possible_pod_links(ifaces: &[String]) -> Vec<LinkSpec> {
+    let mut v = vec![LinkSpec::Steer, LinkSpec::Lo];
+    for i in ifaces {
+        v.extend(
+            [
+                LinkSpec::Egress,
+                LinkSpec::Ingress,
+                LinkSpec::EgressL3,
+                LinkSpec::IngressL3,
+                LinkSpec::Reroute,
+            ]
+            .map(|spec| spec(i.clone())),
+        );
+    }
+    v
+}
+
 /// The links of a pod in `netns` with interfaces `ifaces` (not `lo`) as they
 /// are now, the host side found from `node`'s netns (none without it, or
 /// when it cannot be found: only the host-side links are then missing).

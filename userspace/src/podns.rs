@@ -5,10 +5,13 @@
 //! process still have the pod's containers in that cgroup.
 
 use std::{
+    collections::HashSet,
     fs,
     os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
 };
+
+use crate::netns::Netns;
 
 /// Directories where runtimes bind-mount pod netns files.
 pub const NETNS_DIRS: [&str; 2] = ["/run/netns", "/var/run/netns"];
@@ -35,6 +38,36 @@ pub fn find(uid: &str) -> Option<PathBuf> {
     let proc_path = PathBuf::from(format!("/proc/{pid}/ns/net"));
     let ino = fs::metadata(&proc_path).ok()?.ino();
     Some(bind_mount_of(ino).unwrap_or(proc_path))
+}
+
+/// The netns whose cookie is `cookie`, if it still exists: looked for among
+/// the runtimes' bind mounts, then every process's netns (each netns asked
+/// once). A cookie is never reused while the machine runs, so a match is
+/// that very netns. Never the host's or this process's own. For pins left
+/// without their state entry: the rare case, so a walk of /proc is fine.
+pub fn find_by_cookie(cookie: u64) -> Option<Netns> {
+    let mounts = NETNS_DIRS
+        .iter()
+        .filter_map(|d| fs::read_dir(d).ok())
+        .flat_map(|dir| dir.flatten().map(|e| e.path()));
+    let procs = fs::read_dir("/proc")
+        .into_iter()
+        .flat_map(|dir| dir.flatten())
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .is_some_and(|n| n.parse::<u32>().is_ok())
+        })
+        .map(|e| e.path().join("ns/net"));
+    let mut seen = HashSet::new();
+    mounts.chain(procs).find_map(|path| {
+        let md = fs::metadata(&path).ok()?;
+        if !seen.insert((md.dev(), md.ino())) {
+            return None;
+        }
+        let ns = Netns::open(&path).ok()?;
+        (ns.host_like().is_none() && ns.cookie().ok()? == cookie).then_some(ns)
+    })
 }
 
 /// The /run/netns file for the netns with inode `ino`, if any.

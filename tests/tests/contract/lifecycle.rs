@@ -49,6 +49,14 @@ pub fn trials() -> Vec<Trial> {
             unenroll_after_netns_gone,
         ),
         trial(
+            "lifecycle::uninstall_with_the_maps_lost_removes_every_pods_filters_and_routes",
+            uninstall_with_maps_lost,
+        ),
+        trial(
+            "lifecycle::pins_without_state_go_with_their_pods_filters_and_routes",
+            stateless_pins,
+        ),
+        trial(
             "lifecycle::a_hung_iptables_tool_is_killed_and_the_enroll_backs_out",
             hung_iptables,
         ),
@@ -425,6 +433,87 @@ fn unenroll_after_netns_gone() -> TestResult {
     ensure!(!f.topo.pins.pod(cookie).exists(), "pins left behind");
     let maps = sluice::state::Maps::open_pinned(&f.topo.pins.maps())?;
     ensure!(maps.cookies().is_empty());
+    Ok(())
+}
+
+/// A bpf filter, the policy rule or a pin of sluice's still in the pod, if any.
+fn capture_left(f: &Fixture) -> anyhow::Result<Option<String>> {
+    for (iface, dir) in [("eth0", "egress"), ("eth0", "ingress"), ("lo", "ingress")] {
+        let filters = sluice_tests::inspect::filter_programs(&f.topo.pod, iface, dir)?;
+        if !filters.is_empty() {
+            return Ok(Some(format!("bpf filters on {iface} {dir}: {filters:?}")));
+        }
+    }
+    if sluice_tests::topology::has_redirect_rule(&f.topo.pod)? {
+        return Ok(Some("the policy rule".into()));
+    }
+    let pods = std::fs::read_dir(f.topo.pins.pods())
+        .map(|d| d.flatten().map(|e| e.file_name()).collect::<Vec<_>>())
+        .unwrap_or_default();
+    Ok((!pods.is_empty()).then(|| format!("pod pin directories {pods:?}")))
+}
+
+/// An inbound connection to the pod's app, and whether the stand-in
+/// ztunnel took it (captured).
+fn inbound_captured(f: &Fixture) -> anyhow::Result<bool> {
+    let before = f.standin().accepted().len();
+    let r = connect(
+        &f.topo.client,
+        SocketAddr::new(Family::V4.pod(), APP_PORT),
+        Opts::default(),
+    );
+    ensure!(
+        r.reply().is_some_and(|l| l.starts_with("app:8080")),
+        "{r:?}"
+    );
+    Ok(f.standin().accepted().len() > before)
+}
+
+/// An enrolled pod whose maps are lost (here their pins are removed, as a
+/// bpffs remounted or another version's uninstall would leave it): `sluice
+/// uninstall` still removes its cls_bpf filters and routes, finding the pod
+/// netns by the cookie its pin directory is named after. A filter is no BPF
+/// object: left, it would go on capturing a pod that no agent serves.
+fn uninstall_with_maps_lost() -> TestResult {
+    let f = Fixture::new("lost", Some(Bind::DualStack))?;
+    f.enroll()?;
+    ensure!(inbound_captured(&f)?, "not captured to begin with");
+    std::fs::remove_file(f.topo.pins.maps().join("pod_state"))?;
+    ensure!(
+        sluice::state::Maps::open_pinned(&f.topo.pins.maps()).is_err(),
+        "the maps still open: the test's premise does not hold"
+    );
+    let out = sluice(&f, &["uninstall"])?;
+    ensure!(out.ok, "uninstall failed: {}{}", out.stdout, out.stderr);
+    if let Some(left) = capture_left(&f)? {
+        anyhow::bail!("left in the pod after the uninstall: {left}");
+    }
+    ensure!(!inbound_captured(&f)?, "still captured after the uninstall");
+    Ok(())
+}
+
+/// The node's pins lost while a pod was enrolled (all but the pods'): the
+/// next dataplane loads afresh, with empty maps, and finds the pod's pins
+/// without a state entry. Its start (and every verification) removes them, and with them the
+/// pod's filters and routes, in the netns found by the directory's cookie.
+fn stateless_pins() -> TestResult {
+    let f = Fixture::new("orph", Some(Bind::DualStack))?;
+    let cookie = f.enroll()?.cookie;
+    for dir in [f.topo.pins.maps(), f.topo.pins.progs()] {
+        std::fs::remove_dir_all(dir)?;
+    }
+    let dp = f.dataplane()?;
+    ensure!(
+        dp.maps.cookies().is_empty() && f.topo.pins.pod(cookie).exists(),
+        "fresh maps with the pod's pins left is the test's premise"
+    );
+    let n = sluice::enroll::remove_orphan_pins(&dp.pins, &dp.maps, dp.node.as_ref())?;
+    ensure!(n == 1, "{n} pods without state, want 1");
+    drop(dp);
+    if let Some(left) = capture_left(&f)? {
+        anyhow::bail!("left in the pod: {left}");
+    }
+    ensure!(!inbound_captured(&f)?, "still captured");
     Ok(())
 }
 

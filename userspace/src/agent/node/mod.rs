@@ -322,7 +322,7 @@ impl Node {
         for cookie in dp.maps.cookies() {
             self.verify_pod(dp, cookie, at_start);
         }
-        match enroll::remove_orphan_pins(&dp.pins, &dp.maps) {
+        match enroll::remove_orphan_pins(&dp.pins, &dp.maps, dp.node.as_ref()) {
             Ok(0) => {}
             Ok(n) => info!(pods = n, "removed pins of pods without state"),
             Err(e) => warn!(error = %e, "removing pins of pods without state"),
