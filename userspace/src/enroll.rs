@@ -18,6 +18,7 @@ use crate::{
     netns::{addresses, interfaces, Netns, NetnsError},
     options::PodOptions,
     podlinks::{self, expected_links, LinkSpec, Side},
+    podview::PodView,
     routes::{self, RouteError},
     sockets::{self, SocketError},
     state::{boottime_ns, Maps, StateError},
@@ -73,6 +74,19 @@ pub enum EnrollError {
         what: String,
         source: std::io::Error,
     },
+}
+
+impl From<crate::podview::ViewError> for EnrollError {
+    fn from(e: crate::podview::ViewError) -> Self {
+        use crate::podview::ViewError;
+        match e {
+            ViewError::Netns(e) => e.into(),
+            ViewError::Io { what, path, source } => EnrollError::Io {
+                what: format!("{what} in {path}"),
+                source,
+            },
+        }
+    }
 }
 
 /// What enrolling (or re-registering) a pod achieved.
@@ -142,8 +156,11 @@ pub fn attach_pod(
     if !options.reroute.is_empty() && !dp.features.netns_cookie_in_tc {
         return Err(EnrollError::RerouteUnsupported(options.reroute.join(",")));
     }
-    let facts = PodFacts::read(&netns, &path)?;
-    let cookie = facts.cookie;
+    let view = PodView::open(&netns)?;
+    if view.ifaces.is_empty() {
+        return Err(EnrollError::NoInterface(path));
+    }
+    let cookie = view.cookie;
     if let Some(cookie) = dp.maps.find_uid(uid) {
         return Err(EnrollError::AlreadyEnrolled {
             uid: uid.clone(),
@@ -160,7 +177,7 @@ pub fn attach_pod(
         teardown_in(dp, &netns, cookie)?;
     }
 
-    if let Err(e) = attach(dp, &netns, &facts, uid, &path, workload, options) {
+    if let Err(e) = attach(dp, &netns, &view, uid, &path, workload, options) {
         let _ = teardown_in(dp, &netns, cookie);
         return Err(e);
     }
@@ -214,53 +231,6 @@ fn host_peers(dp: &Dataplane, netns: &Netns, ifaces: &[String]) -> Vec<HostPeer>
     })
 }
 
-/// What an enrollment reads of a pod netns before it writes anything, in
-/// one visit of the netns: its cookie, addresses, interfaces (besides `lo`)
-/// and which of them have no Ethernet header.
-struct PodFacts {
-    cookie: u64,
-    addrs: Vec<std::net::IpAddr>,
-    ifaces: Vec<String>,
-    l3: Vec<String>,
-}
-
-impl PodFacts {
-    fn read(netns: &Netns, path: &str) -> Result<Self, EnrollError> {
-        let io = |what: &str| {
-            let what = what.to_owned();
-            move |source| EnrollError::Io { what, source }
-        };
-        let (cookie, addrs, ifaces, l3) = netns.run(|| {
-            let cookie = crate::netns::udp_socket_here()
-                .and_then(|s| crate::netns::socket_netns_cookie(std::os::fd::AsFd::as_fd(&s)));
-            let ifaces =
-                interfaces().map(|all| all.into_iter().filter(|i| i != "lo").collect::<Vec<_>>());
-            // None when unreadable: the next netlink step reports the netns.
-            let l3 = ifaces
-                .as_ref()
-                .ok()
-                .and_then(|i| crate::netns::l3_interfaces(i).ok())
-                .unwrap_or_default();
-            (cookie, addresses(), ifaces, l3)
-        })?;
-        let cookie = cookie.map_err(|source| NetnsError::Cookie {
-            path: netns.path().to_owned(),
-            source,
-        })?;
-        let addrs = addrs.map_err(io("listing the pod's addresses"))?;
-        let ifaces = ifaces.map_err(io("listing interfaces"))?;
-        if ifaces.is_empty() {
-            return Err(EnrollError::NoInterface(path.to_owned()));
-        }
-        Ok(Self {
-            cookie,
-            addrs,
-            ifaces,
-            l3,
-        })
-    }
-}
-
 /// The pod's interfaces besides `lo`, read inside its netns.
 fn pod_interfaces(netns: &Netns, path: &str) -> Result<Vec<String>, EnrollError> {
     let ifaces: Vec<String> = netns
@@ -286,13 +256,13 @@ fn pod_interfaces(netns: &Netns, path: &str) -> Result<Vec<String>, EnrollError>
 fn attach(
     dp: &mut Dataplane,
     netns: &Netns,
-    facts: &PodFacts,
+    view: &PodView,
     uid: &PodUid,
     path: &str,
     workload: &Workload,
     options: &PodOptions,
 ) -> Result<(), EnrollError> {
-    let cookie = facts.cookie;
+    let cookie = view.cookie;
     dp.maps
         .insert_pod(cookie, uid, path, workload, boottime_ns())?;
     // Before any link: a pod that bypasses inbound capture never has its
@@ -300,11 +270,15 @@ fn attach(
     // options: captured fully, the fail-closed side.)
     dp.maps.set_options(cookie, options, dp.dns_capture)?;
     crash_point("enroll:state");
-    publish_addrs(&mut dp.maps, netns, cookie, &facts.addrs)?;
+    publish_addrs(&mut dp.maps, netns, cookie, &view.addrs)?;
     crash_point("enroll:addrs");
-    let ifaces = &facts.ifaces;
-    netns.run(|| routes::install(ifaces))??;
+    // The sysctl is a file of the pod's /proc/sys: the one step that enters
+    // the netns; the rest goes over the view's socket.
+    netns.run(|| routes::set_migrate_req(true))??;
+    let indexes: Vec<u32> = view.ifaces.iter().map(|i| i.index).collect();
+    routes::install_over(&view.nl, &indexes, view.lo, view.ipv6)?;
     crash_point("enroll:routes");
+    let ifaces = &view.names();
     let dir = dp.pins.pod(cookie);
     fs::create_dir_all(&dir).map_err(|source| EnrollError::Io {
         what: format!("creating {}", dir.display()),
@@ -314,26 +288,33 @@ fn attach(
     // array and waits for an RCU grace period under RTNL (≈ 10–20 ms here);
     // cls_bpf filters (the default) need none.
     let peers = host_peers(dp, netns, ifaces);
-    let l3 = &facts.l3;
+    let l3 = &view.l3_names();
     if let Some(i) = podlinks::reroute_on_l3(l3, &options.reroute) {
         return Err(EnrollError::RerouteOnL3(i.clone()));
     }
     for spec in expected_links(ifaces, l3, &peers, &options.reroute) {
-        attach_link(dp, netns, &dir, &spec)?;
+        attach_link(dp, netns, Some(view), &dir, &spec)?;
         crash_point(&format!("enroll:link:{}", spec.pin_name()));
     }
     Ok(())
 }
 
-/// Attaches one link and pins it under `dir`.
+/// Attaches one link and pins it under `dir`; pod-side filters over
+/// `view`'s socket when there is one (an enrollment), else from inside
+/// `netns` (a repair).
 fn attach_link(
     dp: &mut Dataplane,
     netns: &Netns,
+    view: Option<&PodView>,
     dir: &Path,
     spec: &LinkSpec,
 ) -> Result<(), EnrollError> {
     let path = dir.join(spec.pin_name());
     let tcx = dp.tc_attach == crate::features::TcAttach::Tcx;
+    let pod = |iface, kind| Tc {
+        view,
+        ..Tc::new(iface, kind, tcx)
+    };
     match spec {
         LinkSpec::Steer => {
             let aerr = |source| EnrollError::Attach {
@@ -343,14 +324,8 @@ fn attach_link(
             let id = dp.steer.attach(netns).map_err(aerr)?;
             pin(FdLink::from(dp.steer.take_link(id).map_err(aerr)?), &path)
         }
-        LinkSpec::Egress(i) => {
-            let tc = Tc::new(i, TcAttachType::Egress, tcx);
-            tc.attach(&mut dp.egress, netns, &path)
-        }
-        LinkSpec::Ingress(i) => {
-            let tc = Tc::new(i, TcAttachType::Ingress, tcx);
-            tc.attach(&mut dp.ingress, netns, &path)
-        }
+        LinkSpec::Egress(i) => pod(i, TcAttachType::Egress).attach(&mut dp.egress, netns, &path),
+        LinkSpec::Ingress(i) => pod(i, TcAttachType::Ingress).attach(&mut dp.ingress, netns, &path),
         LinkSpec::EgressL3(i) | LinkSpec::IngressL3(i) => {
             let (prog, kind) = match spec {
                 LinkSpec::EgressL3(_) => (dp.egress_l3.as_mut(), TcAttachType::Egress),
@@ -362,9 +337,9 @@ fn attach_link(
                     reason: "the pinned dataplane predates the programs for interfaces without an Ethernet header".into(),
                 });
             };
-            Tc::new(i, kind, tcx).attach(prog, netns, &path)
+            pod(i, kind).attach(prog, netns, &path)
         }
-        LinkSpec::Lo => Tc::new("lo", TcAttachType::Ingress, tcx).attach(&mut dp.lo, netns, &path),
+        LinkSpec::Lo => pod("lo", TcAttachType::Ingress).attach(&mut dp.lo, netns, &path),
         LinkSpec::Reroute(i) => {
             let Some(prog) = dp.reroute.as_mut() else {
                 return Err(EnrollError::Pin {
@@ -372,7 +347,7 @@ fn attach_link(
                     reason: "the pinned dataplane predates the reroute program".into(),
                 });
             };
-            Tc::new(i, TcAttachType::Ingress, tcx).attach(prog, netns, &path)
+            pod(i, TcAttachType::Ingress).attach(prog, netns, &path)
         }
         // In the node netns, first in the chain: it only writes hints and
         // passes every packet on (TCX_NEXT), so the primary CNI's programs
@@ -400,6 +375,8 @@ struct Tc<'a> {
     kind: TcAttachType,
     order: LinkOrder,
     tcx: bool,
+    /// The pod netns over one socket: a filter goes over it (no visit).
+    view: Option<&'a PodView>,
 }
 
 impl<'a> Tc<'a> {
@@ -410,6 +387,7 @@ impl<'a> Tc<'a> {
             kind,
             order: LinkOrder::default(),
             tcx,
+            view: None,
         }
     }
 
@@ -441,7 +419,15 @@ impl<'a> Tc<'a> {
             if let Some(name) = path.file_name() {
                 crash_point(&format!("enroll:record:{}", name.to_string_lossy()));
             }
-            if let Err(e) = ns.run(|| tcfilter::attach(prog, iface, kind))? {
+            let over_view = self
+                .view
+                .and_then(|v| Some((v, v.index(iface)?)))
+                .map(|(v, index)| tcfilter::attach_over(&v.nl, prog, index, kind));
+            let attached = match over_view {
+                Some(r) => r,
+                None => ns.run(|| tcfilter::attach(prog, iface, kind))?,
+            };
+            if let Err(e) = attached {
                 let _ = fs::remove_file(path);
                 return Err(aerr(e));
             }
@@ -545,7 +531,7 @@ pub fn repair(dp: &mut Dataplane, cookie: u64, takeover: bool) -> Result<Repair,
         }
         // A pin that does not open as a link is debris.
         let _ = fs::remove_file(&pin_path);
-        attach_link(dp, &netns, &dir, &spec)?;
+        attach_link(dp, &netns, None, &dir, &spec)?;
         relinked.push(spec.pin_name());
     }
     let mut istio_rules = Vec::new();

@@ -24,6 +24,7 @@ pub mod netns;
 pub mod options;
 pub mod podlinks;
 pub mod podns;
+pub mod podview;
 pub mod readiness;
 pub mod refilter;
 pub mod relink;

@@ -9,7 +9,7 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 
 use netlink_packet_core::{DefaultNla, NLM_F_CREATE, NLM_F_EXCL};
 use netlink_packet_route::{
-    link::{AfSpecInet, AfSpecInet6, AfSpecUnspec, LinkAttribute, LinkFlags, LinkMessage},
+    link::{AfSpecInet, AfSpecUnspec, LinkAttribute, LinkFlags, LinkMessage},
     route::{RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteScope, RouteType},
     rule::{RuleAction, RuleAttribute, RuleMessage},
     AddressFamily, RouteNetlinkMessage,
@@ -48,16 +48,7 @@ fn ipv6_on_lo(nl: &Rtnl, lo: u32) -> Result<bool, RouteError> {
             source: std::io::Error::other("no answer for lo"),
         });
     };
-    // No IPv6 settings at all: the kernel has no IPv6 here.
-    Ok(m.attributes.iter().any(|a| match a {
-        LinkAttribute::AfSpecUnspec(specs) => specs.iter().any(|s| match s {
-            AfSpecUnspec::Inet6(v6) => v6
-                .iter()
-                .any(|o| matches!(o, AfSpecInet6::DevConf(c) if c.disable_ipv6 == 0)),
-            _ => false,
-        }),
-        _ => false,
-    }))
+    Ok(crate::podview::ipv6_on(&m))
 }
 
 fn set_sysctl(name: &str, on: bool) -> Result<(), RouteError> {
@@ -73,11 +64,16 @@ fn set_sysctl(name: &str, on: bool) -> Result<(), RouteError> {
 /// rtnetlink path does not, and need not: teardown removes the rule and
 /// route those packets took.)
 fn set_accept_local(nl: &Rtnl, iface: &str, on: bool) -> Result<(), RouteError> {
-    const IFLA_INET_CONF: u16 = 1;
-    const IPV4_DEVCONF_ACCEPT_LOCAL: u16 = 23;
     let Ok(index) = nix::net::if_::if_nametoindex(iface) else {
         return Ok(());
     };
+    set_accept_local_at(nl, index, on).map_err(io(format!("setting accept_local on {iface}")))
+}
+
+/// [`set_accept_local`] on the interface of `index` in `nl`'s netns.
+fn set_accept_local_at(nl: &Rtnl, index: u32, on: bool) -> std::io::Result<()> {
+    const IFLA_INET_CONF: u16 = 1;
+    const IPV4_DEVCONF_ACCEPT_LOCAL: u16 = 23;
     let mut conf = Vec::with_capacity(8);
     conf.extend_from_slice(&8u16.to_ne_bytes());
     conf.extend_from_slice(&IPV4_DEVCONF_ACCEPT_LOCAL.to_ne_bytes());
@@ -88,15 +84,14 @@ fn set_accept_local(nl: &Rtnl, iface: &str, on: bool) -> Result<(), RouteError> 
         .push(LinkAttribute::AfSpecUnspec(vec![AfSpecUnspec::Inet(vec![
             AfSpecInet::Other(DefaultNla::new(IFLA_INET_CONF, conf)),
         ])]));
-    nl.request(RouteNetlinkMessage::SetLink(set))
-        .map_err(io(format!("setting accept_local on {iface}")))?;
-    Ok(())
+    nl.request(RouteNetlinkMessage::SetLink(set)).map(drop)
 }
 
 /// Requests queued on a closing listener move to another listener of its
 /// SO_REUSEPORT group instead of being reset: with it, a ztunnel upgrade (old
 /// and new listeners in one group, the old one closing) loses no connection.
-fn set_migrate_req(on: bool) -> Result<(), RouteError> {
+/// A sysctl file only: must run inside the pod netns.
+pub fn set_migrate_req(on: bool) -> Result<(), RouteError> {
     set_sysctl("net/ipv4/tcp_migrate_req", on)
 }
 
@@ -104,11 +99,28 @@ fn set_migrate_req(on: bool) -> Result<(), RouteError> {
 /// Idempotent: entries that already exist are left as they are.
 pub fn install(pod_ifaces: &[String]) -> Result<(), RouteError> {
     let nl = Rtnl::open().map_err(io("rtnetlink socket"))?;
-    for i in pod_ifaces {
-        set_accept_local(&nl, i, true)?;
-    }
+    let indexes: Vec<u32> = pod_ifaces
+        .iter()
+        .filter_map(|i| nix::net::if_::if_nametoindex(i.as_str()).ok())
+        .collect();
     set_migrate_req(true)?;
     let lo = lo_index()?;
+    let ipv6 = ipv6_on_lo(&nl, lo)?;
+    install_over(&nl, &indexes, lo, ipv6)
+}
+
+/// What [`install`] does over rtnetlink, on `nl` (a socket in the pod's
+/// netns, used from any thread): `accept_local` on the interfaces of
+/// `ifaces` (indexes; one gone meanwhile is no error), `lo` (its index) up,
+/// the rule and the route, for IPv6 too when `ipv6`. The sysctl is the
+/// caller's ([`set_migrate_req`]).
+pub fn install_over(nl: &Rtnl, ifaces: &[u32], lo: u32, ipv6: bool) -> Result<(), RouteError> {
+    for &i in ifaces {
+        match set_accept_local_at(nl, i, true) {
+            Err(e) if e.raw_os_error() == Some(libc::ENODEV) => {}
+            r => r.map_err(io(format!("setting accept_local on interface {i}")))?,
+        }
+    }
     // The local route needs lo up; the runtime's loopback plugin may not
     // have run yet when we are called from CNI ADD.
     let mut up = LinkMessage::default();
@@ -117,7 +129,7 @@ pub fn install(pod_ifaces: &[String]) -> Result<(), RouteError> {
     up.header.change_mask = LinkFlags::Up;
     nl.request(RouteNetlinkMessage::SetLink(up))
         .map_err(io("setting lo up"))?;
-    for (what, msg) in entries(&nl, lo)? {
+    for (what, msg) in entries(lo, ipv6) {
         let created = match msg {
             Entry::Rule(m) => RouteNetlinkMessage::NewRule(m),
             Entry::Route(m) => RouteNetlinkMessage::NewRoute(m),
@@ -140,7 +152,7 @@ pub fn remove(pod_ifaces: &[String]) -> Result<(), RouteError> {
     }
     let _ = set_migrate_req(false);
     let lo = lo_index()?;
-    for (what, msg) in entries(&nl, lo)? {
+    for (what, msg) in entries(lo, ipv6_on_lo(&nl, lo)?) {
         let deleted = match msg {
             Entry::Rule(m) => RouteNetlinkMessage::DelRule(m),
             Entry::Route(m) => RouteNetlinkMessage::DelRoute(m),
@@ -158,17 +170,17 @@ enum Entry {
     Route(RouteMessage),
 }
 
-/// The rule and the route, per family IPv6 is usable in.
-fn entries(nl: &Rtnl, lo: u32) -> Result<Vec<(&'static str, Entry)>, RouteError> {
+/// The rule and the route, per family (IPv6 when `ipv6`).
+fn entries(lo: u32, ipv6: bool) -> Vec<(&'static str, Entry)> {
     let mut out = vec![
         ("IPv4 policy rule", Entry::Rule(rule(AddressFamily::Inet))),
         ("IPv4 local route", Entry::Route(route_v4(lo))),
     ];
-    if ipv6_on_lo(nl, lo)? {
+    if ipv6 {
         out.push(("IPv6 policy rule", Entry::Rule(rule(AddressFamily::Inet6))));
         out.push(("IPv6 local route", Entry::Route(route_v6(lo))));
     }
-    Ok(out)
+    out
 }
 
 /// Index of `lo` in the calling thread's netns.

@@ -6,7 +6,7 @@
 use std::io;
 
 use netlink_packet_core::{
-    NetlinkHeader, NetlinkMessage, NetlinkPayload, NLM_F_ACK, NLM_F_REQUEST,
+    NetlinkHeader, NetlinkMessage, NetlinkPayload, NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST,
 };
 use netlink_packet_route::RouteNetlinkMessage;
 use netlink_sys::{protocols::NETLINK_ROUTE, Socket};
@@ -46,6 +46,45 @@ impl Rtnl {
         flags: u16,
     ) -> io::Result<Option<RouteNetlinkMessage>> {
         self.exchange(msg, flags, true)
+    }
+
+    /// The cookie of the netns the socket lives in: requests on it act
+    /// there, whichever netns the calling thread is in.
+    pub fn netns_cookie(&self) -> io::Result<u64> {
+        crate::netns::socket_netns_cookie(std::os::fd::AsFd::as_fd(&self.sock))
+    }
+
+    /// A dump request (e.g. every link): all the messages of its answer.
+    pub fn dump(&self, msg: RouteNetlinkMessage) -> io::Result<Vec<RouteNetlinkMessage>> {
+        let mut header = NetlinkHeader::default();
+        header.flags = NLM_F_REQUEST | NLM_F_DUMP;
+        header.sequence_number = 1;
+        let mut nl = NetlinkMessage::new(header, NetlinkPayload::from(msg));
+        nl.finalize();
+        let mut buf = vec![0u8; nl.buffer_len()];
+        nl.serialize(&mut buf);
+        self.sock.send(&buf, 0)?;
+        let mut out = Vec::new();
+        loop {
+            let mut rbuf: Vec<u8> = Vec::with_capacity(1 << 16);
+            let n = self.sock.recv(&mut rbuf, 0)?;
+            let mut off = 0;
+            while off < n {
+                let m = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&rbuf[off..n])
+                    .map_err(|e| io::Error::other(e.to_string()))?;
+                let len = m.header.length as usize;
+                match m.payload {
+                    NetlinkPayload::InnerMessage(inner) => out.push(inner),
+                    NetlinkPayload::Error(e) if e.code.is_some() => return Err(e.to_io()),
+                    NetlinkPayload::Done(_) => return Ok(out),
+                    _ => {}
+                }
+                if len == 0 {
+                    break;
+                }
+                off += len;
+            }
+        }
     }
 
     /// Sends one request and reads its answer; `missing_is_none`: ENODEV

@@ -34,6 +34,19 @@ pub const HANDLE: TcHandle = TcHandle::new(0x5115, 1);
 /// earlier attach), then the filter, created or replaced
 /// (`NLM_F_CREATE | NLM_F_REPLACE`). The filter outlives this process.
 pub fn attach(prog: &SchedClassifier, iface: &str, kind: TcAttachType) -> Result<(), ProgramError> {
+    let index = nix::net::if_::if_nametoindex(iface)
+        .map_err(|e| ProgramError::IOError(io::Error::from(e)))?;
+    attach_over(&crate::rtnl::Rtnl::open()?, prog, index, kind)
+}
+
+/// [`attach`] on the interface of `index` in the netns of `nl` (a socket
+/// made there, used from any thread).
+pub fn attach_over(
+    nl: &crate::rtnl::Rtnl,
+    prog: &SchedClassifier,
+    index: u32,
+    kind: TcAttachType,
+) -> Result<(), ProgramError> {
     use netlink_packet_core::{NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE};
     use netlink_packet_route::{
         tc::{
@@ -41,15 +54,12 @@ pub fn attach(prog: &SchedClassifier, iface: &str, kind: TcAttachType) -> Result
         },
         RouteNetlinkMessage,
     };
-    let index = nix::net::if_::if_nametoindex(iface)
-        .map_err(|e| ProgramError::IOError(io::Error::from(e)))?;
     let fd = prog.fd()?;
     let name = prog
         .info()
         .ok()
         .and_then(|i| i.name_as_str().map(str::to_owned))
         .unwrap_or_else(|| "sluice".into());
-    let nl = crate::rtnl::Rtnl::open()?;
 
     let mut qdisc = TcMessage::default();
     qdisc.header.index = index as i32;
