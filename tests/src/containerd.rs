@@ -211,7 +211,7 @@ required_plugins = ["io.containerd.grpc.v1.cri"]
   # A session without CAP_SYS_RESOURCE cannot give the pause process -998.
   restrict_oom_score_adj = true
   [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
+    snapshotter = "{snapshotter}"
     default_runtime_name = "runc"
     [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
@@ -225,9 +225,21 @@ required_plugins = ["io.containerd.grpc.v1.cri"]
     max_conf_num = 1
 "#,
             runc = runc.display(),
+            snapshotter = self.snapshotter(),
             bin = self.bin_dir.display(),
             conf = self.conf_dir.display(),
         )
+    }
+
+    /// How image layers are unpacked: overlayfs, unless the directory is on
+    /// an overlayfs itself (a test VM's root), which cannot be an overlay's
+    /// upper layer; then plain copies.
+    fn snapshotter(&self) -> &'static str {
+        const OVERLAYFS_SUPER_MAGIC: i64 = 0x794c_7630;
+        match nix::sys::statfs::statfs(&self.dir) {
+            Ok(st) if st.filesystem_type().0 == OVERLAYFS_SUPER_MAGIC => "native",
+            _ => "overlayfs",
+        }
     }
 
     /// Builds the sandbox image (an OCI layout: one layer holding the static
@@ -238,7 +250,8 @@ required_plugins = ["io.containerd.grpc.v1.cri"]
         let out = Command::new(which("ctr").context("ctr not found")?)
             .arg("--address")
             .arg(self.socket())
-            .args(["-n", "k8s.io", "images", "import"])
+            .args(["-n", "k8s.io", "images", "import", "--snapshotter"])
+            .arg(self.snapshotter())
             .arg(&tar)
             .output()?;
         ensure!(

@@ -217,11 +217,21 @@ pub fn back_out(dp: &mut Dataplane, netns: &Netns, cookie: u64) {
 /// The node-side peers of the pod's interfaces, when the dataplane knows the
 /// node netns. A failure to find them costs only the host-side probe
 /// exemption (the pod is captured as before): it is logged, not fatal.
-fn host_peers(dp: &Dataplane, netns: &Netns, ifaces: &[String]) -> Vec<HostPeer> {
+/// With the pod's `view` (an enrollment), from its link dump.
+fn host_peers(
+    dp: &Dataplane,
+    netns: &Netns,
+    view: Option<&PodView>,
+    ifaces: &[String],
+) -> Vec<HostPeer> {
     let (Some(node), Some(_)) = (&dp.node, &dp.host) else {
         return Vec::new();
     };
-    hostside::peers(netns, node, ifaces).unwrap_or_else(|e| {
+    let found = match view {
+        Some(v) => hostside::peers_over(netns, &v.nl, &v.links, node),
+        None => hostside::peers(netns, node, ifaces),
+    };
+    found.unwrap_or_else(|e| {
         tracing::warn!(
             netns = %netns.path().display(),
             error = %e,
@@ -287,7 +297,7 @@ fn attach(
     // With tcx (`--tc-attach tcx`) each attach swaps the device's program
     // array and waits for an RCU grace period under RTNL (≈ 10–20 ms here);
     // cls_bpf filters (the default) need none.
-    let peers = host_peers(dp, netns, ifaces);
+    let peers = host_peers(dp, netns, Some(view), ifaces);
     let l3 = &view.l3_names();
     if let Some(i) = podlinks::reroute_on_l3(l3, &options.reroute) {
         return Err(EnrollError::RerouteOnL3(i.clone()));
@@ -312,7 +322,7 @@ fn attach_link(
     let path = dir.join(spec.pin_name());
     let tcx = dp.tc_attach == crate::features::TcAttach::Tcx;
     let pod = |iface, kind| Tc {
-        view,
+        over: view.and_then(|v| Some((&v.nl, v.index(iface)?))),
         ..Tc::new(iface, kind, tcx)
     };
     match spec {
@@ -361,6 +371,7 @@ fn attach_link(
             };
             Tc {
                 order: LinkOrder::first(),
+                over: Some((&node.nl, peer.host_index)),
                 ..Tc::new(&peer.host_iface, TcAttachType::Egress, tcx)
             }
             .attach(prog, &node.netns, &path)
@@ -375,8 +386,9 @@ struct Tc<'a> {
     kind: TcAttachType,
     order: LinkOrder,
     tcx: bool,
-    /// The pod netns over one socket: a filter goes over it (no visit).
-    view: Option<&'a PodView>,
+    /// A socket in the hook's netns and the interface's index there: a
+    /// filter goes over it (no visit of the netns).
+    over: Option<(&'a crate::rtnl::Rtnl, u32)>,
 }
 
 impl<'a> Tc<'a> {
@@ -387,7 +399,7 @@ impl<'a> Tc<'a> {
             kind,
             order: LinkOrder::default(),
             tcx,
-            view: None,
+            over: None,
         }
     }
 
@@ -419,12 +431,8 @@ impl<'a> Tc<'a> {
             if let Some(name) = path.file_name() {
                 crash_point(&format!("enroll:record:{}", name.to_string_lossy()));
             }
-            let over_view = self
-                .view
-                .and_then(|v| Some((v, v.index(iface)?)))
-                .map(|(v, index)| tcfilter::attach_over(&v.nl, prog, index, kind));
-            let attached = match over_view {
-                Some(r) => r,
+            let attached = match self.over {
+                Some((nl, index)) => tcfilter::attach_over(nl, prog, index, kind),
                 None => ns.run(|| tcfilter::attach(prog, iface, kind))?,
             };
             if let Err(e) = attached {
@@ -521,7 +529,7 @@ pub fn repair(dp: &mut Dataplane, cookie: u64, takeover: bool) -> Result<Repair,
         source,
     })?;
     let mut relinked = Vec::new();
-    let peers = host_peers(dp, &netns, &ifaces);
+    let peers = host_peers(dp, &netns, None, &ifaces);
     let reroute = dp.maps.options(cookie).reroute;
     let l3 = podlinks::l3_of(&netns, &ifaces);
     for spec in expected_links(&ifaces, &l3, &peers, &reroute) {
@@ -558,7 +566,7 @@ pub fn missing_links(dp: &Dataplane, cookie: u64) -> Result<Vec<String>, EnrollE
     let path = dp.maps.meta(cookie).map(|m| m.netns).unwrap_or_default();
     let dir = dp.pins.pod(cookie);
     let ifaces = pod_interfaces(&netns, &path)?;
-    let peers = host_peers(dp, &netns, &ifaces);
+    let peers = host_peers(dp, &netns, None, &ifaces);
     let reroute = dp.maps.options(cookie).reroute;
     let l3 = podlinks::l3_of(&netns, &ifaces);
     Ok(expected_links(&ifaces, &l3, &peers, &reroute)

@@ -48,6 +48,9 @@ pub enum HostSideError {
 pub struct Node {
     pub netns: Netns,
     pub cookie: u64,
+    /// An rtnetlink socket in the node netns, made once: host-side lookups
+    /// and filters go over it without entering the netns.
+    pub nl: Rtnl,
 }
 
 impl Node {
@@ -56,7 +59,8 @@ impl Node {
     pub fn open(path: &Path) -> Result<Self, HostSideError> {
         let netns = Netns::open(path)?;
         let cookie = netns.cookie()?;
-        Ok(Self { netns, cookie })
+        let nl = netns.run(open)??;
+        Ok(Self { netns, cookie, nl })
     }
 
     /// Tells the host-side program which netns is the node's.
@@ -131,6 +135,31 @@ pub fn peers(pod: &Netns, node: &Node, ifaces: &[String]) -> Result<Vec<HostPeer
         }
         Ok((links, nsid_of(&nl, node_fd)?))
     })??;
+    peers_of(pod, node, links, node_id)
+}
+
+/// [`peers`] from what a pod's link dump (`links`, over `pod_nl`, a socket
+/// in the pod netns) said: no visit of either netns.
+pub fn peers_over(
+    pod: &Netns,
+    pod_nl: &Rtnl,
+    links: &[LinkMessage],
+    node: &Node,
+) -> Result<Vec<HostPeer>, HostSideError> {
+    let node_id = nsid_of(pod_nl, raw_fd(&node.netns))?;
+    let links = links.iter().map(Link::from_message).collect();
+    peers_of(pod, node, links, node_id)
+}
+
+/// The peers among the pod's `links` (the node netns being `node_id` to
+/// the pod) whose node-side end points back at them, asked over the node's
+/// socket.
+fn peers_of(
+    pod: &Netns,
+    node: &Node,
+    links: Vec<Link>,
+    node_id: Option<i32>,
+) -> Result<Vec<HostPeer>, HostSideError> {
     let Some(node_id) = node_id else {
         return Ok(Vec::new());
     };
@@ -142,27 +171,24 @@ pub fn peers(pod: &Netns, node: &Node, ifaces: &[String]) -> Result<Vec<HostPeer
         return Ok(Vec::new());
     }
     // Seen from the node: the peer points back at the pod interface.
-    let pod_fd = raw_fd(pod);
-    node.netns.run(|| -> Result<_, HostSideError> {
-        let nl = open()?;
-        let Some(pod_id) = nsid_of(&nl, pod_fd)? else {
-            return Ok(Vec::new());
+    let nl = &node.nl;
+    let Some(pod_id) = nsid_of(nl, raw_fd(pod))? else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::new();
+    for l in candidates {
+        let Some(peer) = link_by_index(nl, l.peer_index.unwrap_or(0))? else {
+            continue;
         };
-        let mut out = Vec::new();
-        for l in candidates {
-            let Some(peer) = link_by_index(&nl, l.peer_index.unwrap_or(0))? else {
-                continue;
-            };
-            if peer.veth && peer.peer_index == Some(l.index) && peer.peer_nsid == Some(pod_id) {
-                out.push(HostPeer {
-                    pod_iface: l.name,
-                    host_iface: peer.name,
-                    host_index: peer.index,
-                });
-            }
+        if peer.veth && peer.peer_index == Some(l.index) && peer.peer_nsid == Some(pod_id) {
+            out.push(HostPeer {
+                pod_iface: l.name,
+                host_iface: peer.name,
+                host_index: peer.index,
+            });
         }
-        Ok(out)
-    })?
+    }
+    Ok(out)
 }
 
 fn open() -> Result<Rtnl, HostSideError> {

@@ -52,6 +52,9 @@ pub struct PodView {
     pub ipv6: bool,
     /// The addresses on every interface but `lo`, sorted.
     pub addrs: Vec<IpAddr>,
+    /// The link dump's messages of the interfaces besides `lo` (their
+    /// peers: [`crate::hostside::peers_over`]).
+    pub links: Vec<LinkMessage>,
 }
 
 impl PodView {
@@ -69,6 +72,7 @@ impl PodView {
             .dump(RouteNetlinkMessage::GetLink(LinkMessage::default()))
             .map_err(io("listing interfaces"))?;
         let (mut ifaces, mut lo, mut ipv6) = (Vec::new(), None, false);
+        let mut others = Vec::new();
         for m in links {
             let RouteNetlinkMessage::NewLink(m) = m else {
                 continue;
@@ -90,6 +94,7 @@ impl PodView {
                 index: m.header.index,
                 l3: kind != LinkLayerType::Ether && kind != LinkLayerType::Loopback,
             });
+            others.push(m);
         }
         ifaces.sort_by(|a, b| a.name.cmp(&b.name));
         let lo =
@@ -112,6 +117,7 @@ impl PodView {
             lo,
             ipv6,
             addrs,
+            links: others,
         })
     }
 

@@ -13,6 +13,15 @@ use netlink_sys::{protocols::NETLINK_ROUTE, Socket};
 
 pub struct Rtnl {
     sock: Socket,
+    /// The last request's sequence number: an answer to an earlier request
+    /// cut short (an error mid-dump) is skipped, not taken for this one's.
+    seq: std::sync::atomic::AtomicU32,
+}
+
+impl std::fmt::Debug for Rtnl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rtnl").finish_non_exhaustive()
+    }
 }
 
 impl Rtnl {
@@ -22,7 +31,10 @@ impl Rtnl {
         let mut sock = Socket::new(NETLINK_ROUTE)?;
         sock.bind_auto()?;
         sock.connect(&netlink_sys::SocketAddr::new(0, 0))?;
-        Ok(Self { sock })
+        Ok(Self {
+            sock,
+            seq: Default::default(),
+        })
     }
 
     /// Sends one request and returns its one answer; `Ok(None)` when the
@@ -54,16 +66,26 @@ impl Rtnl {
         crate::netns::socket_netns_cookie(std::os::fd::AsFd::as_fd(&self.sock))
     }
 
-    /// A dump request (e.g. every link): all the messages of its answer.
-    pub fn dump(&self, msg: RouteNetlinkMessage) -> io::Result<Vec<RouteNetlinkMessage>> {
+    /// Sends `msg` with `flags`; returns its sequence number.
+    fn send(&self, msg: RouteNetlinkMessage, flags: u16) -> io::Result<u32> {
+        let seq = self
+            .seq
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            .wrapping_add(1);
         let mut header = NetlinkHeader::default();
-        header.flags = NLM_F_REQUEST | NLM_F_DUMP;
-        header.sequence_number = 1;
+        header.flags = flags;
+        header.sequence_number = seq;
         let mut nl = NetlinkMessage::new(header, NetlinkPayload::from(msg));
         nl.finalize();
         let mut buf = vec![0u8; nl.buffer_len()];
         nl.serialize(&mut buf);
         self.sock.send(&buf, 0)?;
+        Ok(seq)
+    }
+
+    /// A dump request (e.g. every link): all the messages of its answer.
+    pub fn dump(&self, msg: RouteNetlinkMessage) -> io::Result<Vec<RouteNetlinkMessage>> {
+        let seq = self.send(msg, NLM_F_REQUEST | NLM_F_DUMP)?;
         let mut out = Vec::new();
         loop {
             let mut rbuf: Vec<u8> = Vec::with_capacity(1 << 16);
@@ -74,6 +96,7 @@ impl Rtnl {
                     .map_err(|e| io::Error::other(e.to_string()))?;
                 let len = m.header.length as usize;
                 match m.payload {
+                    _ if m.header.sequence_number != seq => {}
                     NetlinkPayload::InnerMessage(inner) => out.push(inner),
                     NetlinkPayload::Error(e) if e.code.is_some() => return Err(e.to_io()),
                     NetlinkPayload::Done(_) => return Ok(out),
@@ -95,14 +118,7 @@ impl Rtnl {
         flags: u16,
         missing_is_none: bool,
     ) -> io::Result<Option<RouteNetlinkMessage>> {
-        let mut header = NetlinkHeader::default();
-        header.flags = NLM_F_REQUEST | NLM_F_ACK | flags;
-        header.sequence_number = 1;
-        let mut nl = NetlinkMessage::new(header, NetlinkPayload::from(msg));
-        nl.finalize();
-        let mut buf = vec![0u8; nl.buffer_len()];
-        nl.serialize(&mut buf);
-        self.sock.send(&buf, 0)?;
+        let seq = self.send(msg, NLM_F_REQUEST | NLM_F_ACK | flags)?;
         let mut answer = None;
         loop {
             let mut rbuf: Vec<u8> = Vec::with_capacity(1 << 16);
@@ -113,6 +129,7 @@ impl Rtnl {
                     .map_err(|e| io::Error::other(e.to_string()))?;
                 let len = m.header.length as usize;
                 match m.payload {
+                    _ if m.header.sequence_number != seq => {}
                     NetlinkPayload::InnerMessage(inner) => answer = Some(inner),
                     NetlinkPayload::Error(e) => {
                         return match e.code {

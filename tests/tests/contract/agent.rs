@@ -188,6 +188,15 @@ pub fn trials() -> Vec<Trial> {
             interface_added,
         ),
         trial(
+            "agent::no_netns_cookie_in_tc::an_interface_added_after_enrollment_is_captured_at_once",
+            || {
+                sluice_tests::harness::as_if_kernel(
+                    sluice_tests::harness::without_netns_cookie_in_tc(),
+                    interface_added,
+                )
+            },
+        ),
+        trial(
             "agent::runs_with_the_daemonset_capabilities_and_read_only_proc_sys",
             daemonset_privileges,
         ),
@@ -1581,7 +1590,6 @@ fn interface_added() -> TestResult {
         "netns",
         client,
     ])?;
-    ip(&["-n", pod, "addr", "add", "10.199.0.1/24", "dev", "net1"])?;
     ip(&[
         "-n",
         client,
@@ -1605,6 +1613,20 @@ fn interface_added() -> TestResult {
             Ok(())
         } else {
             Err(pins)
+        }
+    })?;
+    // An address added to an interface already up (no link event, only the
+    // address's) names the pod to the programs from its event on, not from
+    // the next verification or ztunnel's next ack (without netns cookies in
+    // tc, a SYN from an unpublished address is dropped).
+    ip(&["-n", pod, "addr", "add", "10.199.0.1/24", "dev", "net1"])?;
+    let late: std::net::IpAddr = [10, 199, 0, 1].into();
+    wait::until("net1's address published", wait::DEADLINE, || {
+        let addrs = f.pod_record().map(|r| r.addresses).unwrap_or_default();
+        if addrs.contains(&late) {
+            Ok(())
+        } else {
+            Err(addrs)
         }
     })?;
     let outbound = |p: &PeerProc| {

@@ -43,6 +43,14 @@ impl std::ops::Deref for BarePods {
     }
 }
 
+impl BarePods {
+    /// Their node netns, for a dataplane to enroll them as the agent does
+    /// (the host side of each veth gets sluice's host-side program).
+    pub fn node(&self) -> anyhow::Result<sluice::hostside::Node> {
+        Ok(sluice::hostside::Node::open(&ns_path(&self.1))?)
+    }
+}
+
 impl Drop for BarePods {
     fn drop(&mut self) {
         let mut lines: String = self
@@ -228,6 +236,7 @@ pub fn enrollment(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyho
         let t = Instant::now();
         let mut dp = Dataplane::load_or_adopt(pins.0.clone())?;
         load.push(ms(t));
+        dp.set_node(cold_pods.node()?)?;
         cold.push(sluice_enroll(&mut dp, &p.name, &format!("cold-{i}"))?);
     }
     drop(cold_pods);
@@ -244,6 +253,8 @@ pub fn enrollment(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyho
     let mut dp = Dataplane::load_or_adopt(pins.0.clone())?;
     let mut tx = Dataplane::load_or_adopt(tx_pins.0.clone())?;
     tx.set_tc_attach(TcAttach::Tcx);
+    dp.set_node(pods.node()?)?;
+    tx.set_node(pods.node()?)?;
     let mut t: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     for (i, p) in pods.iter().enumerate() {
         let uid = format!("en-{i}");
@@ -287,6 +298,7 @@ pub fn enrollment(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyho
     // them: attach under the dataplane lock, the take-over check without.
     let n = cfg.concurrent_pods;
     let pods = bare_pods("cc", n)?;
+    dp.set_node(pods.node()?)?;
     let shared = Mutex::new(dp);
     let wall = concurrently(&pods, |i, pod| {
         let uid = PodUid::new(&format!("cc-{i}"))?;
@@ -459,6 +471,7 @@ fn rtnl_hold(
     report.put("rtnl_probe_ms_max_idle", percentile(idle, 1.0));
 
     let pods = bare_pods("rt", cfg.rtnl_pods)?;
+    dp.set_node(pods.node()?)?;
     let n = pods.len() as f64;
     let mut phase =
         |name: &str, f: &mut dyn FnMut(usize, &str) -> anyhow::Result<f64>| -> anyhow::Result<()> {
@@ -494,6 +507,7 @@ fn rtnl_hold(
         sluice_unenroll(dp, &format!("rt-{i}"))?;
     }
     if let Some(tx) = tx {
+        tx.set_node(pods.node()?)?;
         phase("sluice_tcx", &mut |i, pod| {
             sluice_enroll(tx, pod, &format!("rt-{i}"))
         })?;
@@ -563,6 +577,7 @@ fn churn_with(
     let pool = bare_pods("ch", cfg.churn_pool)?;
     let mut dp = Dataplane::load_or_adopt(steady.topo.pins.clone())?;
     dp.set_tc_attach(attach);
+    dp.set_node(pool.node()?)?;
     let dp = Mutex::new(dp);
     let phase = AtomicU8::new(0);
     let ticket = AtomicU64::new(0);

@@ -1,9 +1,10 @@
 //! Interfaces a pod gains after its enrollment (a Multus network, a device
 //! the app creates) are captured as soon as the kernel announces them, not
 //! at the next verification: one rtnetlink socket per held pod, opened in the
-//! pod's netns and subscribed to its link events. Any event there runs that
-//! pod's repair ([`Node::verify_one`]), which is idempotent and attaches
-//! what the pod's interfaces now call for. A socket that overflowed (events
+//! pod's netns and subscribed to its link and address events. An event there
+//! runs that pod's repair ([`Node::verify_one`]), which is idempotent and
+//! attaches what the pod's interfaces now call for, when an interface lacks
+//! its links; otherwise it publishes the pod's addresses as they are now. A socket that overflowed (events
 //! lost) counts as an event. The verification every `RESYNC` stays behind
 //! it, for a pod whose netns could not be opened.
 
@@ -23,8 +24,9 @@ use tokio::{
 use super::*;
 use crate::podlinks::LinkSpec;
 
-/// rtnetlink's multicast group of link events (`RTMGRP_LINK`).
-const RTMGRP_LINK: u32 = 1;
+/// rtnetlink's multicast groups of link and address events
+/// (`RTMGRP_LINK | RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR`).
+const RTMGRP_LINK_AND_ADDRS: u32 = 0x1 | 0x10 | 0x100;
 
 impl Node {
     /// Keeps a link-event socket for every held pod with an open netns and
@@ -55,6 +57,8 @@ impl Node {
                         for cookie in due {
                             if this.has_unlinked_interface(cookie) {
                                 this.verify_one(cookie);
+                            } else {
+                                this.publish_addrs_of(cookie);
                             }
                         }
                     })
@@ -105,15 +109,33 @@ impl Node {
     /// Whether the pod has an interface without its egress link pinned.
     /// Link events come for much besides new interfaces (state changes,
     /// IPv6's per-interface notices when an address is added): only this
-    /// calls for a repair, which would also publish the pod's addresses as
-    /// they are now (an address added since enrollment waits for ztunnel's
-    /// next ack, row X5). An error says yes: the repair reports it.
+    /// calls for a repair; any other event has the pod's addresses
+    /// published as they are now ([`Self::publish_addrs_of`]). An error
+    /// says yes: the repair reports it.
     fn has_unlinked_interface(&self, cookie: u64) -> bool {
         let Some(netns) = self.pods.netns(cookie) else {
             return false;
         };
         let dir = self.dp.lock().unwrap().pins.pod(cookie);
         !matches!(netns.run(|| unlinked_here(&dir)), Ok(Ok(false)))
+    }
+
+    /// Publishes the pod's addresses as they are now, if it is still
+    /// enrolled: an address added after enrollment names its pod to the
+    /// programs from its event on (on kernels without netns cookies in tc,
+    /// its SYNs are dropped until then, row X5; the ingress program tells
+    /// inbound SYNs to it by it on every kernel). Blocking.
+    fn publish_addrs_of(&self, cookie: u64) {
+        let Some(netns) = self.pods.netns(cookie) else {
+            return;
+        };
+        let mut guard = self.dp.lock().unwrap();
+        if guard.maps.entry(cookie).is_none() {
+            return;
+        }
+        if let Err(e) = crate::enroll::refresh_addrs(&mut guard.maps, &netns, cookie) {
+            warn!(cookie, error = %e, "cannot publish the pod's addresses");
+        }
     }
 
     async fn update_watches(
@@ -186,7 +208,7 @@ impl Watch {
             })?,
             open: open.clone(),
         };
-        w.sock.bind(&SocketAddr::new(0, RTMGRP_LINK))?;
+        w.sock.bind(&SocketAddr::new(0, RTMGRP_LINK_AND_ADDRS))?;
         w.sock.set_non_blocking(true)?;
         Ok(w)
     }
