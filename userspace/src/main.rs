@@ -351,6 +351,21 @@ fn main() -> ExitCode {
     }
 }
 
+/// The agent's memory is mostly small, long-lived per-pod state touched from
+/// whichever runtime or blocking thread serves a request; glibc gives each
+/// such thread an arena of its own (up to 8 per core), which held ≈ 2.6 MiB
+/// more at 1,000 pods (18.3 vs 15.6 MiB RSS, `cargo xtask bench` memory
+/// scenario). Nothing of the agent allocates on a packet's path, so one
+/// shared arena costs no contention that matters. Before any thread starts.
+fn one_malloc_arena() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes glibc's allocator settings; called while
+    // the process has one thread.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1);
+    }
+}
+
 fn run(cli: Cli) -> anyhow::Result<()> {
     let pins = Pins::new(&cli.bpf_root);
     sluice::sysctl::use_proc_dir(&cli.proc_dir);
@@ -490,6 +505,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             dns_capture,
             tc_attach,
         } => {
+            one_malloc_arena();
             init_tracing(cli.log_format);
             let mut excluded: std::collections::BTreeSet<String> = exclude_namespaces
                 .into_iter()
