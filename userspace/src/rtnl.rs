@@ -87,27 +87,16 @@ impl Rtnl {
     pub fn dump(&self, msg: RouteNetlinkMessage) -> io::Result<Vec<RouteNetlinkMessage>> {
         let seq = self.send(msg, NLM_F_REQUEST | NLM_F_DUMP)?;
         let mut out = Vec::new();
-        loop {
-            let mut rbuf: Vec<u8> = Vec::with_capacity(1 << 16);
-            let n = self.sock.recv(&mut rbuf, 0)?;
-            let mut off = 0;
-            while off < n {
-                let m = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&rbuf[off..n])
-                    .map_err(|e| io::Error::other(e.to_string()))?;
-                let len = m.header.length as usize;
-                match m.payload {
-                    _ if m.header.sequence_number != seq => {}
-                    NetlinkPayload::InnerMessage(inner) => out.push(inner),
-                    NetlinkPayload::Error(e) if e.code.is_some() => return Err(e.to_io()),
-                    NetlinkPayload::Done(_) => return Ok(out),
-                    _ => {}
-                }
-                if len == 0 {
-                    break;
-                }
-                off += len;
+        self.receive(seq, |payload| match payload {
+            NetlinkPayload::InnerMessage(inner) => {
+                out.push(inner);
+                None
             }
-        }
+            NetlinkPayload::Error(e) if e.code.is_some() => Some(Err(e.to_io())),
+            NetlinkPayload::Done(_) => Some(Ok(())),
+            _ => None,
+        })?;
+        Ok(out)
     }
 
     /// Sends one request and reads its answer; `missing_is_none`: ENODEV
@@ -120,6 +109,31 @@ impl Rtnl {
     ) -> io::Result<Option<RouteNetlinkMessage>> {
         let seq = self.send(msg, NLM_F_REQUEST | NLM_F_ACK | flags)?;
         let mut answer = None;
+        self.receive(seq, |payload| match payload {
+            NetlinkPayload::InnerMessage(inner) => {
+                answer = Some(inner);
+                None
+            }
+            NetlinkPayload::Error(e) => Some(match e.code {
+                None => Ok(answer.take()),
+                Some(c) if missing_is_none && [libc::ENODEV, libc::ENOENT].contains(&-c.get()) => {
+                    Ok(None)
+                }
+                Some(_) => Err(e.to_io()),
+            }),
+            NetlinkPayload::Done(_) => Some(Ok(answer.take())),
+            _ => None,
+        })
+    }
+
+    /// Reads the answer to request `seq`, handing each of its messages to
+    /// `each` until it returns the outcome; messages of other requests (an
+    /// earlier one cut short) are skipped.
+    fn receive<T>(
+        &self,
+        seq: u32,
+        mut each: impl FnMut(NetlinkPayload<RouteNetlinkMessage>) -> Option<io::Result<T>>,
+    ) -> io::Result<T> {
         loop {
             let mut rbuf: Vec<u8> = Vec::with_capacity(1 << 16);
             let n = self.sock.recv(&mut rbuf, 0)?;
@@ -128,23 +142,10 @@ impl Rtnl {
                 let m = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&rbuf[off..n])
                     .map_err(|e| io::Error::other(e.to_string()))?;
                 let len = m.header.length as usize;
-                match m.payload {
-                    _ if m.header.sequence_number != seq => {}
-                    NetlinkPayload::InnerMessage(inner) => answer = Some(inner),
-                    NetlinkPayload::Error(e) => {
-                        return match e.code {
-                            None => Ok(answer),
-                            Some(c)
-                                if missing_is_none
-                                    && [libc::ENODEV, libc::ENOENT].contains(&-c.get()) =>
-                            {
-                                Ok(None)
-                            }
-                            Some(_) => Err(e.to_io()),
-                        }
+                if m.header.sequence_number == seq {
+                    if let Some(outcome) = each(m.payload) {
+                        return outcome;
                     }
-                    NetlinkPayload::Done(_) => return Ok(answer),
-                    _ => {}
                 }
                 if len == 0 {
                     break;

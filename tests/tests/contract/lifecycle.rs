@@ -147,17 +147,8 @@ fn outlives_process() -> TestResult {
     )?;
     ensure!(out.ok, "enroll failed: {}", out.stderr);
     ensure!(out.stdout.contains("Enabled"), "{}", out.stdout);
-    let r = connect(
-        &f.topo.client,
-        SocketAddr::new(Family::V4.pod(), APP_PORT),
-        Opts::default(),
-    );
     ensure!(
-        r.reply().is_some_and(|l| l.starts_with("app:8080")),
-        "{r:?}"
-    );
-    ensure!(
-        f.standin().accepted().len() == 1,
+        inbound_captured(&f)?,
         "not captured after the process exited"
     );
     // A new process reads it all back from the pins.
