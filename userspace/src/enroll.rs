@@ -231,14 +231,36 @@ fn host_peers(
         Some(v) => hostside::peers_over(netns, &v.nl, &v.links, node),
         None => hostside::peers(netns, node, ifaces),
     };
-    found.unwrap_or_else(|e| {
+    let mut peers = found.unwrap_or_else(|e| {
         tracing::warn!(
             netns = %netns.path().display(),
             error = %e,
             "cannot find the host side of the pod's interfaces: host-originated probes are captured"
         );
         Vec::new()
-    })
+    });
+    // A host veth whose hook another tool's `ingress` qdisc holds takes no
+    // filter of ours (the pod side would be refused; here only the probe
+    // exemption is lost). Asked of every peer, so that enrollment, repair
+    // and CNI CHECK expect the same links.
+    if dp.tc_attach != crate::features::TcAttach::Tcx {
+        peers.retain(|p| match tcfilter::foreign_hook_qdisc(&node.nl, p.host_index) {
+            Ok(None) => true,
+            Ok(Some(kind)) => {
+                tracing::warn!(
+                    netns = %netns.path().display(),
+                    host_iface = %p.host_iface,
+                    qdisc = %kind,
+                    "the pod's host-side veth has another tool's qdisc on its hook: no host-side \
+                     program there, host-originated probes to the pod are captured"
+                );
+                false
+            }
+            // Unknown: attach as usual, which reports what is wrong.
+            Err(_) => true,
+        });
+    }
+    peers
 }
 
 /// The pod's interfaces besides `lo`, read inside its netns.

@@ -47,7 +47,7 @@ pub fn attach_over(
     index: u32,
     kind: TcAttachType,
 ) -> Result<(), ProgramError> {
-    use netlink_packet_core::{NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE};
+    use netlink_packet_core::{NLM_F_CREATE, NLM_F_REPLACE};
     use netlink_packet_route::{
         tc::{
             TcAttribute, TcBpfFlags, TcFilterBpfOption, TcHandle as NlHandle, TcMessage, TcOption,
@@ -69,11 +69,18 @@ pub fn attach_over(
     };
     qdisc.header.parent = NlHandle::CLSACT;
     qdisc.attributes.push(TcAttribute::Kind("clsact".into()));
-    match nl.change(
-        RouteNetlinkMessage::NewQueueDiscipline(qdisc),
-        NLM_F_CREATE | NLM_F_EXCL,
-    ) {
-        Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+    // Without NLM_F_EXCL a clsact already there is kept as it is, and a
+    // qdisc of another kind on the hook (`ingress`: one slot holds either)
+    // is refused with EINVAL. With NLM_F_EXCL both answer EEXIST, and a
+    // filter for the egress hook would then land in the `ingress` qdisc's
+    // one block: on ingress.
+    match nl.change(RouteNetlinkMessage::NewQueueDiscipline(qdisc), NLM_F_CREATE) {
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            return Err(ProgramError::IOError(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                HOOK_TAKEN,
+            )))
+        }
         r => r?,
     }
 
@@ -88,6 +95,45 @@ pub fn attach_over(
         NLM_F_CREATE | NLM_F_REPLACE,
     )?;
     Ok(())
+}
+
+/// Why a filter cannot be attached where another tool's `ingress` qdisc
+/// holds the device's hook (e.g. the bandwidth CNI plugin's egress shaping
+/// on a host veth). sluice does not replace it: that would delete its
+/// filters.
+pub const HOOK_TAKEN: &str = "the device's ingress/egress hook holds a qdisc other than clsact \
+     (an `ingress` qdisc: another tool's), which sluice leaves alone; cls_bpf filters need \
+     clsact there (`--tc-attach tcx` needs no qdisc)";
+
+/// The kind of the qdisc on interface `index`'s ingress hook in `nl`'s
+/// netns when it is not clsact (`None`: clsact or none), so that sluice's
+/// filters cannot go there ([`HOOK_TAKEN`]). One request, no dump.
+pub fn foreign_hook_qdisc(nl: &crate::rtnl::Rtnl, index: u32) -> io::Result<Option<String>> {
+    use netlink_packet_route::{
+        tc::{TcAttribute, TcHandle as NlHandle, TcMessage},
+        RouteNetlinkMessage,
+    };
+    let mut get = TcMessage::default();
+    get.header.index = index as i32;
+    get.header.parent = NlHandle::CLSACT;
+    // The kernel sends the answer to RTNLGRP_TC, and to the asker only with
+    // NLM_F_ECHO.
+    let echo = netlink_packet_core::NLM_F_ECHO;
+    let reply = match nl.request_with(RouteNetlinkMessage::GetQueueDiscipline(get), echo) {
+        // Nothing on the hook (or the device is gone: nothing to refuse).
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ENODEV)) => return Ok(None),
+        r => r?,
+    };
+    let kind = match reply {
+        Some(RouteNetlinkMessage::NewQueueDiscipline(m)) => {
+            m.attributes.into_iter().find_map(|a| match a {
+                TcAttribute::Kind(k) => Some(k),
+                _ => None,
+            })
+        }
+        _ => None,
+    };
+    Ok(kind.filter(|k| k != "clsact"))
 }
 
 /// A message naming sluice's bpf filter on interface `index`'s `kind` hook:

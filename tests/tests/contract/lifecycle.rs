@@ -45,6 +45,10 @@ pub fn trials() -> Vec<Trial> {
             failed_enroll_rolls_back,
         ),
         trial(
+            "lifecycle::a_pod_interface_whose_hook_another_qdisc_holds_is_refused_and_left_alone",
+            pod_hook_taken,
+        ),
+        trial(
             "lifecycle::unenroll_after_the_netns_is_gone",
             unenroll_after_netns_gone,
         ),
@@ -411,6 +415,65 @@ fn failed_enroll_rolls_back() -> TestResult {
     })();
     ip(&["netns", "del", &lonely])?;
     result
+}
+
+/// Another tool's `ingress` qdisc on the pod's interface (one slot holds
+/// it or clsact): cls_bpf filters cannot go beside it — a filter meant for
+/// egress would land in its one block, on ingress, and outbound would go
+/// uncaptured while status said otherwise. The pod is refused with the
+/// reason, the steps before the filter are undone, and the qdisc stays.
+fn pod_hook_taken() -> TestResult {
+    let f = Fixture::new("hook", Some(Bind::DualStack))?;
+    ip(&[
+        "netns",
+        "exec",
+        &f.topo.pod,
+        "tc",
+        "qdisc",
+        "add",
+        "dev",
+        "eth0",
+        "ingress",
+    ])?;
+    let path = f.topo.pod_netns_path();
+    let out = sluice(
+        &f,
+        &[
+            "enroll",
+            "--netns",
+            &path.to_string_lossy(),
+            "--uid",
+            f.uid.as_str(),
+        ],
+    )?;
+    fails_with(&out, "holds a qdisc other than clsact")?;
+    if let Some(left) = capture_left(&f)? {
+        anyhow::bail!("the refused pod kept {left}");
+    }
+    let maps = sluice::state::Maps::open_pinned(&f.topo.pins.maps())?;
+    ensure!(
+        maps.cookies().is_empty(),
+        "map entries left behind: {:?}",
+        maps.cookies()
+    );
+    let qdiscs = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &f.topo.pod,
+            "tc",
+            "qdisc",
+            "show",
+            "dev",
+            "eth0",
+        ])
+        .output()?;
+    let qdiscs = String::from_utf8_lossy(&qdiscs.stdout);
+    ensure!(
+        qdiscs.contains("qdisc ingress ffff:"),
+        "the other tool's qdisc is gone: {qdiscs}"
+    );
+    Ok(())
 }
 
 fn unenroll_after_netns_gone() -> TestResult {

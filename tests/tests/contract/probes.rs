@@ -80,6 +80,10 @@ pub fn trials() -> Vec<Trial> {
         || host_link_lifecycle(true),
     ));
     v.push(trial(
+        "probes::ipv4::host_veth_whose_hook_another_qdisc_holds_gets_no_filter",
+        host_hook_taken,
+    ));
+    v.push(trial(
         "probes::ipv4::agent_node_netns_flag_attaches_and_reports",
         agent_node_netns,
     ));
@@ -250,6 +254,67 @@ fn host_link_lifecycle(tcx: bool) -> TestResult {
         "after unenroll the node side runs {progs:?}"
     );
     drop(cni_link);
+    Ok(())
+}
+
+/// Another tool's `ingress` qdisc on the pod's host-side veth (the
+/// bandwidth CNI plugin's egress shaping puts one there): no cls_bpf
+/// filter fits beside it. The pod is captured all the same, without the
+/// host-side program — the node's own connections are captured too — the
+/// qdisc stays, and what the pod should have (repair, CNI CHECK) has no
+/// host-side link either: nothing is reported missing.
+fn host_hook_taken() -> TestResult {
+    let f = Fixture::new("i3hq", Some(Bind::DualStack))?;
+    let tc = |args: &[&str]| -> anyhow::Result<String> {
+        let out = std::process::Command::new("ip")
+            .args(["netns", "exec", &f.topo.client, "tc"])
+            .args(args)
+            .output()?;
+        ensure!(
+            out.status.success(),
+            "tc {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    tc(&["qdisc", "add", "dev", "veth-c", "ingress"])?;
+    let e = f.enroll_with_node()?;
+    ensure!(e.state == PodState::Enabled, "expected Enabled, got {e:?}");
+    let pin = f.topo.pins.pod(e.cookie).join("host_eth0");
+    ensure!(
+        !pin.exists(),
+        "a host-side link is recorded at {}",
+        pin.display()
+    );
+    let filters = tc(&["filter", "show", "dev", "veth-c", "ingress"])?;
+    ensure!(
+        filters.trim().is_empty(),
+        "filters on the host veth: {filters}"
+    );
+    // Captured: the pod side is complete; only the exemption is lost.
+    let dst = SocketAddr::new(f.topo.pod_ip(Family::V4), APP_PORT);
+    let r = connect(&f.topo.client, dst, Opts::default());
+    ensure!(reply(&r)?.starts_with(&format!("app:{APP_PORT}")));
+    let acc = f.standin().accepted();
+    ensure!(
+        acc.len() == 1,
+        "expected the node's connection captured, got {acc:?}"
+    );
+    let mut dp = f.dataplane()?;
+    dp.set_node(sluice::hostside::Node::open(
+        &sluice_tests::ns::netns_path(&f.topo.client),
+    )?)?;
+    let missing = sluice::enroll::missing_links(&dp, e.cookie)?;
+    ensure!(missing.is_empty(), "reported missing: {missing:?}");
+    ensure!(
+        sluice::enroll::repair(&mut dp, e.cookie, false)? == sluice::enroll::Repair::Complete,
+        "repair found something to do"
+    );
+    let qdiscs = tc(&["qdisc", "show", "dev", "veth-c"])?;
+    ensure!(
+        qdiscs.contains("qdisc ingress ffff:"),
+        "the qdisc is gone: {qdiscs}"
+    );
     Ok(())
 }
 
