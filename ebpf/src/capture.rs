@@ -326,10 +326,17 @@ pub fn lo_ingress(ctx: &TcContext) -> i32 {
         _ => None,
     };
     if let Some(t) = t {
-        // The answer to a SYN that came this way: its hint has served once
-        // the listener answered from a request socket. (The SYN-ACK lost
-        // its socket in loopback's transmit: the lookup tells.)
-        if t.is_syn_ack() && !is_loopback(t.family, &t.saddr) {
+        // The answer to a SYN that came this way (to the pod's own
+        // address): its hint has served once the listener answered from a
+        // request socket. (The SYN-ACK lost its socket in loopback's
+        // transmit: the lookup tells.) A SYN-ACK from another address is
+        // ztunnel's 15001 answering an outbound SYN: the app's ACK meets
+        // that request socket on egress and releases the hint there, so
+        // no lookup here.
+        if t.is_syn_ack()
+            && !is_loopback(t.family, &t.saddr)
+            && pod_of(t.family, &t.saddr).is_some()
+        {
             release_hint_of_request(ctx, &t);
         }
         if t.is_syn() && !is_loopback(t.family, &t.daddr) {

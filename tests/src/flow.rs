@@ -198,6 +198,11 @@ impl Held {
         }
     }
 
+    /// The connection's own address.
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.writer.local_addr()
+    }
+
     /// Sends a line and reads the answer.
     pub fn exchange(&mut self) -> Reached {
         if let Err(e) = writeln!(self.writer, "again") {

@@ -393,11 +393,13 @@ fn hint_key(from: SocketAddr, to: SocketAddr) -> FlowKey {
 /// Without SYN cookies a handshake answered from a request socket has no
 /// more use for its SYNs' hints: the pod's programs release them (the
 /// SYN-ACK leaving eth0 carries the request socket; the app's ACK of an
-/// outbound handshake, and the SYN-ACK over lo, find one), so at a steady
-/// connection rate the LRU map holds only handshakes in flight instead of
-/// evicting on every insert. Cookie handshakes keep theirs (`under_cookies`
-/// completes only so). Inbound (the client's SYN, and the stand-in's
-/// spoofed-source SYN to the app over lo: the same tuple) and outbound.
+/// outbound handshake, and the SYN-ACK over lo of a connection to the pod's
+/// own address, find one), so at a steady connection rate the LRU map holds
+/// only handshakes in flight instead of evicting on every insert. Cookie
+/// handshakes keep theirs (`under_cookies` completes only so). Inbound (the
+/// client's SYN, and the stand-in's spoofed-source SYN to the app over lo:
+/// the same tuple), outbound, and the app to its own pod address (row O2,
+/// exempt: its `Local` hint).
 fn hints_released(fam: Family) -> TestResult {
     let f = Fixture::new("release", Some(Bind::DualStack))?;
     ensure!(f.enroll()?.state == PodState::Enabled);
@@ -420,6 +422,16 @@ fn hints_released(fam: Family) -> TestResult {
             a.local
         );
     }
+    let own = flow::Held::open(&f.topo.pod, dst)?;
+    let kept = maps.flow_hint(&hint_key(own.local_addr()?, dst));
+    ensure!(
+        kept.is_none(),
+        "the pod's connection to its own address left its hint: {kept:?}"
+    );
+    ensure!(
+        f.standin().accepted().len() == 2,
+        "the pod's own connection was captured"
+    );
     Ok(())
 }
 
