@@ -130,6 +130,10 @@ pub fn enroll_with(
 pub struct Attached {
     pub netns: Netns,
     pub cookie: u64,
+    /// Host-side veths left without the host-side program because another
+    /// tool's qdisc holds their hook ("IFACE (KIND)"): the node's own
+    /// connections to the pod are captured.
+    pub host_hooks_held: Vec<String>,
 }
 
 /// Attaches capture to a pod netns and records the pod as `Pending`: from its
@@ -177,11 +181,18 @@ pub fn attach_pod(
         teardown_in(dp, &netns, cookie)?;
     }
 
-    if let Err(e) = attach(dp, &netns, &view, uid, &path, workload, options) {
-        let _ = teardown_in(dp, &netns, cookie);
-        return Err(e);
-    }
-    Ok(Attached { netns, cookie })
+    let host_hooks_held = match attach(dp, &netns, &view, uid, &path, workload, options) {
+        Ok(held) => held,
+        Err(e) => {
+            let _ = teardown_in(dp, &netns, cookie);
+            return Err(e);
+        }
+    };
+    Ok(Attached {
+        netns,
+        cookie,
+        host_hooks_held,
+    })
 }
 
 /// Takes a pod over from istio-cni, if it was istio-cni's: with sluice's
@@ -215,17 +226,18 @@ pub fn back_out(dp: &mut Dataplane, netns: &Netns, cookie: u64) {
 }
 
 /// The node-side peers of the pod's interfaces, when the dataplane knows the
-/// node netns. A failure to find them costs only the host-side probe
-/// exemption (the pod is captured as before): it is logged, not fatal.
-/// With the pod's `view` (an enrollment), from its link dump.
+/// node netns, and those left out because another tool's qdisc holds their
+/// hook ("IFACE (KIND)"). A failure to find them costs only the host-side
+/// probe exemption (the pod is captured as before): it is logged, not
+/// fatal. With the pod's `view` (an enrollment), from its link dump.
 fn host_peers(
     dp: &Dataplane,
     netns: &Netns,
     view: Option<&PodView>,
     ifaces: &[String],
-) -> Vec<HostPeer> {
+) -> (Vec<HostPeer>, Vec<String>) {
     let (Some(node), Some(_)) = (&dp.node, &dp.host) else {
-        return Vec::new();
+        return (Vec::new(), Vec::new());
     };
     let found = match view {
         Some(v) => hostside::peers_over(netns, &v.nl, &v.links, node),
@@ -243,10 +255,12 @@ fn host_peers(
     // filter of ours (the pod side would be refused; here only the probe
     // exemption is lost). Asked of every peer, so that enrollment, repair
     // and CNI CHECK expect the same links.
+    let mut held = Vec::new();
     if dp.tc_attach != crate::features::TcAttach::Tcx {
         peers.retain(|p| match tcfilter::foreign_hook_qdisc(&node.nl, p.host_index) {
             Ok(None) => true,
             Ok(Some(kind)) => {
+                held.push(format!("{} ({kind})", p.host_iface));
                 tracing::warn!(
                     netns = %netns.path().display(),
                     host_iface = %p.host_iface,
@@ -260,7 +274,7 @@ fn host_peers(
             Err(_) => true,
         });
     }
-    peers
+    (peers, held)
 }
 
 /// The pod's interfaces besides `lo`, read inside its netns.
@@ -293,7 +307,7 @@ fn attach(
     path: &str,
     workload: &Workload,
     options: &PodOptions,
-) -> Result<(), EnrollError> {
+) -> Result<Vec<String>, EnrollError> {
     let cookie = view.cookie;
     dp.maps
         .insert_pod(cookie, uid, path, workload, boottime_ns())?;
@@ -319,7 +333,7 @@ fn attach(
     // With tcx (`--tc-attach tcx`) each attach swaps the device's program
     // array and waits for an RCU grace period under RTNL (≈ 10–20 ms here);
     // cls_bpf filters (the default) need none.
-    let peers = host_peers(dp, netns, Some(view), ifaces);
+    let (peers, held) = host_peers(dp, netns, Some(view), ifaces);
     let l3 = &view.l3_names();
     if let Some(i) = podlinks::reroute_on_l3(l3, &options.reroute) {
         return Err(EnrollError::RerouteOnL3(i.clone()));
@@ -328,7 +342,7 @@ fn attach(
         attach_link(dp, netns, Some(view), &dir, &spec)?;
         crash_point(&format!("enroll:link:{}", spec.pin_name()));
     }
-    Ok(())
+    Ok(held)
 }
 
 /// Attaches one link and pins it under `dir`; pod-side filters over
@@ -551,7 +565,7 @@ pub fn repair(dp: &mut Dataplane, cookie: u64, takeover: bool) -> Result<Repair,
         source,
     })?;
     let mut relinked = Vec::new();
-    let peers = host_peers(dp, &netns, None, &ifaces);
+    let (peers, _) = host_peers(dp, &netns, None, &ifaces);
     let reroute = dp.maps.options(cookie).reroute;
     let l3 = podlinks::l3_of(&netns, &ifaces);
     for spec in expected_links(&ifaces, &l3, &peers, &reroute) {
@@ -588,7 +602,7 @@ pub fn missing_links(dp: &Dataplane, cookie: u64) -> Result<Vec<String>, EnrollE
     let path = dp.maps.meta(cookie).map(|m| m.netns).unwrap_or_default();
     let dir = dp.pins.pod(cookie);
     let ifaces = pod_interfaces(&netns, &path)?;
-    let peers = host_peers(dp, &netns, None, &ifaces);
+    let (peers, _) = host_peers(dp, &netns, None, &ifaces);
     let reroute = dp.maps.options(cookie).reroute;
     let l3 = podlinks::l3_of(&netns, &ifaces);
     Ok(expected_links(&ifaces, &l3, &peers, &reroute)

@@ -42,6 +42,10 @@ pub fn trials() -> Vec<Trial> {
             "kube::readiness_gate_is_true_only_while_ztunnel_serves_the_pod",
             gate_follows_served,
         ),
+        trial(
+            "kube::a_host_veth_whose_hook_another_qdisc_holds_gets_a_warning_event",
+            host_hook_event,
+        ),
     ]
 }
 
@@ -62,6 +66,17 @@ fn cluster_node_with(
     served: ServedConfig,
     selection_file: Option<std::path::PathBuf>,
 ) -> anyhow::Result<(Arc<Node>, tokio::sync::watch::Sender<bool>)> {
+    cluster_node_over(f.dataplane()?, client, cni_records, served, selection_file)
+}
+
+/// [`cluster_node_with`] on a dataplane made by the caller.
+fn cluster_node_over(
+    dp: sluice::loader::Dataplane,
+    client: kube::Client,
+    cni_records: Option<std::path::PathBuf>,
+    served: ServedConfig,
+    selection_file: Option<std::path::PathBuf>,
+) -> anyhow::Result<(Arc<Node>, tokio::sync::watch::Sender<bool>)> {
     let k = KubeCtx {
         client,
         node: "node-a".into(),
@@ -70,7 +85,7 @@ fn cluster_node_with(
         selection_file,
     };
     let node = Node::new(
-        f.dataplane()?,
+        dp,
         Arc::new(Hub::default()),
         Some(k),
         sluice::readiness::DEFAULT_CONDITION_TYPE,
@@ -146,6 +161,81 @@ fn api(
         }
     });
     kube::Client::new(svc, "default")
+}
+
+/// Another tool's `ingress` qdisc on the pod's host-side veth (the
+/// bandwidth plugin's egress limit): the pod is captured without the
+/// host-side program, and a Warning on the pod names the veth and says that
+/// the node's own connections to it (kubelet's probes) go through ztunnel.
+fn host_hook_event() -> TestResult {
+    let f = Fixture::new("kubehq", None)?;
+    let added = std::process::Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &f.topo.client,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            "veth-c",
+            "ingress",
+        ])
+        .status()?;
+    ensure!(added.success(), "adding the ingress qdisc");
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async {
+        let events: Events = Arc::default();
+        let client = api(Arc::default(), Arc::default(), events.clone());
+        let mut dp = f.dataplane()?;
+        dp.set_node(sluice::hostside::Node::open(
+            &sluice_tests::ns::netns_path(&f.topo.client),
+        )?)?;
+        let (node, _announcing) = cluster_node_over(dp, client, None, Default::default(), None)?;
+        let r = add_cart(&node, &f).await;
+        ensure!(
+            matches!(&r, control::Response::Enrolled { uid, .. } if uid == "u-cart"),
+            "{r:?}"
+        );
+        wait::until_async(
+            "a HostProbesCaptured warning on shop/cart",
+            wait::DEADLINE,
+            || {
+                let seen = events.lock().unwrap().clone();
+                let found = seen.iter().any(|e| {
+                    e["reason"] == "HostProbesCaptured"
+                        && e["type"] == "Warning"
+                        && e["regarding"]["name"] == "cart"
+                        && e["note"]
+                            .as_str()
+                            .is_some_and(|n| n.contains("veth-c (ingress)"))
+                });
+                if found {
+                    Ok(())
+                } else {
+                    Err(seen)
+                }
+            },
+        )
+        .await?;
+        Ok(())
+    })
+}
+
+/// The CNI ADD of the mock API's shop/cart pod, in `f`'s pod netns.
+async fn add_cart(node: &Arc<Node>, f: &Fixture) -> control::Response {
+    let cart = PodRef {
+        name: "cart".into(),
+        namespace: "shop".into(),
+        uid: Some("u-cart".into()),
+    };
+    node.handle(control::Request::CniAdd(control::CniAdd {
+        container_id: "c1".into(),
+        netns: f.topo.pod_netns_path(),
+        pod: cart,
+        ips: vec![],
+    }))
+    .await
 }
 
 fn admitted() -> TestResult {
@@ -633,19 +723,7 @@ fn gate_follows_served_in(f: &Fixture, dir: &std::path::Path) -> TestResult {
             &zds,
             &["--admin-workloads", workloads.to_str().unwrap()],
         )?;
-        let cart = PodRef {
-            name: "cart".into(),
-            namespace: "shop".into(),
-            uid: Some("u-cart".into()),
-        };
-        let r = node
-            .handle(control::Request::CniAdd(control::CniAdd {
-                container_id: "c1".into(),
-                netns: f.topo.pod_netns_path(),
-                pod: cart,
-                ips: vec![],
-            }))
-            .await;
+        let r = add_cart(&node, f).await;
         ensure!(matches!(&r, control::Response::Enrolled { .. }), "{r:?}");
         let last_gate = |reason: &'static str| {
             let patches = patches.clone();

@@ -46,6 +46,10 @@ pub enum Reason {
     /// The pod carried istio-cni's in-pod rules: sluice captures it now and
     /// removed them.
     TookOverFromIstioCni,
+    /// Another tool's qdisc holds the hook of the pod's host-side veth: no
+    /// host-side program there, so the node's own connections to the pod
+    /// (kubelet's probes) are captured like any other.
+    HostProbesCaptured,
     /// On the node: its condition turned True (the note has the reason).
     RedirectionReady,
     /// On the node: its condition turned False (ztunnel disconnected, the
@@ -64,6 +68,7 @@ impl Reason {
             Self::CaptureRepaired => "CaptureRepaired",
             Self::CaptureReleased => "CaptureReleased",
             Self::TookOverFromIstioCni => "TookOverFromIstioCni",
+            Self::HostProbesCaptured => "HostProbesCaptured",
             Self::RedirectionReady => "RedirectionReady",
             Self::RedirectionNotReady => "RedirectionNotReady",
         }
@@ -85,7 +90,10 @@ impl Reason {
             Self::ZtunnelNotConnected | Self::ZtunnelRejected | Self::ZtunnelListenersMissing => {
                 "HandToZtunnel"
             }
-            Self::CaptureFailed | Self::InvalidAnnotation | Self::TookOverFromIstioCni => "Capture",
+            Self::CaptureFailed
+            | Self::InvalidAnnotation
+            | Self::TookOverFromIstioCni
+            | Self::HostProbesCaptured => "Capture",
             Self::CaptureRepaired => "Verify",
             Self::CaptureReleased => "Release",
             Self::RedirectionReady | Self::RedirectionNotReady => "Report",

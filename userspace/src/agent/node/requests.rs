@@ -347,7 +347,7 @@ impl Node {
         let (w, u) = (workload.clone(), uid.clone());
         let started = Instant::now();
         let attached = tokio::task::spawn_blocking(move || -> Result<_, EnrollError> {
-            let (cookie, netns) = {
+            let (cookie, netns, held) = {
                 let mut dp = this.dp.lock().unwrap();
                 let a = enroll::attach_pod(&mut dp, &netns, &u, &w, &options)?;
                 // The netns stays open from here on: adds and registrations use it.
@@ -367,14 +367,14 @@ impl Node {
                 // Its first add goes out below: the supervision pass must
                 // not send another.
                 this.pods.attempting(u.as_str());
-                (a.cookie, a.netns)
+                (a.cookie, a.netns, a.host_hooks_held)
             };
             // istio-cni's rules, if any, go without the dataplane held: the
             // iptables tools may take seconds, and other pods' enrollments
             // must not wait for them. This pod is Pending (fail closed) and
             // marked attempting meanwhile, so nothing else acts on it.
             match enroll::take_over(&netns) {
-                Ok(took_over) => Ok((cookie, took_over)),
+                Ok(took_over) => Ok((cookie, took_over, held)),
                 Err(e) => {
                     let mut dp = this.dp.lock().unwrap();
                     enroll::back_out(&mut dp, &netns, cookie);
@@ -385,16 +385,20 @@ impl Node {
         })
         .await?;
         let cookie = match attached {
-            Ok((c, took_over)) => {
-                if !took_over.is_empty() {
-                    self.pod_event(
-                        uid.as_str(),
-                        crate::kube::events::Reason::TookOverFromIstioCni,
-                        &format!(
-                            "captured by sluice; istio-cni's in-pod rules removed ({})",
-                            took_over.join(", ")
-                        ),
-                    );
+            Ok((c, took_over, held)) => {
+                use crate::kube::events::Reason;
+                let notes = [
+                    (!held.is_empty()).then(|| (Reason::HostProbesCaptured, format!(
+                        "captured, without the host-side program: another tool's qdisc holds the hook of {} (e.g. the bandwidth plugin's egress limit), so the node's own connections to the pod (kubelet probes) are captured by ztunnel too",
+                        held.join(", ")
+                    ))),
+                    (!took_over.is_empty()).then(|| (Reason::TookOverFromIstioCni, format!(
+                        "captured by sluice; istio-cni's in-pod rules removed ({})",
+                        took_over.join(", ")
+                    ))),
+                ];
+                for (reason, note) in notes.into_iter().flatten() {
+                    self.pod_event(uid.as_str(), reason, &note);
                 }
                 c
             }
