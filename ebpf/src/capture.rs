@@ -326,17 +326,14 @@ pub fn lo_ingress(ctx: &TcContext) -> i32 {
         _ => None,
     };
     if let Some(t) = t {
-        // The answer to a SYN that came this way (to the pod's own
-        // address): its hint has served once the listener answered from a
+        // The answer to a SYN that came this way, exempt (its hint says
+        // `Local`): the hint has served once the listener answered from a
         // request socket. (The SYN-ACK lost its socket in loopback's
-        // transmit: the lookup tells.) A SYN-ACK from another address is
-        // ztunnel's 15001 answering an outbound SYN: the app's ACK meets
+        // transmit: the lookup tells.) Other SYN-ACKs over lo answer SYNs
+        // steered from egress (15001, the DNS proxy): the app's ACK meets
         // that request socket on egress and releases the hint there, so
-        // no lookup here.
-        if t.is_syn_ack()
-            && !is_loopback(t.family, &t.saddr)
-            && pod_of(t.family, &t.saddr).is_some()
-        {
+        // they cost no socket lookup here.
+        if t.is_syn_ack() && !is_loopback(t.family, &t.saddr) && answers_local_hint(&t) {
             release_hint_of_request(ctx, &t);
         }
         if t.is_syn() && !is_loopback(t.family, &t.daddr) {
@@ -433,6 +430,16 @@ fn release_answered_hint(ctx: &TcContext, t: &Tcp) {
         let syn = crate::tc::flow_key(t.family, t.daddr, t.saddr, t.dport, t.sport);
         let _ = FLOW_HINTS.remove(syn);
     }
+}
+
+/// Whether the SYN this SYN-ACK answers left a `Local` hint (it came over
+/// lo, exempt).
+#[inline(always)]
+fn answers_local_hint(t: &Tcp) -> bool {
+    let syn = crate::tc::flow_key(t.family, t.daddr, t.saddr, t.dport, t.sport);
+    FLOW_HINTS
+        .get_ptr(syn)
+        .is_some_and(|h| unsafe { (*h).verdict } == HintVerdict::Local as u32)
 }
 
 /// Forgets the hint of the SYN this SYN-ACK answers when the listener keeps

@@ -261,17 +261,23 @@ fn host_peers(
             Ok(None) => true,
             Ok(Some(kind)) => {
                 held.push(format!("{} ({kind})", p.host_iface));
-                tracing::warn!(
-                    netns = %netns.path().display(),
-                    host_iface = %p.host_iface,
-                    qdisc = %kind,
-                    "the pod's host-side veth has another tool's qdisc on its hook: no host-side \
-                     program there, host-originated probes to the pod are captured"
-                );
+                // Said once, at enrollment; repair and CHECK ask again.
+                if view.is_some() {
+                    tracing::warn!(
+                        netns = %netns.path().display(),
+                        host_iface = %p.host_iface,
+                        qdisc = %kind,
+                        "the pod's host-side veth has another tool's qdisc on its hook: no \
+                         host-side program there, host-originated probes to the pod are captured"
+                    );
+                }
                 false
             }
-            // Unknown: attach as usual, which reports what is wrong.
-            Err(_) => true,
+            // Unknown: attach as usual (a hook found taken then is skipped).
+            Err(e) => {
+                tracing::debug!(host_iface = %p.host_iface, error = %e, "asking for the host veth's qdisc");
+                true
+            }
         });
     }
     (peers, held)
@@ -338,8 +344,21 @@ fn attach(
     if let Some(i) = podlinks::reroute_on_l3(l3, &options.reroute) {
         return Err(EnrollError::RerouteOnL3(i.clone()));
     }
+    let mut held = held;
     for spec in expected_links(ifaces, l3, &peers, &options.reroute) {
-        attach_link(dp, netns, Some(view), &dir, &spec)?;
+        match attach_link(dp, netns, Some(view), &dir, &spec) {
+            // Taken since it was asked: the host side only costs the probe
+            // exemption, never the pod.
+            Err(EnrollError::Attach { source, .. })
+                if matches!(spec, LinkSpec::Host(_)) && tcfilter::is_hook_taken(&source) =>
+            {
+                if let LinkSpec::Host(p) = &spec {
+                    held.push(format!("{} (not clsact)", p.host_iface));
+                }
+                continue;
+            }
+            r => r?,
+        }
         crash_point(&format!("enroll:link:{}", spec.pin_name()));
     }
     Ok(held)

@@ -106,11 +106,24 @@ impl<'a> Refilter<'a> {
             },
         };
         let (iface, kind) = (hook.iface, hook.kind);
-        ns.run(|| tcfilter::attach(prog, iface, kind))?
-            .map_err(|source| RefilterError::Attach {
+        match ns.run(|| tcfilter::attach(prog, iface, kind))? {
+            // Another tool's qdisc holds the hook: a filter an older build
+            // put there is left as it is, and the upgrade goes on.
+            Err(e) if tcfilter::is_hook_taken(&e) => {
+                tracing::warn!(
+                    cookie,
+                    iface,
+                    ?kind,
+                    "{}: the filter there is left as it is",
+                    tcfilter::HOOK_TAKEN
+                );
+                return Ok(false);
+            }
+            r => r.map_err(|source| RefilterError::Attach {
                 what: format!("{kind:?} filter on {iface}"),
                 source,
-            })?;
+            })?,
+        }
         let next = record.with_file_name(format!("{NEXT_PREFIX}{name}"));
         let _ = fs::remove_file(&next);
         tcfilter::pin_record(prog, &next).map_err(|source| RefilterError::Pin {

@@ -75,11 +75,12 @@ pub fn attach_over(
     // filter for the egress hook would then land in the `ingress` qdisc's
     // one block: on ingress.
     match nl.change(RouteNetlinkMessage::NewQueueDiscipline(qdisc), NLM_F_CREATE) {
+        // EINVAL has other causes too: say "taken" only when it is.
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-            return Err(ProgramError::IOError(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                HOOK_TAKEN,
-            )))
+            return Err(match foreign_hook_qdisc(nl, index) {
+                Ok(Some(_)) => hook_taken(),
+                _ => ProgramError::IOError(e),
+            });
         }
         r => r?,
     }
@@ -105,9 +106,20 @@ pub const HOOK_TAKEN: &str = "the device's ingress/egress hook holds a qdisc oth
      (an `ingress` qdisc: another tool's), which sluice leaves alone; cls_bpf filters need \
      clsact there (`--tc-attach tcx` needs no qdisc)";
 
-/// The kind of the qdisc on interface `index`'s ingress hook in `nl`'s
-/// netns when it is not clsact (`None`: clsact or none), so that sluice's
-/// filters cannot go there ([`HOOK_TAKEN`]). One request, no dump.
+/// The error of an attach where another tool's qdisc holds the hook.
+fn hook_taken() -> ProgramError {
+    ProgramError::IOError(io::Error::new(io::ErrorKind::InvalidInput, HOOK_TAKEN))
+}
+
+/// Whether an attach failed because another tool's qdisc holds the hook.
+pub fn is_hook_taken(e: &ProgramError) -> bool {
+    matches!(e, ProgramError::IOError(io) if io.kind() == io::ErrorKind::InvalidInput && io.to_string() == HOOK_TAKEN)
+}
+
+/// The kind of the qdisc in interface `index`'s clsact slot (the one slot
+/// clsact and `ingress` share) in `nl`'s netns when it is not clsact
+/// (`None`: clsact or nothing), so that sluice's filters cannot go there
+/// ([`HOOK_TAKEN`]). One request, no dump.
 pub fn foreign_hook_qdisc(nl: &crate::rtnl::Rtnl, index: u32) -> io::Result<Option<String>> {
     use netlink_packet_route::{
         tc::{TcAttribute, TcHandle as NlHandle, TcMessage},
@@ -119,11 +131,8 @@ pub fn foreign_hook_qdisc(nl: &crate::rtnl::Rtnl, index: u32) -> io::Result<Opti
     // The kernel sends the answer to RTNLGRP_TC, and to the asker only with
     // NLM_F_ECHO.
     let echo = netlink_packet_core::NLM_F_ECHO;
-    let reply = match nl.request_with(RouteNetlinkMessage::GetQueueDiscipline(get), echo) {
-        // Nothing on the hook (or the device is gone: nothing to refuse).
-        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ENODEV)) => return Ok(None),
-        r => r?,
-    };
+    // Nothing in the slot, or the device gone, reads as `None`.
+    let reply = nl.request_with(RouteNetlinkMessage::GetQueueDiscipline(get), echo)?;
     let kind = match reply {
         Some(RouteNetlinkMessage::NewQueueDiscipline(m)) => {
             m.attributes.into_iter().find_map(|a| match a {
