@@ -339,12 +339,11 @@ fn attach(
     // With tcx (`--tc-attach tcx`) each attach swaps the device's program
     // array and waits for an RCU grace period under RTNL (≈ 10–20 ms here);
     // cls_bpf filters (the default) need none.
-    let (peers, held) = host_peers(dp, netns, Some(view), ifaces);
+    let (peers, mut held) = host_peers(dp, netns, Some(view), ifaces);
     let l3 = &view.l3_names();
     if let Some(i) = podlinks::reroute_on_l3(l3, &options.reroute) {
         return Err(EnrollError::RerouteOnL3(i.clone()));
     }
-    let mut held = held;
     for spec in expected_links(ifaces, l3, &peers, &options.reroute) {
         match attach_link(dp, netns, Some(view), &dir, &spec) {
             // Taken since it was asked: the host side only costs the probe

@@ -106,14 +106,19 @@ pub const HOOK_TAKEN: &str = "the device's ingress/egress hook holds a qdisc oth
      (an `ingress` qdisc: another tool's), which sluice leaves alone; cls_bpf filters need \
      clsact there (`--tc-attach tcx` needs no qdisc)";
 
+/// Another tool's qdisc holds the hook ([`HOOK_TAKEN`]).
+#[derive(Debug, thiserror::Error)]
+#[error("{HOOK_TAKEN}")]
+struct HookTaken;
+
 /// The error of an attach where another tool's qdisc holds the hook.
 fn hook_taken() -> ProgramError {
-    ProgramError::IOError(io::Error::new(io::ErrorKind::InvalidInput, HOOK_TAKEN))
+    ProgramError::IOError(io::Error::new(io::ErrorKind::InvalidInput, HookTaken))
 }
 
 /// Whether an attach failed because another tool's qdisc holds the hook.
 pub fn is_hook_taken(e: &ProgramError) -> bool {
-    matches!(e, ProgramError::IOError(io) if io.kind() == io::ErrorKind::InvalidInput && io.to_string() == HOOK_TAKEN)
+    matches!(e, ProgramError::IOError(io) if io.get_ref().is_some_and(|r| r.is::<HookTaken>()))
 }
 
 /// The kind of the qdisc in interface `index`'s clsact slot (the one slot
