@@ -34,7 +34,8 @@ impl DnsSetup {
             .map(|port| Sink::ztunnel_like(&topo.pod, port, Mode::AcceptClose))
             .collect();
         match variant {
-            Variant::None => {}
+            // (`Hooks` is the `cpu` scenario's alone.)
+            Variant::None | Variant::Hooks => {}
             Variant::Iptables => istio::apply_with_dns_capture(&topo.pod)?,
             // DNS capture is on by default.
             Variant::Sluice => enroll_enabled(&topo, "bench-dns", None)?,
@@ -51,7 +52,7 @@ impl DnsSetup {
     /// proxy), or, with no capture, the proxy itself.
     fn server(&self) -> SocketAddr {
         match self.variant {
-            Variant::None => SocketAddr::new(Ipv4Addr::LOCALHOST.into(), 15053),
+            Variant::None | Variant::Hooks => SocketAddr::new(Ipv4Addr::LOCALHOST.into(), 15053),
             _ => SocketAddr::new(Family::V4.client(), 53),
         }
     }

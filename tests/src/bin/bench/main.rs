@@ -175,6 +175,10 @@ pub enum Variant {
     None,
     Iptables,
     Sluice,
+    /// Uncaptured, with a pass-through filter on each tc hook sluice's
+    /// programs use in the pod: what the hooks cost without the programs'
+    /// work (`cpu` only, to split sluice's added CPU).
+    Hooks,
 }
 
 impl Variant {
@@ -184,6 +188,7 @@ impl Variant {
             Variant::None => "none",
             Variant::Iptables => "iptables",
             Variant::Sluice => "sluice",
+            Variant::Hooks => "hooks",
         }
     }
 }

@@ -74,6 +74,7 @@ impl Setup {
             Variant::None => {}
             Variant::Iptables => istio::apply_istio_cni(&s.topo.pod)?,
             Variant::Sluice => enroll_enabled(&s.topo, "bench-pod", features)?,
+            Variant::Hooks => pass_filters(&s.topo.pod)?,
         }
         for ns in [&s.topo.client, &s.topo.pod] {
             tune(ns)?;
@@ -96,8 +97,8 @@ impl Setup {
     pub fn dst(&self, dir: Dir) -> SocketAddr {
         let pod = Family::V4.pod();
         match (self.variant, dir) {
-            (Variant::None, Dir::Inbound) => SocketAddr::new(pod, INBOUND_PORT),
-            (Variant::None, Dir::Outbound) => SocketAddr::new(pod, OUTBOUND_PORT),
+            (Variant::None | Variant::Hooks, Dir::Inbound) => SocketAddr::new(pod, INBOUND_PORT),
+            (Variant::None | Variant::Hooks, Dir::Outbound) => SocketAddr::new(pod, OUTBOUND_PORT),
             (_, Dir::Inbound) => SocketAddr::new(pod, APP_PORT),
             (_, Dir::Outbound) => SocketAddr::new(Family::V4.client(), REMOTE_PORT),
         }
@@ -112,18 +113,53 @@ impl Setup {
     }
 }
 
-fn setups(mode: Mode) -> anyhow::Result<Vec<Setup>> {
-    Variant::ALL.iter().map(|v| Setup::new(*v, mode)).collect()
+/// A setup per variant, indexed by `Variant as usize`.
+fn setups(variants: &[Variant], mode: Mode) -> anyhow::Result<Vec<Setup>> {
+    variants.iter().map(|v| Setup::new(*v, mode)).collect()
 }
 
 /// Every (variant, direction) pair, in a random order.
 fn shuffled(rng: &mut StdRng) -> Vec<(Variant, Dir)> {
-    let mut order: Vec<_> = Variant::ALL
+    shuffled_of(&Variant::ALL, rng)
+}
+
+fn shuffled_of(variants: &[Variant], rng: &mut StdRng) -> Vec<(Variant, Dir)> {
+    let mut order: Vec<_> = variants
         .iter()
         .flat_map(|v| Dir::ALL.iter().map(move |d| (*v, *d)))
         .collect();
     order.shuffle(rng);
     order
+}
+
+/// In pod netns `ns`, a clsact qdisc and a filter that matches nothing (a
+/// classic BPF `ret #0`: the packet goes on) on each hook sluice's programs
+/// use there: `eth0` ingress and egress, `lo` ingress.
+fn pass_filters(ns: &str) -> anyhow::Result<()> {
+    for (dev, hook) in [("eth0", "ingress"), ("eth0", "egress"), ("lo", "ingress")] {
+        if hook == "ingress" {
+            sluice_tests::ns::exec(ns, &["tc", "qdisc", "add", "dev", dev, "clsact"])?;
+        }
+        sluice_tests::ns::exec(
+            ns,
+            &[
+                "tc",
+                "filter",
+                "add",
+                "dev",
+                dev,
+                hook,
+                "prio",
+                "1",
+                "protocol",
+                "all",
+                "bpf",
+                "bytecode",
+                "1,6 0 0 0,",
+            ],
+        )?;
+    }
+    Ok(())
 }
 
 /// Room for many short connections: wide port range, TIME_WAIT reuse.
@@ -253,7 +289,13 @@ fn cpu_snap(ksoftirqd: &[u32]) -> CpuSnap {
 /// each captured one's; mean and 95 % CI over rounds. Then, with BPF run
 /// time statistics on, each sluice program's time per run.
 pub fn cpu(report: &mut Report, cfg: &Config, rng: &mut StdRng) -> anyhow::Result<()> {
-    let setups = setups(Mode::AcceptClose)?;
+    let variants = [
+        Variant::None,
+        Variant::Iptables,
+        Variant::Sluice,
+        Variant::Hooks,
+    ];
+    let setups = setups(&variants, Mode::AcceptClose)?;
     let softirqd = ksoftirqd_pids();
     for s in &setups {
         for d in Dir::ALL {
@@ -264,7 +306,7 @@ pub fn cpu(report: &mut Report, cfg: &Config, rng: &mut StdRng) -> anyhow::Resul
     let mut own: BTreeMap<(Variant, Dir), Vec<f64>> = BTreeMap::new();
     let mut system: BTreeMap<(Variant, Dir), Vec<f64>> = BTreeMap::new();
     for round in 0..cfg.cpu_rounds {
-        for (v, d) in shuffled(rng) {
+        for (v, d) in shuffled_of(&variants, rng) {
             let s = &setups[v as usize];
             let a = cpu_snap(&softirqd);
             connect_batch(s, d, cfg.cpu_conns)?;
@@ -296,7 +338,7 @@ pub fn cpu(report: &mut Report, cfg: &Config, rng: &mut StdRng) -> anyhow::Resul
         report.put(&format!("cpu_us_per_conn_{dn}_none"), base);
         report.put(&format!("cpu_us_per_conn_{dn}_none_ci95"), base_ci);
         let mut added = BTreeMap::new();
-        for v in [Variant::Sluice, Variant::Iptables] {
+        for v in [Variant::Sluice, Variant::Iptables, Variant::Hooks] {
             let vn = v.name();
             for (suffix, m) in [("", &own), ("_systemwide", &system)] {
                 let diff: Vec<f64> = m[&(v, d)]
@@ -376,7 +418,7 @@ fn bpf_run_time(report: &mut Report, cfg: &Config, s: &Setup) -> anyhow::Result<
 /// variant and direction once per round in a random order; percentiles
 /// over all rounds' samples.
 pub fn latency(report: &mut Report, cfg: &Config, rng: &mut StdRng) -> anyhow::Result<()> {
-    let setups = setups(Mode::AcceptClose)?;
+    let setups = setups(&Variant::ALL, Mode::AcceptClose)?;
     for s in &setups {
         for d in Dir::ALL {
             connect_batch(s, d, cfg.lat_samples / 4)?;
@@ -443,7 +485,7 @@ fn echo_rounds(ns: &str, dst: SocketAddr, window: Duration) -> anyhow::Result<Ve
 /// capture (to the same echoing listener uncaptured), rounds in a random
 /// order: requests per second and round-trip percentiles.
 pub fn request_response(report: &mut Report, cfg: &Config, rng: &mut StdRng) -> anyhow::Result<()> {
-    let setups = setups(Mode::Echo)?;
+    let setups = setups(&Variant::ALL, Mode::Echo)?;
     let mut rtt: BTreeMap<(Variant, Dir), Vec<f64>> = BTreeMap::new();
     let mut rounds: Vec<BTreeMap<(Variant, Dir), f64>> = Vec::new();
     for _ in 0..cfg.rr_rounds {
@@ -509,7 +551,7 @@ fn bulk_flow(ns: &str, dst: SocketAddr, window: Duration, mark: Option<u32>) -> 
 /// (ztunnel's mark 0x539, to a server beside the pod), rounds in a random
 /// order.
 pub fn bulk(report: &mut Report, cfg: &Config, rng: &mut StdRng) -> anyhow::Result<()> {
-    let setups = setups(Mode::Discard)?;
+    let setups = setups(&Variant::ALL, Mode::Discard)?;
     let uncaptured_dst = SocketAddr::new(Family::V4.client(), BULK_PORT);
     let mut rounds: Vec<BTreeMap<(Variant, Option<Dir>), f64>> = Vec::new();
     for _ in 0..cfg.bulk_rounds {
