@@ -69,6 +69,11 @@ pub fn run_in<T: Send + 'static>(name: &str, f: impl FnOnce() -> T + Send + 'sta
 /// Runs a command inside netns `ns` (`ip netns exec`), failing with its
 /// stderr.
 pub fn exec(ns: &str, cmd: &[&str]) -> anyhow::Result<()> {
+    output(ns, cmd).map(drop)
+}
+
+/// [`exec`], returning what the command printed.
+pub fn output(ns: &str, cmd: &[&str]) -> anyhow::Result<String> {
     let out = std::process::Command::new("ip")
         .args(["netns", "exec", ns])
         .args(cmd)
@@ -79,5 +84,5 @@ pub fn exec(ns: &str, cmd: &[&str]) -> anyhow::Result<()> {
         cmd.join(" "),
         String::from_utf8_lossy(&out.stderr).trim()
     );
-    Ok(())
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }

@@ -196,11 +196,15 @@ async fn rbac_grants_exactly_what_the_agent_and_watchdog_use() {
     annotate::write(client.clone(), "shop", "cart", Some(PodState::Enabled))
         .await
         .unwrap();
-    assert!(
-        gate::write(client.clone(), "shop", "cart", Some(PodState::Enabled))
-            .await
-            .unwrap()
-    );
+    assert!(gate::write(
+        client.clone(),
+        "shop",
+        "cart",
+        Some(PodState::Enabled),
+        gate::Capture::Complete
+    )
+    .await
+    .unwrap());
     verify::fetch(client.clone(), "shop", "cart").await.unwrap();
     // --node-name checked against the Node (boot id).
     sluice::kube::node_identity::verify(client.clone(), "node-a")

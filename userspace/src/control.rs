@@ -112,6 +112,11 @@ pub struct NodeStatus {
     /// Pods left Pending by a failed attempt, retried with backoff.
     #[serde(default)]
     pub waiting: Vec<WaitingPod>,
+    /// Enrolled pods whose capture lacks links a repair could not attach:
+    /// part of their traffic bypasses ztunnel (their readiness gate is
+    /// False). Retried at every repair.
+    #[serde(default)]
+    pub incomplete: Vec<IncompletePod>,
     /// How the agent came by the pinned programs (loaded, adopted, upgraded
     /// in place, or another build's kept).
     #[serde(default)]
@@ -181,6 +186,16 @@ pub struct WaitingPod {
     /// not the node's (the node condition stays `True`).
     #[serde(default)]
     pub ztunnel_refused: bool,
+}
+
+/// An enrolled pod whose capture a repair could not complete.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct IncompletePod {
+    pub uid: String,
+    /// The links it lacks (pin names, e.g. `egress_eth0`).
+    pub missing: Vec<String>,
+    /// Why they could not be attached.
+    pub reason: String,
 }
 
 /// One ztunnel process as the agent sees it.

@@ -28,6 +28,12 @@ pub enum Verdict {
     /// Captured; its new connections fail closed until ztunnel takes it
     /// (`missing`: ztunnel's listeners not in the pod).
     WaitingForZtunnel { missing: Vec<String> },
+    /// Enrolled, but its capture lacks links a repair could not attach
+    /// (`missing`, for `reason`): part of its traffic bypasses ztunnel.
+    CaptureIncomplete {
+        missing: Vec<String>,
+        reason: String,
+    },
     /// Its capture is being removed.
     Draining,
     /// On this node, left uncaptured by the agent, for `reason`.
@@ -69,8 +75,18 @@ pub fn explain<'a>(
             .iter()
             .find(|s| names(query, &s.uid, &s.namespace, &s.name))
     });
-    let verdict = match (pod, skipped) {
-        (Some(p), _) => match p.state {
+    let incomplete = pod.and_then(|p| {
+        agent?
+            .incomplete
+            .iter()
+            .find(|i| i.uid == p.uid && p.state != Some("Draining"))
+    });
+    let verdict = match (pod, skipped, incomplete) {
+        (Some(_), _, Some(i)) => Verdict::CaptureIncomplete {
+            missing: i.missing.clone(),
+            reason: i.reason.clone(),
+        },
+        (Some(p), _, None) => match p.state {
             Some("Served") => Verdict::FullyEnrolled,
             Some("Enabled") => Verdict::NotServed,
             Some("Draining") => Verdict::Draining,
@@ -78,10 +94,10 @@ pub fn explain<'a>(
                 missing: missing_listeners(p),
             },
         },
-        (None, Some(s)) => Verdict::NotCaptured {
+        (None, Some(s), _) => Verdict::NotCaptured {
             reason: s.reason.clone(),
         },
-        (None, None) => return None,
+        (None, None, _) => return None,
     };
     let last_error = pod.and_then(|p| {
         agent?
@@ -127,6 +143,10 @@ pub fn render(e: &Explanation, agent_running: bool) -> String {
         }
         Verdict::WaitingForZtunnel { missing } => format!(
             "captured, waiting for ztunnel: new connections fail closed; missing listeners: {}",
+            missing.join(", ")
+        ),
+        Verdict::CaptureIncomplete { missing, reason } => format!(
+            "captured in part: lacks {} ({reason}); part of its traffic bypasses ztunnel",
             missing.join(", ")
         ),
         Verdict::Draining => "capture being removed".into(),
@@ -246,6 +266,27 @@ mod tests {
             addresses: vec![],
             links: vec![],
         }
+    }
+
+    #[test]
+    fn a_served_pod_whose_capture_is_incomplete_is_not_fully_enrolled() {
+        let served = [record("Served", &["inbound/ipv4"])];
+        let mut agent = node(vec![], vec![]);
+        agent.incomplete = vec![crate::control::IncompletePod {
+            uid: "u-cart".into(),
+            missing: vec!["egress_eth0".into()],
+            reason: "another tool's qdisc holds the hook".into(),
+        }];
+        let e = explain("shop/cart", &served, Some(&agent)).unwrap();
+        assert_eq!(
+            e.verdict,
+            Verdict::CaptureIncomplete {
+                missing: vec!["egress_eth0".into()],
+                reason: "another tool's qdisc holds the hook".into()
+            }
+        );
+        let text = render(&e, true);
+        assert!(text.contains("lacks egress_eth0"), "{text}");
     }
 
     fn node(skipped: Vec<SkippedPod>, waiting: Vec<WaitingPod>) -> NodeStatus {

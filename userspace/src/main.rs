@@ -452,6 +452,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 agent_error,
             };
             let waiting = node.agent.as_ref().map_or(&[][..], |a| &a.waiting[..]);
+            let incomplete = node.agent.as_ref().map_or(&[][..], |a| &a.incomplete[..]);
             if let Some(query) = pod {
                 let Some(e) = sluice::explain::explain(&query, &pods, node.agent.as_ref()) else {
                     let agent = if node.agent.is_some() {
@@ -473,7 +474,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 Output::Table => print!(
                     "{}\n{}",
                     status::node_lines(&node),
-                    status::table(&pods, waiting)
+                    status::table(&pods, waiting, incomplete)
                 ),
                 Output::Json => println!("{}", status::json(&node, &pods)),
             }

@@ -34,6 +34,8 @@ pub struct Sample {
     pub dns_modes: Vec<(&'static str, u64)>,
     /// Node-wide drops by reason (`DropReason`).
     pub drops: Vec<(&'static str, u64)>,
+    /// Enrolled pods whose capture the last repair could not complete.
+    pub capture_incomplete: u64,
 }
 
 /// Where samples come from (the agent's node view).
@@ -452,6 +454,13 @@ impl Collector for MapCollector {
             let labels = [("state", *state)];
             ConstGauge::new(*n as i64).encode(m.encode_family(&labels)?)?;
         }
+        let incomplete = ConstGauge::new(s.capture_incomplete as i64);
+        incomplete.encode(enc.encode_descriptor(
+            "pods_capture_incomplete",
+            "Enrolled pods whose capture lacks links the last repair could not attach (part of their traffic bypasses ztunnel)",
+            None,
+            incomplete.metric_type(),
+        )?)?;
         let k = &s.kernel;
         let captured = [
             ("inbound", k.captured_inbound),
@@ -571,6 +580,7 @@ mod tests {
                 },
                 dns_modes: vec![("captured", 2), ("off", 1)],
                 drops: vec![("malformed", 4), ("unhinted", 2)],
+                capture_incomplete: 1,
             }
         }
     }
@@ -595,6 +605,7 @@ mod tests {
             "sluice_node_condition_reason{reason=\"ZtunnelDisconnected\"} 1",
             "sluice_node_condition_reason{reason=\"RedirectionReady\"} 0",
             "sluice_pods{state=\"Enabled\"} 2",
+            "sluice_pods_capture_incomplete 1",
             "sluice_captured_connections_total{listener=\"inbound\"} 7",
             "sluice_dropped_syns_total{reason=\"not_enabled\"} 3",
             "sluice_dropped_packets_total{reason=\"malformed\"} 4",

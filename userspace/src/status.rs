@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 use crate::{
-    control::{NodeStatus, ServedCheck, WaitingPod},
+    control::{IncompletePod, NodeStatus, ServedCheck, WaitingPod},
     loader::Pins,
     state::{boottime_ns, Maps, PodRecord},
 };
@@ -107,6 +107,9 @@ pub fn node_lines(n: &NodeView) -> String {
             let _ = writeln!(out, "served:     {check}");
             for w in &a.waiting {
                 let _ = writeln!(out, "retrying:   {}: {}", w.uid, w.last_error);
+            }
+            for i in &a.incomplete {
+                let _ = writeln!(out, "incomplete: {}: {}", i.uid, incomplete_line(i));
             }
             match &a.condition {
                 Some(c) => {
@@ -225,9 +228,19 @@ fn served(p: &PodRecord, now: u64) -> String {
     }
 }
 
-/// The human table. `waiting`: the agent's retried pods and why (the
-/// ERROR column), empty without an agent.
-pub fn table(pods: &[PodRecord], waiting: &[WaitingPod]) -> String {
+/// What a pod with an incomplete capture lacks, and why, in one line.
+pub fn incomplete_line(i: &IncompletePod) -> String {
+    format!(
+        "capture incomplete, lacks {} ({})",
+        i.missing.join(", "),
+        i.reason
+    )
+}
+
+/// The human table. `waiting`: the agent's retried pods and why, and
+/// `incomplete`: pods whose capture a repair could not complete (the ERROR
+/// column); both empty without an agent.
+pub fn table(pods: &[PodRecord], waiting: &[WaitingPod], incomplete: &[IncompletePod]) -> String {
     let now = boottime_ns();
     let mut rows = vec![[
         "POD".to_string(),
@@ -252,7 +265,14 @@ pub fn table(pods: &[PodRecord], waiting: &[WaitingPod]) -> String {
         let error = waiting
             .iter()
             .find(|w| w.uid == p.uid)
-            .map_or("-".into(), |w| w.last_error.clone());
+            .map(|w| w.last_error.clone())
+            .or_else(|| {
+                incomplete
+                    .iter()
+                    .find(|i| i.uid == p.uid)
+                    .map(incomplete_line)
+            })
+            .unwrap_or_else(|| "-".into());
         rows.push([
             pod_name(p),
             p.uid.clone(),

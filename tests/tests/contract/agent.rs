@@ -82,6 +82,10 @@ pub fn trials() -> Vec<Trial> {
             sigkill_restart,
         ),
         trial(
+            "agent::a_capture_a_repair_cannot_complete_is_reported_until_it_is_completed",
+            incomplete_capture,
+        ),
+        trial(
             "agent::restart_over_another_builds_programs_replaces_them_in_place_under_load",
             programs_replaced,
         ),
@@ -970,6 +974,90 @@ fn sigkill_restart() -> TestResult {
     f.wait_state("Served")?;
     clients.wait_more(20, "after the restart")?;
     clients.finish_without_failures("agent SIGKILL and restart", &agent)?;
+    Ok(())
+}
+
+/// Another tool's `ingress` qdisc takes the pod interface's hook while no
+/// agent runs (the clsact it replaced took sluice's filters with it): the
+/// starting agent's repair cannot attach them again. The agent says so:
+/// status lists the pod as incomplete with the links it lacks, the gauge
+/// counts it, and the other tool's qdisc stays. With that qdisc gone, the
+/// next repair (the next start) completes the capture and the pod is
+/// listed no more.
+fn incomplete_capture() -> TestResult {
+    let f = Fixture::new("ic", None)?;
+    let port = free_port()?;
+    let metrics = format!("127.0.0.1:{port}");
+    let mut agent = AgentProc::start_with(&f.topo.pins, &["--metrics-addr", &metrics])?;
+    let _p = peer(&agent)?;
+    enroll_enabled(&agent, &f)?;
+    let uid = f.uid.as_str().to_owned();
+    let tc = |args: &[&str]| {
+        let mut cmd = vec!["tc", "qdisc"];
+        cmd.extend(args);
+        sluice_tests::ns::exec(&f.topo.pod, &cmd)
+    };
+    agent.kill()?;
+    tc(&["del", "dev", "eth0", "clsact"])?;
+    tc(&["add", "dev", "eth0", "ingress"])?;
+    agent.restart()?;
+    let listed = |n: &serde_json::Value| -> Option<Vec<String>> {
+        let i = n["incomplete"]
+            .as_array()?
+            .iter()
+            .find(|i| i["uid"] == uid)?;
+        serde_json::from_value(i["missing"].clone()).ok()
+    };
+    let missing = wait::until("the pod listed as incomplete", wait::DEADLINE, || {
+        let n = agent.node_status().map_err(|e| e.to_string())?;
+        listed(&n).ok_or(n.to_string())
+    })?;
+    ensure!(
+        missing == ["egress_eth0", "ingress_eth0"],
+        "lacks {missing:?}, want egress_eth0 and ingress_eth0"
+    );
+    let text = agent.sluice(&["status"])?.stdout;
+    ensure!(
+        text.contains(&format!(
+            "incomplete: {uid}: capture incomplete, lacks egress_eth0"
+        )) && text.contains("holds a qdisc other than clsact"),
+        "status does not say what the pod lacks and why:\n{text}"
+    );
+    let (_, scraped) = http_get(port, "/metrics")?;
+    ensure!(
+        scraped
+            .lines()
+            .any(|l| l == "sluice_pods_capture_incomplete 1"),
+        "the gauge does not count the pod:\n{scraped}"
+    );
+    let qdiscs = sluice_tests::ns::output(&f.topo.pod, &["tc", "qdisc", "show", "dev", "eth0"])?;
+    ensure!(
+        qdiscs.contains("qdisc ingress ffff:"),
+        "the other tool's qdisc is gone: {qdiscs}"
+    );
+
+    agent.kill()?;
+    tc(&["del", "dev", "eth0", "ingress"])?;
+    agent.restart()?;
+    wait::until(
+        "the next start's repair attaching eth0's filters",
+        wait::DEADLINE,
+        || {
+            let mut seen = Vec::new();
+            for hook in ["egress", "ingress"] {
+                seen.push(
+                    sluice_tests::inspect::filter_programs(&f.topo.pod, "eth0", hook)
+                        .map_err(|e| e.to_string())?,
+                );
+            }
+            seen.iter()
+                .all(|f| !f.is_empty())
+                .then_some(())
+                .ok_or(format!("{seen:?}"))
+        },
+    )?;
+    let n = agent.node_status()?;
+    ensure!(listed(&n).is_none(), "still listed as incomplete: {n}");
     Ok(())
 }
 

@@ -46,6 +46,10 @@ pub fn trials() -> Vec<Trial> {
             "kube::a_host_veth_whose_hook_another_qdisc_holds_gets_a_warning_event",
             host_hook_event,
         ),
+        trial(
+            "kube::a_capture_a_repair_cannot_complete_turns_the_gate_false_with_a_warning",
+            incomplete_gate,
+        ),
     ]
 }
 
@@ -218,6 +222,107 @@ fn host_hook_event() -> TestResult {
             },
         )
         .await?;
+        Ok(())
+    })
+}
+
+/// Another tool's `ingress` qdisc takes the enrolled shop/cart's `eth0`
+/// hook (sluice's filters go with the clsact it replaces): the agent's
+/// repair cannot attach them again, so a Warning says what the pod lacks
+/// and its readiness gate turns False with reason `CaptureIncomplete`. With
+/// the hook free again, the repair completes the capture and the gate says
+/// the pod's state again.
+fn incomplete_gate() -> TestResult {
+    let f = Fixture::new("kubeic", None)?;
+    let tc =
+        |args: &[&str]| sluice_tests::ns::exec(&f.topo.pod, &[&["tc", "qdisc"], args].concat());
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async {
+        let events: Events = Arc::default();
+        let patches: Arc<Mutex<Vec<(String, Value)>>> = Arc::default();
+        let client = api(Arc::default(), patches.clone(), events.clone());
+        let (node, _announcing) = cluster_node(&f, client, None)?;
+        let r = add_cart(&node, &f).await;
+        ensure!(
+            matches!(&r, control::Response::Enrolled { uid, .. } if uid == "u-cart"),
+            "{r:?}"
+        );
+        let verify = || {
+            let n = node.clone();
+            tokio::task::spawn_blocking(move || n.verify_all(false))
+        };
+        // "STATUS/REASON" of the gate in the last status patch of shop/cart.
+        let gate_reason = || {
+            patches
+                .lock()
+                .unwrap()
+                .iter()
+                .rev()
+                .find_map(|(path, body)| {
+                    let c = body["status"]["conditions"]
+                        .as_array()?
+                        .iter()
+                        .find(|c| c["type"] == "sluice.dev/redirected")?;
+                    let (status, reason) = (c["status"].as_str()?, c["reason"].as_str()?);
+                    path.ends_with("/pods/cart/status")
+                        .then(|| format!("{status}/{reason}"))
+                })
+        };
+        let gate_is = |want: &'static str| {
+            let gate_reason = &gate_reason;
+            wait::until_async(want, wait::DEADLINE, move || {
+                let last = gate_reason();
+                (last.as_deref() == Some(want)).then_some(()).ok_or(last)
+            })
+        };
+        tc(&["del", "dev", "eth0", "clsact"])?;
+        tc(&["add", "dev", "eth0", "ingress"])?;
+        verify().await?;
+        wait::until_async(
+            "a CaptureIncomplete warning on shop/cart",
+            wait::DEADLINE,
+            || {
+                let seen = events.lock().unwrap().clone();
+                seen.iter()
+                    .any(|e| {
+                        e["reason"] == "CaptureIncomplete"
+                            && e["type"] == "Warning"
+                            && e["regarding"]["name"] == "cart"
+                            && e["note"]
+                                .as_str()
+                                .is_some_and(|n| n.contains("egress_eth0, ingress_eth0"))
+                    })
+                    .then_some(())
+                    .ok_or(seen)
+            },
+        )
+        .await?;
+        gate_is("False/CaptureIncomplete").await?;
+        // A second repair that finds the same: no second warning.
+        verify().await?;
+        let warnings = events
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|e| e["reason"] == "CaptureIncomplete")
+            .count();
+        ensure!(
+            warnings == 1,
+            "{warnings} CaptureIncomplete events for one finding"
+        );
+
+        tc(&["del", "dev", "eth0", "ingress"])?;
+        verify().await?;
+        // Back to the pod's state: Pending (no ztunnel here).
+        gate_is("False/Pending").await?;
+        ensure!(
+            events
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|e| e["reason"] == "CaptureRepaired"),
+            "no CaptureRepaired event"
+        );
         Ok(())
     })
 }

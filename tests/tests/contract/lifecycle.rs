@@ -73,6 +73,10 @@ pub fn trials() -> Vec<Trial> {
             deleted_filter,
         ),
         trial(
+            "lifecycle::a_hook_another_qdisc_took_after_enrollment_is_reported_missing_until_freed",
+            hook_taken_after_enrollment,
+        ),
+        trial(
             "lifecycle::an_interface_without_an_ethernet_header_is_captured",
             l3_interface,
         ),
@@ -487,6 +491,86 @@ fn unenroll_after_netns_gone() -> TestResult {
     ensure!(!f.topo.pins.pod(cookie).exists(), "pins left behind");
     let maps = sluice::state::Maps::open_pinned(&f.topo.pins.maps())?;
     ensure!(maps.cookies().is_empty());
+    Ok(())
+}
+
+/// An enrolled pod's interface whose hook another tool's `ingress` qdisc
+/// took afterwards, holding sluice's ingress filter: the shape a build
+/// that made its qdisc with `NLM_F_EXCL` left such a pod in (its egress
+/// filter went into that qdisc's one block and the ingress filter replaced
+/// it). The ingress filter still runs on ingress and counts; the egress one
+/// is missing (CNI CHECK's view), and a repair cannot attach it: it fails
+/// with the reason and leaves the other tool's qdisc. Once the hook is free
+/// again, the repair completes the capture.
+fn hook_taken_after_enrollment() -> TestResult {
+    use sluice::enroll::{self, Repair};
+    let f = Fixture::new("htak", Some(Bind::DualStack))?;
+    let e = f.enroll()?;
+    let tc = |args: &[&str]| sluice_tests::ns::exec(&f.topo.pod, &[&["tc"], args].concat());
+    let record = f.topo.pins.pod(e.cookie).join("ingress_eth0");
+    let record = record.to_str().context("pin path")?;
+    tc(&["qdisc", "del", "dev", "eth0", "clsact"])?;
+    tc(&["qdisc", "add", "dev", "eth0", "ingress"])?;
+    // Not `ip netns exec`: it mounts a sysfs of its own, without bpffs.
+    let netns = format!("--net={}", f.topo.pod_netns_path().display());
+    let filter = "filter add dev eth0 parent ffff: prio 1 handle 0x51150001 protocol all bpf";
+    let out = std::process::Command::new("nsenter")
+        .arg(&netns)
+        .arg("tc")
+        .args(filter.split(' '))
+        .args(["object-pinned", record, "da"])
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "adding the filter: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let mut dp = f.dataplane()?;
+    let missing = enroll::missing_links(&dp, e.cookie)?;
+    ensure!(
+        missing == ["egress_eth0"],
+        "missing {missing:?}, want [egress_eth0]"
+    );
+    let failed = enroll::repair(&mut dp, e.cookie, false);
+    let why = match failed {
+        Err(e) => sluice::error_line(&e),
+        Ok(r) => anyhow::bail!("repair over a taken hook: {r:?}"),
+    };
+    ensure!(
+        why.contains("on eth0") && why.contains("holds a qdisc other than clsact"),
+        "the repair's error does not say where and why: {why}"
+    );
+    let qdiscs = sluice_tests::ns::output(&f.topo.pod, &["tc", "qdisc", "show", "dev", "eth0"])?;
+    ensure!(
+        qdiscs.contains("qdisc ingress ffff:"),
+        "the other tool's qdisc is gone: {qdiscs}"
+    );
+
+    tc(&["qdisc", "del", "dev", "eth0", "ingress"])?;
+    let repaired = enroll::repair(&mut dp, e.cookie, false)?;
+    ensure!(
+        repaired
+            == Repair::Repaired {
+                relinked: vec!["egress_eth0".into(), "ingress_eth0".into()],
+                istio_rules: vec![],
+            },
+        "{repaired:?}"
+    );
+    let missing = enroll::missing_links(&dp, e.cookie)?;
+    ensure!(missing.is_empty(), "still missing: {missing:?}");
+    drop(dp);
+    let before = f.standin().accepted().len();
+    let r = connect(
+        &f.topo.pod,
+        SocketAddr::new(Family::V4.client(), REMOTE_PORT),
+        Opts::default(),
+    );
+    ensure!(r.reply().is_some(), "outbound after the repair: {r:?}");
+    ensure!(
+        f.standin().accepted().len() == before + 1,
+        "outbound not captured after the repair"
+    );
     Ok(())
 }
 

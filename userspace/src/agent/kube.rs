@@ -284,17 +284,18 @@ impl KubeCtx {
         namespace: &str,
         name: &str,
         state: Option<PodState>,
+        capture: gate::Capture,
     ) -> kube::Result<()> {
         annotate::write(self.client.clone(), namespace, name, state).await?;
-        gate::write(self.client.clone(), namespace, name, state).await?;
+        gate::write(self.client.clone(), namespace, name, state, capture).await?;
         Ok(())
     }
 }
 
 /// Whether a listed pod's annotation or readiness-gate condition disagrees
-/// with `state` (a write was lost, or someone else changed them). A gated
-/// pod without the condition counts as False already.
-pub fn out_of_step(pod: &Pod, state: Option<PodState>) -> bool {
+/// with `state` and `capture` (a write was lost, or someone else changed
+/// them). A gated pod without the condition counts as False already.
+pub fn out_of_step(pod: &Pod, state: Option<PodState>, capture: gate::Capture) -> bool {
     let annotation = pod
         .metadata
         .annotations
@@ -308,7 +309,7 @@ pub fn out_of_step(pod: &Pod, state: Option<PodState>) -> bool {
         return false;
     }
     let shown = gate::current(pod).map(|c| c.status.as_str());
-    let want = gate::condition_for(state).0;
+    let want = gate::condition_for(state, capture).0;
     shown.unwrap_or("False") != want
 }
 
@@ -335,43 +336,67 @@ mod tests {
 
     #[test]
     fn out_of_step_compares_annotation_and_gate_with_the_map() {
+        use gate::Capture::{Complete, Incomplete};
         let (pending, enabled) = (Some(PodState::Pending), Some(PodState::Served));
-        assert!(!out_of_step(&pod(Some("enabled"), None), enabled));
+        assert!(!out_of_step(&pod(Some("enabled"), None), enabled, Complete));
         assert!(
-            out_of_step(&pod(Some("pending"), None), enabled),
+            out_of_step(&pod(Some("pending"), None), enabled, Complete),
             "lost write"
         );
-        assert!(out_of_step(&pod(None, None), enabled), "annotation missing");
         assert!(
-            out_of_step(&pod(Some("enabled"), None), None),
+            out_of_step(&pod(None, None), enabled, Complete),
+            "annotation missing"
+        );
+        assert!(
+            out_of_step(&pod(Some("enabled"), None), None, Complete),
             "released pod"
         );
-        assert!(!out_of_step(&pod(None, None), None), "never ours");
+        assert!(!out_of_step(&pod(None, None), None, Complete), "never ours");
         // Gated pods: the condition must say the same.
         assert!(out_of_step(
             &pod(Some("enabled"), Some(Some("False"))),
-            enabled
+            enabled,
+            Complete
         ));
-        assert!(out_of_step(&pod(Some("enabled"), Some(None)), enabled));
+        assert!(out_of_step(
+            &pod(Some("enabled"), Some(None)),
+            enabled,
+            Complete
+        ));
         assert!(!out_of_step(
             &pod(Some("enabled"), Some(Some("True"))),
-            enabled
+            enabled,
+            Complete
         ));
         assert!(out_of_step(
             &pod(Some("pending"), Some(Some("True"))),
-            pending
+            pending,
+            Complete
         ));
         // Absent reads as False: no write for a gated pod not yet ours.
-        assert!(!out_of_step(&pod(None, Some(None)), None));
+        assert!(!out_of_step(&pod(None, Some(None)), None, Complete));
         // Captured but not served: the annotation says enabled, the gate False.
         let unserved = Some(PodState::Enabled);
         assert!(!out_of_step(
             &pod(Some("enabled"), Some(Some("False"))),
-            unserved
+            unserved,
+            Complete
         ));
         assert!(out_of_step(
             &pod(Some("enabled"), Some(Some("True"))),
-            unserved
+            unserved,
+            Complete
+        ));
+        // A served pod whose capture is incomplete: the gate must be False.
+        assert!(out_of_step(
+            &pod(Some("enabled"), Some(Some("True"))),
+            enabled,
+            Incomplete
+        ));
+        assert!(!out_of_step(
+            &pod(Some("enabled"), Some(Some("False"))),
+            enabled,
+            Incomplete
         ));
     }
 }

@@ -41,6 +41,11 @@ pub enum Reason {
     InvalidAnnotation,
     /// The agent found the pod's capture incomplete and completed it.
     CaptureRepaired,
+    /// The agent found the pod's capture incomplete and could not complete
+    /// it (e.g. another tool's qdisc holds a hook): part of its traffic
+    /// bypasses ztunnel; its readiness gate is False until a repair
+    /// completes it.
+    CaptureIncomplete,
     /// The pod's capture was removed (no longer ambient, gone).
     CaptureReleased,
     /// The pod carried istio-cni's in-pod rules: sluice captures it now and
@@ -66,6 +71,7 @@ impl Reason {
             Self::CaptureFailed => "CaptureFailed",
             Self::InvalidAnnotation => "InvalidAnnotation",
             Self::CaptureRepaired => "CaptureRepaired",
+            Self::CaptureIncomplete => "CaptureIncomplete",
             Self::CaptureReleased => "CaptureReleased",
             Self::TookOverFromIstioCni => "TookOverFromIstioCni",
             Self::HostProbesCaptured => "HostProbesCaptured",
@@ -94,7 +100,7 @@ impl Reason {
             | Self::InvalidAnnotation
             | Self::TookOverFromIstioCni
             | Self::HostProbesCaptured => "Capture",
-            Self::CaptureRepaired => "Verify",
+            Self::CaptureRepaired | Self::CaptureIncomplete => "Verify",
             Self::CaptureReleased => "Release",
             Self::RedirectionReady | Self::RedirectionNotReady => "Report",
         }

@@ -20,8 +20,30 @@ pub fn has_gate(pod: &Pod) -> bool {
         .is_some_and(|g| g.iter().any(|g| g.condition_type == GATE))
 }
 
-/// status, reason, message for a pod state (`None`: not enrolled).
-pub fn condition_for(state: Option<PodState>) -> (&'static str, &'static str, &'static str) {
+/// Whether an enrolled pod's capture has every link it calls for, as the
+/// agent's last repair found it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Capture {
+    #[default]
+    Complete,
+    /// A link could not be attached (another tool holds a hook): part of
+    /// the pod's traffic bypasses ztunnel, whatever its state says.
+    Incomplete,
+}
+
+/// status, reason, message for a pod state (`None`: not enrolled) and its
+/// capture.
+pub fn condition_for(
+    state: Option<PodState>,
+    capture: Capture,
+) -> (&'static str, &'static str, &'static str) {
+    if capture == Capture::Incomplete && state.is_some_and(|s| s != PodState::Draining) {
+        return (
+            "False",
+            "CaptureIncomplete",
+            "captured in part: a link the pod's capture needs cannot be attached, so part of its traffic bypasses ztunnel (`sluice status` names it)",
+        );
+    }
     match state {
         Some(PodState::Served) => (
             "True",
@@ -43,9 +65,15 @@ pub fn condition_for(state: Option<PodState>) -> (&'static str, &'static str, &'
     }
 }
 
-/// The patch for `state` given the pod's current gate condition.
-pub fn patch_body(state: Option<PodState>, current: Option<&PodCondition>, now: &str) -> Value {
-    let (status, reason, message) = condition_for(state);
+/// The patch for `state` and `capture` given the pod's current gate
+/// condition.
+pub fn patch_body(
+    state: Option<PodState>,
+    capture: Capture,
+    current: Option<&PodCondition>,
+    now: &str,
+) -> Value {
+    let (status, reason, message) = condition_for(state, capture);
     let was = current.map(|c| (c.status.as_str(), c.last_transition_time.as_ref()));
     let transition = super::transition_time(was, status, now);
     json!({ "status": { "conditions": [{
@@ -67,20 +95,22 @@ pub fn current(pod: &Pod) -> Option<&PodCondition> {
         .find(|c| c.type_ == GATE)
 }
 
-/// Sets the gate condition of pod `namespace/name` for `state`, if the pod
-/// has the gate. `Ok(false)`: it has none (nothing written).
+/// Sets the gate condition of pod `namespace/name` for `state` and
+/// `capture`, if the pod has the gate. `Ok(false)`: it has none (nothing
+/// written).
 pub async fn write(
     client: kube::Client,
     namespace: &str,
     name: &str,
     state: Option<PodState>,
+    capture: Capture,
 ) -> kube::Result<bool> {
     let api: Api<Pod> = Api::namespaced(client, namespace);
     let pod = api.get(name).await?;
     if !has_gate(&pod) {
         return Ok(false);
     }
-    let body = patch_body(state, current(&pod), &super::now_rfc3339());
+    let body = patch_body(state, capture, current(&pod), &super::now_rfc3339());
     api.patch_status(name, &PatchParams::default(), &Patch::Strategic(body))
         .await?;
     Ok(true)
@@ -139,20 +169,46 @@ mod tests {
             );
             reply(send, 200, &pod(true, None));
         });
-        assert!(write(client, "shop", "cart", Some(PodState::Served))
-            .await
-            .unwrap());
+        assert!(write(
+            client,
+            "shop",
+            "cart",
+            Some(PodState::Served),
+            Capture::Complete
+        )
+        .await
+        .unwrap());
         server.await.unwrap();
     }
 
     #[test]
     fn only_served_is_true() {
         for s in PodState::ALL {
-            let (status, reason, _) = condition_for(Some(s));
+            let (status, reason, _) = condition_for(Some(s), Capture::Complete);
             assert_eq!(status == "True", s == PodState::Served, "{s:?}");
             assert_eq!(reason == "NotServed", s == PodState::Enabled, "{s:?}");
         }
-        assert_eq!(condition_for(None).0, "False");
+        assert_eq!(condition_for(None, Capture::Complete).0, "False");
+    }
+
+    #[test]
+    fn an_incomplete_capture_is_never_true() {
+        for s in PodState::ALL {
+            let (status, reason, _) = condition_for(Some(s), Capture::Incomplete);
+            assert_eq!(status, "False", "{s:?}");
+            // A pod being torn down says so.
+            let want = if s == PodState::Draining {
+                "Draining"
+            } else {
+                "CaptureIncomplete"
+            };
+            assert_eq!(reason, want, "{s:?}");
+        }
+        assert_eq!(
+            condition_for(None, Capture::Incomplete).1,
+            "NotEnrolled",
+            "nothing captured, nothing incomplete"
+        );
     }
 
     #[tokio::test]
@@ -164,9 +220,15 @@ mod tests {
             // The handle drops here: a further request (a PATCH) would fail
             // the call below.
         });
-        assert!(!write(client, "shop", "cart", Some(PodState::Enabled))
-            .await
-            .unwrap());
+        assert!(!write(
+            client,
+            "shop",
+            "cart",
+            Some(PodState::Enabled),
+            Capture::Complete
+        )
+        .await
+        .unwrap());
         server.await.unwrap();
     }
 
@@ -175,7 +237,12 @@ mod tests {
         let was = serde_json::from_value::<PodCondition>(json!({"type": GATE, "status": "False",
             "reason": "NotEnrolled", "lastTransitionTime": "2026-11-22T01:00:00Z"}))
         .unwrap();
-        let b = patch_body(Some(PodState::Pending), Some(&was), "2026-11-22T03:00:00Z");
+        let b = patch_body(
+            Some(PodState::Pending),
+            Capture::Complete,
+            Some(&was),
+            "2026-11-22T03:00:00Z",
+        );
         let c = &b["status"]["conditions"][0];
         assert_eq!(
             (c["status"].as_str(), c["reason"].as_str()),

@@ -18,15 +18,34 @@ impl Node {
         self.announce_wake.notify_one();
     }
 
-    /// The state the map has for the pod named `namespace/name`.
-    pub(super) fn state_by_name(&self, namespace: &str, name: &str) -> Option<PodState> {
+    /// The state the map has for the pod named `namespace/name`, and
+    /// whether its capture is complete (as the last repair found it).
+    pub(super) fn state_by_name(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> (Option<PodState>, crate::kube::gate::Capture) {
         let dp = self.dp.lock().unwrap();
-        dp.maps.states().into_iter().find_map(|(cookie, e)| {
+        let found = dp.maps.states().into_iter().find_map(|(cookie, e)| {
             let m = dp.maps.meta(cookie)?;
             (m.workload.namespace == namespace && m.workload.name == name)
-                .then(|| e.state())
+                .then(|| e.state().map(|s| (s, m.uid)))
                 .flatten()
-        })
+        });
+        match found {
+            Some((state, uid)) => (Some(state), self.capture_of(&uid)),
+            None => (None, Default::default()),
+        }
+    }
+
+    /// Whether the pod of `uid` has every link its capture calls for.
+    pub(super) fn capture_of(&self, uid: &str) -> crate::kube::gate::Capture {
+        use crate::kube::gate::Capture;
+        if self.pods.is_incomplete(uid) {
+            Capture::Incomplete
+        } else {
+            Capture::Complete
+        }
     }
 
     /// Writes queued pods' annotation and readiness-gate condition, one pod
@@ -42,14 +61,17 @@ impl Node {
             for (ns, name) in batch {
                 let this = self.clone();
                 let (n, p) = (ns.clone(), name.clone());
-                let Ok(state) =
+                let Ok((state, capture)) =
                     tokio::task::spawn_blocking(move || this.state_by_name(&n, &p)).await
                 else {
                     continue;
                 };
                 let pod = format!("{ns}/{name}");
-                match tokio::time::timeout(crate::kube::API_TIMEOUT, k.publish(&ns, &name, state))
-                    .await
+                match tokio::time::timeout(
+                    crate::kube::API_TIMEOUT,
+                    k.publish(&ns, &name, state, capture),
+                )
+                .await
                 {
                     Ok(Ok(())) => {}
                     Ok(Err(kube::Error::Api(e))) if e.code == 404 => {}

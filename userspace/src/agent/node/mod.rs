@@ -146,6 +146,7 @@ impl metrics::Source for MapSource {
                 .iter()
                 .map(|r| (r.as_str(), dp.maps.drops(*r)))
                 .collect(),
+            capture_incomplete: node.pods.incomplete().len() as u64,
         }
     }
 }
@@ -354,7 +355,8 @@ impl Node {
                 .unwrap_or_default();
             let span = info_span!("pod", %uid, %pod, cookie);
             let _e = span.enter();
-            match enroll::repair(dp, cookie, at_start) {
+            let outcome = enroll::repair(dp, cookie, at_start);
+            match &outcome {
                 Ok(enroll::Repair::Complete) => {}
                 Ok(enroll::Repair::Repaired {
                     relinked,
@@ -384,6 +386,41 @@ impl Node {
                     self.pods.insert(cookie, meta, ns);
                 }
             }
+            self.note_completeness(dp, cookie, &uid, &pod, outcome.err());
+        }
+    }
+
+    /// After a repair of the pod (`failed`: its error, if it failed):
+    /// whether its capture still lacks links, recorded for `sluice status`
+    /// and, when that changes, told to Kubernetes (its readiness gate, an
+    /// Event). A repair that failed for another reason (the netns being
+    /// torn down, a map error) with every link in place changes nothing.
+    fn note_completeness(
+        &self,
+        dp: &Dataplane,
+        cookie: u64,
+        uid: &str,
+        pod: &str,
+        failed: Option<enroll::EnrollError>,
+    ) {
+        let lacks = failed.and_then(|e| {
+            let missing = enroll::missing_links(dp, cookie).ok()?;
+            (!missing.is_empty()).then(|| (missing, crate::error_line(&e)))
+        });
+        let now = lacks.clone();
+        if !self.pods.set_incomplete(uid, now) {
+            return;
+        }
+        match lacks {
+            Some((missing, reason)) => {
+                warn!(?missing, %reason, "the pod's capture is incomplete and cannot be completed now: part of its traffic bypasses ztunnel; retried at every repair");
+                let note = format!("capture incomplete: {} cannot be attached ({reason}), so part of the pod's traffic bypasses ztunnel; the readiness gate is False until a repair completes it", missing.join(", "));
+                self.pod_event(uid, crate::kube::events::Reason::CaptureIncomplete, &note);
+            }
+            None => info!("the pod's capture is complete again"),
+        }
+        if let Some((namespace, name)) = pod.split_once('/') {
+            self.announce_pod(namespace, name);
         }
     }
 

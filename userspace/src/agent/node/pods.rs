@@ -15,7 +15,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::{control::WaitingPod, netns::Netns, workload::PodIdentity};
+use crate::{
+    control::{IncompletePod, WaitingPod},
+    netns::Netns,
+    workload::PodIdentity,
+};
 
 pub(super) const RETRY_MIN: Duration = Duration::from_millis(500);
 pub(super) const RETRY_MAX: Duration = Duration::from_secs(30);
@@ -75,6 +79,9 @@ pub(super) struct Pod {
     /// whether it serves the pod); `None` until this agent sends an add.
     pub ztunnel: Option<Ztunnel>,
     plan: Plan,
+    /// Links its capture lacks that the last repair could not attach, and
+    /// why (`None`: complete, as far as the last repair saw).
+    incomplete: Option<(Vec<String>, String)>,
 }
 
 /// What the agent means to do with a pod next.
@@ -129,6 +136,7 @@ impl PodTable {
                 sandbox: None,
                 ztunnel: None,
                 plan: Plan::Idle,
+                incomplete: None,
             },
         );
     }
@@ -308,6 +316,48 @@ impl PodTable {
             .collect()
     }
 
+    /// Records the links the pod's capture lacks after a repair (`None`:
+    /// none) and why; whether that changed what the pod lacks (a new
+    /// reason for the same links is no change: nothing to announce).
+    pub(super) fn set_incomplete(&self, uid: &str, now: Option<(Vec<String>, String)>) -> bool {
+        let mut t = self.by_uid.lock().unwrap();
+        let Some(p) = t.get_mut(uid) else {
+            return false;
+        };
+        let changed = p.incomplete.as_ref().map(|(m, _)| m) != now.as_ref().map(|(m, _)| m);
+        p.incomplete = now;
+        changed
+    }
+
+    /// Whether the last repair left the pod's capture incomplete.
+    pub(super) fn is_incomplete(&self, uid: &str) -> bool {
+        self.by_uid
+            .lock()
+            .unwrap()
+            .get(uid)
+            .is_some_and(|p| p.incomplete.is_some())
+    }
+
+    /// Pods whose capture the last repair could not complete.
+    pub(super) fn incomplete(&self) -> Vec<IncompletePod> {
+        let mut out: Vec<IncompletePod> = self
+            .by_uid
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|(uid, p)| {
+                let (missing, reason) = p.incomplete.clone()?;
+                Some(IncompletePod {
+                    uid: uid.clone(),
+                    missing,
+                    reason,
+                })
+            })
+            .collect();
+        out.sort_by(|a, b| a.uid.cmp(&b.uid));
+        out
+    }
+
     /// Pods that wait, with why their last attempt failed.
     pub(super) fn waiting(&self) -> Vec<WaitingPod> {
         let mut out: Vec<WaitingPod> = self
@@ -385,6 +435,22 @@ mod tests {
         }
         assert!(t.waiting().is_empty());
         assert_eq!(t.cookie("u1"), Some(7), "still held until removed");
+    }
+
+    #[test]
+    fn an_incomplete_capture_is_listed_until_a_repair_completes_it() {
+        let t = PodTable::default();
+        t.insert(7, pod("u1"), None);
+        let lacks = || Some((vec!["egress_eth0".to_string()], "hook taken".to_string()));
+        assert!(t.set_incomplete("u1", lacks()), "first seen: a change");
+        assert!(t.is_incomplete("u1"));
+        assert_eq!(t.incomplete()[0].missing, ["egress_eth0"]);
+        let again = Some((vec!["egress_eth0".to_string()], "other words".to_string()));
+        assert!(!t.set_incomplete("u1", again), "same links: no change");
+        assert_eq!(t.incomplete()[0].reason, "other words");
+        assert!(t.set_incomplete("u1", None), "completed: a change");
+        assert!(!t.is_incomplete("u1") && t.incomplete().is_empty());
+        assert!(!t.set_incomplete("gone", lacks()), "a pod not held");
     }
 
     #[test]

@@ -74,20 +74,25 @@ impl Node {
             tokio::task::spawn_blocking(move || this.dp.lock().unwrap().maps.pods()).await?;
         // Annotations and gates that disagree with the map (a lost write,
         // someone else's edit) are written again.
-        let by_name: HashMap<(&str, &str), PodState> = records
+        let by_name: HashMap<(&str, &str), (PodState, &str)> = records
             .iter()
             .filter_map(|r| {
                 let w = r.workload.as_ref()?;
                 let state = r.state.and_then(PodState::from_name)?;
-                Some(((w.namespace.as_str(), w.name.as_str()), state))
+                Some((
+                    (w.namespace.as_str(), w.name.as_str()),
+                    (state, r.uid.as_str()),
+                ))
             })
             .collect();
         for pod in pods {
             let (Some(ns), Some(name)) = (&pod.metadata.namespace, &pod.metadata.name) else {
                 continue;
             };
-            let state = by_name.get(&(ns.as_str(), name.as_str())).copied();
-            if crate::agent::kube::out_of_step(pod, state) {
+            let found = by_name.get(&(ns.as_str(), name.as_str())).copied();
+            let state = found.map(|(s, _)| s);
+            let capture = found.map_or(Default::default(), |(_, uid)| self.capture_of(uid));
+            if crate::agent::kube::out_of_step(pod, state, capture) {
                 self.announce_pod(ns, name);
             }
         }

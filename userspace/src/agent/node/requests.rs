@@ -112,6 +112,7 @@ impl Node {
                     ztunnel_connected: self.hub.is_connected(),
                     ztunnels: self.ztunnels(),
                     waiting: self.waiting(),
+                    incomplete: self.pods.incomplete(),
                     served_check: self.served.mode(),
                     dataplane,
                     probes,
