@@ -541,6 +541,24 @@ fn hook_taken_after_enrollment() -> TestResult {
         why.contains("on eth0") && why.contains("holds a qdisc other than clsact"),
         "the repair's error does not say where and why: {why}"
     );
+    // An upgrade (the filters pointed at another build's programs in
+    // place) leaves both hooks as they are and goes on.
+    let running = || sluice_tests::inspect::filter_programs(&f.topo.pod, "eth0", "ingress");
+    let before = running()?;
+    let mut upgrade = sluice::refilter::Refilter::new(&f.topo.pins.maps(), None);
+    let pod_dir = f.topo.pins.pod(e.cookie);
+    for (record, prog) in [
+        ("egress_eth0", &mut dp.egress),
+        ("ingress_eth0", &mut dp.lo),
+    ] {
+        let switched = upgrade.switch(e.cookie, &pod_dir.join(record), prog)?;
+        ensure!(!switched, "{record} switched over a taken hook");
+    }
+    ensure!(
+        running()? == before,
+        "the filter in the other tool's qdisc changed: {before:?} -> {:?}",
+        running()?
+    );
     let qdiscs = sluice_tests::ns::output(&f.topo.pod, &["tc", "qdisc", "show", "dev", "eth0"])?;
     ensure!(
         qdiscs.contains("qdisc ingress ffff:"),
