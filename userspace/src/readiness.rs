@@ -24,6 +24,8 @@ pub struct PodView {
     pub changed_at_ns: u64,
     /// Waiting because ztunnel refused its last add (a nack).
     pub ztunnel_refused: bool,
+    /// Its capture lacks links the last repair could not attach.
+    pub capture_incomplete: bool,
 }
 
 /// Everything the condition is computed from.
@@ -51,6 +53,10 @@ pub enum Reason {
     /// Captured and acked, but ztunnel does not know the pod's workload.
     /// The node itself captures: the condition stays True with this reason.
     PodsNotServed,
+    /// Captured in part: a link a pod's capture needs cannot be attached
+    /// (another tool holds the hook). That pod's problem, so the condition
+    /// stays True with this reason; the pod's gate is False.
+    PodsCaptureIncomplete,
     /// Written by the agent itself as it stops (SIGTERM).
     AgentStopped,
     /// Written by the watchdog when the agent stops answering.
@@ -71,6 +77,7 @@ impl Reason {
             Reason::PodsPendingEnrollment => "PodsPendingEnrollment",
             Reason::PodsRefusedByZtunnel => "PodsRefusedByZtunnel",
             Reason::PodsNotServed => "PodsNotServed",
+            Reason::PodsCaptureIncomplete => "PodsCaptureIncomplete",
             Reason::AgentStopped => "AgentStopped",
             Reason::AgentNotRunning => "AgentNotRunning",
             Reason::DataplaneIncompatible => "DataplaneIncompatible",
@@ -80,7 +87,7 @@ impl Reason {
 
 impl Reason {
     /// Every reason, for metrics that show each.
-    pub const ALL: [Reason; 10] = [
+    pub const ALL: [Reason; 11] = [
         Reason::Ready,
         Reason::ProgramsNotLoaded,
         Reason::CniPluginMissing,
@@ -88,6 +95,7 @@ impl Reason {
         Reason::PodsPendingEnrollment,
         Reason::PodsRefusedByZtunnel,
         Reason::PodsNotServed,
+        Reason::PodsCaptureIncomplete,
         Reason::AgentStopped,
         Reason::AgentNotRunning,
         Reason::DataplaneIncompatible,
@@ -231,6 +239,28 @@ pub fn compute(i: &Inputs) -> Condition {
     // continuous NodeReadinessRule, the agent stays Ready: one pod ztunnel
     // refuses, or an istiod outage, must not take nodes out), and the
     // message says which pods wait.
+    // No grace: a repair found it, and it is a leak, not a wait.
+    let mut incomplete: Vec<&PodView> = i.pods.iter().filter(|p| p.capture_incomplete).collect();
+    if !incomplete.is_empty() {
+        incomplete.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+        let mut names: Vec<&str> = incomplete
+            .iter()
+            .take(NAMED)
+            .map(|p| p.name.as_str())
+            .collect();
+        if incomplete.len() > NAMED {
+            names.push("…");
+        }
+        return Condition {
+            ready: true,
+            reason: Reason::PodsCaptureIncomplete,
+            message: format!(
+                "{} of {total} ambient pods captured in part (a link their capture needs cannot be attached; part of their traffic bypasses ztunnel): {}",
+                incomplete.len(),
+                names.join(", ")
+            ),
+        };
+    }
     let refused = late(|p| waits(p) && p.ztunnel_refused);
     if !refused.is_empty() {
         return Condition {
@@ -276,6 +306,7 @@ mod tests {
             state: Some(state),
             changed_at_ns: changed_s * S,
             ztunnel_refused: false,
+            capture_incomplete: false,
         }
     }
 
@@ -308,6 +339,17 @@ mod tests {
         i.pods.push(refused("ns/r", 50));
         assert_eq!(compute(&i).reason, Reason::PodsRefusedByZtunnel);
         assert!(compute(&i).ready);
+        i.pods.push(PodView {
+            capture_incomplete: true,
+            ..pod("ns/half", PodState::Served, 99)
+        });
+        let c = compute(&i);
+        assert_eq!((c.ready, c.reason), (true, Reason::PodsCaptureIncomplete));
+        assert!(
+            c.message.ends_with("bypasses ztunnel): ns/half"),
+            "{}",
+            c.message
+        );
         i.pods.push(pod("ns/b", PodState::Pending, 50));
         assert_eq!(compute(&i).reason, Reason::PodsPendingEnrollment);
         i.ztunnel_connected = false;

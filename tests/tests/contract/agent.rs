@@ -1016,6 +1016,14 @@ fn incomplete_capture() -> TestResult {
         missing == ["egress_eth0", "ingress_eth0"],
         "lacks {missing:?}, want egress_eth0 and ingress_eth0"
     );
+    // The node captures: its condition stays True and names the pod.
+    wait::until("the node condition naming the pod", wait::DEADLINE, || {
+        let n = agent.node_status().map_err(|e| e.to_string())?;
+        let c = &n["condition"];
+        (c["ready"] == true && c["reason"] == "PodsCaptureIncomplete")
+            .then_some(())
+            .ok_or(c.to_string())
+    })?;
     let text = agent.sluice(&["status"])?.stdout;
     ensure!(
         text.contains(&format!(

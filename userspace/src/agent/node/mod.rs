@@ -290,7 +290,8 @@ impl super::report::Inputs for Node {
                         .unwrap_or_else(|| format!("netns:{cookie}")),
                     state: e.state(),
                     changed_at_ns: e.changed_at_ns,
-                    ztunnel_refused: meta.is_some_and(|m| refused.contains(&m.uid)),
+                    ztunnel_refused: meta.as_ref().is_some_and(|m| refused.contains(&m.uid)),
+                    capture_incomplete: meta.is_some_and(|m| self.pods.is_incomplete(&m.uid)),
                 }
             })
             .collect();
