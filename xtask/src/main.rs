@@ -244,7 +244,7 @@ fn build_test_bins() -> Result<PathBuf> {
 /// What `cargo xtask test` runs on the oldest supported kernel: the
 /// behaviour contract's IPv4 rows, on the real cls_bpf and address-keyed
 /// paths (about 3 minutes emulated; the whole suite takes 15 per kernel,
-/// see README's Testing on older kernels).
+/// see docs/TESTING.md, Testing on older kernels).
 const VM_SUBSET: &str = "contract::ipv4::";
 
 fn test(extra: &[String], repeat: u32, cpu_hog: bool) -> Result<()> {

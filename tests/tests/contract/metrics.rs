@@ -1,7 +1,7 @@
 //! The metrics an operator reads are the ones the agent exports: every
 //! metric family a running agent serves on /metrics is documented in the
-//! README's metric tables and every documented one is served, and every
-//! metric the Grafana dashboard (deploy/grafana) queries exists. A CNI
+//! metric tables of docs/OPERATIONS.md and every documented one is served,
+//! and every metric the Grafana dashboard (deploy/grafana) queries exists. A CNI
 //! request through the agent shows in the CNI counters and latency
 //! histogram.
 
@@ -187,8 +187,11 @@ fn names_match() -> TestResult {
             .any(|l| l.starts_with("sluice_build_info{") && l.contains("version=")),
         "no build info:\n{body}"
     );
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))?;
-    let documented: BTreeSet<String> = readme
+    let docs = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../docs/OPERATIONS.md"
+    ))?;
+    let documented: BTreeSet<String> = docs
         .lines()
         .filter(|l| {
             // A metric table row: name, then its type.
@@ -200,11 +203,13 @@ fn names_match() -> TestResult {
         .flat_map(families)
         .collect();
     // Every reason the programs count drops for is exported (zero or not)
-    // and named in the README's row for it.
-    let drops_row = readme
+    // and named in the docs' row for it.
+    let drops_row = docs
         .lines()
         .find(|l| l.starts_with("| `sluice_dropped_packets_total{reason}`"))
-        .ok_or_else(|| anyhow::anyhow!("no README row for sluice_dropped_packets_total"))?;
+        .ok_or_else(|| {
+            anyhow::anyhow!("no docs/OPERATIONS.md row for sluice_dropped_packets_total")
+        })?;
     for reason in sluice_common::DropReason::ALL.map(|r| r.as_str()) {
         ensure!(
             body.lines().any(|l| l.starts_with(&format!(
@@ -214,14 +219,14 @@ fn names_match() -> TestResult {
         );
         ensure!(
             drops_row.contains(&format!("`{reason}`")),
-            "drop reason {reason} not in the README's row: {drops_row}"
+            "drop reason {reason} not in docs/OPERATIONS.md's row: {drops_row}"
         );
     }
     let undocumented: Vec<_> = exported.difference(&documented).collect();
     let missing: Vec<_> = documented.difference(&exported).collect();
     ensure!(
         undocumented.is_empty() && missing.is_empty(),
-        "exported but not in README's metric tables: {undocumented:?}; in README but not exported: {missing:?}"
+        "exported but not in docs/OPERATIONS.md's metric tables: {undocumented:?}; documented there but not exported: {missing:?}"
     );
     let dashboard = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),

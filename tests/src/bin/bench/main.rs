@@ -1,7 +1,7 @@
 //! `cargo xtask bench`: sluice vs a replica of istio-cni's in-pod iptables
 //! capture vs no capture, side by side in one run. Writes
-//! `target/bench/results.json` (flat numbers, keys documented in the README's
-//! Performance section) and prints a markdown table.
+//! `target/bench/results.json` (flat numbers, keys documented in
+//! docs/PERFORMANCE.md) and prints a markdown table.
 //!
 //! Scenarios (`SLUICE_BENCH=cpu,latency,…` selects some, default all):
 //! `cpu` (added CPU per captured connection, BPF run time per program),
@@ -30,8 +30,9 @@ use rand::{rngs::StdRng, SeedableRng};
 use sluice::{enroll, loader::Dataplane, uid::PodUid, workload::Workload};
 use sluice_tests::{harness::is_root, topology::Topology};
 
-/// How many of everything a run does. [`Config::full`] is what the README's
-/// figures come from; [`Config::smoke`] only checks that the bench works.
+/// How many of everything a run does. [`Config::full`] is what the figures in
+/// docs/PERFORMANCE.md come from; [`Config::smoke`] only checks that the bench
+/// works.
 #[derive(Debug, Clone)]
 pub struct Config {
     pub smoke: bool,
