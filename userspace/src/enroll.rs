@@ -14,6 +14,7 @@ use sluice_common::{ListenerKey, PodState, Role, NETNS_PATH_LEN};
 use crate::{
     fault::crash_point,
     hostside::{self, HostPeer},
+    lifecycle::Event,
     loader::{Dataplane, Pins},
     netns::{addresses, interfaces, Netns, NetnsError},
     options::PodOptions,
@@ -315,8 +316,7 @@ fn attach(
     options: &PodOptions,
 ) -> Result<Vec<String>, EnrollError> {
     let cookie = view.cookie;
-    dp.maps
-        .insert_pod(cookie, uid, path, workload, boottime_ns())?;
+    dp.maps.attach(cookie, uid, path, workload, boottime_ns())?;
     // Before any link: a pod that bypasses inbound capture never has its
     // inbound captured. (Killed right here, the pod is enrolled without its
     // options: captured fully, the fail-closed side.)
@@ -730,15 +730,11 @@ pub fn register_keeping(
         .into_iter()
         .filter(|r| registered.iter().any(|k| k.role == *r as u8))
         .collect();
-    let state = match maps.entry(cookie).and_then(|e| e.state()) {
-        _ if roles.len() != Role::ALL.len() => PodState::Pending,
-        // Re-acked (a ztunnel upgrade, or an agent restart): ztunnel starts
-        // serving pods only after its first xDS sync, so the pod stays Served
-        // (and the gate True) until the served check says otherwise.
-        Some(PodState::Served) => PodState::Served,
-        _ => PodState::Enabled,
-    };
-    maps.set_state(cookie, state, boottime_ns())?;
+    let complete = roles.len() == Role::ALL.len();
+    let state = maps
+        .apply(cookie, Event::Registered { complete }, boottime_ns())?
+        // Never `None`: the machine keeps the entry of a registered pod.
+        .unwrap_or(PodState::Pending);
     Ok((
         Enrolled {
             cookie,
@@ -800,13 +796,11 @@ fn teardown(
     // Fail closed while links go away one by one; `Draining` is final: a
     // teardown cut short is finished by the next agent (`repair`).
     // (Debris without a readable state has nothing to fail closed.)
-    if maps.entry(cookie).and_then(|e| e.state()).is_some() {
-        maps.set_state(cookie, PodState::Draining, boottime_ns())?;
-    }
+    maps.apply(cookie, Event::Drain, boottime_ns())?;
     crash_point("unenroll:draining");
     remove_pod_side(pins, netns, node, cookie)?;
     crash_point("unenroll:routes");
-    maps.remove_pod(cookie)?;
+    maps.apply(cookie, Event::TornDown, 0)?;
     Ok(())
 }
 
@@ -981,9 +975,7 @@ pub const UNINSTALL_DRAIN: std::time::Duration = std::time::Duration::from_milli
 /// outside fail closed) and its sk_lookup link gone (nothing new reaches
 /// ztunnel). Its tc programs stay.
 fn quiesce(pins: &Pins, maps: &mut Maps, cookie: u64) -> Result<(), EnrollError> {
-    if maps.entry(cookie).and_then(|e| e.state()).is_some() {
-        maps.set_state(cookie, PodState::Draining, boottime_ns())?;
-    }
+    maps.apply(cookie, Event::Drain, boottime_ns())?;
     let steer = pins.pod(cookie).join(LinkSpec::Steer.pin_name());
     if let Ok(link) = PinnedLink::from_pin(&steer) {
         drop(link.unpin());

@@ -15,7 +15,7 @@ use sluice_common::{
 };
 
 use crate::{
-    lifecycle::{self, IllegalTransition, Observer, Transition},
+    lifecycle::{self, Applied, Event, IllegalTransition, Observer},
     options::{DnsChoice, PodOptions},
     uid::PodUid,
     workload::Workload,
@@ -199,7 +199,7 @@ impl Maps {
         self
     }
 
-    /// Reports every later state change to `o`.
+    /// Reports every later event the map takes to `o`.
     pub fn observe(&mut self, o: Observer) {
         self.observer = Some(o);
     }
@@ -234,9 +234,10 @@ impl Maps {
         })
     }
 
-    /// Records a new pod as `Pending`: identity first, then state (the
-    /// programs read only the state, so the pod is never half-visible).
-    pub fn insert_pod(
+    /// Records a new pod ([`Event::Attach`]: `Pending`): identity first, then
+    /// state (the programs read only the state, so the pod is never
+    /// half-visible).
+    pub fn attach(
         &mut self,
         cookie: u64,
         uid: &PodUid,
@@ -257,64 +258,61 @@ impl Maps {
         fill(&mut meta.name, &workload.name);
         fill(&mut meta.namespace, &workload.namespace);
         fill(&mut meta.service_account, &workload.service_account);
-        self.change(cookie, Some(PodState::Pending), now_ns, Some(meta))
+        self.change(cookie, Event::Attach, now_ns, Some(meta))
+            .map(drop)
     }
 
-    /// Moves an enrolled pod to `state` (a no-op when it is there already).
-    pub fn set_state(
+    /// Tells the pod's row that `event` happened: the state machine
+    /// ([`lifecycle::decide`]) picks its next state, which is written here
+    /// (nothing when it stays). Returns the state the pod is in now.
+    /// [`Event::TornDown`] removes every entry of the pod from every map
+    /// (missing ones are fine).
+    pub fn apply(
         &mut self,
         cookie: u64,
-        state: PodState,
+        event: Event,
         now_ns: u64,
-    ) -> Result<(), StateError> {
-        self.change(cookie, Some(state), now_ns, None)
+    ) -> Result<Option<PodState>, StateError> {
+        self.change(cookie, event, now_ns, None)
     }
 
-    /// Moves the pod from `from` to `to` only if it is in `from` now (a
-    /// decision made on an earlier read must not undo a change made since).
-    /// `Ok(false)`: it was not in `from`; nothing written.
-    pub fn set_state_if(
-        &mut self,
-        cookie: u64,
-        from: PodState,
-        to: PodState,
-        now_ns: u64,
-    ) -> Result<bool, StateError> {
-        if self.entry(cookie).and_then(|e| e.state()) != Some(from) {
-            return Ok(false);
-        }
-        self.change(cookie, Some(to), now_ns, None).map(|()| true)
-    }
-
-    /// Removes every entry of a pod from every map: the end of a teardown
-    /// (`Draining`), or debris. Missing entries are fine.
-    pub fn remove_pod(&mut self, cookie: u64) -> Result<(), StateError> {
-        self.change(cookie, None, 0, None)
-    }
-
-    /// The one place a pod's state is written: checks the change against
-    /// the state machine ([`lifecycle::allowed`]), writes it, and tells the
-    /// observer. `meta` (new pods only) is written before the state.
+    /// The one place a pod's state is written: asks the state machine,
+    /// writes what it decided, and tells the observer. `meta` (new pods
+    /// only) is written before the state.
     fn change(
         &mut self,
         cookie: u64,
-        to: Option<PodState>,
+        event: Event,
         now_ns: u64,
         meta: Option<PodMeta>,
-    ) -> Result<(), StateError> {
+    ) -> Result<Option<PodState>, StateError> {
         let before = self.pod_state.get(&cookie, 0).ok();
         let from = before.and_then(|e| e.state());
-        // A new pod needs no entry yet; an entry this build cannot read may
+        let illegal = |illegal| IllegalTransition { cookie, illegal };
+        // A new pod has no entry yet; an entry this build cannot read may
         // only be removed.
-        let new_pod = meta.is_some();
-        let legal = lifecycle::allowed(from, to)
-            && new_pod == before.is_none()
-            && (before.is_none() || from.is_some() || to.is_none());
-        if !legal {
-            return Err(IllegalTransition { cookie, from, to }.into());
+        let unreadable = before.is_some() && from.is_none();
+        let fits = match event {
+            Event::Attach => before.is_none() && meta.is_some(),
+            Event::TornDown | Event::Drain => meta.is_none(),
+            _ => !unreadable && meta.is_none(),
+        };
+        if !fits {
+            return Err(illegal(lifecycle::Illegal {
+                from,
+                event: event.name(),
+            })
+            .into());
+        }
+        let to = lifecycle::decide(from, &event).map_err(illegal)?;
+        if before.is_none() && to.is_none() {
+            // Debris in the other maps goes all the same.
+            self.remove_entries(cookie);
+            return Ok(None);
         }
         if before.is_some() && from == to {
-            return Ok(());
+            self.tell(cookie, event, from, to);
+            return Ok(to);
         }
         if let Some(m) = meta {
             self.pod_meta
@@ -345,15 +343,29 @@ impl Maps {
             }
             None => self.remove_entries(cookie),
         }
-        if let (Some(o), true) = (&self.observer, before.is_some() || to.is_some()) {
-            o(&Transition {
+        if let Some(o) = &self.observer {
+            o(&Applied {
                 cookie,
                 pod,
+                event,
                 from,
                 to,
             });
         }
-        Ok(())
+        Ok(to)
+    }
+
+    /// Tells the observer of an event that left the state as it was.
+    fn tell(&self, cookie: u64, event: Event, from: Option<PodState>, to: Option<PodState>) {
+        if let Some(o) = &self.observer {
+            o(&Applied {
+                cookie,
+                pod: self.meta(cookie),
+                event,
+                from,
+                to,
+            });
+        }
     }
 
     /// Makes the pod's addresses known to the ingress programs. An address

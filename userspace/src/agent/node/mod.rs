@@ -32,7 +32,7 @@ use crate::{
     control::{NodeStatus, Request, Response, WaitingPod, ZtunnelView},
     enroll::{self, EnrollError},
     kube::reconcile::{plan, Action, Enrolled},
-    lifecycle::Transition,
+    lifecycle::{Applied, Effect, Event, Incomplete},
     loader::Dataplane,
     metrics::{self, CniCommand, CniResult, Failure, Metrics, ReconcileError},
     netns::Netns,
@@ -57,7 +57,7 @@ mod supervise;
 mod uninstall;
 mod zds;
 
-use pods::Cause;
+use crate::lifecycle::Cause;
 
 pub use uninstall::Uninstall;
 
@@ -164,9 +164,9 @@ impl Node {
         let mut dp = dp;
         Arc::new_cyclic(|me: &Weak<Self>| {
             let node = me.clone();
-            dp.maps.observe(Arc::new(move |t: &Transition| {
+            dp.maps.observe(Arc::new(move |a: &Applied| {
                 if let Some(n) = node.upgrade() {
-                    n.on_transition(t);
+                    n.on_applied(a);
                 }
             }));
             Self::with(me, dp, hub, kube, condition_type, served, orphan_grace)
@@ -227,25 +227,39 @@ impl Node {
         events.pod(crate::kube::events::PodRef::new(&w, uid), reason, note);
     }
 
-    /// Every change of a pod's state, as the map was just written (see
-    /// `lifecycle`): counted, logged, and queued for the pod's annotation
-    /// and readiness gate. Runs under the dataplane lock: it only queues.
-    fn on_transition(&self, t: &Transition) {
-        let (from, to) = (t.from.map(PodState::as_str), t.to.map(PodState::as_str));
-        self.metrics().transition(from, to);
-        let uid = t.pod.as_ref().map(|p| p.uid.as_str()).unwrap_or("");
-        info!(
-            %uid,
-            cookie = t.cookie,
-            from = from.unwrap_or("none"),
-            to = to.unwrap_or("none"),
-            "pod state"
-        );
-        if let Some(p) = &t.pod {
-            self.announce_pod(&p.workload.namespace, &p.workload.name);
-        }
-        if t.to == Some(PodState::Enabled) {
-            self.served.wake();
+    /// Every event the pinned map took, as it was just written (see
+    /// `lifecycle`): the pod's track follows, and the step's effects run.
+    /// Runs under the dataplane lock: it only queues.
+    fn on_applied(&self, a: &Applied) {
+        for effect in self.pods.follow(a) {
+            match effect {
+                Effect::Announce => {
+                    let (from, to) = (a.from.map(PodState::as_str), a.to.map(PodState::as_str));
+                    self.metrics().transition(from, to);
+                    let uid = a.pod.as_ref().map(|p| p.uid.as_str()).unwrap_or("");
+                    info!(
+                        %uid,
+                        cookie = a.cookie,
+                        event = a.event.name(),
+                        from = from.unwrap_or("none"),
+                        to = to.unwrap_or("none"),
+                        "pod state"
+                    );
+                    if let Some(p) = &a.pod {
+                        self.announce_pod(&p.workload.namespace, &p.workload.name);
+                    }
+                }
+                Effect::CheckServed => self.served.wake(),
+                Effect::RecheckServed => self.served.recheck_soon(),
+                Effect::Forget => {
+                    if let Some(p) = &a.pod {
+                        self.custody.forget(&p.uid);
+                        self.pods.remove(&p.uid);
+                    }
+                }
+                // Effects of track-only events: their callers run them.
+                Effect::SendAdd | Effect::ReportCompleteness => {}
+            }
         }
     }
 
@@ -373,8 +387,6 @@ impl Node {
                     self.metrics().capture_repaired();
                 }
                 Ok(enroll::Repair::TornDown) => {
-                    self.custody.forget(&uid);
-                    self.pods.remove(&uid);
                     info!("finished an interrupted teardown");
                     return;
                 }
@@ -406,14 +418,17 @@ impl Node {
     ) {
         let lacks = failed.and_then(|e| {
             let missing = enroll::missing_links(dp, cookie).ok()?;
-            (!missing.is_empty()).then(|| (missing, crate::error_line(&e)))
+            (!missing.is_empty()).then(|| Incomplete {
+                missing,
+                reason: crate::error_line(&e),
+            })
         });
-        let now = lacks.clone();
-        if !self.pods.set_incomplete(uid, now) {
+        let effects = self.pods.apply(uid, Event::Checked(lacks.clone()));
+        if !effects.contains(&Effect::ReportCompleteness) {
             return;
         }
         match lacks {
-            Some((missing, reason)) => {
+            Some(Incomplete { missing, reason }) => {
                 warn!(?missing, %reason, "the pod's capture is incomplete and cannot be completed now: part of its traffic bypasses ztunnel; retried at every repair");
                 let note = format!("capture incomplete: {} cannot be attached ({reason}), so part of the pod's traffic bypasses ztunnel; the readiness gate is False until a repair completes it", missing.join(", "));
                 self.pod_event(uid, crate::kube::events::Reason::CaptureIncomplete, &note);

@@ -319,7 +319,8 @@ impl Node {
             if same {
                 // A retried ADD (or the first one an agent restarted since
                 // sees): this container made the enrolled sandbox.
-                self.pods.set_sandbox(uid.as_str(), container_id);
+                self.pods
+                    .apply(uid.as_str(), Event::SandboxOwned(container_id.to_owned()));
                 return Ok(self.enrolled(&uid, cookie));
             }
             info!(%uid, "new sandbox for an enrolled pod: replacing its capture");
@@ -327,7 +328,8 @@ impl Node {
         }
         let out = self.enroll(netns, uid.as_str(), workload, options).await?;
         // Only this sandbox's runtime may tear it down again (CNI DEL).
-        self.pods.set_sandbox(uid.as_str(), container_id);
+        self.pods
+            .apply(uid.as_str(), Event::SandboxOwned(container_id.to_owned()));
         Ok(out)
     }
 
@@ -367,7 +369,7 @@ impl Node {
                 }
                 // Its first add goes out below: the supervision pass must
                 // not send another.
-                this.pods.attempting(u.as_str());
+                this.pods.apply(u.as_str(), Event::AddSent);
                 (a.cookie, a.netns, a.host_hooks_held)
             };
             // istio-cni's rules, if any, go without the dataplane held: the
@@ -378,8 +380,8 @@ impl Node {
                 Ok(took_over) => Ok((cookie, took_over, held)),
                 Err(e) => {
                     let mut dp = this.dp.lock().unwrap();
+                    // Its teardown's last step drops the pod's row too.
                     enroll::back_out(&mut dp, &netns, cookie);
-                    this.pods.remove(u.as_str());
                     Err(e)
                 }
             }
@@ -412,7 +414,12 @@ impl Node {
         info!(cookie, "capture attached (Pending)");
         let note = match self.hub.newest() {
             None => {
-                self.pods.waits_again(uid.as_str(), "no ztunnel connected");
+                self.pods.apply(
+                    uid.as_str(),
+                    Event::Wait {
+                        why: "no ztunnel connected".into(),
+                    },
+                );
                 self.pod_event(
                     uid.as_str(),
                     crate::kube::events::Reason::ZtunnelNotConnected,
@@ -442,7 +449,7 @@ impl Node {
         let uid = PodUid::new(uid)?;
         self.cookie_of(&uid)
             .ok_or_else(|| EnrollError::UnknownPod(uid.clone()))?;
-        self.pods.leaving(uid.as_str());
+        self.pods.apply(uid.as_str(), Event::UnenrollRequested);
         // Every live ztunnel (two during an upgrade) lets go of the pod.
         for conn in self.hub.all() {
             match conn.request(WorkloadRequest::del(uid.as_str()), None).await {
@@ -474,8 +481,8 @@ impl Node {
             Ok(())
         })
         .await??;
+        // The row went with the teardown's last step (`Effect::Forget`).
         self.metrics().torn_down(started.elapsed());
-        self.pods.remove(uid.as_str());
         info!("unenrolled");
         Ok(())
     }

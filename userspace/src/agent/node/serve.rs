@@ -257,7 +257,7 @@ impl Node {
     /// its Served ones) and moves them. Blocking. Returns whether some pod
     /// still waits to be served.
     pub(super) fn served_pass(&self, recheck: bool) -> bool {
-        let mut by_ztunnel: BTreeMap<pods::Ztunnel, Vec<Candidate>> = BTreeMap::new();
+        let mut by_ztunnel: BTreeMap<crate::lifecycle::Ztunnel, Vec<Candidate>> = BTreeMap::new();
         {
             let dp = self.dp.lock().unwrap();
             let mut addrs = dp.maps.addrs_by_pod();
@@ -270,7 +270,7 @@ impl Node {
                 }
                 // Not acked since this agent started (adopted): its
                 // ztunnel's snapshot add decides.
-                let Some(ztunnel) = p.ztunnel else {
+                let Some(ztunnel) = p.track.ztunnel else {
                     continue;
                 };
                 let ips = addrs
@@ -320,9 +320,9 @@ impl Node {
                 };
                 let span = info_span!("pod", uid = %c.uid, pod = %self.pod_name(&c.uid), cookie = c.cookie);
                 let _e = span.enter();
-                let to = match (c.state, served) {
-                    (PodState::Enabled, true) => PodState::Served,
-                    (PodState::Served, false) => PodState::Enabled,
+                let event = match (c.state, served) {
+                    (PodState::Enabled, true) => Event::ServedFound,
+                    (PodState::Served, false) => Event::WorkloadLost,
                     (PodState::Enabled, false) => {
                         waiting = true;
                         continue;
@@ -330,8 +330,12 @@ impl Node {
                     _ => continue,
                 };
                 let entry = dp.maps.entry(c.cookie);
-                match dp.maps.set_state_if(c.cookie, c.state, to, boottime_ns()) {
-                    Ok(true) if to == PodState::Served => {
+                // The machine leaves a pod that changed since it was read as
+                // it is: the answer was about the pod as it was.
+                let now = dp.maps.apply(c.cookie, event, boottime_ns());
+                let changed = now.map(|s| s != entry.and_then(|e| e.state()));
+                match changed {
+                    Ok(true) if c.state == PodState::Enabled => {
                         if let Some(e) = entry {
                             // Since it turned Enabled (acked): the wait for xDS.
                             let waited = boottime_ns().saturating_sub(e.changed_at_ns);

@@ -39,7 +39,13 @@ impl Node {
 
     /// Schedules a retry with exponential backoff.
     pub(super) fn fail(&self, uid: &str, cause: Cause, why: &str) {
-        self.pods.failed(uid, cause, why);
+        self.pods.apply(
+            uid,
+            Event::AddFailed {
+                cause,
+                why: why.to_owned(),
+            },
+        );
     }
 
     /// Keeps the map's states true: Enabled pods whose listeners are gone
@@ -112,12 +118,14 @@ impl Node {
             match state {
                 Some(PodState::Enabled | PodState::Served) if !complete.contains(&cookie) => {
                     warn!(uid = %meta.uid, "ztunnel's listeners are gone (ztunnel restarting?): Pending, failing closed");
-                    let _ = dp.maps.set_state(cookie, PodState::Pending, boottime_ns());
-                    self.pods
-                        .waits_again(&meta.uid, "ztunnel's listeners are gone");
+                    let _ = dp.maps.apply(cookie, Event::ListenersGone, boottime_ns());
                 }
                 Some(PodState::Pending)
-                    if connected && self.pods.take_due(&meta.uid, Instant::now()) =>
+                    if connected
+                        && self
+                            .pods
+                            .apply(&meta.uid, Event::RetryDue(Instant::now()))
+                            .contains(&Effect::SendAdd) =>
                 {
                     due.push((cookie, meta.uid, meta.workload));
                 }

@@ -2,7 +2,7 @@
 //! listeners of the ztunnel that acked; the server's `Handler`.
 
 use super::*;
-use crate::kube::events::Reason;
+use crate::{kube::events::Reason, lifecycle::Ztunnel};
 
 impl Node {
     /// ZDS add on `conn`, then listener registration. Errors explain why the
@@ -33,10 +33,9 @@ impl Node {
             Ok(Answer::Ack) => {
                 self.metrics().zds_answer(true);
                 // Before the pod can turn Enabled: the served check asks this one.
-                self.pods.acked_by(uid, pid);
+                self.pods.apply(uid, Event::Acked(Ztunnel::new(pid)));
                 match self.register(uid, cookie, pid).await {
                     Ok(()) => {
-                        self.pods.taken(uid);
                         // Listeners of an older ztunnel that were kept only
                         // until this one's replaced them.
                         self.release_orphans(Some(uid));
@@ -102,9 +101,9 @@ impl Node {
             .map_err(|e| e.to_string())?;
             match got {
                 Ok(s) if s.steers() => {
+                    // Whether that ztunnel can serve the pod is asked at once
+                    // (the step's effect).
                     info!(%uid, pid = pid.unwrap_or(0), state = s.as_str(), "ztunnel acked; listeners registered");
-                    // Whether that ztunnel can serve the pod: asked at once.
-                    self.served.recheck_soon();
                     return Ok(());
                 }
                 Ok(_) if start.elapsed() < LISTENER_WAIT => {
@@ -137,7 +136,7 @@ impl Handler for Node {
                 Ok(ns) => {
                     // The snapshot's add is this pod's attempt now; a new
                     // ztunnel starts the backoff afresh.
-                    self.pods.attempting(&uid);
+                    self.pods.apply(&uid, Event::AddSent);
                     out.push(SnapshotEntry::Add {
                         uid,
                         workload: p.identity.workload,
