@@ -57,6 +57,7 @@ pub const FAMILY_V6: u8 = 10;
 /// ztunnel).
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(serde::Serialize, serde::Deserialize))]
 pub enum PodState {
     /// Capture attached, ztunnel has not (yet) given us its listeners.
     Pending = 1,

@@ -2,6 +2,7 @@
 //! for ztunnel. Both are real processes (the peer must be one: ztunnel's
 //! sockets close when its process dies, and the agent finds them by pid).
 
+use crate::child::Bounded as _;
 use std::{
     io::{BufRead, BufReader},
     path::{Path, PathBuf},
@@ -234,7 +235,7 @@ impl AgentProc {
             .arg("--control-socket")
             .arg(&self.control)
             .args(args)
-            .output()?;
+            .output_bounded()?;
         Ok(Out {
             ok: out.status.success(),
             stdout: String::from_utf8_lossy(&out.stdout).into_owned(),

@@ -7,6 +7,7 @@
 //! and removed through the CRI API, as kubelet does, and their sandbox image
 //! is built here from Debian's static `catatonit` (no registry).
 
+use crate::child::Bounded as _;
 use std::{
     fs,
     os::{fd::AsRawFd as _, unix::process::CommandExt as _},
@@ -253,7 +254,7 @@ required_plugins = ["io.containerd.grpc.v1.cri"]
             .args(["-n", "k8s.io", "images", "import", "--snapshotter"])
             .arg(self.snapshotter())
             .arg(&tar)
-            .output()?;
+            .output_bounded()?;
         ensure!(
             out.status.success(),
             "ctr images import: {}",

@@ -250,7 +250,7 @@ impl Fixture {
             &format!("pod {} to be {want}", self.uid),
             wait::DEADLINE,
             || match self.pod_record_in(pins).map(|r| r.state) {
-                Ok(Some(s)) if s == want => Ok(()),
+                Ok(Some(s)) if s.as_str() == want => Ok(()),
                 other => Err(format!("{other:?}")),
             },
         )

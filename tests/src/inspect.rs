@@ -1,6 +1,7 @@
 //! Reading state from outside, as an operator would: the programs pinned
 //! under a bpf root (id and tag), and a process's `/proc/<pid>/status`.
 
+use crate::child::Bounded as _;
 use std::collections::BTreeMap;
 
 use anyhow::Context as _;
@@ -47,7 +48,7 @@ pub fn filter_programs(ns: &str, iface: &str, dir: &str) -> anyhow::Result<Vec<(
         .args([
             "netns", "exec", ns, "tc", "-j", "filter", "show", "dev", iface, dir,
         ])
-        .output()
+        .output_bounded()
         .context("running tc")?;
     anyhow::ensure!(
         out.status.success(),

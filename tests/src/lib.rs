@@ -6,6 +6,7 @@
 pub mod admin;
 pub mod agent;
 pub mod app;
+pub mod child;
 pub mod cni;
 pub mod containerd;
 pub mod dns;

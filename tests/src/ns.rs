@@ -1,5 +1,6 @@
 //! Running code inside a network namespace on a dedicated thread.
 
+use crate::child::Bounded as _;
 use std::{
     fs::File,
     os::fd::{AsFd, OwnedFd},
@@ -77,7 +78,7 @@ pub fn output(ns: &str, cmd: &[&str]) -> anyhow::Result<String> {
     let out = std::process::Command::new("ip")
         .args(["netns", "exec", ns])
         .args(cmd)
-        .output()?;
+        .output_bounded()?;
     anyhow::ensure!(
         out.status.success(),
         "{} (in {ns}): {}",

@@ -2,6 +2,7 @@
 //! IPv4 and IPv6 addresses, plus a bpffs root of the test's own. Everything is
 //! removed on drop, also when the test panics.
 
+use crate::child::Bounded as _;
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::PathBuf,
@@ -81,7 +82,7 @@ static SEQ: AtomicU32 = AtomicU32::new(0);
 pub fn has_redirect_rule(ns: &str) -> anyhow::Result<bool> {
     let out = Command::new("ip")
         .args(["-n", ns, "rule", "show"])
-        .output()?;
+        .output_bounded()?;
     anyhow::ensure!(out.status.success(), "ip rule show failed");
     let text = String::from_utf8_lossy(&out.stdout);
     Ok(text
@@ -90,7 +91,7 @@ pub fn has_redirect_rule(ns: &str) -> anyhow::Result<bool> {
 }
 
 pub fn ip(args: &[&str]) -> anyhow::Result<()> {
-    let out = Command::new("ip").args(args).output()?;
+    let out = Command::new("ip").args(args).output_bounded()?;
     anyhow::ensure!(
         out.status.success(),
         "ip {}: {}",

@@ -8,7 +8,7 @@
 use std::fmt::Write as _;
 
 use serde::Serialize;
-use sluice_common::Role;
+use sluice_common::{PodState, Role};
 
 use crate::{
     control::{NodeStatus, SkippedPod},
@@ -79,7 +79,7 @@ pub fn explain<'a>(
         agent?
             .incomplete
             .iter()
-            .find(|i| i.uid == p.uid && p.state != Some("Draining"))
+            .find(|i| i.uid == p.uid && p.state != Some(PodState::Draining))
     });
     let verdict = match (pod, skipped, incomplete) {
         (Some(_), _, Some(i)) => Verdict::CaptureIncomplete {
@@ -87,9 +87,9 @@ pub fn explain<'a>(
             reason: i.reason.clone(),
         },
         (Some(p), _, None) => match p.state {
-            Some("Served") => Verdict::FullyEnrolled,
-            Some("Enabled") => Verdict::NotServed,
-            Some("Draining") => Verdict::Draining,
+            Some(PodState::Served) => Verdict::FullyEnrolled,
+            Some(PodState::Enabled) => Verdict::NotServed,
+            Some(PodState::Draining) => Verdict::Draining,
             _ => Verdict::WaitingForZtunnel {
                 missing: missing_listeners(p),
             },
@@ -169,7 +169,7 @@ pub fn render(e: &Explanation, agent_running: bool) -> String {
         "state",
         format!(
             "{} for {} (enrolled {} ago)",
-            p.state.unwrap_or("Unknown"),
+            p.state.map_or("Unknown", PodState::as_str),
             status::age(p.changed_at_ns, now),
             status::age(p.enrolled_at_ns, now)
         ),
@@ -245,7 +245,7 @@ mod tests {
             netns: "/run/netns/cart".into(),
             workload: crate::workload::Workload::new("cart", "shop", "cart-sa").ok(),
             netns_cookie: 7,
-            state: Some(state),
+            state: PodState::from_name(state),
             served: state == "Served",
             generation: 1,
             enrolled_at_ns: 0,

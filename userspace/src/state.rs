@@ -73,8 +73,9 @@ pub struct PodRecord {
     pub netns: String,
     pub workload: Option<Workload>,
     pub netns_cookie: u64,
-    /// `None` when the map holds a state this build does not know.
-    pub state: Option<&'static str>,
+    /// `None` when the map holds a state this build does not know (`null`
+    /// in JSON; the state's name otherwise).
+    pub state: Option<PodState>,
     /// ztunnel knows the pod's workload (state `Served`): fully enrolled.
     pub served: bool,
     pub generation: u32,
@@ -688,7 +689,7 @@ impl Maps {
                     netns,
                     workload,
                     netns_cookie: cookie,
-                    state: e.state().map(PodState::as_str),
+                    state: e.state(),
                     served: e.state() == Some(PodState::Served),
                     generation: e.generation,
                     enrolled_at_ns: e.enrolled_at_ns,

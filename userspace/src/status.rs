@@ -5,6 +5,7 @@
 use std::fmt::Write as _;
 
 use serde::Serialize;
+use sluice_common::PodState;
 
 use crate::{
     control::{IncompletePod, NodeStatus, ServedCheck, WaitingPod},
@@ -222,8 +223,8 @@ pub(crate) fn age(ns: u64, now: u64) -> String {
 /// steering pod ztunnel does not know, "-" for a pod not steering.
 fn served(p: &PodRecord, now: u64) -> String {
     match p.state {
-        Some("Served") => "yes".into(),
-        Some("Enabled") => format!("no ({})", age(p.changed_at_ns, now)),
+        Some(PodState::Served) => "yes".into(),
+        Some(PodState::Enabled) => format!("no ({})", age(p.changed_at_ns, now)),
         _ => "-".into(),
     }
 }
@@ -276,7 +277,7 @@ pub fn table(pods: &[PodRecord], waiting: &[WaitingPod], incomplete: &[Incomplet
         rows.push([
             pod_name(p),
             p.uid.clone(),
-            p.state.unwrap_or("Unknown").into(),
+            p.state.map_or("Unknown", PodState::as_str).into(),
             served(p, now),
             age(p.changed_at_ns, now),
             age(p.enrolled_at_ns, now),

@@ -1,6 +1,7 @@
 //! The node agent and ZDS, with the agent and a ztunnel-like peer as real
 //! processes, pods in real namespaces, real unix sockets.
 
+use sluice_tests::child::Bounded as _;
 use std::{
     net::SocketAddr,
     os::fd::{AsFd, AsRawFd, OwnedFd},
@@ -16,6 +17,7 @@ use anyhow::{ensure, Context as _};
 use libtest_mimic::Trial;
 use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, UnixAddr};
 use sluice::zds::{proto, wire};
+use sluice_common::PodState;
 use sluice_tests::{
     agent::{free_port, http_get, AgentProc, Out, PeerProc},
     app::App,
@@ -244,8 +246,12 @@ fn enroll_enabled(agent: &AgentProc, f: &Fixture) -> TestResult {
     Ok(())
 }
 
+/// The pod's state's name, as `status -o json` has it.
 fn state(f: &Fixture) -> Option<&'static str> {
-    f.pod_record().ok().and_then(|r| r.state)
+    f.pod_record()
+        .ok()
+        .and_then(|r| r.state)
+        .map(PodState::as_str)
 }
 
 fn inbound(f: &Fixture) -> Reached {
@@ -676,7 +682,7 @@ fn gone_mid_add() -> TestResult {
                 .arg("--control-socket")
                 .arg(control)
                 .args(["enroll", "--netns", netns.to_str().unwrap(), "--uid", &uid])
-                .output()
+                .output_bounded()
         })
     };
     first.wait_for("the first ztunnel to get the add", |e| {
@@ -1194,7 +1200,7 @@ fn never_host() -> TestResult {
             "--netns",
             &format!("/run/netns/{node}"),
         ])
-        .output()?;
+        .output_bounded()?;
     let stderr = String::from_utf8_lossy(&out.stderr);
     ensure!(
         !out.status.success() && stderr.contains("sluice's own network namespace"),
@@ -1300,6 +1306,9 @@ fn max_entries(f: &Fixture, map: &str) -> anyhow::Result<u32> {
     Ok(aya::maps::MapInfo::from_pin(f.topo.pins.maps().join(map))?.max_entries())
 }
 
+/// How long an agent may take to reach a crash point (its whole start-up).
+const CRASH_WITHIN: Duration = Duration::from_secs(60);
+
 /// Runs an agent over the pins that kills itself at crash point `step`.
 fn crash_agent_at(agent: &AgentProc, f: &Fixture, step: &str, object: Option<&str>) -> TestResult {
     use std::os::unix::process::ExitStatusExt as _;
@@ -1318,7 +1327,11 @@ fn crash_agent_at(agent: &AgentProc, f: &Fixture, step: &str, object: Option<&st
     if let Some(o) = object {
         cmd.env("SLUICE_EBPF_OBJECT_FILE", o);
     }
-    let st = cmd.status()?;
+    // An agent that never reaches the crash point (an object without it, a
+    // changed start-up) would otherwise run forever.
+    let st = cmd
+        .status_within(CRASH_WITHIN)
+        .with_context(|| format!("the agent never reached crash point {step}"))?;
     ensure!(st.signal() == Some(libc::SIGKILL), "{step}: {st}");
     Ok(())
 }
@@ -1388,7 +1401,7 @@ fn another_layout() -> TestResult {
         );
         let rec = f.pod_record()?;
         ensure!(
-            rec.state == Some("Served") && rec.listeners.len() >= 3,
+            rec.state == Some(PodState::Served) && rec.listeners.len() >= 3,
             "{step}: {rec:?}"
         );
         links_follow_pins(&f)?;
@@ -1898,7 +1911,7 @@ fn other_root() -> TestResult {
         .arg(&agent.control)
         .args(["enroll", "--uid", f.uid.as_str(), "--netns"])
         .arg(f.topo.pod_netns_path())
-        .output()?;
+        .output_bounded()?;
     let stderr = String::from_utf8_lossy(&out.stderr);
     ensure!(
         !out.status.success() && stderr.contains("owns bpf root") && stderr.contains(&other),

@@ -2,6 +2,7 @@
 //! containernetworking-plugins): `ptp` + `host-local` make a real pod netns
 //! with a real address, then `sluice-cni` captures it through the agent.
 
+use sluice_tests::child::Bounded as _;
 use std::{
     net::{IpAddr, SocketAddr},
     path::{Path, PathBuf},
@@ -11,6 +12,7 @@ use anyhow::{ensure, Context as _};
 use libtest_mimic::Trial;
 use serde_json::json;
 use sluice::loader::Pins;
+use sluice_common::PodState;
 use sluice_tests::{
     agent::{AgentProc, PeerProc},
     app::App,
@@ -207,7 +209,7 @@ fn chain() -> TestResult {
         // Enabled, or already Served: the served check may have run since.
         pods.len() == 1
             && pods[0].uid == "5a1e-cart"
-            && matches!(pods[0].state, Some("Enabled" | "Served")),
+            && matches!(pods[0].state, Some(PodState::Enabled | PodState::Served)),
         "{pods:?}"
     );
     ensure!(
@@ -417,7 +419,7 @@ fn conflist() -> TestResult {
             "--cni-bin-dir",
             bin_dir.to_str().unwrap(),
         ])
-        .output()?;
+        .output_bounded()?;
     ensure!(
         out.status.success(),
         "{}",

@@ -1,5 +1,6 @@
 //! One test per contract row and address family.
 
+use sluice_tests::child::Bounded as _;
 use std::{net::SocketAddr, time::Duration};
 
 use anyhow::{ensure, Context as _};
@@ -684,7 +685,7 @@ fn f2(fam: Family) -> TestResult {
                 dev,
                 hook,
             ])
-            .output()?;
+            .output_bounded()?;
         let shown = String::from_utf8_lossy(&out.stdout);
         ensure!(
             !shown.contains("sluice"),

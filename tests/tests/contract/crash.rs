@@ -11,6 +11,7 @@ use std::{net::SocketAddr, path::Path};
 use anyhow::{ensure, Context as _};
 use libtest_mimic::Trial;
 use sluice::podlinks::{expected_links, LinkSpec};
+use sluice_common::PodState;
 use sluice_tests::{
     agent::{AgentProc, PeerProc},
     flow::{connect, Opts},
@@ -175,7 +176,7 @@ fn enroll_killed(step: &str) -> TestResult {
     ensure!(sig == libc::SIGKILL, "killed by signal {sig}");
     // The crash left the pod part-way: recorded (the first step), Pending.
     let rec = f.pod_record()?;
-    ensure!(rec.state == Some("Pending"), "{rec:?}");
+    ensure!(rec.state == Some(PodState::Pending), "{rec:?}");
 
     agent.restart_clean()?;
     // The restarted agent completed the capture before serving; ztunnel
@@ -213,7 +214,7 @@ fn unenroll_killed(step: &str) -> TestResult {
     ensure!(agent.wait_killed()? == libc::SIGKILL);
     // Caught in its teardown: failing closed.
     let rec = f.pod_record()?;
-    ensure!(rec.state == Some("Draining"), "{rec:?}");
+    ensure!(rec.state == Some(PodState::Draining), "{rec:?}");
 
     agent.restart_clean()?;
     // The restarted agent finished the teardown before serving: nothing of

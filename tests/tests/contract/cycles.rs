@@ -10,6 +10,7 @@ use sluice::{
     state::Maps,
     workload::Workload,
 };
+use sluice_tests::child::Bounded as _;
 use sluice_tests::{
     agent::{AgentProc, PeerProc},
     harness::{as_if_kernel, without_tcx, Fixture},
@@ -85,7 +86,7 @@ fn count(f: &Fixture, agent_pid: u32, prog_ids: &[u32]) -> anyhow::Result<Counts
         let out = std::process::Command::new("ip")
             .args(["-n", f.topo.pod.as_str()])
             .args(args)
-            .output()?;
+            .output_bounded()?;
         ensure!(out.status.success(), "ip {args:?}: {out:?}");
         // The kernel adds eth0's IPv6 link-local address and its routes on
         // its own schedule (after the link comes up): not sluice's.

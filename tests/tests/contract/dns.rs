@@ -4,6 +4,7 @@
 //! The proxy is a stand-in with SO_MARK 1337 on every socket (as ztunnel's
 //! in-pod socket factory), the resolver a stand-in in the client netns.
 
+use sluice_tests::child::Bounded as _;
 use std::net::{IpAddr, SocketAddr};
 
 use anyhow::{ensure, Context as _};
@@ -209,7 +210,7 @@ fn dig(fam: Family) -> TestResult {
             .args(["netns", "exec", &p.f.topo.pod, "dig"])
             .args([&server, "a.proxy.test", rtype, transport])
             .args(["+short", "+tries=1", "+time=2"])
-            .output()
+            .output_bounded()
             .context("running dig (bind9-dnsutils; cargo xtask setup installs it)")?;
         let text = String::from_utf8_lossy(&out.stdout);
         ensure!(

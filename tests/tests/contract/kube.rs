@@ -857,7 +857,7 @@ fn gate_follows_served_in(f: &Fixture, dir: &std::path::Path) -> TestResult {
                 .find(|p| p.uid == "u-cart")
                 .ok_or_else(|| anyhow::anyhow!("u-cart not enrolled"))
         };
-        ensure!(cart_record()?.state == Some("Enabled"));
+        ensure!(cart_record()?.state == Some(sluice_common::PodState::Enabled));
         // istiod pushes the workload: served.
         std::fs::write(&workloads, serde_json::to_vec(&[&cart_workload])?)?;
         let g =
@@ -873,7 +873,7 @@ fn gate_follows_served_in(f: &Fixture, dir: &std::path::Path) -> TestResult {
         )
         .await?;
         ensure!(g["status"] == "False", "{g}");
-        ensure!(cart_record()?.state == Some("Enabled"));
+        ensure!(cart_record()?.state == Some(sluice_common::PodState::Enabled));
         // The annotation istiod reads said `enabled` once the pod was captured
         // and acked, and never went back to `pending`.
         let annotations: Vec<Value> = patches

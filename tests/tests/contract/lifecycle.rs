@@ -2,10 +2,12 @@
 //! capture outlives the process that set it up, a new process reports it, and
 //! every bad input gets one clear error line and leaves nothing behind.
 
+use sluice_tests::child::Bounded as _;
 use std::{net::SocketAddr, path::Path, process::Command};
 
 use anyhow::{ensure, Context as _};
 use libtest_mimic::Trial;
+use sluice_common::PodState;
 use sluice_tests::{
     flow::{connect, Opts},
     harness::{as_if_kernel, sluice_bin, without_tcx, Fixture, APP_PORT, REMOTE_PORT},
@@ -130,7 +132,7 @@ fn sluice(f: &Fixture, args: &[&str]) -> anyhow::Result<Out> {
         .arg("--control-socket")
         .arg(NO_AGENT)
         .args(args)
-        .output()
+        .output_bounded()
         .with_context(|| format!("running {}", sluice_bin().display()))?;
     Ok(Out {
         ok: out.status.success(),
@@ -299,7 +301,7 @@ fn bad_input() -> TestResult {
     )?;
     // The failed attempts changed nothing: one pod, still Enabled and capturing.
     let rec = f.pod_record()?;
-    ensure!(rec.state == Some("Enabled"), "{rec:?}");
+    ensure!(rec.state == Some(PodState::Enabled), "{rec:?}");
     ensure!(std::fs::read_dir(f.topo.pins.pods())?.count() == 1);
     let r = connect(
         &f.topo.client,
@@ -358,7 +360,7 @@ fn hung_iptables() -> TestResult {
                     std::env::var("PATH").unwrap_or_default()
                 ),
             )
-            .output()?;
+            .output_bounded()?;
         let stderr = String::from_utf8_lossy(&out.stderr);
         ensure!(
             !out.status.success() && stderr.contains("did not finish within"),
@@ -471,7 +473,7 @@ fn pod_hook_taken() -> TestResult {
             "dev",
             "eth0",
         ])
-        .output()?;
+        .output_bounded()?;
     let qdiscs = String::from_utf8_lossy(&qdiscs.stdout);
     ensure!(
         qdiscs.contains("qdisc ingress ffff:"),
@@ -519,7 +521,7 @@ fn hook_taken_after_enrollment() -> TestResult {
         .arg("tc")
         .args(filter.split(' '))
         .args(["object-pinned", record, "da"])
-        .output()?;
+        .output_bounded()?;
     ensure!(
         out.status.success(),
         "adding the filter: {}",
@@ -745,7 +747,7 @@ fn sysctls_with_read_only_proc_sys() -> TestResult {
         ));
         let out = Command::new("unshare")
             .args(["--mount", "--propagation", "private", "sh", "-c", &script])
-            .output()?;
+            .output_bounded()?;
         Ok(Out {
             ok: out.status.success(),
             stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -772,7 +774,7 @@ fn sysctls_with_read_only_proc_sys() -> TestResult {
             let o = Command::new("ip")
                 .args(["netns", "exec", &f.topo.pod, "cat"])
                 .arg(format!("/proc/sys/{name}"))
-                .output()?;
+                .output_bounded()?;
             Ok(String::from_utf8_lossy(&o.stdout).trim().to_owned())
         };
         ensure!(sysctl("net/ipv4/tcp_migrate_req")? == "1");
@@ -828,7 +830,7 @@ fn nf_tables_counted() -> TestResult {
                 "-N",
                 "ISTIO_OUTPUT",
             ])
-            .output()?;
+            .output_bounded()?;
         ensure!(out.status.success(), "{tool}: {out:?}");
         Ok(())
     };

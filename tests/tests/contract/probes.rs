@@ -3,6 +3,7 @@
 //! the node only forwards and masquerades to its own address is captured.
 //! The topology's client netns plays the node.
 
+use sluice_tests::child::Bounded as _;
 use std::net::SocketAddr;
 
 use anyhow::{ensure, Context as _};
@@ -269,7 +270,7 @@ fn host_hook_taken() -> TestResult {
         let out = std::process::Command::new("ip")
             .args(["netns", "exec", &f.topo.client, "tc"])
             .args(args)
-            .output()?;
+            .output_bounded()?;
         ensure!(
             out.status.success(),
             "tc {args:?}: {}",

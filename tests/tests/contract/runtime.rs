@@ -11,6 +11,7 @@ use anyhow::{ensure, Context as _};
 use libtest_mimic::Trial;
 use serde_json::json;
 use sluice::loader::Pins;
+use sluice_common::PodState;
 use sluice_tests::{
     agent::{AgentProc, PeerProc},
     app::App,
@@ -178,7 +179,7 @@ fn with_runtime(node: &Node, rt: &mut Containerd) -> TestResult {
         pods.len() == 1
             && pods[0].uid == uid
             && pods[0].netns == cart.netns.to_str().unwrap_or_default()
-            && matches!(pods[0].state, Some("Enabled" | "Served")),
+            && matches!(pods[0].state, Some(PodState::Enabled | PodState::Served)),
         "after RunPodSandbox: {pods:?}"
     );
     ensure!(

@@ -8,6 +8,7 @@ use anyhow::{ensure, Context as _};
 use libtest_mimic::Trial;
 use serde_json::Value;
 use sluice::agent::node::FALLBACK_AFTER;
+use sluice_common::PodState;
 use sluice_tests::{
     admin,
     agent::{free_port, http_get, AgentProc, PeerProc},
@@ -117,7 +118,7 @@ fn unknown_then_known() -> TestResult {
         msg.contains("captured but not known to ztunnel") && msg.contains(&named),
         "{msg}"
     );
-    ensure!(f.pod_record()?.state == Some("Enabled"));
+    ensure!(f.pod_record()?.state == Some(PodState::Enabled));
     // Captured all the same: ztunnel's listeners take the connections.
     ensure!(f.pod_record()?.listeners.len() == 6);
     let table = agent.sluice(&["status"])?.stdout;
@@ -169,7 +170,7 @@ fn silent_admin() -> TestResult {
         "the pod Served by the fallback",
         FALLBACK_AFTER + wait::DEADLINE,
         || match f.pod_record().map(|r| r.state) {
-            Ok(Some("Served")) => Ok(()),
+            Ok(Some(PodState::Served)) => Ok(()),
             other => Err(format!("{other:?}")),
         },
     )?;

@@ -5,6 +5,7 @@
 //! connection must still complete, to the same listener as its SYN, and no
 //! segment of a captured connection may leave the pod around ztunnel.
 
+use sluice_tests::child::Bounded as _;
 use std::net::{IpAddr, SocketAddr};
 
 use anyhow::{ensure, Context as _};
@@ -80,7 +81,7 @@ fn always_cookies(ns: &str) -> TestResult {
 fn tcp_ext(ns: &str) -> anyhow::Result<std::collections::HashMap<String, u64>> {
     let out = std::process::Command::new("ip")
         .args(["netns", "exec", ns, "cat", "/proc/net/netstat"])
-        .output()?;
+        .output_bounded()?;
     ensure!(out.status.success(), "reading /proc/net/netstat in {ns}");
     let text = String::from_utf8(out.stdout)?;
     let mut rows = text.lines().filter(|l| l.starts_with("TcpExt:"));
@@ -470,7 +471,7 @@ fn lo_spoof_denied(fam: Family) -> TestResult {
         || {
             std::process::Command::new("ip")
                 .args(["netns", "exec", &f.topo.pod, "ss", "-Htan", &tuple])
-                .output()
+                .output_bounded()
                 .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
                 .unwrap_or_else(|e| e.to_string())
         },

@@ -78,7 +78,7 @@ impl Node {
             .iter()
             .filter_map(|r| {
                 let w = r.workload.as_ref()?;
-                let state = r.state.and_then(PodState::from_name)?;
+                let state = r.state?;
                 Some((
                     (w.namespace.as_str(), w.name.as_str()),
                     (state, r.uid.as_str()),
