@@ -121,10 +121,14 @@ impl Features {
 /// `status` and the build-info metric show them: `6.1.0-27-cloud-amd64
 /// (sk_lookup,tcx,no-netns_cookie_in_tc)`.
 pub fn describe() -> String {
-    let release = nix::sys::utsname::uname()
+    format!("{} ({})", release(), Features::get().summary())
+}
+
+/// The running kernel's release (`uname -r`), or "unknown".
+pub fn release() -> String {
+    nix::sys::utsname::uname()
         .map(|u| u.release().to_string_lossy().into_owned())
-        .unwrap_or_else(|_| "unknown".into());
-    format!("{release} ({})", Features::get().summary())
+        .unwrap_or_else(|_| "unknown".into())
 }
 
 fn probe() -> Features {

@@ -3,10 +3,12 @@
 //! Data path, in the order a pod meets it: [`loader`] (programs and maps, once
 //! per node) → [`enroll`] (per pod: links, routes, state) → [`sockets`]
 //! (ztunnel's listeners into the socket map) → [`state`] (the pinned maps that
-//! `status` reads).
+//! `status` reads). The `sluice` command's parser and subcommands are
+//! [`cli`].
 
 pub mod accept_errors;
 pub mod agent;
+pub mod cli;
 pub mod cni;
 pub mod control;
 pub mod enroll;

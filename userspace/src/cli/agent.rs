@@ -1,0 +1,199 @@
+//! `sluice agent`: the node agent. Serves ZDS to ztunnel, enrolls pods
+//! through it, keeps sluice-cni installed and reports the node's readiness.
+
+use std::{collections::BTreeSet, net::SocketAddr, path::PathBuf, time::Duration};
+
+use anyhow::Context as _;
+
+use super::common::{init_tracing, parse_duration, CniDirs, Globals, ReadinessArgs};
+use crate::{
+    agent::{
+        self, report::ReportConfig, DEFAULT_HEALTH_ADDR, DEFAULT_METRICS_ADDR, DEFAULT_ZDS_SOCKET,
+    },
+    features::TcAttach,
+    served,
+};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Where ztunnel connects (its INPOD_UDS).
+    #[arg(long, default_value = DEFAULT_ZDS_SOCKET, env = "SLUICE_ZDS_SOCKET")]
+    zds_socket: PathBuf,
+    /// Keep sluice-cni installed in the node's primary CNI conflist.
+    #[arg(long)]
+    install_cni: bool,
+    /// This node's name: the agent then uses the Kubernetes API (in-cluster
+    /// config or KUBECONFIG) to admit CNI requests and annotate pods.
+    #[arg(long, env = "NODE_NAME")]
+    node_name: Option<String>,
+    #[command(flatten)]
+    cni: CniDirs,
+    #[command(flatten)]
+    readiness: ReadinessArgs,
+    /// Where /metrics, /healthz and /readyz are served for Prometheus
+    /// ("off": nowhere); at most 4 connections per peer address.
+    #[arg(long, default_value = DEFAULT_METRICS_ADDR, env = "SLUICE_METRICS_ADDR")]
+    metrics_addr: String,
+    /// Where the same are served for the node only — the kubelet's
+    /// probes and the watchdog — apart from the scrape listener any pod
+    /// of the node can reach ("off": nowhere).
+    #[arg(long, default_value = DEFAULT_HEALTH_ADDR, env = "SLUICE_HEALTH_ADDR")]
+    health_addr: String,
+    /// Remove this taint from the node once the condition is True (for
+    /// clusters without node-readiness-controller; repeatable). Never adds taints.
+    #[arg(long = "untaint", value_name = "KEY")]
+    untaint: Vec<String>,
+    /// How long a pod may stay Pending before the node is reported not ready.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pending_grace: Duration,
+    /// Rewrite an unchanged node condition this often.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    heartbeat: Duration,
+    /// How a pod is found served: `auto` asks ztunnel's admin API whether
+    /// it has the pod's workload (acks count when it does not answer);
+    /// `off` counts ztunnel's ack as served.
+    #[arg(long, value_enum, default_value_t = served::Mode::Auto, env = "SLUICE_SERVED_CHECK")]
+    served_check: served::Mode,
+    /// ztunnel's admin port (ProxyConfig proxyAdminPort), on localhost in
+    /// ztunnel's network namespace.
+    #[arg(long, default_value_t = served::fetch::DEFAULT_ADMIN_PORT, env = "SLUICE_ZTUNNEL_ADMIN_PORT")]
+    ztunnel_admin_port: u16,
+    /// How often pods already served are checked again (a workload
+    /// removed from xDS makes its pod not served).
+    #[arg(long, default_value = "30s", value_parser = parse_duration, env = "SLUICE_SERVED_RECHECK")]
+    served_recheck: Duration,
+    /// When ztunnel dies, its listeners leave the socket map at once (the
+    /// pod fails closed) but the agent holds them this long, so that
+    /// connections already queued on them (handshake done) move to the
+    /// next ztunnel's listeners instead of being reset. While held, no
+    /// other process can bind ztunnel's ports in the pod. 0s: close at once.
+    #[arg(long, default_value = "30s", value_parser = parse_duration, env = "SLUICE_ORPHAN_GRACE")]
+    orphan_grace: Duration,
+    /// The agents' DaemonSet, read every 5 s and at SIGTERM: marked
+    /// `sluice.dev/uninstall` (the Helm pre-delete hook), being deleted or
+    /// gone, the agent removes sluice from its node. Needs --node-name.
+    #[arg(long, requires = "node_name")]
+    daemonset: Option<String>,
+    /// The DaemonSet's namespace (the agent's own).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "istio-system")]
+    namespace: String,
+    /// The node's network namespace: where kubelet and other host
+    /// processes live and the host side of pods' veths is. Connections
+    /// its own sockets open to a pod (kubelet's HTTP/TCP probes) are not
+    /// captured; forwarded ones are. The default is the agent's own
+    /// (a hostNetwork pod). `off`: only probes from 169.254.7.127 (what
+    /// istio-cni's host rules SNAT them to) are exempt.
+    #[arg(long, default_value = "/proc/self/ns/net", env = "SLUICE_NODE_NETNS")]
+    node_netns: String,
+    /// Namespaces whose pods are never captured, comma-separated (istio-cni's
+    /// `excludeNamespaces`); the agent's own namespace is always one. Their
+    /// pods never reach the agent: they start while it is down.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "kube-system",
+        env = "SLUICE_EXCLUDE_NAMESPACES"
+    )]
+    exclude_namespaces: Vec<String>,
+    /// Capture pods' DNS (UDP and TCP to port 53) to ztunnel's DNS proxy
+    /// on the pod's localhost:15053, as istio-cni's `ambient.dnsCapture`
+    /// (default on). A pod's `ambient.istio.io/dns-capture` annotation
+    /// wins; pods enrolled earlier follow a changed default on restart.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, env = "SLUICE_DNS_CAPTURE")]
+    dns_capture: bool,
+    /// How tc programs are attached to pods: `cls_bpf` (a clsact qdisc
+    /// and a filter per hook; a pod enrolls in about a millisecond) or
+    /// `tcx` (BPF links, Linux ≥ 6.6; every attach waits for an RCU
+    /// grace period under RTNL, 10–20 ms, three or four per pod). tcx on
+    /// a kernel without it falls back to cls_bpf. Pods attached the other
+    /// way keep their attachments.
+    #[arg(long, default_value = "cls_bpf", env = "SLUICE_TC_ATTACH")]
+    tc_attach: TcAttach,
+    /// With --install-cni: how often the CNI config is checked besides
+    /// the inotify watch that sees the primary CNI's rewrites at once.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    cni_recheck: Duration,
+}
+
+pub fn run(g: Globals, args: Args) -> anyhow::Result<()> {
+    one_malloc_arena();
+    init_tracing(g.log_format);
+    let mut excluded: BTreeSet<String> = args
+        .exclude_namespaces
+        .into_iter()
+        .map(|n| n.trim().to_owned())
+        .filter(|n| !n.is_empty())
+        .collect();
+    excluded.insert(args.namespace.clone());
+    anyhow::ensure!(
+        args.served_recheck >= Duration::from_secs(1),
+        "--served-recheck {:?}: at least 1s (each recheck reads ztunnel's whole config_dump)",
+        args.served_recheck
+    );
+    anyhow::ensure!(
+        args.untaint.is_empty() || args.node_name.is_some(),
+        "--untaint needs --node-name (the taint is removed from this node's Node object)"
+    );
+    let metrics_addr = listen_addr("--metrics-addr", &args.metrics_addr, DEFAULT_METRICS_ADDR)?;
+    let health_addr = listen_addr("--health-addr", &args.health_addr, DEFAULT_HEALTH_ADDR)?;
+    let cni = if args.install_cni {
+        let mut i = args.cni.install(&g.control_socket)?;
+        i.exclude_namespaces = excluded.iter().cloned().collect();
+        i.recheck = args.cni_recheck;
+        Some(i)
+    } else {
+        None
+    };
+    let node_netns = args.node_netns;
+    agent::run(agent::Config {
+        pins: g.pins,
+        zds_socket: args.zds_socket,
+        control_socket: g.control_socket,
+        cni,
+        node_name: args.node_name,
+        report: ReportConfig {
+            condition_type: args.readiness.condition_type,
+            pending_grace: args.pending_grace,
+            heartbeat: args.heartbeat,
+            untaint: args.untaint,
+        },
+        metrics_addr,
+        health_addr,
+        served: agent::node::ServedConfig {
+            mode: args.served_check,
+            admin_port: args.ztunnel_admin_port,
+            recheck: args.served_recheck,
+        },
+        orphan_grace: args.orphan_grace,
+        daemonset: args.daemonset.map(|d| (args.namespace, d)),
+        node_netns: (node_netns != "off").then(|| PathBuf::from(node_netns)),
+        excluded,
+        dns_capture: args.dns_capture,
+        tc_attach: args.tc_attach,
+    })
+}
+
+/// A listener flag's value: `off` (none) or IP:PORT.
+fn listen_addr(flag: &str, value: &str, default: &str) -> anyhow::Result<Option<SocketAddr>> {
+    match value {
+        "off" => Ok(None),
+        a => Ok(Some(a.parse::<SocketAddr>().with_context(|| {
+            format!("{flag} {a:?}: expected IP:PORT (e.g. {default}) or off")
+        })?)),
+    }
+}
+
+/// The agent's memory is mostly small, long-lived per-pod state touched from
+/// whichever runtime or blocking thread serves a request; glibc gives each
+/// such thread an arena of its own (up to 8 per core), which held ≈ 2.6 MiB
+/// more at 1,000 pods (18.3 vs 15.6 MiB RSS, `cargo xtask bench` memory
+/// scenario). Nothing of the agent allocates on a packet's path, so one
+/// shared arena costs no contention that matters. Before any thread starts.
+fn one_malloc_arena() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes glibc's allocator settings; called while
+    // the process has one thread.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1);
+    }
+}
