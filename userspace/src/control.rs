@@ -9,6 +9,7 @@ use std::{
 };
 
 use serde::{Deserialize, Serialize};
+use sluice_common::PodState;
 
 pub use sluice_cni::wire::{CniAdd, CniCheck, CniDel, DEFAULT_CONTROL_SOCKET};
 
@@ -44,7 +45,8 @@ pub enum Response {
     Enrolled {
         uid: String,
         cookie: u64,
-        state: String,
+        /// `null`: an entry this build cannot read.
+        state: Option<PodState>,
         /// Why the pod is not Enabled yet, when it is not.
         note: Option<String>,
     },
@@ -276,7 +278,7 @@ mod tests {
                 Response::Enrolled {
                     uid: "u1".into(),
                     cookie: 7,
-                    state: "Enabled".into(),
+                    state: Some(PodState::Enabled),
                     note: None,
                 },
                 Answer::Enrolled {},

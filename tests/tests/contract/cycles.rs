@@ -120,7 +120,7 @@ fn enroll(agent: &AgentProc, f: &Fixture, i: usize) -> TestResult {
     )?
     .context("no agent")?;
     ensure!(
-        matches!(&enrolled, Response::Enrolled { state, .. } if state == "Enabled" || state == "Served"),
+        matches!(&enrolled, Response::Enrolled { state: Some(s), .. } if s.steers()),
         "cycle {i}: {enrolled:?}\n{}",
         agent.log()
     );

@@ -125,6 +125,7 @@ pub fn print_agent(resp: Response) -> anyhow::Result<()> {
             state,
             note,
         } => {
+            let state = state.map_or("Unknown", sluice_common::PodState::as_str);
             println!("enrolled pod {uid} via the agent (netns cookie {cookie}): {state}");
             if let Some(n) = note {
                 println!("  {n}");

@@ -269,11 +269,7 @@ impl Node {
         Response::Enrolled {
             uid: uid.to_string(),
             cookie,
-            state: self
-                .state_of(cookie)
-                .map(PodState::as_str)
-                .unwrap_or("Unknown")
-                .into(),
+            state: self.state_of(cookie),
             note: None,
         }
     }
@@ -436,7 +432,7 @@ impl Node {
         Ok(Response::Enrolled {
             uid: uid.to_string(),
             cookie,
-            state: state.map(PodState::as_str).unwrap_or("Unknown").into(),
+            state,
             note: if state.is_some_and(PodState::steers) {
                 None
             } else {
