@@ -1,7 +1,8 @@
 //! The module graph of `userspace/src` has no cycles: every module can be
 //! read without first reading the modules that use it. Edges come from
 //! `use crate::…` / `use super::…` paths (braces expanded) and inline
-//! `crate::a::b` paths.
+//! `crate::a::b` paths. And no child module imports its parent: what
+//! siblings share lives in a sibling module, not in their `mod.rs`.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -127,4 +128,188 @@ fn userspace_modules_have_no_import_cycles() {
         "the parser found almost no imports: {edges:?}"
     );
     assert!(cycles.is_empty(), "import cycles: {cycles:#?}");
+}
+
+/// `src` without its `#[cfg(test)] mod <name> { … }` blocks: a module's tests
+/// may `use super::*`.
+fn strip_test_modules(src: &str) -> String {
+    const ATTR: &str = "#[cfg(test)]";
+    let (mut out, mut from) = (String::new(), 0);
+    for (at, _) in src.match_indices(ATTR) {
+        if at < from {
+            continue; // inside a test module already dropped
+        }
+        let Some(open) = test_module_brace(&src[at + ATTR.len()..]) else {
+            continue;
+        };
+        let open = at + ATTR.len() + open;
+        let close = matching_brace(src, open)
+            .unwrap_or_else(|| panic!("no closing brace for the test module at byte {open}"));
+        out.push_str(&src[from..at]);
+        from = close + 1;
+    }
+    out.push_str(&src[from..]);
+    out
+}
+
+/// Where the `{` of `[pub[(…)]] mod <name> {` at the start of `item` is.
+fn test_module_brace(item: &str) -> Option<usize> {
+    let mut rest = item.trim_start();
+    if let Some(vis) = rest.strip_prefix("pub") {
+        rest = vis.trim_start();
+        if rest.starts_with('(') {
+            rest = rest[rest.find(')')? + 1..].trim_start();
+        }
+    }
+    let name = rest.strip_prefix("mod ")?.trim_start();
+    let brace = name[name.find(|c: char| !(c.is_alphanumeric() || c == '_'))?..].trim_start();
+    brace.starts_with('{').then(|| item.len() - brace.len())
+}
+
+/// The byte offset of the `}` that closes the `{` at `open`, skipping
+/// comments, string and char literals.
+fn matching_brace(src: &str, open: usize) -> Option<usize> {
+    let b = src.as_bytes();
+    let (mut i, mut depth) = (open, 0usize);
+    while i < b.len() {
+        let from = i;
+        match b[i] {
+            b'{' => depth += 1,
+            b'}' => {
+                depth -= 1;
+                if depth == 0 {
+                    return Some(i);
+                }
+            }
+            b'/' if b.get(i + 1) == Some(&b'/') => i += src[i..].find('\n')?,
+            b'/' if b.get(i + 1) == Some(&b'*') => i += src[i..].find("*/")? + 1,
+            // A raw string: `r"…"`, `r#"…"#`, …
+            b'r' if !is_ident(b[i - 1]) && matches!(b.get(i + 1), Some(b'"' | b'#')) => {
+                let hashes = b[i + 1..].iter().take_while(|&&c| c == b'#').count();
+                if b.get(i + 1 + hashes) == Some(&b'"') {
+                    let end = format!("\"{}", "#".repeat(hashes));
+                    i += 2 + hashes;
+                    i += src[i..].find(&end)? + end.len() - 1;
+                }
+            }
+            b'"' => {
+                i += 1;
+                while *b.get(i)? != b'"' {
+                    i += if b[i] == b'\\' { 2 } else { 1 };
+                }
+            }
+            // A char literal, not a lifetime: `'x'`, `'\n'`, `'\u{7f}'`.
+            b'\'' => {
+                let mut chars = src[i + 1..].chars();
+                match chars.next()? {
+                    '\\' => i += 2 + src[i + 2..].find('\'')?,
+                    c if chars.next() == Some('\'') => i += 1 + c.len_utf8(),
+                    _ => {}
+                }
+            }
+            _ => {}
+        }
+        i = i.max(from) + 1;
+    }
+    None
+}
+
+fn is_ident(c: u8) -> bool {
+    c.is_ascii_alphanumeric() || c == b'_'
+}
+
+/// Inline `super::…` paths, as `paths` finds inline `crate::…` ones.
+fn super_paths(src: &str) -> Vec<String> {
+    src.match_indices("super::")
+        .filter(|&(i, _)| i == 0 || !is_ident(src.as_bytes()[i - 1]))
+        .map(|(i, _)| {
+            let rest = &src[i..];
+            let end = rest
+                .find(|c: char| !(c.is_alphanumeric() || c == '_' || c == ':' || c == '*'))
+                .unwrap_or(rest.len());
+            rest[..end].to_owned()
+        })
+        .collect()
+}
+
+/// The full path (from the crate root) that `path`, written in module `m`,
+/// names; `None` for a path that starts neither at `crate` nor at `super`.
+fn resolve(m: &[String], path: &str) -> Option<Vec<String>> {
+    let mut parts = path.split("::").filter(|s| !s.is_empty() && *s != "self");
+    let mut full = match parts.next()? {
+        "crate" => Vec::new(),
+        "super" => m[..m.len().checked_sub(1)?].to_vec(),
+        _ => return None,
+    };
+    for p in parts {
+        if p == "super" {
+            full.pop()?;
+        } else {
+            full.push(p.to_owned());
+        }
+    }
+    Some(full)
+}
+
+/// Modules that still import their parent. agent::node's files each add an
+/// `impl Node` block over `use super::*`.
+// agent::node is being split into roles (issue 36); this list only shrinks.
+const IMPORTS_PARENT: &[&str] = &[
+    "agent::node::announce",
+    "agent::node::linkwatch",
+    "agent::node::relist",
+    "agent::node::requests",
+    "agent::node::serve",
+    "agent::node::supervise",
+    "agent::node::uninstall",
+    "agent::node::zds",
+];
+
+/// A child module does not name its parent's own items (`use super::*`,
+/// `super::item`, `crate::<parent>::item`): what children share lives in a
+/// sibling module they name. Naming a sibling through the parent
+/// (`super::sibling::item`) is fine, and so are the `#[cfg(test)] mod tests`
+/// blocks and `tests.rs` files. Top-level modules, whose parent is the crate
+/// root, are not checked.
+#[test]
+fn no_child_module_imports_its_parent() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../userspace/src");
+    let mut mods = BTreeMap::new();
+    modules(&root, &[], &mut mods);
+    let names: BTreeSet<Vec<String>> = mods.keys().cloned().collect();
+    let mut found: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (m, src) in &mods {
+        if m.len() < 2 || m.last().is_some_and(|l| l == "tests") {
+            continue;
+        }
+        let parent = &m[..m.len() - 1];
+        let src = strip_test_modules(src);
+        for p in paths(&src).into_iter().chain(super_paths(&src)) {
+            let Some(full) = resolve(m, &p) else { continue };
+            if full.len() > parent.len()
+                && full.starts_with(parent)
+                && !names.contains(&full[..=parent.len()])
+            {
+                found.entry(m.join("::")).or_default().insert(p);
+            }
+        }
+    }
+    let allowed: BTreeSet<&str> = IMPORTS_PARENT.iter().copied().collect();
+    let unlisted: BTreeMap<_, _> = found
+        .iter()
+        .filter(|(m, _)| !allowed.contains(m.as_str()))
+        .collect();
+    let stale: Vec<_> = allowed
+        .iter()
+        .filter(|m| !found.contains_key(**m))
+        .collect();
+    assert!(
+        unlisted.is_empty(),
+        "child modules that import their parent (move what they use into a \
+         sibling module): {unlisted:#?}"
+    );
+    assert!(
+        stale.is_empty(),
+        "no longer import their parent, take them off IMPORTS_PARENT: {stale:#?}"
+    );
 }

@@ -12,7 +12,7 @@ use k8s_openapi::api::core::v1::{Node, NodeCondition};
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::{json, Value};
 
-use super::{now_rfc3339, precondition, retry_on_conflict, transition_time};
+use super::patch::{now_rfc3339, precondition, retry_on_conflict, transition_time};
 use crate::readiness::Condition;
 
 /// The default heartbeat: an unchanged condition is rewritten this often.

@@ -10,6 +10,8 @@ use kube::api::{Api, Patch, PatchParams};
 use serde_json::{json, Value};
 use sluice_common::PodState;
 
+use super::patch::{now_rfc3339, transition_time};
+
 pub const GATE: &str = "sluice.dev/redirected";
 
 /// Whether the pod asks for the gate.
@@ -75,7 +77,7 @@ pub fn patch_body(
 ) -> Value {
     let (status, reason, message) = condition_for(state, capture);
     let was = current.map(|c| (c.status.as_str(), c.last_transition_time.as_ref()));
-    let transition = super::transition_time(was, status, now);
+    let transition = transition_time(was, status, now);
     json!({ "status": { "conditions": [{
         "type": GATE,
         "status": status,
@@ -110,7 +112,7 @@ pub async fn write(
     if !has_gate(&pod) {
         return Ok(false);
     }
-    let body = patch_body(state, capture, current(&pod), &super::now_rfc3339());
+    let body = patch_body(state, capture, current(&pod), &now_rfc3339());
     api.patch_status(name, &PatchParams::default(), &Patch::Strategic(body))
         .await?;
     Ok(true)

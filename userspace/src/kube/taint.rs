@@ -9,7 +9,7 @@ use k8s_openapi::api::core::v1::{Node, Taint};
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::{json, Value};
 
-use super::{precondition, retry_on_conflict};
+use super::patch::{precondition, retry_on_conflict};
 
 /// The node's taints without those keyed in `keys`; `None` when it has none
 /// of them.

@@ -20,7 +20,7 @@ use k8s_openapi::api::{
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use serde_json::{json, Value};
 
-use super::{annotate::REDIRECTION, gate, taint};
+use super::{annotate::REDIRECTION, gate, patch::now_rfc3339, taint};
 
 /// Annotation on the agents' DaemonSet asking them to remove sluice from
 /// their nodes.
@@ -164,7 +164,7 @@ pub async fn clean(
     node: Option<&str>,
 ) -> kube::Result<Cleaned> {
     let mut done = Cleaned::default();
-    let now = super::now_rfc3339();
+    let now = now_rfc3339();
     let pods_on = match node {
         Some(n) => ListParams::default().fields(&format!("spec.nodeName={n}")),
         None => ListParams::default(),
