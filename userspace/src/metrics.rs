@@ -17,7 +17,9 @@ use prometheus_client::{
     registry::{Registry, Unit},
 };
 
-use crate::{readiness::Reason, state::CounterView};
+use sluice_common::Counters;
+
+use crate::readiness::Reason;
 
 type Labels = Vec<(&'static str, &'static str)>;
 
@@ -27,7 +29,7 @@ pub struct Sample {
     /// Pods by state name (Pending, Enabled, Served, Draining, Unknown).
     pub pods: Vec<(&'static str, u64)>,
     /// The kernel counters of enrolled pods plus those of pods since removed.
-    pub kernel: CounterView,
+    pub kernel: Counters,
     /// The DNS capture counters, the same way.
     pub dns: sluice_common::DnsCounters,
     /// Enrolled pods by DNS mode (captured, pass-through, off).
@@ -568,7 +570,7 @@ mod tests {
         fn sample(&self) -> Sample {
             Sample {
                 pods: vec![("Enabled", 2), ("Pending", 1)],
-                kernel: CounterView {
+                kernel: Counters {
                     captured_inbound: 7,
                     dropped_fail_closed: 3,
                     ..Default::default()

@@ -83,7 +83,7 @@ pub struct PodRecord {
     pub changed_at_ns: u64,
     /// Registered listeners as "role/family", e.g. "inbound/ipv4".
     pub listeners: Vec<String>,
-    pub counters: CounterView,
+    pub counters: Counters,
     /// DNS capture: the pod's choice, whether it is on, and its counters.
     pub dns: DnsView,
     /// `ambient.istio.io/bypass-inbound-capture`: inbound not captured.
@@ -97,16 +97,6 @@ pub struct PodRecord {
     /// The pod's pinned links (`steer`, `egress_eth0`, `lo`, `host_eth0`…),
     /// from the bpffs (filled by `status::read`; empty from the maps alone).
     pub links: Vec<String>,
-}
-
-#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
-pub struct CounterView {
-    pub captured_inbound: u64,
-    pub captured_hbone: u64,
-    pub captured_outbound: u64,
-    pub bypassed: u64,
-    pub dropped_fail_closed: u64,
-    pub missing_socket: u64,
 }
 
 /// A pod's DNS capture as `status` shows it.
@@ -140,19 +130,6 @@ impl DnsMode {
             Self::Captured => "captured",
             Self::PassThrough => "pass-through",
             Self::Off => "off",
-        }
-    }
-}
-
-impl From<Counters> for CounterView {
-    fn from(c: Counters) -> Self {
-        Self {
-            captured_inbound: c.captured_inbound,
-            captured_hbone: c.captured_hbone,
-            captured_outbound: c.captured_outbound,
-            bypassed: c.bypassed,
-            dropped_fail_closed: c.dropped_fail_closed,
-            missing_socket: c.missing_socket,
         }
     }
 }
@@ -695,7 +672,7 @@ impl Maps {
                     enrolled_at_ns: e.enrolled_at_ns,
                     changed_at_ns: e.changed_at_ns,
                     listeners,
-                    counters: self.counters(cookie).into(),
+                    counters: self.counters(cookie),
                     dns: self.dns_view(cookie, has_proxy, options.dns),
                     addresses: addrs
                         .get(&cookie)

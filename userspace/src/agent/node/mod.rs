@@ -38,7 +38,7 @@ use crate::{
     netns::Netns,
     options::PodOptions,
     readiness::{self, PodView},
-    state::{boottime_ns, CounterView},
+    state::boottime_ns,
     uid::PodUid,
     workload::Workload,
     zds::{
@@ -139,7 +139,7 @@ impl metrics::Source for MapSource {
         }
         metrics::Sample {
             pods,
-            kernel: CounterView::from(kernel),
+            kernel,
             dns,
             dns_modes,
             drops: sluice_common::DropReason::ALL
