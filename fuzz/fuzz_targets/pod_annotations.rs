@@ -12,8 +12,7 @@ use sluice::{
     options::{
         PodOptions, BYPASS_DNS_CAPTURE, BYPASS_INBOUND_CAPTURE, DNS_CAPTURE,
         REROUTE_VIRTUAL_INTERFACES,
-    },
-};
+    },};
 
 fuzz_target!(|data: &[u8]| {
     let text = String::from_utf8_lossy(data);

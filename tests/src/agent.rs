@@ -15,7 +15,7 @@ use std::{
 };
 
 use anyhow::{ensure, Context as _};
-use sluice::loader::Pins;
+use sluice::dataplane::loader::Pins;
 
 use crate::{harness::sluice_bin, wait};
 

@@ -4,10 +4,10 @@
 use std::path::PathBuf;
 
 use sluice::{
-    enroll::{self, Enrolled},
-    features::{Features, TcAttach},
-    loader::Dataplane,
-    state::{Maps, PodRecord},
+    dataplane::features::{Features, TcAttach},
+    dataplane::loader::Dataplane,
+    dataplane::state::{Maps, PodRecord},
+    podnet::enroll::{self, Enrolled},
     uid::PodUid,
     workload::Workload,
 };
@@ -96,7 +96,7 @@ fn features_env() -> Option<(&'static str, String)> {
     .filter(|(_, on, real)| !on && *real)
     .map(|(name, ..)| name)
     .collect();
-    (!off.is_empty()).then(|| (sluice::features::DISABLE_ENV, off.join(",")))
+    (!off.is_empty()).then(|| (sluice::dataplane::features::DISABLE_ENV, off.join(",")))
 }
 
 /// This kernel's features without `bpf_get_netns_cookie` in tc programs
@@ -193,9 +193,9 @@ impl Fixture {
     /// to the pod are the host's own (kubelet's), exempt from capture.
     pub fn enroll_with_node(&self) -> anyhow::Result<Enrolled> {
         let mut dp = self.dataplane()?;
-        dp.set_node(sluice::hostside::Node::open(&crate::ns::netns_path(
-            &self.topo.client,
-        ))?)?;
+        dp.set_node(sluice::podnet::hostside::Node::open(
+            &crate::ns::netns_path(&self.topo.client),
+        )?)?;
         Ok(enroll::enroll(
             &mut dp,
             &self.topo.pod_netns_path(),
@@ -217,7 +217,7 @@ impl Fixture {
     /// kernel without tcx has the host-side filter to remove).
     pub fn unenroll(&self) -> anyhow::Result<()> {
         let mut maps = Maps::open_pinned(&self.topo.pins.maps())?;
-        let node = sluice::hostside::Node::open(&crate::ns::netns_path(&self.topo.client))?;
+        let node = sluice::podnet::hostside::Node::open(&crate::ns::netns_path(&self.topo.client))?;
         Ok(enroll::unenroll(
             &self.topo.pins,
             &mut maps,
@@ -231,7 +231,10 @@ impl Fixture {
     }
 
     /// This pod's record in the pins at `pins` (pods enrolled by a shared agent).
-    pub fn pod_record_in(&self, pins: &sluice::loader::Pins) -> anyhow::Result<PodRecord> {
+    pub fn pod_record_in(
+        &self,
+        pins: &sluice::dataplane::loader::Pins,
+    ) -> anyhow::Result<PodRecord> {
         let pods = sluice::status::read(pins)?;
         pods.into_iter()
             .find(|p| p.uid == self.uid.as_str())
@@ -245,7 +248,11 @@ impl Fixture {
 
     /// Waits until this pod's state in the pins at `pins` (an agent shared
     /// by several fixtures) is `want`.
-    pub fn wait_state_in(&self, pins: &sluice::loader::Pins, want: &str) -> anyhow::Result<()> {
+    pub fn wait_state_in(
+        &self,
+        pins: &sluice::dataplane::loader::Pins,
+        want: &str,
+    ) -> anyhow::Result<()> {
         wait::until(
             &format!("pod {} to be {want}", self.uid),
             wait::DEADLINE,

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use anyhow::Context as _;
 use aya::programs::{SchedClassifier, SkLookup};
-use sluice::loader::{Pins, PROG_STEER};
+use sluice::dataplane::loader::{Pins, PROG_STEER};
 
 /// Kernel program id and tag of each program pinned under `pins`, by pin
 /// name.

@@ -10,7 +10,7 @@ use std::{
     sync::atomic::{AtomicU32, Ordering},
 };
 
-use sluice::loader::Pins;
+use sluice::dataplane::loader::Pins;
 use sluice_common::{PROBE_ADDR_V4, PROBE_ADDR_V6};
 
 use crate::ns::netns_path;
@@ -189,7 +189,7 @@ impl Drop for Topology {
     fn drop(&mut self) {
         // Unenroll everything and drop the test's own bpffs root first, while
         // the netns still exists, then the namespaces (which take the veth).
-        if let Err(e) = sluice::enroll::uninstall(&self.pins, None) {
+        if let Err(e) = sluice::podnet::enroll::uninstall(&self.pins, None) {
             eprintln!("cleanup: uninstall {}: {e}", self.pins.root().display());
         }
         for ns in [&self.pod, &self.client] {

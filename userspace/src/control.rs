@@ -146,7 +146,7 @@ pub struct NodeStatus {
     /// a fallback to cls_bpf on a kernel without tcx); `None` from an agent
     /// of a build before the choice.
     #[serde(default)]
-    pub tc_attach: Option<crate::features::TcAttach>,
+    pub tc_attach: Option<crate::dataplane::features::TcAttach>,
 }
 
 /// A pod of this node the agent leaves uncaptured, and why.

@@ -1,8 +1,8 @@
 //! sluice: an eBPF redirection dataplane for Istio ambient mode.
 //!
-//! Data path, in the order a pod meets it: [`loader`] (programs and maps, once
-//! per node) → [`enroll`] (per pod: links, routes, state) → [`sockets`]
-//! (ztunnel's listeners into the socket map) → [`state`] (the pinned maps that
+//! Data path, in the order a pod meets it: [`dataplane::loader`] (programs and maps, once
+//! per node) → [`podnet::enroll`] (per pod: links, routes, state) → [`podnet::sockets`]
+//! (ztunnel's listeners into the socket map) → [`dataplane::state`] (the pinned maps that
 //! `status` reads). The `sluice` command's parser and subcommands are
 //! [`cli`].
 
@@ -11,34 +11,16 @@ pub mod agent;
 pub mod cli;
 pub mod cni;
 pub mod control;
-pub mod enroll;
-pub mod explain;
+pub mod dataplane;
 pub mod fault;
-pub mod features;
-pub mod hostside;
 pub mod kube;
 pub mod lifecycle;
-pub mod loader;
-pub mod mapcopy;
 pub mod metrics;
-pub mod migrate;
-pub mod netns;
 pub mod options;
-pub mod podlinks;
-pub mod podns;
-pub mod podview;
+pub mod podnet;
 pub mod readiness;
-pub mod refilter;
-pub mod relink;
-pub mod routes;
-pub mod rtnl;
 pub mod served;
-pub mod sockets;
-pub mod stamp;
-pub mod state;
 pub mod status;
-pub mod sysctl;
-pub mod tcfilter;
 pub mod uid;
 pub mod unixsock;
 pub mod watchdog;

@@ -121,8 +121,8 @@ fn main() -> anyhow::Result<()> {
         println!("  {line}");
     }
     println!("\nsluice status --pod default/{}:", f.uid);
-    if let Some(e) = sluice::explain::explain(&format!("default/{}", f.uid), &pods, None) {
-        for line in sluice::explain::render(&e, false).lines() {
+    if let Some(e) = sluice::status::explain::explain(&format!("default/{}", f.uid), &pods, None) {
+        for line in sluice::status::explain::render(&e, false).lines() {
             println!("  {line}");
         }
     }

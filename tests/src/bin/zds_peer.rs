@@ -178,7 +178,7 @@ fn pod_ips(netns: &Arc<OwnedFd>) -> Vec<std::net::IpAddr> {
     std::thread::scope(|s| {
         s.spawn(|| {
             ns.enter().ok()?;
-            sluice::netns::addresses().ok()
+            sluice::podnet::netns::addresses().ok()
         })
         .join()
         .ok()

@@ -1255,7 +1255,7 @@ fn discovery_skips_host() -> TestResult {
         for p in [shim.id(), app.id()] {
             std::fs::write(cg.join("cgroup.procs"), p.to_string())?;
         }
-        let found = sluice::podns::find(uid).context("no netns found")?;
+        let found = sluice::podnet::podns::find(uid).context("no netns found")?;
         let want = f.topo.pod_netns_path();
         ensure!(
             found == want,
@@ -1347,7 +1347,7 @@ fn another_layout() -> TestResult {
     let _p = peer(&agent)?;
     enroll_enabled(&agent, &f)?;
     let ours = max_entries(&f, "pod_state")?;
-    let stamp_before = sluice::stamp::read(&f.topo.pins.maps()).context("no stamp")?;
+    let stamp_before = sluice::dataplane::stamp::read(&f.topo.pins.maps()).context("no stamp")?;
     let clients = Clients::start(&f);
     clients.wait_more(20, "before the migration")?;
     for (step, object, want) in [
@@ -1387,8 +1387,10 @@ fn another_layout() -> TestResult {
         ensure!(shown.contains("migrated at start"), "{step}: {shown}");
         // `sluice status` names the build that pinned the dataplane.
         let built = match object {
-            Some(o) => sluice::stamp::version_of(&std::fs::read(o)?),
-            None => sluice::stamp::version_of(sluice::loader::embedded_object()),
+            Some(o) => sluice::dataplane::stamp::version_of(&std::fs::read(o)?),
+            None => {
+                sluice::dataplane::stamp::version_of(sluice::dataplane::loader::embedded_object())
+            }
         };
         let out = agent.sluice(&["status", "-o", "json"])?;
         let status: serde_json::Value = serde_json::from_str(&out.stdout)?;
@@ -1411,7 +1413,7 @@ fn another_layout() -> TestResult {
         );
         clients.wait_more(20, step)?;
     }
-    let stamp_after = sluice::stamp::read(&f.topo.pins.maps()).context("no stamp")?;
+    let stamp_after = sluice::dataplane::stamp::read(&f.topo.pins.maps()).context("no stamp")?;
     ensure!(
         stamp_after == stamp_before,
         "{stamp_before} → {stamp_after}"
@@ -1502,10 +1504,10 @@ fn links_follow_pins(f: &Fixture) -> anyhow::Result<std::collections::BTreeMap<S
     let links = link_programs(f)?;
     for (link, id) in &links {
         let prog = match link.as_str() {
-            "steer" => sluice::loader::PROG_STEER,
-            "lo" => sluice::loader::PROG_LO,
-            l if l.starts_with("egress_") => sluice::loader::PROG_EGRESS,
-            _ => sluice::loader::PROG_INGRESS,
+            "steer" => sluice::dataplane::loader::PROG_STEER,
+            "lo" => sluice::dataplane::loader::PROG_LO,
+            l if l.starts_with("egress_") => sluice::dataplane::loader::PROG_EGRESS,
+            _ => sluice::dataplane::loader::PROG_INGRESS,
         };
         ensure!(
             *id == pinned[prog].0,
@@ -1572,8 +1574,8 @@ fn link_programs(f: &Fixture) -> anyhow::Result<std::collections::BTreeMap<Strin
     for e in std::fs::read_dir(dir)? {
         let path = e?.path();
         let name = path.file_name().unwrap().to_string_lossy().into_owned();
-        let id = match sluice::tcfilter::pinned(&path) {
-            Some(sluice::tcfilter::Pinned::Program(recorded)) => {
+        let id = match sluice::dataplane::tcfilter::pinned(&path) {
+            Some(sluice::dataplane::tcfilter::Pinned::Program(recorded)) => {
                 let (iface, dir) = match name.split_once('_') {
                     Some(("egress", i)) => (i, "egress"),
                     Some((_, i)) => (i, "ingress"),
@@ -1602,7 +1604,7 @@ fn link_programs(f: &Fixture) -> anyhow::Result<std::collections::BTreeMap<Strin
 /// pod link at its own programs in place, swaps the pins, and no connection
 /// fails meanwhile.
 fn programs_replaced() -> TestResult {
-    use sluice::loader::{PROG_EGRESS, PROG_INGRESS};
+    use sluice::dataplane::loader::{PROG_EGRESS, PROG_INGRESS};
     let f = Fixture::new("pr", None)?;
     let mut agent = AgentProc::start(&f.topo.pins)?;
     let _p = peer(&agent)?;
@@ -1643,8 +1645,8 @@ fn programs_replaced() -> TestResult {
     let links = link_programs(&f)?;
     for (link, id) in &links {
         let prog = match link.as_str() {
-            "steer" => sluice::loader::PROG_STEER,
-            "lo" => sluice::loader::PROG_LO,
+            "steer" => sluice::dataplane::loader::PROG_STEER,
+            "lo" => sluice::dataplane::loader::PROG_LO,
             l if l.starts_with("egress_") => PROG_EGRESS,
             _ => PROG_INGRESS,
         };

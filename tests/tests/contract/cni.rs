@@ -11,7 +11,7 @@ use std::{
 use anyhow::{ensure, Context as _};
 use libtest_mimic::Trial;
 use serde_json::json;
-use sluice::loader::Pins;
+use sluice::dataplane::loader::Pins;
 use sluice_common::PodState;
 use sluice_tests::{
     agent::{AgentProc, PeerProc},
@@ -164,7 +164,7 @@ impl Node {
 
 impl Drop for Node {
     fn drop(&mut self) {
-        let _ = sluice::enroll::uninstall(&self.pins, None);
+        let _ = sluice::podnet::enroll::uninstall(&self.pins, None);
         let _ = ip(&["netns", "del", &self.pod]);
         let _ = ip(&["netns", "del", &self.node]);
         let _ = std::fs::remove_dir_all(&self.dir);

@@ -85,7 +85,7 @@ pub fn trials() -> Vec<Trial> {
             ),
             move || {
                 // What this kernel does (in a VM with an older kernel too).
-                let probed = sluice::features::Features::get().netns_cookie_in_tc;
+                let probed = sluice::dataplane::features::Features::get().netns_cookie_in_tc;
                 x5(fam, if probed { Cookies::InTc } else { Cookies::None })
             },
         ));
@@ -344,7 +344,7 @@ fn x4() -> TestResult {
     let sniffer = Sniffer::start(&f.topo.client)?;
     let hidden = |s: &sluice_tests::sniff::Seen| s.src == pod && s.next_header == 60;
     let malformed = || -> anyhow::Result<u64> {
-        let maps = sluice::state::Maps::open_pinned(&f.topo.pins.maps())?;
+        let maps = sluice::dataplane::state::Maps::open_pinned(&f.topo.pins.maps())?;
         Ok(maps.drops(sluice_common::DropReason::Malformed))
     };
     send_dstopts_chain(&f.topo.pod, client, REMOTE_PORT, 7)?;
@@ -419,7 +419,7 @@ fn x5(fam: Family, cookies: Cookies) -> TestResult {
     };
     let r = connect(&f.topo.pod, dst, opts);
     let acc = f.standin().accepted();
-    let unknown = sluice::state::Maps::open_pinned(&f.topo.pins.maps())?
+    let unknown = sluice::dataplane::state::Maps::open_pinned(&f.topo.pins.maps())?
         .drops(sluice_common::DropReason::UnknownSource);
     match cookies {
         Cookies::InTc => {
@@ -457,7 +457,8 @@ fn x2(fam: Family) -> TestResult {
     }
     sluice_tests::topology::ip(&args)?;
     let mut dp = a.dataplane()?;
-    let e = sluice::enroll::enroll(&mut dp, &b.topo.pod_netns_path(), &b.uid, &b.workload())?;
+    let e =
+        sluice::podnet::enroll::enroll(&mut dp, &b.topo.pod_netns_path(), &b.uid, &b.workload())?;
     ensure!(e.state == PodState::Enabled, "{e:?}");
     let owner = dp
         .maps
@@ -465,7 +466,7 @@ fn x2(fam: Family) -> TestResult {
         .into_iter()
         .find(|(_, ks)| {
             ks.iter()
-                .any(|k| *k == sluice::state::addr_key(&fam_pod(&a, fam)))
+                .any(|k| *k == sluice::dataplane::state::addr_key(&fam_pod(&a, fam)))
         })
         .map(|(c, _)| c);
     let a_cookie = a.pod_record()?.netns_cookie;
@@ -692,7 +693,7 @@ fn f2(fam: Family) -> TestResult {
             "a filter remains on {dev} {hook}: {shown}"
         );
     }
-    let maps = sluice::state::Maps::open_pinned(&f.topo.pins.maps())?;
+    let maps = sluice::dataplane::state::Maps::open_pinned(&f.topo.pins.maps())?;
     ensure!(!maps.cookies().contains(&cookie), "map entries remain");
     let rule = sluice_tests::topology::has_redirect_rule(&f.topo.pod)?;
     ensure!(!rule, "policy rule remains");

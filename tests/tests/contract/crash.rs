@@ -10,7 +10,7 @@ use std::{net::SocketAddr, path::Path};
 
 use anyhow::{ensure, Context as _};
 use libtest_mimic::Trial;
-use sluice::podlinks::{expected_links, LinkSpec};
+use sluice::podnet::podlinks::{expected_links, LinkSpec};
 use sluice_common::PodState;
 use sluice_tests::{
     agent::{AgentProc, PeerProc},
@@ -248,9 +248,9 @@ fn takeover_killed() -> TestResult {
         .context("no links")?;
     let f = Fixture::new("tko", None)?;
     sluice_tests::istio::apply(&f.topo.pod)?;
-    let ns = sluice::netns::Netns::open(&f.topo.pod_netns_path())?;
+    let ns = sluice::podnet::netns::Netns::open(&f.topo.pod_netns_path())?;
     ensure!(
-        !sluice::migrate::istio_rules(&ns)?.is_empty(),
+        !sluice::dataplane::migrate::istio_rules(&ns)?.is_empty(),
         "Istio's rules not applied"
     );
     let mut agent = AgentProc::start_crashing_at(&f.topo.pins, &step)?;
@@ -258,11 +258,11 @@ fn takeover_killed() -> TestResult {
     ensure!(!out.ok, "enroll survived the crash point: {}", out.stdout);
     ensure!(agent.wait_killed()? == libc::SIGKILL);
     ensure!(
-        !sluice::migrate::istio_rules(&ns)?.is_empty(),
+        !sluice::dataplane::migrate::istio_rules(&ns)?.is_empty(),
         "Istio's rules went before the crash point"
     );
     agent.restart_clean()?;
-    let left = sluice::migrate::istio_rules(&ns)?;
+    let left = sluice::dataplane::migrate::istio_rules(&ns)?;
     ensure!(
         left.is_empty(),
         "Istio's rules left after the restart: {left:?}"
@@ -290,13 +290,13 @@ fn lost_links() -> TestResult {
     let dir = f.topo.pins.pod(f.pod_record()?.netns_cookie);
     for l in pod_links().iter().filter(|l| **l != LinkSpec::Steer) {
         let pin = dir.join(l.pin_name());
-        match sluice::tcfilter::pinned(&pin) {
+        match sluice::dataplane::tcfilter::pinned(&pin) {
             // A cls_bpf filter: deleted from the kernel, its record removed.
-            Some(sluice::tcfilter::Pinned::Program(_)) => {
+            Some(sluice::dataplane::tcfilter::Pinned::Program(_)) => {
                 let hook = l.tc_hook().context("a tc link")?;
                 let (iface, kind) = (hook.iface.to_owned(), hook.kind);
                 sluice_tests::ns::run_in(&f.topo.pod, move || {
-                    sluice::tcfilter::detach(&iface, kind)
+                    sluice::dataplane::tcfilter::detach(&iface, kind)
                 })?;
                 std::fs::remove_file(&pin)?;
             }

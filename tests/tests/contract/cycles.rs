@@ -7,7 +7,7 @@ use anyhow::{ensure, Context as _};
 use libtest_mimic::Trial;
 use sluice::{
     control::{self, Request, Response},
-    state::Maps,
+    dataplane::state::Maps,
     workload::Workload,
 };
 use sluice_tests::child::Bounded as _;

@@ -10,9 +10,9 @@ use std::net::{IpAddr, SocketAddr};
 use anyhow::{ensure, Context as _};
 use libtest_mimic::Trial;
 use sluice::{
-    enroll,
+    dataplane::state::DnsMode,
     options::{DnsChoice, PodOptions},
-    state::DnsMode,
+    podnet::enroll,
 };
 use sluice_common::PodState;
 use sluice_tests::{

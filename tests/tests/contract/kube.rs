@@ -75,7 +75,7 @@ fn cluster_node_with(
 
 /// [`cluster_node_with`] on a dataplane made by the caller.
 fn cluster_node_over(
-    dp: sluice::loader::Dataplane,
+    dp: sluice::dataplane::loader::Dataplane,
     client: kube::Client,
     cni_records: Option<std::path::PathBuf>,
     served: ServedConfig,
@@ -192,7 +192,7 @@ fn host_hook_event() -> TestResult {
         let events: Events = Arc::default();
         let client = api(Arc::default(), Arc::default(), events.clone());
         let mut dp = f.dataplane()?;
-        dp.set_node(sluice::hostside::Node::open(
+        dp.set_node(sluice::podnet::hostside::Node::open(
             &sluice_tests::ns::netns_path(&f.topo.client),
         )?)?;
         let (node, _announcing) = cluster_node_over(dp, client, None, Default::default(), None)?;
@@ -378,7 +378,7 @@ fn admitted_with(f: &Fixture, records: &std::path::Path) -> TestResult {
         // Its annotation reached the programs.
         ensure!(rec.bypass_inbound, "bypass-inbound-capture not applied: {rec:?}");
         ensure!(
-            rec.dns.mode == sluice::state::DnsMode::Off && rec.dns.choice == sluice::options::DnsChoice::Off,
+            rec.dns.mode == sluice::dataplane::state::DnsMode::Off && rec.dns.choice == sluice::options::DnsChoice::Off,
             "dns-capture: \"false\" not applied: {rec:?}"
         );
         // No ztunnel is connected: a Warning on the pod says so; and the
@@ -538,12 +538,12 @@ fn existing_pod_netns_found_by_cgroup() -> TestResult {
         std::process::id() & 0xffff
     );
     let _p = PodProcess::spawn(&f.topo.pod_netns_path(), &uid)?;
-    let found = sluice::podns::find(&uid);
+    let found = sluice::podnet::podns::find(&uid);
     ensure!(
         found.as_deref() == Some(f.topo.pod_netns_path().as_path()),
         "found {found:?}"
     );
-    ensure!(sluice::podns::find("00000000-0000-4000-8000-00000000dead").is_none());
+    ensure!(sluice::podnet::podns::find("00000000-0000-4000-8000-00000000dead").is_none());
     Ok(())
 }
 
@@ -559,7 +559,7 @@ fn relist() -> TestResult {
     {
         let mut dp = f.dataplane()?;
         let w = sluice::workload::Workload::new("stale", "mesh", "default")?;
-        sluice::enroll::attach_pod(
+        sluice::podnet::enroll::attach_pod(
             &mut dp,
             &stale.topo.pod_netns_path(),
             &sluice::uid::PodUid::new("stale-uid")?,
@@ -665,9 +665,9 @@ fn relist() -> TestResult {
         let control::Response::Node(n) = node.handle(control::Request::Status).await else {
             anyhow::bail!("no node status");
         };
-        let why = sluice::explain::explain("kube-system/dns", &[], Some(&n)).map(|e| e.verdict);
+        let why = sluice::status::explain::explain("kube-system/dns", &[], Some(&n)).map(|e| e.verdict);
         ensure!(
-            why == Some(sluice::explain::Verdict::NotCaptured {
+            why == Some(sluice::status::explain::Verdict::NotCaptured {
                 reason: "the pod's namespace is excluded (--exclude-namespaces)".into()
             }),
             "{why:?} from {:?}",
@@ -851,7 +851,7 @@ fn gate_follows_served_in(f: &Fixture, dir: &std::path::Path) -> TestResult {
         )
         .await?;
         ensure!(g["status"] == "False", "{g}");
-        let cart_record = || -> anyhow::Result<sluice::state::PodRecord> {
+        let cart_record = || -> anyhow::Result<sluice::dataplane::state::PodRecord> {
             let pods = sluice::status::read(&f.topo.pins)?;
             pods.into_iter()
                 .find(|p| p.uid == "u-cart")

@@ -406,7 +406,7 @@ fn failed_enroll_rolls_back() -> TestResult {
             std::fs::read_dir(f.topo.pins.pods())?.next().is_none(),
             "pod pins left behind"
         );
-        let maps = sluice::state::Maps::open_pinned(&f.topo.pins.maps())?;
+        let maps = sluice::dataplane::state::Maps::open_pinned(&f.topo.pins.maps())?;
         ensure!(
             maps.cookies().is_empty(),
             "map entries left behind: {:?}",
@@ -456,7 +456,7 @@ fn pod_hook_taken() -> TestResult {
     if let Some(left) = capture_left(&f)? {
         anyhow::bail!("the refused pod kept {left}");
     }
-    let maps = sluice::state::Maps::open_pinned(&f.topo.pins.maps())?;
+    let maps = sluice::dataplane::state::Maps::open_pinned(&f.topo.pins.maps())?;
     ensure!(
         maps.cookies().is_empty(),
         "map entries left behind: {:?}",
@@ -491,7 +491,7 @@ fn unenroll_after_netns_gone() -> TestResult {
     let out = sluice(&f, &["unenroll", "--uid", f.uid.as_str()])?;
     ensure!(out.ok, "unenroll failed: {}", out.stderr);
     ensure!(!f.topo.pins.pod(cookie).exists(), "pins left behind");
-    let maps = sluice::state::Maps::open_pinned(&f.topo.pins.maps())?;
+    let maps = sluice::dataplane::state::Maps::open_pinned(&f.topo.pins.maps())?;
     ensure!(maps.cookies().is_empty());
     Ok(())
 }
@@ -505,7 +505,7 @@ fn unenroll_after_netns_gone() -> TestResult {
 /// with the reason and leaves the other tool's qdisc. Once the hook is free
 /// again, the repair completes the capture.
 fn hook_taken_after_enrollment() -> TestResult {
-    use sluice::enroll::{self, Repair};
+    use sluice::podnet::enroll::{self, Repair};
     let f = Fixture::new("htak", Some(Bind::DualStack))?;
     let e = f.enroll()?;
     let tc = |args: &[&str]| sluice_tests::ns::exec(&f.topo.pod, &[&["tc"], args].concat());
@@ -547,7 +547,7 @@ fn hook_taken_after_enrollment() -> TestResult {
     // place) leaves both hooks as they are and goes on.
     let running = || sluice_tests::inspect::filter_programs(&f.topo.pod, "eth0", "ingress");
     let before = running()?;
-    let mut upgrade = sluice::refilter::Refilter::new(&f.topo.pins.maps(), None);
+    let mut upgrade = sluice::dataplane::refilter::Refilter::new(&f.topo.pins.maps(), None);
     let pod_dir = f.topo.pins.pod(e.cookie);
     for (record, prog) in [
         ("egress_eth0", &mut dp.egress),
@@ -638,7 +638,7 @@ fn uninstall_with_maps_lost() -> TestResult {
     ensure!(inbound_captured(&f)?, "not captured to begin with");
     std::fs::remove_file(f.topo.pins.maps().join("pod_state"))?;
     ensure!(
-        sluice::state::Maps::open_pinned(&f.topo.pins.maps()).is_err(),
+        sluice::dataplane::state::Maps::open_pinned(&f.topo.pins.maps()).is_err(),
         "the maps still open: the test's premise does not hold"
     );
     let out = sluice(&f, &["uninstall"])?;
@@ -665,7 +665,7 @@ fn stateless_pins() -> TestResult {
         dp.maps.cookies().is_empty() && f.topo.pins.pod(cookie).exists(),
         "fresh maps with the pod's pins left is the test's premise"
     );
-    let n = sluice::enroll::remove_orphan_pins(&dp.pins, &dp.maps, dp.node.as_ref())?;
+    let n = sluice::podnet::enroll::remove_orphan_pins(&dp.pins, &dp.maps, dp.node.as_ref())?;
     ensure!(n == 1, "{n} pods without state, want 1");
     drop(dp);
     if let Some(left) = capture_left(&f)? {
@@ -683,12 +683,12 @@ fn takeover_from_istio_cni(backend: Backend, tools: [&str; 2]) -> TestResult {
     let f = Fixture::new("mig", Some(sluice_tests::standin::Bind::DualStack))?;
     sluice_tests::istio::apply_with(&f.topo.pod, backend)?;
     let netns = f.topo.pod_netns_path();
-    let ns = sluice::netns::Netns::open(&netns)?;
-    let found = sluice::migrate::istio_rules(&ns)?;
+    let ns = sluice::podnet::netns::Netns::open(&netns)?;
+    let found = sluice::dataplane::migrate::istio_rules(&ns)?;
     ensure!(found == tools, "Istio's rules not detected: {found:?}");
     ensure!(f.enroll()?.state == sluice_common::PodState::Enabled);
     ensure!(
-        sluice::migrate::istio_rules(&ns)?.is_empty(),
+        sluice::dataplane::migrate::istio_rules(&ns)?.is_empty(),
         "Istio's chains remain"
     );
     for fam in [Family::V4, Family::V6] {
@@ -801,9 +801,9 @@ fn sysctls_with_read_only_proc_sys() -> TestResult {
 /// netlink dump and two proc files (no iptables tool runs for it), and sees
 /// the tables an iptables-nft or iptables-legacy rule set makes there.
 fn nf_tables_counted() -> TestResult {
-    use sluice::migrate::{legacy_tables, nf_tables_count, LEGACY_V4, LEGACY_V6};
+    use sluice::dataplane::migrate::{legacy_tables, nf_tables_count, LEGACY_V4, LEGACY_V6};
     let f = Fixture::new("nft", None)?;
-    let netns = sluice::netns::Netns::open(&f.topo.pod_netns_path())?;
+    let netns = sluice::podnet::netns::Netns::open(&f.topo.pod_netns_path())?;
     let seen = || {
         netns.run(|| {
             (
@@ -908,7 +908,7 @@ fn programs_after_sluice(tcx: bool) -> TestResult {
     let e = f.enroll()?;
     ensure!(e.state == sluice_common::PodState::Enabled, "{e:?}");
     let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime)?;
-    let prog_pin = f.topo.pins.progs().join(sluice::loader::PROG_LO);
+    let prog_pin = f.topo.pins.progs().join(sluice::dataplane::loader::PROG_LO);
     let pod = f.topo.pod.clone();
     // Held (tcx) or left on the veth (cls_bpf) until the topology goes.
     let _link = sluice_tests::ns::run_in(&pod, move || -> anyhow::Result<_> {
@@ -925,7 +925,10 @@ fn programs_after_sluice(tcx: bool) -> TestResult {
         Ok(p.take_link(id)?)
     })?;
     let runs = || -> anyhow::Result<u64> {
-        Ok(ProgramInfo::from_pin(f.topo.pins.progs().join(sluice::loader::PROG_LO))?.run_count())
+        Ok(
+            ProgramInfo::from_pin(f.topo.pins.progs().join(sluice::dataplane::loader::PROG_LO))?
+                .run_count(),
+        )
     };
     let before = runs()?;
     let dst = SocketAddr::new(Family::V4.client(), sluice_tests::harness::UDP_PORT);
@@ -951,7 +954,7 @@ fn programs_after_sluice(tcx: bool) -> TestResult {
 }
 
 fn deleted_filter() -> TestResult {
-    use sluice::enroll::{self, Repair};
+    use sluice::podnet::enroll::{self, Repair};
     let f = Fixture::new("fdel", Some(Bind::DualStack))?;
     let e = f.enroll()?;
     ensure!(e.state == sluice_common::PodState::Enabled, "{e:?}");

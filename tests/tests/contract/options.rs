@@ -35,7 +35,7 @@ pub fn trials() -> Vec<Trial> {
             "options::{}::i7_reroute_virtual_interfaces_captures_a_vms_tcp_as_outbound",
             fam.name()
         );
-        let refused = !sluice::features::Features::get().netns_cookie_in_tc;
+        let refused = !sluice::dataplane::features::Features::get().netns_cookie_in_tc;
         if refused {
             eprintln!(
                 "skipping {name}: this kernel has no bpf_get_netns_cookie in tc programs, so \

@@ -13,7 +13,7 @@ use aya::programs::{
     LinkOrder, SchedClassifier,
 };
 use libtest_mimic::Trial;
-use sluice::loader::PROG_HOST;
+use sluice::dataplane::loader::PROG_HOST;
 use sluice_common::{PodState, Role};
 use sluice_tests::{
     agent::AgentProc,
@@ -302,13 +302,14 @@ fn host_hook_taken() -> TestResult {
         "expected the node's connection captured, got {acc:?}"
     );
     let mut dp = f.dataplane()?;
-    dp.set_node(sluice::hostside::Node::open(
+    dp.set_node(sluice::podnet::hostside::Node::open(
         &sluice_tests::ns::netns_path(&f.topo.client),
     )?)?;
-    let missing = sluice::enroll::missing_links(&dp, e.cookie)?;
+    let missing = sluice::podnet::enroll::missing_links(&dp, e.cookie)?;
     ensure!(missing.is_empty(), "reported missing: {missing:?}");
     ensure!(
-        sluice::enroll::repair(&mut dp, e.cookie, false)? == sluice::enroll::Repair::Complete,
+        sluice::podnet::enroll::repair(&mut dp, e.cookie, false)?
+            == sluice::podnet::enroll::Repair::Complete,
         "repair found something to do"
     );
     let qdiscs = tc(&["qdisc", "show", "dev", "veth-c"])?;

@@ -10,7 +10,7 @@ use std::{net::SocketAddr, path::Path};
 use anyhow::{ensure, Context as _};
 use libtest_mimic::Trial;
 use serde_json::json;
-use sluice::loader::Pins;
+use sluice::dataplane::loader::Pins;
 use sluice_common::PodState;
 use sluice_tests::{
     agent::{AgentProc, PeerProc},
@@ -103,7 +103,7 @@ impl Node {
 
 impl Drop for Node {
     fn drop(&mut self) {
-        let _ = sluice::enroll::uninstall(&self.pins, None);
+        let _ = sluice::podnet::enroll::uninstall(&self.pins, None);
         let _ = ip(&["netns", "del", &self.remote]);
         let _ = ip(&["netns", "del", &self.netns]);
     }

@@ -63,7 +63,7 @@ pub fn trials() -> Vec<Trial> {
             "syncookies::{}::a_rerouted_vms_connection_completes_under_syn_cookies",
             fam.name()
         );
-        let refused = !sluice::features::Features::get().netns_cookie_in_tc;
+        let refused = !sluice::dataplane::features::Features::get().netns_cookie_in_tc;
         if refused {
             eprintln!("skipping {name}: no bpf_get_netns_cookie in tc programs here");
         }
@@ -129,7 +129,10 @@ fn replied(what: &str, r: &Reached, prefix: &str) -> Option<String> {
 }
 
 fn unhinted_drops(f: &Fixture) -> anyhow::Result<u64> {
-    Ok(sluice::state::Maps::open_pinned(&f.topo.pins.maps())?.drops(DropReason::Unhinted))
+    Ok(
+        sluice::dataplane::state::Maps::open_pinned(&f.topo.pins.maps())?
+            .drops(DropReason::Unhinted),
+    )
 }
 
 /// Captured (inbound to 15006 and 15008, outbound to 15001) and exempt
@@ -378,8 +381,8 @@ fn rerouted(fam: Family) -> TestResult {
 /// sees it (remote = the SYN's source).
 fn hint_key(from: SocketAddr, to: SocketAddr) -> FlowKey {
     let (r, l) = (
-        sluice::state::addr_key(&from.ip()),
-        sluice::state::addr_key(&to.ip()),
+        sluice::dataplane::state::addr_key(&from.ip()),
+        sluice::dataplane::state::addr_key(&to.ip()),
     );
     FlowKey {
         remote_addr: r.addr,
@@ -412,7 +415,7 @@ fn hints_released(fam: Family) -> TestResult {
     ensure!(r.reply().is_some(), "outbound: {r:?}");
     let acc = f.standin().accepted();
     ensure!(acc.len() == 2, "ztunnel accepted {acc:?}");
-    let maps = sluice::state::Maps::open_pinned(&f.topo.pins.maps())?;
+    let maps = sluice::dataplane::state::Maps::open_pinned(&f.topo.pins.maps())?;
     for a in &acc {
         let kept = maps.flow_hint(&hint_key(a.peer, a.local));
         ensure!(
@@ -455,7 +458,7 @@ fn lo_spoof_denied(fam: Family) -> TestResult {
     let acc = f.standin().accepted();
     ensure!(acc.len() == 1 && acc[0].role == Role::Inbound, "{acc:?}");
     let client = acc[0].peer;
-    let maps = || sluice::state::Maps::open_pinned(&f.topo.pins.maps());
+    let maps = || sluice::dataplane::state::Maps::open_pinned(&f.topo.pins.maps());
     let key = hint_key(client, dst);
     let kept = maps()?.flow_hint(&key);
     ensure!(

@@ -30,7 +30,7 @@ use std::{
 
 use sluice_common::Role;
 
-use crate::sockets::{owner_holds, Listener};
+use crate::podnet::sockets::{owner_holds, Listener};
 
 struct Held {
     role: Role,

@@ -66,7 +66,9 @@ impl KubeCtx {
     pub fn recorded_netns(&self, uid: &PodUid) -> Option<std::path::PathBuf> {
         let p = std::fs::read_to_string(self.cni_records.as_ref()?.join(uid.as_str())).ok()?;
         let path = std::path::PathBuf::from(p);
-        crate::netns::Netns::open(&path).is_ok().then_some(path)
+        crate::podnet::netns::Netns::open(&path)
+            .is_ok()
+            .then_some(path)
     }
 
     /// Forgets the records of pods that are not on this node any more.

@@ -21,7 +21,7 @@ use tracing::{info, warn};
 
 use crate::{
     cni::install::CniInstall,
-    loader::{Dataplane, Pins},
+    dataplane::loader::{Dataplane, Pins},
     zds::server::{self, Hub},
 };
 
@@ -62,7 +62,7 @@ pub struct Config {
     /// The node's DNS capture default (`--dns-capture`).
     pub dns_capture: bool,
     /// How tc programs are attached (`--tc-attach`).
-    pub tc_attach: crate::features::TcAttach,
+    pub tc_attach: crate::dataplane::features::TcAttach,
 }
 
 /// The API client, once `node` is known to name this host (refused when it
@@ -233,20 +233,20 @@ async fn hold_incompatible(cfg: Config, why: String) -> anyhow::Result<()> {
 async fn serve(cfg: Config) -> anyhow::Result<()> {
     let node = match &cfg.node_netns {
         Some(path) => Some(
-            crate::hostside::Node::open(path)
+            crate::podnet::hostside::Node::open(path)
                 .with_context(|| format!("--node-netns {}", path.display()))?,
         ),
         None => None,
     };
     let mut dp = match Dataplane::load_adopt_or_upgrade(cfg.pins.clone(), node.as_ref()) {
         Ok(dp) => dp,
-        Err(crate::loader::LoadError::Incompatible(why)) => {
+        Err(crate::dataplane::loader::LoadError::Incompatible(why)) => {
             return hold_incompatible(cfg, why).await
         }
         Err(e) => return Err(e).context("loading the dataplane"),
     };
     match &dp.adoption {
-        crate::loader::Adoption::Kept(_) => warn!(dataplane = %dp.adoption, "dataplane"),
+        crate::dataplane::loader::Adoption::Kept(_) => warn!(dataplane = %dp.adoption, "dataplane"),
         a => info!(dataplane = %a, "dataplane"),
     }
     if let Some(node) = node {
@@ -291,8 +291,8 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         client: k.client.clone(),
         node: k.node.clone(),
     });
-    let stamp =
-        crate::stamp::read(&dp.pins.maps()).map_or_else(|| "none".into(), |s| s.to_string());
+    let stamp = crate::dataplane::stamp::read(&dp.pins.maps())
+        .map_or_else(|| "none".into(), |s| s.to_string());
     let node = node::Node::new(
         dp,
         hub.clone(),
@@ -303,7 +303,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     );
     node.report()
         .metrics
-        .set_build_info(&crate::features::describe(), &stamp);
+        .set_build_info(&crate::dataplane::features::describe(), &stamp);
     // Before anything is served: every pod left by an earlier agent is
     // completely captured, or its teardown finished (crash safety).
     {

@@ -10,7 +10,7 @@ use crate::{
     agent::{
         self, report::ReportConfig, DEFAULT_HEALTH_ADDR, DEFAULT_METRICS_ADDR, DEFAULT_ZDS_SOCKET,
     },
-    features::TcAttach,
+    dataplane::features::TcAttach,
     served,
 };
 

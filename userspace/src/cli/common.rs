@@ -11,7 +11,8 @@ use anyhow::Context as _;
 use clap::ValueEnum;
 
 use crate::{
-    cni::install, control::Response, hostside, loader::Pins, readiness::DEFAULT_CONDITION_TYPE,
+    cni::install, control::Response, dataplane::loader::Pins, podnet::hostside,
+    readiness::DEFAULT_CONDITION_TYPE,
 };
 
 /// The global options every subcommand runs with.

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use super::common::{print_agent, Globals};
 use crate::{
     control::{self, Request},
-    loader::Dataplane,
+    dataplane::loader::Dataplane,
     uid::PodUid,
     workload::Workload,
 };
@@ -50,7 +50,7 @@ pub fn run(g: Globals, args: Args) -> anyhow::Result<()> {
         return print_agent(resp);
     }
     let mut dp = Dataplane::load_or_adopt(g.pins)?;
-    let e = crate::enroll::enroll(&mut dp, &netns, &uid, &workload)?;
+    let e = crate::podnet::enroll::enroll(&mut dp, &netns, &uid, &workload)?;
     println!(
         "enrolled pod {uid} (netns {}, cookie {}): {}{}",
         netns.display(),

@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 
 use super::common::Output;
-use crate::features::{self, Features};
+use crate::dataplane::features::{self, Features};
 
 #[derive(clap::Args)]
 pub struct Args {

@@ -19,7 +19,7 @@ use clap::{Parser, Subcommand};
 
 use common::{Globals, LogFormat};
 
-use crate::{control::DEFAULT_CONTROL_SOCKET, loader::DEFAULT_ROOT};
+use crate::{control::DEFAULT_CONTROL_SOCKET, dataplane::loader::DEFAULT_ROOT};
 
 #[derive(Parser)]
 #[command(
@@ -102,9 +102,9 @@ pub fn main() -> ExitCode {
 
 /// Runs one parsed command line: the global options, then the subcommand.
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
-    crate::sysctl::use_proc_dir(&cli.proc_dir);
+    crate::podnet::sysctl::use_proc_dir(&cli.proc_dir);
     let g = Globals {
-        pins: crate::loader::Pins::new(&cli.bpf_root),
+        pins: crate::dataplane::loader::Pins::new(&cli.bpf_root),
         control_socket: cli.control_socket,
         log_format: cli.log_format,
     };

@@ -2,7 +2,7 @@
 //! enrolled (after ztunnel (re)started), without an agent.
 
 use super::common::Globals;
-use crate::{loader::Dataplane, uid::PodUid};
+use crate::{dataplane::loader::Dataplane, uid::PodUid};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -13,7 +13,7 @@ pub struct Args {
 pub fn run(g: Globals, args: Args) -> anyhow::Result<()> {
     let uid = PodUid::new(&args.uid)?;
     let mut dp = Dataplane::load_or_adopt(g.pins)?;
-    let e = crate::enroll::register_uid(&mut dp, &uid)?;
+    let e = crate::podnet::enroll::register_uid(&mut dp, &uid)?;
     println!(
         "pod {uid}: {} ({} of 3 listeners)",
         e.state.as_str(),

@@ -6,7 +6,7 @@ use std::time::Duration;
 use super::common::{Globals, Output};
 use crate::{
     control::{self, Request, Response},
-    explain,
+    status::explain,
     status::{self, NodeView},
 };
 
@@ -41,8 +41,8 @@ pub fn run(g: Globals, args: Args) -> anyhow::Result<()> {
     };
     let node = NodeView {
         programs_loaded: pins.is_loaded(),
-        kernel: crate::features::describe(),
-        stamp: crate::stamp::read(&pins.maps()).map(|s| s.to_string()),
+        kernel: crate::dataplane::features::describe(),
+        stamp: crate::dataplane::stamp::read(&pins.maps()).map(|s| s.to_string()),
         agent,
         agent_error,
     };

@@ -6,7 +6,7 @@ use anyhow::Context as _;
 use super::common::{print_agent, this_netns_as_node, Globals};
 use crate::{
     control::{self, Request},
-    state::Maps,
+    dataplane::state::Maps,
     uid::PodUid,
 };
 
@@ -34,7 +34,7 @@ pub fn run(g: Globals, args: Args) -> anyhow::Result<()> {
         "no enrolled pod has uid {uid} (sluice is not loaded on this node)"
     );
     let mut maps = Maps::open_pinned(&pins.maps()).context("opening pinned maps")?;
-    crate::enroll::unenroll(&pins, &mut maps, this_netns_as_node().as_ref(), &uid)?;
+    crate::podnet::enroll::unenroll(&pins, &mut maps, this_netns_as_node().as_ref(), &uid)?;
     println!("unenrolled pod {uid}");
     Ok(())
 }

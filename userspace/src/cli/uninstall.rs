@@ -22,7 +22,7 @@ pub fn run(g: Globals, args: Args) -> anyhow::Result<()> {
         return via_agent(&control_socket, pins.root(), resp);
     }
     args.cni.install(&control_socket)?.uninstall()?;
-    let n = crate::enroll::uninstall(&pins, this_netns_as_node().as_ref())?;
+    let n = crate::podnet::enroll::uninstall(&pins, this_netns_as_node().as_ref())?;
     println!("removed sluice from this node ({n} pods unenrolled; sluice-cni removed)");
     Ok(())
 }

@@ -7,7 +7,7 @@
 use std::{path::PathBuf, time::Duration};
 
 use super::dump::{self, Known, Wanted};
-use crate::netns::{Netns, NetnsError};
+use crate::podnet::netns::{Netns, NetnsError};
 
 /// ztunnel's default admin port (ProxyConfig `proxyAdminPort`).
 pub const DEFAULT_ADMIN_PORT: u16 = 15000;

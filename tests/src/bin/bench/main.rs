@@ -27,7 +27,7 @@ use std::{collections::BTreeMap, path::PathBuf, time::Duration, time::Instant};
 
 use anyhow::ensure;
 use rand::{rngs::StdRng, SeedableRng};
-use sluice::{enroll, loader::Dataplane, uid::PodUid, workload::Workload};
+use sluice::{dataplane::loader::Dataplane, podnet::enroll, uid::PodUid, workload::Workload};
 use sluice_tests::{harness::is_root, topology::Topology};
 
 /// How many of everything a run does. [`Config::full`] is what the figures in
@@ -272,7 +272,7 @@ pub fn ratio<K: Ord>(per_round: &[BTreeMap<K, f64>], a: K, b: K) -> f64 {
 pub fn enroll_enabled(
     topo: &Topology,
     name: &str,
-    features: Option<sluice::features::Features>,
+    features: Option<sluice::dataplane::features::Features>,
 ) -> anyhow::Result<()> {
     let mut dp = match features {
         Some(f) => Dataplane::load_or_adopt_with(topo.pins.clone(), f)?,
@@ -378,7 +378,7 @@ fn write(report: &Report, cfg: &Config) -> anyhow::Result<()> {
         .unwrap_or_default();
     let json = serde_json::json!({
         "kernel": kernel,
-        "kernel_features": sluice::features::Features::get().summary(),
+        "kernel_features": sluice::dataplane::features::Features::get().summary(),
         "cpu": cpu,
         "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         "config": cfg.json(),
@@ -398,7 +398,7 @@ fn write(report: &Report, cfg: &Config) -> anyhow::Result<()> {
     }
     println!(
         "\nkernel {kernel} ({}), {cpu}; seed {}{}; results in target/bench/results.json",
-        sluice::features::Features::get().summary(),
+        sluice::dataplane::features::Features::get().summary(),
         cfg.seed,
         if cfg.smoke {
             " (SMOKE RUN: counts shrunk, figures not meaningful)"

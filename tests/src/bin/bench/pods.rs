@@ -15,10 +15,10 @@ use anyhow::{ensure, Context as _};
 use rand::rngs::StdRng;
 use sluice::{
     control::{self, Request},
-    enroll,
-    features::{Features, TcAttach},
-    loader::{Dataplane, Pins},
-    state::Maps,
+    dataplane::features::{Features, TcAttach},
+    dataplane::loader::{Dataplane, Pins},
+    dataplane::state::Maps,
+    podnet::enroll,
     uid::PodUid,
 };
 use sluice_tests::{
@@ -46,8 +46,8 @@ impl std::ops::Deref for BarePods {
 impl BarePods {
     /// Their node netns, for a dataplane to enroll them as the agent does
     /// (the host side of each veth gets sluice's host-side program).
-    pub fn node(&self) -> anyhow::Result<sluice::hostside::Node> {
-        Ok(sluice::hostside::Node::open(&ns_path(&self.1))?)
+    pub fn node(&self) -> anyhow::Result<sluice::podnet::hostside::Node> {
+        Ok(sluice::podnet::hostside::Node::open(&ns_path(&self.1))?)
     }
 }
 

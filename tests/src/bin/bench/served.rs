@@ -9,10 +9,10 @@ use anyhow::{ensure, Context as _};
 use rand::rngs::StdRng;
 use sluice::{
     control::{self, Request},
-    enroll,
-    loader::Pins,
+    dataplane::loader::Pins,
+    dataplane::state::Maps,
+    podnet::enroll,
     served::{fetch, Wanted},
-    state::Maps,
     uid::PodUid,
 };
 use sluice_tests::{

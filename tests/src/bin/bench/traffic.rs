@@ -14,7 +14,7 @@ use std::{
 
 use anyhow::{ensure, Context as _};
 use rand::{rngs::StdRng, seq::SliceRandom};
-use sluice::{enroll, loader::Dataplane, uid::PodUid};
+use sluice::{dataplane::loader::Dataplane, podnet::enroll, uid::PodUid};
 use sluice_common::MARK_ZTUNNEL;
 use sluice_tests::{
     harness::{APP_PORT, REMOTE_PORT},
@@ -59,7 +59,7 @@ impl Setup {
     pub fn with_features(
         variant: Variant,
         mode: Mode,
-        features: Option<sluice::features::Features>,
+        features: Option<sluice::dataplane::features::Features>,
     ) -> anyhow::Result<Self> {
         let topo = Topology::new(&format!("b{}", &variant.name()[..1]))?;
         let s = Self {

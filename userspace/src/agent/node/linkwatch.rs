@@ -22,7 +22,7 @@ use tokio::{
 };
 
 use super::*;
-use crate::podlinks::LinkSpec;
+use crate::podnet::podlinks::LinkSpec;
 
 /// rtnetlink's multicast groups of link and address events
 /// (`RTMGRP_LINK | RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR`).
@@ -133,7 +133,7 @@ impl Node {
         if guard.maps.entry(cookie).is_none() {
             return;
         }
-        if let Err(e) = crate::enroll::refresh_addrs(&mut guard.maps, &netns, cookie) {
+        if let Err(e) = crate::podnet::enroll::refresh_addrs(&mut guard.maps, &netns, cookie) {
             warn!(cookie, error = %e, "cannot publish the pod's addresses");
         }
     }
@@ -173,7 +173,7 @@ impl Node {
 /// Whether an interface of the calling thread's netns (not `lo`) has no
 /// egress link pinned in the pod's pin directory `dir`.
 fn unlinked_here(dir: &std::path::Path) -> std::io::Result<bool> {
-    Ok(crate::netns::interfaces()?
+    Ok(crate::podnet::netns::interfaces()?
         .into_iter()
         .filter(|i| i != "lo")
         .any(|i| {

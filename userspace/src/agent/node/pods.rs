@@ -23,7 +23,7 @@ use tracing::warn;
 use crate::{
     control::{IncompletePod, WaitingPod},
     lifecycle::{self, Applied, Cause, Effect, Event, Plan, Track, Ztunnel},
-    netns::Netns,
+    podnet::netns::Netns,
     workload::PodIdentity,
 };
 

@@ -126,7 +126,7 @@ impl Node {
                         let found = PodUid::new(&uid)
                             .ok()
                             .and_then(|u| k.recorded_netns(&u))
-                            .or_else(|| crate::podns::find(&uid));
+                            .or_else(|| crate::podnet::podns::find(&uid));
                         let Some(netns) = found else {
                             self.metrics().reconcile_error(ReconcileError::NoProcess);
                             warn!("ambient pod without capture, but none of its processes runs here yet");

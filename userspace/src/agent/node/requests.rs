@@ -255,7 +255,7 @@ impl Node {
     /// Whether a DEL (with the runtime's netns path, maybe empty) is about the
     /// sandbox we captured: its netns is ours, or ours is gone as well.
     pub(super) fn del_names_enrolled_sandbox(&self, cookie: u64, netns: &std::path::Path) -> bool {
-        let named = crate::netns::Netns::open(netns)
+        let named = crate::podnet::netns::Netns::open(netns)
             .ok()
             .and_then(|n| n.cookie().ok());
         match named {
@@ -311,7 +311,7 @@ impl Node {
             },
         };
         if let Some(cookie) = self.cookie_of(&uid) {
-            let same = crate::netns::Netns::open(&netns)?.cookie()? == cookie;
+            let same = crate::podnet::netns::Netns::open(&netns)?.cookie()? == cookie;
             if same {
                 // A retried ADD (or the first one an agent restarted since
                 // sees): this container made the enrolled sandbox.

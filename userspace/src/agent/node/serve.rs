@@ -16,8 +16,8 @@ use std::{collections::BTreeMap, net::IpAddr, sync::atomic::AtomicBool};
 use super::*;
 use crate::{
     control::ServedCheck as CheckView,
+    dataplane::state::addr_of,
     served::{fetch, Known, Mode, Wanted},
-    state::addr_of,
 };
 
 /// First look after a pod starts waiting, doubled up to `WAIT_MAX`.

@@ -18,11 +18,11 @@ use std::{
 use aya::programs::{ProgramError, SchedClassifier};
 
 use crate::{
-    hostside::Node,
-    netns::{interfaces, Netns, NetnsError},
-    podlinks::{self, LinkSpec, Side},
-    state::{Maps, StateError},
-    tcfilter,
+    dataplane::state::{Maps, StateError},
+    dataplane::tcfilter,
+    podnet::hostside::Node,
+    podnet::netns::{interfaces, Netns, NetnsError},
+    podnet::podlinks::{self, LinkSpec, Side},
 };
 
 /// A record pinned under this prefix is a replacement not yet renamed over

@@ -2,6 +2,8 @@
 //! running daemon: a fresh process opens the pins and reads. The node-level
 //! lines (condition, ztunnel) come from the agent when one runs.
 
+pub mod explain;
+
 use std::fmt::Write as _;
 
 use serde::Serialize;
@@ -9,8 +11,8 @@ use sluice_common::PodState;
 
 use crate::{
     control::{IncompletePod, NodeStatus, ServedCheck, WaitingPod},
-    loader::Pins,
-    state::{boottime_ns, Maps, PodRecord},
+    dataplane::loader::Pins,
+    dataplane::state::{boottime_ns, Maps, PodRecord},
 };
 
 /// The node as `status` shows it: `agent` is `None` when no agent answered,
@@ -134,7 +136,7 @@ pub fn node_lines(n: &NodeView) -> String {
 
 /// Reads every enrolled pod from the pins, with its pinned links; no pins
 /// means no pods.
-pub fn read(pins: &Pins) -> Result<Vec<PodRecord>, crate::state::StateError> {
+pub fn read(pins: &Pins) -> Result<Vec<PodRecord>, crate::dataplane::state::StateError> {
     if !pins.maps().join("pod_state").exists() {
         return Ok(Vec::new());
     }

@@ -12,18 +12,18 @@ use aya::programs::{
 use sluice_common::{ListenerKey, PodState, Role, NETNS_PATH_LEN};
 
 use crate::{
+    dataplane::loader::{Dataplane, Pins},
+    dataplane::state::{boottime_ns, Maps, StateError},
+    dataplane::tcfilter,
     fault::crash_point,
-    hostside::{self, HostPeer},
     lifecycle::Event,
-    loader::{Dataplane, Pins},
-    netns::{addresses, interfaces, Netns, NetnsError},
     options::PodOptions,
-    podlinks::{self, expected_links, LinkSpec, Side},
-    podview::PodView,
-    routes::{self, RouteError},
-    sockets::{self, SocketError},
-    state::{boottime_ns, Maps, StateError},
-    tcfilter,
+    podnet::hostside::{self, HostPeer},
+    podnet::netns::{addresses, interfaces, Netns, NetnsError},
+    podnet::podlinks::{self, expected_links, LinkSpec, Side},
+    podnet::podview::PodView,
+    podnet::routes::{self, RouteError},
+    podnet::sockets::{self, SocketError},
     uid::PodUid,
     workload::Workload,
 };
@@ -69,7 +69,7 @@ pub enum EnrollError {
     #[error("finding ztunnel's listeners: {0}")]
     Sockets(#[from] SocketError),
     #[error("taking over from istio-cni: {0}")]
-    Migrate(#[from] crate::migrate::MigrateError),
+    Migrate(#[from] crate::dataplane::migrate::MigrateError),
     #[error("{what}: {source}")]
     Io {
         what: String,
@@ -77,9 +77,9 @@ pub enum EnrollError {
     },
 }
 
-impl From<crate::podview::ViewError> for EnrollError {
-    fn from(e: crate::podview::ViewError) -> Self {
-        use crate::podview::ViewError;
+impl From<crate::podnet::podview::ViewError> for EnrollError {
+    fn from(e: crate::podnet::podview::ViewError) -> Self {
+        use crate::podnet::podview::ViewError;
         match e {
             ViewError::Netns(e) => e.into(),
             ViewError::Io { what, path, source } => EnrollError::Io {
@@ -200,15 +200,15 @@ pub fn attach_pod(
 /// capture attached ([`attach_pod`]), Istio's in-pod rules go without a
 /// moment uncaptured. Returns the iptables tools whose rules were removed
 /// (empty: not istio-cni's pod). Runs those tools (seconds at worst, killed
-/// after [`crate::migrate::CHILD_TIMEOUT`]): the agent calls it without the
+/// after [`crate::dataplane::migrate::CHILD_TIMEOUT`]): the agent calls it without the
 /// dataplane, so other pods' enrollments go on meanwhile. On an error the
 /// caller backs the pod out ([`back_out`]): both rule sets at once would
 /// misroute outbound traffic, so the pod is left to Istio's rules, with the
 /// reason.
 pub fn take_over(netns: &Netns) -> Result<Vec<&'static str>, EnrollError> {
-    let tools = crate::migrate::istio_rules(netns)?;
+    let tools = crate::dataplane::migrate::istio_rules(netns)?;
     if !tools.is_empty() {
-        crate::migrate::remove_istio_rules(netns, &tools)?;
+        crate::dataplane::migrate::remove_istio_rules(netns, &tools)?;
         tracing::info!(
             ?tools,
             "took the pod over from istio-cni: its in-pod iptables rules are removed"
@@ -257,7 +257,7 @@ fn host_peers(
     // exemption is lost). Asked of every peer, so that enrollment, repair
     // and CNI CHECK expect the same links.
     let mut held = Vec::new();
-    if dp.tc_attach != crate::features::TcAttach::Tcx {
+    if dp.tc_attach != crate::dataplane::features::TcAttach::Tcx {
         peers.retain(|p| match tcfilter::foreign_hook_qdisc(&node.nl, p.host_index) {
             Ok(None) => true,
             Ok(Some(kind)) => {
@@ -374,7 +374,7 @@ fn attach_link(
     spec: &LinkSpec,
 ) -> Result<(), EnrollError> {
     let path = dir.join(spec.pin_name());
-    let tcx = dp.tc_attach == crate::features::TcAttach::Tcx;
+    let tcx = dp.tc_attach == crate::dataplane::features::TcAttach::Tcx;
     let pod = |iface, kind| Tc {
         over: view.and_then(|v| Some((&v.nl, v.index(iface)?))),
         ..Tc::new(iface, kind, tcx)
@@ -442,7 +442,7 @@ struct Tc<'a> {
     tcx: bool,
     /// A socket in the hook's netns and the interface's index there: a
     /// filter goes over it (no visit of the netns).
-    over: Option<(&'a crate::rtnl::Rtnl, u32)>,
+    over: Option<(&'a crate::podnet::rtnl::Rtnl, u32)>,
 }
 
 impl<'a> Tc<'a> {
@@ -598,9 +598,9 @@ pub fn repair(dp: &mut Dataplane, cookie: u64, takeover: bool) -> Result<Repair,
     }
     let mut istio_rules = Vec::new();
     if takeover {
-        istio_rules = crate::migrate::istio_rules(&netns)?;
+        istio_rules = crate::dataplane::migrate::istio_rules(&netns)?;
         if !istio_rules.is_empty() {
-            crate::migrate::remove_istio_rules(&netns, &istio_rules)?;
+            crate::dataplane::migrate::remove_istio_rules(&netns, &istio_rules)?;
         }
     }
     Ok(if relinked.is_empty() && istio_rules.is_empty() {
@@ -838,7 +838,7 @@ fn remove_stateless(
     node: Option<&hostside::Node>,
     cookie: u64,
 ) -> Result<(), EnrollError> {
-    let netns = crate::podns::find_by_cookie(cookie);
+    let netns = crate::podnet::podns::find_by_cookie(cookie);
     if netns.is_none() {
         tracing::debug!(
             cookie,
@@ -1018,7 +1018,7 @@ pub fn uninstall(pins: &Pins, node: Option<&hostside::Node>) -> Result<usize, En
             }
         }
     }
-    crate::loader::remove_node_pins(pins).map_err(|e| EnrollError::Io {
+    crate::dataplane::loader::remove_node_pins(pins).map_err(|e| EnrollError::Io {
         what: "removing node pins".into(),
         source: std::io::Error::other(e.to_string()),
     })?;

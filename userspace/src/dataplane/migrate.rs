@@ -6,7 +6,7 @@
 
 use std::process::Command;
 
-use crate::netns::{Netns, NetnsError};
+use crate::podnet::netns::{Netns, NetnsError};
 
 const CHAINS: [(&str, &str, &str); 4] = [
     ("mangle", "PREROUTING", "ISTIO_PRERT"),

@@ -12,8 +12,8 @@
 use std::{os::fd::AsRawFd, path::Path};
 
 use crate::{
-    netns::{Netns, NetnsError},
-    rtnl::Rtnl,
+    podnet::netns::{Netns, NetnsError},
+    podnet::rtnl::Rtnl,
 };
 use aya::maps::{Array, MapData};
 use netlink_packet_route::{

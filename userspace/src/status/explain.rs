@@ -12,7 +12,7 @@ use sluice_common::{PodState, Role};
 
 use crate::{
     control::{NodeStatus, SkippedPod},
-    state::{boottime_ns, PodRecord},
+    dataplane::state::{boottime_ns, PodRecord},
     status,
 };
 
@@ -252,8 +252,8 @@ mod tests {
             changed_at_ns: 0,
             listeners: listeners.iter().map(|s| s.to_string()).collect(),
             counters: Default::default(),
-            dns: crate::state::DnsView {
-                mode: crate::state::DnsMode::Off,
+            dns: crate::dataplane::state::DnsView {
+                mode: crate::dataplane::state::DnsMode::Off,
                 choice: Default::default(),
                 captured_udp: 0,
                 captured_tcp: 0,

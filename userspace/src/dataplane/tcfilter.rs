@@ -36,13 +36,13 @@ pub const HANDLE: TcHandle = TcHandle::new(0x5115, 1);
 pub fn attach(prog: &SchedClassifier, iface: &str, kind: TcAttachType) -> Result<(), ProgramError> {
     let index = nix::net::if_::if_nametoindex(iface)
         .map_err(|e| ProgramError::IOError(io::Error::from(e)))?;
-    attach_over(&crate::rtnl::Rtnl::open()?, prog, index, kind)
+    attach_over(&crate::podnet::rtnl::Rtnl::open()?, prog, index, kind)
 }
 
 /// [`attach`] on the interface of `index` in the netns of `nl` (a socket
 /// made there, used from any thread).
 pub fn attach_over(
-    nl: &crate::rtnl::Rtnl,
+    nl: &crate::podnet::rtnl::Rtnl,
     prog: &SchedClassifier,
     index: u32,
     kind: TcAttachType,
@@ -125,7 +125,10 @@ pub fn is_hook_taken(e: &ProgramError) -> bool {
 /// clsact and `ingress` share) in `nl`'s netns when it is not clsact
 /// (`None`: clsact or nothing), so that sluice's filters cannot go there
 /// ([`HOOK_TAKEN`]). One request, no dump.
-pub fn foreign_hook_qdisc(nl: &crate::rtnl::Rtnl, index: u32) -> io::Result<Option<String>> {
+pub fn foreign_hook_qdisc(
+    nl: &crate::podnet::rtnl::Rtnl,
+    index: u32,
+) -> io::Result<Option<String>> {
     use netlink_packet_route::{
         tc::{TcAttribute, TcHandle as NlHandle, TcMessage},
         RouteNetlinkMessage,
@@ -282,13 +285,14 @@ pub fn filter_program(iface: &str, kind: TcAttachType) -> io::Result<Option<u32>
         return Ok(None);
     };
     let msg = our_filter(index, kind);
-    let answer =
-        match crate::rtnl::Rtnl::open()?.request(RouteNetlinkMessage::GetTrafficFilter(msg)) {
-            Ok(a) => a,
-            // No clsact qdisc on the device (any more).
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => return Ok(None),
-            Err(e) => return Err(e),
-        };
+    let answer = match crate::podnet::rtnl::Rtnl::open()?
+        .request(RouteNetlinkMessage::GetTrafficFilter(msg))
+    {
+        Ok(a) => a,
+        // No clsact qdisc on the device (any more).
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => return Ok(None),
+        Err(e) => return Err(e),
+    };
     let Some(RouteNetlinkMessage::NewTrafficFilter(m)) = answer else {
         return Ok(None);
     };

@@ -14,8 +14,8 @@ use netlink_packet_route::{
 };
 
 use crate::{
-    netns::{Netns, NetnsError},
-    rtnl::Rtnl,
+    podnet::netns::{Netns, NetnsError},
+    podnet::rtnl::Rtnl,
 };
 
 /// One interface of the pod besides `lo`.
@@ -53,7 +53,7 @@ pub struct PodView {
     /// The addresses on every interface but `lo`, sorted.
     pub addrs: Vec<IpAddr>,
     /// The link dump's messages of the interfaces besides `lo` (their
-    /// peers: [`crate::hostside::peers_over`]).
+    /// peers: [`crate::podnet::hostside::peers_over`]).
     pub links: Vec<LinkMessage>,
 }
 

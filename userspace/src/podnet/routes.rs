@@ -16,7 +16,7 @@ use netlink_packet_route::{
 };
 use sluice_common::{MARK_MASK, MARK_REDIRECT, ROUTE_TABLE, RULE_PRIORITY};
 
-use crate::{rtnl::Rtnl, sysctl};
+use crate::{podnet::rtnl::Rtnl, podnet::sysctl};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RouteError {
@@ -48,7 +48,7 @@ fn ipv6_on_lo(nl: &Rtnl, lo: u32) -> Result<bool, RouteError> {
             source: std::io::Error::other("no answer for lo"),
         });
     };
-    Ok(crate::podview::ipv6_on(&m))
+    Ok(crate::podnet::podview::ipv6_on(&m))
 }
 
 fn set_sysctl(name: &str, on: bool) -> Result<(), RouteError> {

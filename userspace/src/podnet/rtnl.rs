@@ -63,7 +63,7 @@ impl Rtnl {
     /// The cookie of the netns the socket lives in: requests on it act
     /// there, whichever netns the calling thread is in.
     pub fn netns_cookie(&self) -> io::Result<u64> {
-        crate::netns::socket_netns_cookie(std::os::fd::AsFd::as_fd(&self.sock))
+        crate::podnet::netns::socket_netns_cookie(std::os::fd::AsFd::as_fd(&self.sock))
     }
 
     /// Sends `msg` with `flags`; returns its sequence number.

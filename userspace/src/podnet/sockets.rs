@@ -26,7 +26,7 @@ use netlink_packet_sock_diag::{
 use netlink_sys::{protocols::NETLINK_SOCK_DIAG, Socket, SocketAddr};
 use sluice_common::{Role, FAMILY_V4, FAMILY_V6, MARK_MASK, MARK_ZTUNNEL, PORT_DNS_PROXY};
 
-use crate::netns::{getsockopt_raw, socket_netns_cookie, Netns, NetnsError};
+use crate::podnet::netns::{getsockopt_raw, socket_netns_cookie, Netns, NetnsError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SocketError {

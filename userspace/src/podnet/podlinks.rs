@@ -5,8 +5,8 @@
 use aya::programs::TcAttachType;
 
 use crate::{
-    hostside::{self, HostPeer, Node},
-    netns::Netns,
+    podnet::hostside::{self, HostPeer, Node},
+    podnet::netns::Netns,
 };
 
 /// The netns a tc hook is in.
@@ -150,7 +150,7 @@ pub fn links_now(
 /// cannot be read (the caller's next netlink step reports the netns).
 pub fn l3_of(netns: &Netns, ifaces: &[String]) -> Vec<String> {
     netns
-        .run(|| crate::netns::l3_interfaces(ifaces))
+        .run(|| crate::podnet::netns::l3_interfaces(ifaces))
         .ok()
         .and_then(Result::ok)
         .unwrap_or_default()

@@ -26,8 +26,8 @@ use aya::{
 };
 
 use crate::{
-    features::{Features, TcAttach},
-    state::{Maps, StateError},
+    dataplane::features::{Features, TcAttach},
+    dataplane::state::{Maps, StateError},
 };
 
 /// The eBPF object built by `cargo xtask build-ebpf`, embedded at compile time.
@@ -165,7 +165,7 @@ pub struct Dataplane {
     pub ingress_l3: Option<SchedClassifier>,
     /// The node's netns, where the host side of pods' interfaces lives; set
     /// by [`Dataplane::set_node`]. Without it no host-side link is attached.
-    pub node: Option<crate::hostside::Node>,
+    pub node: Option<crate::podnet::hostside::Node>,
     /// The node's DNS capture default (`--dns-capture`), for pods whose
     /// annotations do not choose; see [`Dataplane::set_dns_capture`].
     pub dns_capture: bool,
@@ -243,7 +243,7 @@ fn program_of_link(pin_name: &str) -> Option<&'static str> {
 /// What an agent's start does besides adopting the pinned dataplane.
 struct Upgrade<'a> {
     /// Where the host-side filters are (kernels without tcx).
-    node: Option<&'a crate::hostside::Node>,
+    node: Option<&'a crate::podnet::hostside::Node>,
 }
 
 /// A replacement program is pinned under this suffix, then renamed over the
@@ -285,7 +285,7 @@ impl Dataplane {
     /// of the pods' host-side program to replace.
     pub fn load_adopt_or_upgrade(
         pins: Pins,
-        node: Option<&crate::hostside::Node>,
+        node: Option<&crate::podnet::hostside::Node>,
     ) -> Result<Self, LoadError> {
         Self::open(pins, Some(Upgrade { node }), Features::get())
     }
@@ -330,7 +330,7 @@ impl Dataplane {
     fn upgrade(
         pins: &Pins,
         features: Features,
-        node: Option<&crate::hostside::Node>,
+        node: Option<&crate::podnet::hostside::Node>,
     ) -> Result<Adoption, LoadError> {
         let object = ebpf_object();
         if object.is_empty() {
@@ -357,7 +357,7 @@ impl Dataplane {
             for e in fs::read_dir(pod.path()).into_iter().flatten().flatten() {
                 if e.file_name()
                     .to_string_lossy()
-                    .starts_with(crate::refilter::NEXT_PREFIX)
+                    .starts_with(crate::dataplane::refilter::NEXT_PREFIX)
                 {
                     let _ = fs::remove_file(e.path());
                 }
@@ -367,11 +367,11 @@ impl Dataplane {
             what: what.to_owned(),
             source: std::io::Error::other(e),
         };
-        let ours = crate::stamp::of_object(&object)
+        let ours = crate::dataplane::stamp::of_object(&object)
             .map_err(|e| layout_err("reading this build's map layout", e.to_string()))?;
-        let pinned = crate::stamp::of_pinned(&pins.maps(), ours.keys())
+        let pinned = crate::dataplane::stamp::of_pinned(&pins.maps(), ours.keys())
             .map_err(|e| layout_err("reading the pinned maps' layout", e.to_string()))?;
-        let changes = crate::stamp::changes(&ours, &pinned);
+        let changes = crate::dataplane::stamp::changes(&ours, &pinned);
         if let Some(c) = changes
             .iter()
             .find(|c| !c.copyable() && !REBUILT.contains(&c.map.as_str()))
@@ -463,7 +463,7 @@ impl Dataplane {
             }
         }
         let stamp = |pins: &Pins| {
-            if let Err(e) = crate::stamp::write(&pins.maps(), &object, &ours) {
+            if let Err(e) = crate::dataplane::stamp::write(&pins.maps(), &object, &ours) {
                 tracing::warn!(error = %e, "could not write the dataplane stamp");
             }
         };
@@ -475,7 +475,7 @@ impl Dataplane {
         // a tcx or sk_lookup link by BPF_LINK_UPDATE, a cls_bpf filter
         // (kernels without tcx) replaced at its handle.
         let mut links = 0;
-        let mut filters = crate::refilter::Refilter::new(&pins.maps(), node);
+        let mut filters = crate::dataplane::refilter::Refilter::new(&pins.maps(), node);
         let pods = fs::read_dir(pins.pods()).map_err(|source| LoadError::Io {
             what: format!("listing {}", pins.pods().display()),
             source,
@@ -490,22 +490,24 @@ impl Dataplane {
                 if !changed.contains(&prog) {
                     continue;
                 }
-                let switched = match crate::tcfilter::pinned(&link.path()) {
-                    Some(crate::tcfilter::Pinned::Link) => {
+                let switched = match crate::dataplane::tcfilter::pinned(&link.path()) {
+                    Some(crate::dataplane::tcfilter::Pinned::Link) => {
                         let p = ebpf.program(prog).ok_or_else(|| missing(prog))?;
                         let fd = p.fd().map_err(perr(prog))?;
-                        crate::relink::update(&link.path(), std::os::fd::AsFd::as_fd(fd)).map_err(
-                            |source| LoadError::Io {
-                                what: format!(
-                                    "pointing {} at this build's {prog}",
-                                    link.path().display()
-                                ),
-                                source,
-                            },
-                        )?;
+                        crate::dataplane::relink::update(
+                            &link.path(),
+                            std::os::fd::AsFd::as_fd(fd),
+                        )
+                        .map_err(|source| LoadError::Io {
+                            what: format!(
+                                "pointing {} at this build's {prog}",
+                                link.path().display()
+                            ),
+                            source,
+                        })?;
                         true
                     }
-                    Some(crate::tcfilter::Pinned::Program(_)) => {
+                    Some(crate::dataplane::tcfilter::Pinned::Program(_)) => {
                         let p: &mut SchedClassifier = ebpf
                             .program_mut(prog)
                             .ok_or_else(|| missing(prog))?
@@ -576,7 +578,7 @@ impl Dataplane {
     /// again in its netns (a socket map cannot be read back from user space).
     fn fill_next(
         pins: &Pins,
-        changes: &[crate::stamp::Change],
+        changes: &[crate::dataplane::stamp::Change],
         next_dir: &Path,
     ) -> Result<(), LoadError> {
         use std::os::fd::AsFd as _;
@@ -592,12 +594,18 @@ impl Dataplane {
                 })
             };
             let (from, to) = (open(&pins.maps())?, open(next_dir)?);
-            let bytes =
-                crate::mapcopy::value_bytes(c.ours.value_size, PER_CPU.contains(&c.ours.map_type))
-                    .map_err(io("counting CPUs".into()))?;
-            let n =
-                crate::mapcopy::copy(from.fd().as_fd(), to.fd().as_fd(), c.ours.key_size, bytes)
-                    .map_err(io(format!("copying map {} ({c})", c.map)))?;
+            let bytes = crate::dataplane::mapcopy::value_bytes(
+                c.ours.value_size,
+                PER_CPU.contains(&c.ours.map_type),
+            )
+            .map_err(io("counting CPUs".into()))?;
+            let n = crate::dataplane::mapcopy::copy(
+                from.fd().as_fd(),
+                to.fd().as_fd(),
+                c.ours.key_size,
+                bytes,
+            )
+            .map_err(io(format!("copying map {} ({c})", c.map)))?;
             tracing::info!(map = %c.map, entries = n, "map migrated");
         }
         if changes.iter().any(|c| c.map == "listeners") {
@@ -615,13 +623,15 @@ impl Dataplane {
             })?;
             for cookie in next.cookies() {
                 let path = next.meta(cookie).map(|m| m.netns).unwrap_or_default();
-                let Ok(ns) = crate::netns::Netns::open(Path::new(&path)) else {
+                let Ok(ns) = crate::podnet::netns::Netns::open(Path::new(&path)) else {
                     continue;
                 };
                 if ns.cookie().ok() != Some(cookie) {
                     continue;
                 }
-                for l in crate::sockets::take_listeners(&ns, cookie, None).unwrap_or_default() {
+                for l in
+                    crate::podnet::sockets::take_listeners(&ns, cookie, None).unwrap_or_default()
+                {
                     for &family in &l.families {
                         next.insert_listener(
                             sluice_common::ListenerKey::new(cookie, l.role, family),
@@ -695,9 +705,9 @@ impl Dataplane {
             }
         };
         let maps = Maps::from_maps(|name| ebpf.take_map(name).ok_or(StateError::Missing(name)))?;
-        match crate::stamp::of_object(&object) {
+        match crate::dataplane::stamp::of_object(&object) {
             Ok(layout) => {
-                if let Err(e) = crate::stamp::write(&pins.maps(), &object, &layout) {
+                if let Err(e) = crate::dataplane::stamp::write(&pins.maps(), &object, &layout) {
                     tracing::warn!(error = %e, "could not write the dataplane stamp");
                 }
             }
@@ -729,10 +739,10 @@ impl Dataplane {
     /// there, and the programs learn its cookie.
     pub fn set_node(
         &mut self,
-        node: crate::hostside::Node,
-    ) -> Result<(), crate::hostside::HostSideError> {
+        node: crate::podnet::hostside::Node,
+    ) -> Result<(), crate::podnet::hostside::HostSideError> {
         if self.host.is_none() {
-            return Err(crate::hostside::HostSideError::NoProgram);
+            return Err(crate::podnet::hostside::HostSideError::NoProgram);
         }
         node.publish(&self.pins.maps())?;
         self.node = Some(node);
@@ -753,7 +763,10 @@ impl Dataplane {
     /// pod that did not choose for itself (a pod enrolled under another
     /// default follows the new one, as istio-cni reconciles existing pods
     /// on upgrade). Returns how many pods changed.
-    pub fn set_dns_capture(&mut self, on: bool) -> Result<usize, crate::state::StateError> {
+    pub fn set_dns_capture(
+        &mut self,
+        on: bool,
+    ) -> Result<usize, crate::dataplane::state::StateError> {
         self.dns_capture = on;
         let mut changed = 0;
         for (cookie, _) in self.maps.states() {
@@ -783,9 +796,9 @@ impl Dataplane {
 /// map type, key or value size), if anything.
 fn incompatible(pins: &Pins) -> Option<String> {
     let object = ebpf_object();
-    let ours = crate::stamp::of_object(&object).ok()?;
-    let pinned = crate::stamp::of_pinned(&pins.maps(), ours.keys()).ok()?;
-    let bad: Vec<String> = crate::stamp::changes(&ours, &pinned)
+    let ours = crate::dataplane::stamp::of_object(&object).ok()?;
+    let pinned = crate::dataplane::stamp::of_pinned(&pins.maps(), ours.keys()).ok()?;
+    let bad: Vec<String> = crate::dataplane::stamp::changes(&ours, &pinned)
         .iter()
         .filter(|c| !c.copyable())
         .map(ToString::to_string)
@@ -945,7 +958,7 @@ mod tests {
             !object.is_empty(),
             "built without the eBPF object: `cargo xtask build-ebpf`, then test again"
         );
-        let layout = crate::stamp::of_object(object).unwrap();
+        let layout = crate::dataplane::stamp::of_object(object).unwrap();
         let stamp = layout["stamp"];
         assert_eq!(
             (stamp.key_size, stamp.value_size, stamp.max_entries),
@@ -969,7 +982,7 @@ mod tests {
     /// with a conversion in `Dataplane::fill_next`; then update this table.
     #[test]
     fn map_entries_keep_their_layout() {
-        let layout = crate::stamp::of_object(super::embedded_object()).unwrap();
+        let layout = crate::dataplane::stamp::of_object(super::embedded_object()).unwrap();
         let seen: std::collections::BTreeMap<&str, (u32, u32, u32)> = layout
             .iter()
             .map(|(n, l)| (n.as_str(), (l.map_type, l.key_size, l.value_size)))

@@ -11,7 +11,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use crate::netns::Netns;
+use crate::podnet::netns::Netns;
 
 /// Directories where runtimes bind-mount pod netns files.
 pub const NETNS_DIRS: [&str; 2] = ["/run/netns", "/var/run/netns"];
@@ -33,7 +33,8 @@ pub fn find(uid: &str) -> Option<PathBuf> {
         let pid: u32 = e.file_name().to_str()?.parse().ok()?;
         let cg = fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
         let ns = PathBuf::from(format!("/proc/{pid}/ns/net"));
-        (in_pod_cgroup(&cg, uid) && crate::netns::path_is_host_like(&ns).is_none()).then_some(pid)
+        (in_pod_cgroup(&cg, uid) && crate::podnet::netns::path_is_host_like(&ns).is_none())
+            .then_some(pid)
     })?;
     let proc_path = PathBuf::from(format!("/proc/{pid}/ns/net"));
     let ino = fs::metadata(&proc_path).ok()?.ino();
