@@ -171,31 +171,48 @@ fn human(d: std::time::Duration) -> String {
 /// The first failing check decides the reason, in this order: programs, CNI
 /// plugin, ztunnel, pods pending longer than the grace period.
 pub fn compute(i: &Inputs) -> Condition {
+    node_not_ready(i).unwrap_or_else(|| pods_condition(i))
+}
+
+/// What the node itself lacks to capture pods, if anything.
+fn node_not_ready(i: &Inputs) -> Option<Condition> {
+    let (reason, message) = if !i.programs_loaded {
+        (
+            Reason::ProgramsNotLoaded,
+            "sluice's eBPF programs are not loaded and pinned on this node".into(),
+        )
+    } else if !i.cni_installed {
+        (
+            Reason::CniPluginMissing,
+            "sluice-cni is not in the node's primary CNI config: new pods would start uncaptured"
+                .into(),
+        )
+    } else if !i.ztunnel_connected {
+        (
+            Reason::ZtunnelDisconnected,
+            format!(
+                "ztunnel is not connected; {} ambient pods enrolled",
+                i.pods.len()
+            ),
+        )
+    } else {
+        return None;
+    };
+    Some(Condition {
+        ready: false,
+        reason,
+        message,
+    })
+}
+
+/// The node captures: the condition says which pods wait, and for what.
+fn pods_condition(i: &Inputs) -> Condition {
     let not_ready = |reason, message: String| Condition {
         ready: false,
         reason,
         message,
     };
     let total = i.pods.len();
-    if !i.programs_loaded {
-        return not_ready(
-            Reason::ProgramsNotLoaded,
-            "sluice's eBPF programs are not loaded and pinned on this node".into(),
-        );
-    }
-    if !i.cni_installed {
-        return not_ready(
-            Reason::CniPluginMissing,
-            "sluice-cni is not in the node's primary CNI config: new pods would start uncaptured"
-                .into(),
-        );
-    }
-    if !i.ztunnel_connected {
-        return not_ready(
-            Reason::ZtunnelDisconnected,
-            format!("ztunnel is not connected; {total} ambient pods enrolled"),
-        );
-    }
     let grace = i.pending_grace.as_nanos() as u64;
     let waited = |p: &&PodView| i.now_ns.saturating_sub(p.changed_at_ns);
     let late = |pick: fn(&PodView) -> bool| {

@@ -1,0 +1,143 @@
+//! Flow hints: what a tc program decided at a SYN (or a DNS query), keyed by
+//! the connection, for sk_lookup and the reply path to read.
+
+/// What a tc program tells sk_lookup about one connection's listener lookups
+/// (its SYN's, and with SYN cookies its ACK's).
+///
+/// sk_lookup programs cannot call bpf_get_netns_cookie (tc programs can), so
+/// every SYN's path into a pod crosses one of our tc programs, which leaves
+/// this hint — carrying the pod's netns cookie — for sk_lookup to read.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HintVerdict {
+    /// The SYN came over the pod's `lo`: in-pod traffic, never captured.
+    Local = 1,
+    /// The SYN was redirected by the egress program: steer to 15001.
+    Outbound = 2,
+    /// The SYN arrived on the pod's interface: steer to 15006.
+    Inbound = 3,
+    /// The SYN arrived on the pod's interface for port 15008: steer to 15008.
+    Hbone = 4,
+    /// A socket of the node's own netns sent the SYN (kubelet's probes, any
+    /// host process): the program on the host side of the pod's interface
+    /// saw it leave; never captured (Istio's host-side probe rule).
+    Host = 5,
+    /// An inbound SYN of a pod that asked for no inbound capture
+    /// (`ambient.istio.io/bypass-inbound-capture`): delivered as addressed.
+    Bypass = 6,
+    /// A DNS query (TCP SYN to port 53) redirected by the egress program:
+    /// steer to the DNS proxy's TCP listener.
+    DnsTcp = 7,
+    /// A DNS query (UDP to port 53) redirected by the egress program: steer
+    /// to the DNS proxy's UDP socket. One hint per datagram.
+    DnsUdp = 8,
+    /// The SYN took a path that exempts and steers nothing (over `lo` from
+    /// a source that is neither the pod's nor ztunnel's; to an address no
+    /// pod has): sk_lookup treats it as no hint. Written, rather than
+    /// nothing, so that an older hint of the same tuple (kept for SYN
+    /// cookies) cannot speak for this connection.
+    Deny = 9,
+}
+
+impl HintVerdict {
+    pub const fn from_u32(v: u32) -> Option<Self> {
+        match v {
+            1 => Some(Self::Local),
+            2 => Some(Self::Outbound),
+            3 => Some(Self::Inbound),
+            4 => Some(Self::Hbone),
+            5 => Some(Self::Host),
+            6 => Some(Self::Bypass),
+            7 => Some(Self::DnsTcp),
+            8 => Some(Self::DnsUdp),
+            9 => Some(Self::Deny),
+            _ => None,
+        }
+    }
+}
+
+/// Key of the flow-hint map: the connection as sk_lookup sees it
+/// (remote = the SYN's source, local = the SYN's destination). Pod addresses
+/// are unique on a node, so the tuple alone names one pod.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlowKey {
+    /// Addresses as raw network-order words; IPv4 uses word 0 only.
+    pub remote_addr: [u32; 4],
+    pub local_addr: [u32; 4],
+    /// Ports in host byte order.
+    pub remote_port: u16,
+    pub local_port: u16,
+    pub family: u8,
+    pub _pad: [u8; 3],
+}
+
+/// [`FlowHint::flags`]: sk_lookup has used this hint (its connection is
+/// counted). TCP hints stay until they expire, because with SYN cookies the
+/// connection's ACK runs the listener lookup again; the flag keeps the
+/// per-pod counters at one per SYN.
+pub const HINT_USED: u32 = 1 << 0;
+/// [`FlowHint::flags`]: the pod's ingress program let the SYN of this
+/// `Host` hint through. A `Host` hint exempts one SYN (the one the node's
+/// socket sent): a later SYN of the tuple that the host side did not hint
+/// again is captured as any other.
+pub const HINT_HOST_TAKEN: u32 = 1 << 1;
+
+/// Value of the flow-hint map.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlowHint {
+    /// A [`HintVerdict`] discriminant.
+    pub verdict: u32,
+    /// `HINT_*` bits; 0 when written.
+    pub flags: u32,
+    /// The pod (netns cookie) whose tc program wrote the hint.
+    pub netns_cookie: u64,
+    /// bpf_ktime_get_ns() when the hint was written.
+    pub at_ns: u64,
+}
+
+/// Key of the DNS flow map: one UDP query in flight, as its answer will
+/// identify it on the way back (to the pod's address and port, same DNS id).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DnsFlowKey {
+    /// The querying socket's address (raw network-order words; IPv4: word 0).
+    pub pod_addr: [u32; 4],
+    pub family: u8,
+    pub _pad: u8,
+    /// The querying socket's port (host byte order).
+    pub pod_port: u16,
+    /// The DNS message id (host byte order).
+    pub id: u16,
+    pub _pad2: [u8; 2],
+}
+
+impl DnsFlowKey {
+    /// The query from (or the answer to) `addr:port` of `family` with DNS
+    /// message id `id`.
+    pub const fn new(family: u8, addr: [u32; 4], port: u16, id: u16) -> Self {
+        Self {
+            pod_addr: addr,
+            family,
+            _pad: 0,
+            pod_port: port,
+            id,
+            _pad2: [0; 2],
+        }
+    }
+}
+
+/// Value of the DNS flow map: where the query was addressed, so that the
+/// proxy's answer can be given that address as its source.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DnsFlow {
+    /// The resolver the app asked (raw network-order words; IPv4: word 0).
+    pub resolver_addr: [u32; 4],
+    /// The pod (netns cookie), for its counters.
+    pub netns_cookie: u64,
+    /// The resolver's port (host byte order; 53).
+    pub resolver_port: u16,
+    pub _pad: [u8; 6],
+}
