@@ -219,7 +219,12 @@ mod tests {
         let seen = RefCell::new(Vec::new());
         let call = |p: &Path, r: &PluginRequest| {
             seen.borrow_mut().push((p.to_owned(), r.clone()));
-            Ok(Some(Answer::Enrolled {}))
+            Ok(Some(Answer::Enrolled {
+                uid: "u1".into(),
+                cookie: 1,
+                state: Some(sluice_common::PodState::Enabled),
+                note: None,
+            }))
         };
         let out = run(&env("ADD", POD), CONF, &call).unwrap().unwrap();
         let conf: serde_json::Value = serde_json::from_slice(CONF).unwrap();

@@ -12,6 +12,8 @@ use std::{
 
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
+use sluice_common::PodState;
+
 use crate::spec::PodRef;
 
 pub const DEFAULT_CONTROL_SOCKET: &str = "/run/sluice/agent.sock";
@@ -50,13 +52,24 @@ pub enum PluginRequest {
     CniCheck(CniCheck),
 }
 
-/// The agent's answer to a plugin request, as much of it as the plugin
-/// reads (the agent's `Response` carries more; extra fields are ignored).
+/// The agent's answer to a request about one pod: the plugin's requests and
+/// the CLI's `enroll`/`unenroll` alike. The agent's own clients may get
+/// more (`More`: its node status, an uninstall started); the plugin never
+/// asks for those, so its `Answer` has none ([`NoMore`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum Answer {
-    Enrolled {},
-    Unenrolled {},
+pub enum Answer<M = NoMore> {
+    Enrolled {
+        uid: String,
+        cookie: u64,
+        /// `null`: an entry this build cannot read.
+        state: Option<PodState>,
+        /// Why the pod is not Enabled yet, when it is not.
+        note: Option<String>,
+    },
+    Unenrolled {
+        uid: String,
+    },
     /// Not ours to capture (not ambient, hostNetwork, sidecar…).
     Skipped {
         reason: String,
@@ -64,12 +77,20 @@ pub enum Answer {
     Error {
         message: String,
     },
-    /// A DEL the agent refuses: it would tear down the capture of a live
-    /// sandbox and does not come from the runtime that made it.
+    /// Not carried out, on purpose: the request would tear down the capture
+    /// of a pod's live sandbox and does not come from the runtime that made
+    /// it (a forged CNI DEL). The one DEL answer the plugin fails on.
     Refused {
         message: String,
     },
+    /// Answers about the node rather than a pod, each under its own tag.
+    #[serde(untagged)]
+    More(M),
 }
+
+/// No answer beyond a pod's: what the plugin can be told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NoMore {}
 
 /// Sends `envelope` (one JSON object) to the agent at `path` and reads one
 /// JSON answer within `timeout`. `Ok(None)` when no agent listens.

@@ -48,7 +48,7 @@ pub const DROP_REASONS: u32 = DropReason::ALL.len() as u32;
 /// Per-pod counters (per-CPU map, key: netns cookie), summed by user space.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[cfg_attr(feature = "user", derive(serde::Serialize))]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct Counters {
     /// Inbound connections assigned to the 15006 listener.
     pub captured_inbound: u64,

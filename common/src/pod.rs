@@ -8,7 +8,7 @@
 /// ztunnel).
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[cfg_attr(feature = "user", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum PodState {
     /// Capture attached, ztunnel has not (yet) given us its listeners.
     Pending = 1,
