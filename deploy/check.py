@@ -12,8 +12,9 @@ helm binary) and kubernetes-validate (Kubernetes' OpenAPI schemas).
      object is schema-valid; bad values are refused;
   3. custom resources (NodeReadinessRule) are checked field by field against
      the node-readiness-controller v1alpha1 API, which has no bundled schema;
-  4. the chart's defaults render the same DaemonSet and RBAC rules as the
-     plain manifests;
+  4. the plain manifests deploy/daemonset.yaml and deploy/rbac.yaml are the
+     chart's default render, byte for byte (`cargo xtask render-deploy`
+     writes them: the chart is the one source);
   5. shellcheck passes on every shell script;
   6. the kind suite, on a machine without its tools, says it skipped and
      exits 0 (run with a PATH that holds only what it needs before the check).
@@ -458,44 +459,45 @@ def check_rule_defaults(objs, plain):
     ok("chart (NodeReadinessRule defaults): taint kept until the condition is True, continuous")
 
 
-# What must agree between the plain DaemonSet and the chart's default render.
-POD_FIELDS = ["hostNetwork", "hostPID", "dnsPolicy", "priorityClassName", "tolerations",
-              "nodeSelector", "terminationGracePeriodSeconds", "volumes"]
-CONTAINER_FIELDS = ["image", "command", "args", "env", "ports", "readinessProbe", "livenessProbe",
-                    "securityContext", "resources", "volumeMounts", "lifecycle"]
+# The plain manifests the chart's default render writes: template → file.
+GENERATED = {"daemonset.yaml": "daemonset.yaml", "rbac.yaml": "rbac.yaml"}
+# Labels that say Helm manages an object: not true of `kubectl apply -k`.
+HELM_ONLY_LABELS = ("app.kubernetes.io/managed-by: Helm", "helm.sh/chart: ")
 
 
-def check_agreement(plain, rendered):
-    pds = plain.get("DaemonSet", [])
-    rds = rendered.get("DaemonSet", [])
-    if len(pds) != 1 or len(rds) != 1:
-        fail("plain vs chart", f"expected one DaemonSet each, got {len(pds)} and {len(rds)}")
-        return
-    p, r = pds[0]["spec"]["template"], rds[0]["spec"]["template"]
-    for f in POD_FIELDS:
-        if p["spec"].get(f) != r["spec"].get(f):
-            fail("plain vs chart", f"pod {f} differs:\n  plain {p['spec'].get(f)}\n  chart {r['spec'].get(f)}")
-    if p["metadata"].get("annotations") != r["metadata"].get("annotations"):
-        fail("plain vs chart", "pod annotations differ")
-    for kind in ("containers", "initContainers"):
-        pn = [c["name"] for c in p["spec"].get(kind, [])]
-        rn = [c["name"] for c in r["spec"].get(kind, [])]
-        if pn != rn:
-            fail("plain vs chart", f"{kind} {pn} vs {rn}")
-            continue
-        for pc, rc in zip(p["spec"][kind], r["spec"][kind]):
-            for f in CONTAINER_FIELDS:
-                if pc.get(f) != rc.get(f):
-                    fail("plain vs chart", f"{kind} {pc['name']}: {f} differs:\n  plain {pc.get(f)}\n  chart {rc.get(f)}")
-    def rules(objs, kind):
-        # The uninstall hook's roles have no plain counterpart.
-        return [o["rules"] for o in objs.get(kind, [])
-                if "helm.sh/hook" not in o["metadata"].get("annotations", {})]
-    for kind in ("ClusterRole", "Role"):
-        prules, rrules = rules(plain, kind), rules(rendered, kind)
-        if prules != rrules:
-            fail("plain vs chart", f"{kind} rules differ:\n  plain {prules}\n  chart {rrules}")
-    ok("plain vs chart: same pod, containers (args, capabilities, mounts, probes) and RBAC rules")
+def plain_from_chart(chart):
+    """deploy/<file> → its text, from the chart's default values."""
+    out = chart.render(None, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    files = {}
+    for template, name in GENERATED.items():
+        text = out[f"{RELEASE}/templates/{template}"]
+        lines = [l for l in text.strip("\n").split("\n")
+                 if not l.strip().startswith(HELM_ONLY_LABELS)]
+        files[name] = (
+            f"# Generated from deploy/helm/sluice/templates/{template} (default values) by\n"
+            "# `cargo xtask render-deploy`: edit the chart, then run it. See deploy/README.md.\n"
+            + "\n".join(lines) + "\n"
+        )
+    return files
+
+
+def write_plain(deploy):
+    chart = helm.Chart.load(os.path.join(deploy, "helm", "sluice"))
+    for name, text in plain_from_chart(chart).items():
+        with open(os.path.join(deploy, name), "w") as fh:
+            fh.write(text)
+        print(f"render-deploy: wrote deploy/{name}")
+
+
+def check_generated(chart_dir, deploy):
+    chart = helm.Chart.load(chart_dir)
+    for name, want in plain_from_chart(chart).items():
+        with open(os.path.join(deploy, name)) as fh:
+            got = fh.read()
+        if got == want:
+            ok(f"deploy/{name} is the chart's default render")
+        else:
+            fail(f"deploy/{name}", "differs from the chart's default render: run `cargo xtask render-deploy`")
 
 
 def check_chart(chart_dir, plain):
@@ -503,12 +505,10 @@ def check_chart(chart_dir, plain):
     defaults = copy.deepcopy(chart.values)
     for label, values in [("default values", None), ("every option", FULL), ("minimal", MINIMAL)]:
         lint(chart_dir, label, values)
-    base = render(chart, "default values", None)
+    render(chart, "default values", None)
     full = render(chart, "every option", FULL)
     minimal = render(chart, "minimal", MINIMAL)
     rule = render(chart, "NodeReadinessRule defaults", {"nodeReadinessRule": {"enabled": True}})
-    if base:
-        check_agreement(plain, base)
     if full:
         check_full(full)
     if minimal:
@@ -604,12 +604,17 @@ def check_kind_skips(root):
 
 
 def main():
-    root = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), ".."))
+    args = [a for a in sys.argv[1:] if a != "--write-plain"]
+    root = os.path.abspath(args[0] if args else os.path.join(os.path.dirname(__file__), ".."))
     deploy = os.path.join(root, "deploy")
+    if "--write-plain" in sys.argv:
+        write_plain(deploy)
+        return
     plain = plain_manifests(deploy, root)
     # The kind suite's cluster config and workloads (not compared with the chart).
     plain_manifests(os.path.join(root, "tests", "kind"), root, {})
     check_chart(os.path.join(deploy, "helm", "sluice"), plain)
+    check_generated(os.path.join(deploy, "helm", "sluice"), deploy)
     check_shell(root)
     check_kind_skips(root)
     if errors:

@@ -56,6 +56,15 @@ const PY_PACKAGES: &[&str] = &[
 
 /// Renders, lints and validates deploy/ and shellchecks every script.
 pub fn check() -> Result<()> {
+    check_py(&[]).context("deploy checks failed (see above)")
+}
+
+/// The plain manifests, rendered from the chart's default values.
+pub fn render_plain() -> Result<()> {
+    check_py(&["--write-plain"]).context("rendering the plain manifests failed")
+}
+
+fn check_py(args: &[&str]) -> Result<()> {
     let root = workspace_root();
     let venv = root.join("target/deploy-venv");
     let python = venv.join("bin/python");
@@ -63,8 +72,8 @@ pub fn check() -> Result<()> {
     run(Command::new(&python)
         .current_dir(&root)
         .arg(root.join("deploy/check.py"))
-        .arg(&root))
-    .context("deploy checks failed (see above)")
+        .arg(&root)
+        .args(args))
 }
 
 fn ensure_venv(venv: &Path, python: &Path) -> Result<()> {

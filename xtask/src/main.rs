@@ -81,6 +81,9 @@ enum Cmd {
     },
     /// Render, lint and validate deploy/ (manifests, Helm chart); shellcheck scripts.
     CheckDeploy,
+    /// Write deploy/daemonset.yaml and deploy/rbac.yaml from the chart's
+    /// default values (the chart is their one source; check-deploy compares).
+    RenderDeploy,
     /// Build the contract tests and run them (or `--run` a command) in a qemu
     /// VM booting Debian's 6.1 or 6.12 kernel (root; installs qemu on first use).
     TestKernels(kernels::Args),
@@ -121,6 +124,7 @@ fn main() -> Result<()> {
         Cmd::Bench => bench(),
         Cmd::Image { tag } => deploy::image(&tag),
         Cmd::CheckDeploy => deploy::check(),
+        Cmd::RenderDeploy => deploy::render_plain(),
         Cmd::TestKernels(args) => kernels::run(args),
     }
 }
