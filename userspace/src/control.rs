@@ -9,9 +9,8 @@ use std::{
 };
 
 use serde::{Deserialize, Serialize};
-use sluice_common::PodState;
 
-pub use sluice_cni::wire::{CniAdd, CniCheck, CniDel, DEFAULT_CONTROL_SOCKET};
+pub use sluice_cni::wire::{Answer, CniAdd, CniCheck, CniDel, DEFAULT_CONTROL_SOCKET};
 
 use crate::{readiness::Condition, workload::Workload};
 
@@ -39,33 +38,17 @@ pub enum Request {
     Uninstall,
 }
 
+/// The agent's answer to any request: a pod's ([`Answer`], the very type
+/// the plugin reads) or, for the agent's own clients, the node's.
+pub type Response = Answer<NodeAnswer>;
+
+/// Answers about the node (`status`, `uninstall`), on the wire under their
+/// own tags beside a pod's.
+// One answer per connection: boxing the status would save nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
-pub enum Response {
-    Enrolled {
-        uid: String,
-        cookie: u64,
-        /// `null`: an entry this build cannot read.
-        state: Option<PodState>,
-        /// Why the pod is not Enabled yet, when it is not.
-        note: Option<String>,
-    },
-    Unenrolled {
-        uid: String,
-    },
-    /// Not ours to capture (not ambient, hostNetwork, sidecar…).
-    Skipped {
-        reason: String,
-    },
-    Error {
-        message: String,
-    },
-    /// Not carried out, on purpose: the request would tear down the capture
-    /// of a pod's live sandbox and does not come from the runtime that made
-    /// it (a forged CNI DEL). The one DEL answer the plugin fails on.
-    Refused {
-        message: String,
-    },
+pub enum NodeAnswer {
     Node(NodeStatus),
     /// The uninstall was started (or already had been).
     Uninstalling,
@@ -238,10 +221,8 @@ pub fn call_within(
 
 #[cfg(test)]
 mod tests {
-    use sluice_cni::{
-        spec::PodRef,
-        wire::{Answer, PluginRequest},
-    };
+    use sluice_cni::{spec::PodRef, wire::PluginRequest};
+    use sluice_common::PodState;
 
     use super::*;
 
@@ -273,52 +254,39 @@ mod tests {
             parse_envelope(&check.to_string()).unwrap().request,
             Request::CniCheck(_)
         ));
-        let answers = [
-            (
-                Response::Enrolled {
-                    uid: "u1".into(),
-                    cookie: 7,
-                    state: Some(PodState::Enabled),
-                    note: None,
-                },
-                Answer::Enrolled {},
-            ),
-            (
-                Response::Unenrolled { uid: "u1".into() },
-                Answer::Unenrolled {},
-            ),
-            (
-                Response::Skipped {
-                    reason: "not ambient".into(),
-                },
-                Answer::Skipped {
-                    reason: "not ambient".into(),
-                },
-            ),
-            (
-                Response::Error {
-                    message: "boom".into(),
-                },
-                Answer::Error {
-                    message: "boom".into(),
-                },
-            ),
-            (
-                Response::Refused {
-                    message: "forged".into(),
-                },
-                Answer::Refused {
-                    message: "forged".into(),
-                },
-            ),
+        // The plugin reads the agent's pod answers as they are: one type.
+        let answers: [Answer; 5] = [
+            Answer::Enrolled {
+                uid: "u1".into(),
+                cookie: 7,
+                state: Some(PodState::Enabled),
+                note: None,
+            },
+            Answer::Unenrolled { uid: "u1".into() },
+            Answer::Skipped {
+                reason: "not ambient".into(),
+            },
+            Answer::Error {
+                message: "boom".into(),
+            },
+            Answer::Refused {
+                message: "forged".into(),
+            },
         ];
-        for (agent, plugin) in answers {
-            let line = serde_json::to_string(&agent).unwrap();
-            assert_eq!(
-                serde_json::from_str::<Answer>(&line).unwrap(),
-                plugin,
-                "{line}"
-            );
+        for plugin in answers {
+            let line = serde_json::to_string(&plugin).unwrap();
+            let agent: Response = serde_json::from_str(&line).unwrap();
+            assert_eq!(serde_json::to_string(&agent).unwrap(), line);
+            assert_eq!(serde_json::from_str::<Answer>(&line).unwrap(), plugin);
         }
+        // The node's answers keep their own tags beside the pod's.
+        let uninstalling =
+            serde_json::to_string(&Response::More(NodeAnswer::Uninstalling)).unwrap();
+        assert_eq!(uninstalling, r#""uninstalling""#);
+        assert_eq!(
+            serde_json::from_str::<Response>(&uninstalling).unwrap(),
+            Response::More(NodeAnswer::Uninstalling)
+        );
+        assert!(serde_json::from_str::<Answer>(&uninstalling).is_err());
     }
 }

@@ -662,7 +662,7 @@ fn relist() -> TestResult {
         })
         .await?;
         // The pod left out says why, for `status --pod`.
-        let control::Response::Node(n) = node.handle(control::Request::Status).await else {
+        let control::Response::More(control::NodeAnswer::Node(n)) = node.handle(control::Request::Status).await else {
             anyhow::bail!("no node status");
         };
         let why = sluice::status::explain::explain("kube-system/dns", &[], Some(&n)).map(|e| e.verdict);

@@ -11,7 +11,7 @@ use anyhow::ensure;
 use libtest_mimic::Trial;
 use sluice::{
     cni::spec::PodRef,
-    control::{self, Request, Response},
+    control::{self, NodeAnswer, Request, Response},
 };
 use sluice_tests::{
     agent::{free_port, http_get, AgentProc},
@@ -153,7 +153,7 @@ fn names_match() -> TestResult {
     });
     let answer = control::call(&agent.control, Some(f.topo.pins.root()), &check)?;
     ensure!(
-        matches!(answer, Some(r) if !matches!(r, Response::Node(_))),
+        matches!(answer, Some(r) if !matches!(r, Response::More(NodeAnswer::Node(_)))),
         "no answer to CHECK"
     );
     // The node condition's families appear with the readiness loop's first pass.

@@ -144,7 +144,7 @@ pub fn print_agent(resp: Response) -> anyhow::Result<()> {
         Response::Error { message } | Response::Refused { message } => {
             Err(anyhow::anyhow!(message))
         }
-        other @ (Response::Node(_) | Response::Uninstalling) => Err(anyhow::anyhow!(
+        other @ Response::More(_) => Err(anyhow::anyhow!(
             "unexpected answer from the agent: {other:?}"
         )),
     }

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use super::common::{Globals, Output};
 use crate::{
-    control::{self, Request, Response},
+    control::{self, NodeAnswer, Request, Response},
     status::explain,
     status::{self, NodeView},
 };
@@ -34,7 +34,7 @@ pub fn run(g: Globals, args: Args) -> anyhow::Result<()> {
     );
     let (agent, agent_error) = match asked {
         Ok(None) => (None, None),
-        Ok(Some(Response::Node(n))) => (Some(n), None),
+        Ok(Some(Response::More(NodeAnswer::Node(n)))) => (Some(n), None),
         Ok(Some(Response::Error { message })) => (None, Some(message)),
         Ok(Some(other)) => (None, Some(format!("unexpected answer: {other:?}"))),
         Err(e) => (None, Some(crate::one_line(&e))),

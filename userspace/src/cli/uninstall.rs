@@ -4,7 +4,7 @@
 use std::{path::Path, time::Duration};
 
 use super::common::{this_netns_as_node, CniDirs, Globals};
-use crate::control::{self, Request, Response};
+use crate::control::{self, NodeAnswer, Request, Response};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -35,7 +35,9 @@ fn via_agent(socket: &Path, root: &Path, first: Response) -> anyhow::Result<()> 
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     let mut last = String::new();
     while std::time::Instant::now() < deadline {
-        if let Ok(Some(Response::Node(n))) = control::call(socket, Some(root), &Request::Status) {
+        if let Ok(Some(Response::More(NodeAnswer::Node(n)))) =
+            control::call(socket, Some(root), &Request::Status)
+        {
             if n.uninstall.starts_with("done") {
                 println!(
                     "removed sluice from this node via the agent: {}",

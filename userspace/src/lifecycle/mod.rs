@@ -109,6 +109,28 @@ impl Event {
         }
     }
 
+    /// Whether the event can change the pinned state: it then goes through
+    /// the map (`Maps::apply`), never [`step_track`].
+    pub fn touches_state(&self) -> bool {
+        match self {
+            Event::Attach
+            | Event::Registered { .. }
+            | Event::ListenersGone
+            | Event::ServedFound
+            | Event::WorkloadLost
+            | Event::Drain
+            | Event::TornDown => true,
+            Event::UnenrollRequested
+            | Event::AddSent
+            | Event::RetryDue(_)
+            | Event::AddFailed { .. }
+            | Event::Wait { .. }
+            | Event::Acked(_)
+            | Event::SandboxOwned(_)
+            | Event::Checked(_) => false,
+        }
+    }
+
     /// One event of each kind that can change the pinned state, in the
     /// order of the documented table.
     pub fn state_changing() -> [Event; 8] {
@@ -325,7 +347,6 @@ pub fn step(
     now: Instant,
 ) -> Result<Step, Illegal> {
     let to = decide(from, event)?;
-    let mut next = track.clone();
     let mut effects = Vec::new();
     if to != from {
         effects.push(Effect::Announce);
@@ -333,6 +354,41 @@ pub fn step(
     if to == Some(PodState::Enabled) && from != to {
         effects.push(Effect::CheckServed);
     }
+    let rest = next_track(track, event, to != from, now);
+    effects.extend(rest.effects);
+    Ok(Step {
+        state: to,
+        track: rest.track,
+        effects,
+    })
+}
+
+/// What a track-only event does: the next track and the effects.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TrackStep {
+    pub track: Track,
+    pub effects: Vec<Effect>,
+}
+
+/// [`step`] for an event that only ever changes the track (the agent's
+/// memory), whatever the pod's state: an add's answer, a retry, a sandbox,
+/// a repair's finding. An event that can change the state is refused: it
+/// goes through the pinned map.
+pub fn step_track(track: &Track, event: &Event, now: Instant) -> Result<TrackStep, Illegal> {
+    if event.touches_state() {
+        return Err(Illegal {
+            from: None,
+            event: event.name(),
+        });
+    }
+    Ok(next_track(track, event, false, now))
+}
+
+/// The track half of [`step`]. `state_changed`: the event moved the pinned
+/// state (only state events do).
+fn next_track(track: &Track, event: &Event, state_changed: bool, now: Instant) -> TrackStep {
+    let mut next = track.clone();
+    let mut effects = Vec::new();
     let leaving = next.plan == Plan::Leaving;
     match event {
         Event::Registered { complete: true } => {
@@ -341,7 +397,7 @@ pub fn step(
             }
             effects.push(Effect::RecheckServed);
         }
-        Event::ListenersGone if to != from && !leaving => {
+        Event::ListenersGone if state_changed && !leaving => {
             next.plan = Plan::Retry(Retry::fresh(
                 false,
                 Some("ztunnel's listeners are gone".into()),
@@ -381,29 +437,10 @@ pub fn step(
         }
         _ => {}
     }
-    Ok(Step {
-        state: to,
+    TrackStep {
         track: next,
         effects,
-    })
-}
-
-/// [`step`] for an event that only ever changes the track (the agent's
-/// memory), whatever the pod's state: an add's answer, a retry, a sandbox,
-/// a repair's finding. An event that can change the state is refused: it
-/// goes through the pinned map.
-pub fn step_track(track: &Track, event: &Event, now: Instant) -> Result<Step, Illegal> {
-    if Event::state_changing()
-        .iter()
-        .any(|e| e.name() == event.name())
-    {
-        return Err(Illegal {
-            from: None,
-            event: event.name(),
-        });
     }
-    // The state plays no part in a track-only event.
-    step(Some(PodState::Pending), track, event, now).map(|s| Step { state: None, ..s })
 }
 
 /// The pod's retry schedule, started (due now) for a pod that has none;

@@ -68,7 +68,17 @@ fn track_only_events_never_change_the_state() {
             Event::Checked(None),
         ] {
             assert_eq!(decide(from, &event), Ok(from), "{}", event.name());
+            assert!(!event.touches_state(), "{}", event.name());
+            assert!(step_track(&Track::default(), &event, Instant::now()).is_ok());
         }
+    }
+    for event in Event::state_changing() {
+        assert!(event.touches_state(), "{}", event.name());
+        assert!(
+            step_track(&Track::default(), &event, Instant::now()).is_err(),
+            "{} must go through the map",
+            event.name()
+        );
     }
 }
 

@@ -126,7 +126,11 @@ fn served_in(
             "the stand-in connected",
             wait::DEADLINE,
             || match control::call(&agent.control, Some(pins.root()), &Request::Status) {
-                Ok(Some(control::Response::Node(n))) if n.ztunnel_connected => Ok(()),
+                Ok(Some(control::Response::More(control::NodeAnswer::Node(n))))
+                    if n.ztunnel_connected =>
+                {
+                    Ok(())
+                }
                 other => Err(format!("{other:?}")),
             },
         )?;

@@ -2,7 +2,7 @@
 //! CNI ADD/DEL/CHECK, status. Kernel work runs off the async workers.
 
 use super::*;
-use crate::control::{CniAdd, CniCheck, CniDel};
+use crate::control::{CniAdd, CniCheck, CniDel, NodeAnswer};
 
 impl Node {
     /// Serves one control request.
@@ -36,7 +36,7 @@ impl Node {
         match req {
             Request::Uninstall => {
                 self.request_uninstall(crate::kube::uninstall::Reason::Command);
-                Response::Uninstalling
+                Response::More(NodeAnswer::Uninstalling)
             }
             Request::Enroll {
                 netns,
@@ -106,7 +106,7 @@ impl Node {
                     let dp = self.dp.lock().unwrap();
                     (dp.adoption.to_string(), dp.probes(), dp.tc_attach)
                 };
-                Response::Node(NodeStatus {
+                Response::More(NodeAnswer::Node(NodeStatus {
                     condition_type: self.report.condition_type.clone(),
                     condition: self.report.condition(),
                     ztunnel_connected: self.hub.is_connected(),
@@ -120,7 +120,7 @@ impl Node {
                     skipped: self.skipped.lock().unwrap().clone(),
                     link_watches: self.link_watches.load(std::sync::atomic::Ordering::Relaxed),
                     tc_attach: Some(tc_attach),
-                })
+                }))
             }
             Request::CniCheck(CniCheck { pod }) => {
                 let started = Instant::now();
