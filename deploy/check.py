@@ -250,6 +250,13 @@ MINIMAL = {
 
 BAD = {
     "bpfRoot outside /sys/fs/bpf": {"bpfRoot": "/tmp/bpf"},
+    "a duration without a unit": {"readiness": {"pendingGrace": 10}},
+    "a duration in words": {"readiness": {"heartbeat": "1 hour"}},
+    "a bad watchdog interval": {"watchdog": {"interval": "2x"}},
+    "a bad uninstall timeout": {"uninstall": {"timeout": "soon"}},
+    "servedCheck true (not a mode)": {"readiness": {"servedCheck": True}},
+    "servedCheck not auto or off": {"readiness": {"servedCheck": "sometimes"}},
+    "metrics.address false (an unquoted off)": {"metrics": {"address": False}},
     "unknown platform": {"platform": "aks-classic"},
     "unknown enforcementMode": {"nodeReadinessRule": {"enabled": True, "enforcementMode": "sometimes"}},
     "metrics.address off (Prometheus scrapes the listener)": {"metrics": {"address": "off"}},
@@ -500,6 +507,25 @@ def check_generated(chart_dir, deploy):
             fail(f"deploy/{name}", "differs from the chart's default render: run `cargo xtask render-deploy`")
 
 
+# Values files as users write them: YAML 1.1 reads an unquoted off as false.
+VALUES_FILES = {
+    "servedCheck: off unquoted": ("readiness:\n  servedCheck: off\n", "agent", "--served-check=off"),
+    "servedCheck: \"off\" quoted": ("readiness:\n  servedCheck: \"off\"\n", "agent", "--served-check=off"),
+    "pendingGrace: 1m30s": ("readiness:\n  pendingGrace: 1m30s\n", "agent", "--pending-grace=1m30s"),
+    "watchdog interval: 1h": ("watchdog:\n  interval: 1h\n", "watchdog", "--interval=1h"),
+}
+
+
+def check_values_files(chart):
+    for label, (text, name, arg) in VALUES_FILES.items():
+        objs = render(chart, label, yaml.safe_load(text))
+        ds = objs.get("DaemonSet", [])
+        args = args_of(ds[0], name) if ds else []
+        expect(f"values file ({label})", arg in args, f"{name} args lack {arg}: {args}")
+        if arg in args:
+            ok(f"values file ({label}) renders {arg}")
+
+
 def check_chart(chart_dir, plain):
     chart = helm.Chart.load(chart_dir)
     defaults = copy.deepcopy(chart.values)
@@ -516,6 +542,7 @@ def check_chart(chart_dir, plain):
     if rule:
         check_rule_defaults(rule, plain)
     check_platforms(chart)
+    check_values_files(chart)
     for label, values in BAD.items():
         try:
             chart.render(values, name=RELEASE, namespace=NAMESPACE)

@@ -53,21 +53,14 @@ pub struct ReadinessArgs {
     pub condition_type: String,
 }
 
-/// "500ms", "10s", "2m".
+/// "500ms", "10s", "2m", "1m30s", "1h": a number and a unit, repeated
+/// (humantime's forms). A bare number is refused: its unit would be a guess.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let (num, unit) = s
-        .find(|c: char| !c.is_ascii_digit())
-        .map(|i| s.split_at(i))
-        .ok_or_else(|| format!("{s:?}: add a unit (ms, s, m)"))?;
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("{s:?}: expected a number and a unit, e.g. 10s"))?;
-    match unit {
-        "ms" => Ok(Duration::from_millis(n)),
-        "s" => Ok(Duration::from_secs(n)),
-        "m" => Ok(Duration::from_secs(n * 60)),
-        _ => Err(format!("{s:?}: unit must be ms, s or m")),
+    if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(format!("{s:?}: add a unit (ms, s, m, h), e.g. {s}s"));
     }
+    humantime::parse_duration(s)
+        .map_err(|e| format!("{s:?}: {e} (expected e.g. 500ms, 10s, 1m30s, 1h)"))
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -157,4 +150,27 @@ pub fn print_agent(resp: Response) -> anyhow::Result<()> {
 /// no pod's peer and nothing is touched.
 pub fn this_netns_as_node() -> Option<hostside::Node> {
     hostside::Node::open(Path::new("/proc/self/ns/net")).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_take_the_usual_forms_and_refuse_a_bare_number() {
+        for (s, want) in [
+            ("500ms", Duration::from_millis(500)),
+            ("10s", Duration::from_secs(10)),
+            ("2m", Duration::from_secs(120)),
+            ("1m30s", Duration::from_secs(90)),
+            ("1h", Duration::from_secs(3600)),
+            ("0s", Duration::ZERO),
+        ] {
+            assert_eq!(parse_duration(s), Ok(want), "{s}");
+        }
+        for bad in ["", "10", "ten seconds", "5x", "-1s"] {
+            let e = parse_duration(bad).unwrap_err();
+            assert!(e.contains(&format!("{bad:?}")), "{bad}: {e}");
+        }
+    }
 }

@@ -30,7 +30,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 
 {{/* ADDRESS:PORT of the agent's metrics/admin listener; $(HOST_IP) is expanded by the kubelet. */}}
 {{- define "sluice.metricsAddr" -}}
-{{- if eq (toString .Values.metrics.address) "off" -}}
+{{- if or (eq (toString .Values.metrics.address) "off") (kindIs "bool" .Values.metrics.address) -}}
 {{- fail "metrics.address cannot be off: set metrics.port to move it (Prometheus scrapes it)" -}}
 {{- end -}}
 {{- printf "%s:%v" (default "$(HOST_IP)" .Values.metrics.address) .Values.metrics.port -}}
@@ -77,4 +77,32 @@ gke
 {{- define "sluice.cniBinDir" -}}
 {{- $p := dict "" "/opt/cni/bin" "gke" "/home/kubernetes/bin" "k3s" "/var/lib/rancher/k3s/data/cni" "openshift" "/var/lib/cni/bin" -}}
 {{- default (get $p (include "sluice.platform" .)) .Values.cni.binDir -}}
+{{- end -}}
+
+{{/* A duration flag's value, checked here so that a bad one fails the render
+with its name instead of crash-looping the agent on every node: a number and
+a unit, repeated (500ms, 10s, 1m30s, 1h). Called with (list NAME VALUE). */}}
+{{- define "sluice.duration" -}}
+{{- $name := index . 0 -}}
+{{- $value := toString (index . 1) -}}
+{{- if not (regexMatch "^([0-9]+(ns|us|ms|s|m|h))+$" $value) -}}
+{{- fail (printf "%s: %q is not a duration: use a number and a unit, e.g. 500ms, 10s, 1m30s, 1h" $name $value) -}}
+{{- end -}}
+{{- $value -}}
+{{- end -}}
+
+{{/* --served-check. YAML 1.1 reads an unquoted off as the boolean false:
+that is off, not a value for the agent to refuse. */}}
+{{- define "sluice.servedCheck" -}}
+{{- $v := .Values.readiness.servedCheck -}}
+{{- if kindIs "bool" $v -}}
+{{- if $v -}}
+{{- fail "readiness.servedCheck: true is not a mode: use auto or off" -}}
+{{- end -}}
+off
+{{- else if has $v (list "auto" "off") -}}
+{{- $v -}}
+{{- else -}}
+{{- fail (printf "readiness.servedCheck: %q is not a mode: use auto or off" (toString $v)) -}}
+{{- end -}}
 {{- end -}}
