@@ -594,11 +594,11 @@ def check_kind_skips(root):
     # `docker run IMAGE features --require` answering `probe` with exit 1.
     def engine(options, probe=None):
         run = f"echo '{probe}'; exit 1" if probe else "exit 0"
+        # `docker build` succeeds without building anything.
         return ("#!/bin/sh\n"
-                f'case "$1" in\n  info) echo \'{options}\' ;;\n  run) {run} ;;\n  *) exit 1 ;;\nesac\n')
+                f'case "$1" in\n  info) echo \'{options}\' ;;\n  build) exit 0 ;;\n  run) {run} ;;\n  *) exit 1 ;;\nesac\n')
     tools = lambda docker: {"docker": docker, "kind": stub, "kubectl": stub, "helm": stub}
-    # The image build (`cargo xtask image`) succeeds without building anything.
-    built = {"cargo": "#!/bin/sh\nexit 0\n"}
+    built = {}
     # (label, stubs, the skip line, whether it is the whole of stdout or only its
     # last line: the probe runs after the build has logged its progress)
     cases = [
@@ -628,6 +628,39 @@ def check_kind_skips(root):
             ok(f"tests/kind/run.sh skips cleanly {label}")
         else:
             fail(f"tests/kind/run.sh {label}", f"exit {r.returncode}: {r.stdout!r} {r.stderr!r}")
+    check_kind_kept_cluster(script, engine('["name=seccomp,profile=builtin"]'))
+
+
+def check_kind_kept_cluster(script, docker):
+    """A rerun beside a cluster a KEEP_CLUSTER=1 run left: it stops with the
+    reason, and neither reuses nor deletes that cluster."""
+    with tempfile.TemporaryDirectory() as bare:
+        calls = os.path.join(bare, "kind-calls")
+        stubs = {
+            "docker": docker,
+            "kind": ("#!/bin/sh\n"
+                     f'echo "$*" >> {calls}\n'
+                     'case "$1" in\n  get) echo sluice-e2e ;;\n  *) exit 0 ;;\nesac\n'),
+            "kubectl": "#!/bin/sh\nexit 1\n",
+            "helm": "#!/bin/sh\nexit 1\n",
+        }
+        for tool in ("bash", "dirname", "uname", "grep"):
+            os.symlink(shutil.which(tool), os.path.join(bare, tool))
+        for name, body in stubs.items():
+            path = os.path.join(bare, name)
+            with open(path, "w") as f:
+                f.write(body)
+            os.chmod(path, 0o755)
+        r = subprocess.run([os.path.join(bare, "bash"), script], capture_output=True,
+                           text=True, env={"PATH": bare}, timeout=30)
+        with open(calls) as f:
+            seen = f.read().split("\n")
+    touched = [c for c in seen if c.startswith(("create", "delete"))]
+    if r.returncode == 1 and "already exists" in r.stderr and not touched:
+        ok("tests/kind/run.sh stops beside a kept cluster and leaves it alone")
+    else:
+        fail("tests/kind/run.sh beside a kept cluster",
+             f"exit {r.returncode}, kind calls {seen}: {r.stdout!r} {r.stderr!r}")
 
 
 def main():

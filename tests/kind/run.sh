@@ -17,6 +17,9 @@
 #                    which sluice serves)
 # and NOT istio/cni: sluice's chart (deploy/helm/sluice) takes its place.
 #
+# The image is built with `docker build` from the repository's Dockerfile (no
+# Rust toolchain needed here).
+#
 # Environment: ISTIO_VERSION, KIND_NODE_IMAGE (a Kubernetes version Istio
 # $ISTIO_VERSION supports), CLUSTER (kind cluster name), IMAGE (tag built and
 # loaded), KEEP_CLUSTER=1 (leave the cluster for inspection).
@@ -159,7 +162,9 @@ pod_phase() { k -n "$NS" get pod "$1" -o jsonpath='{.status.phase}'; }
 
 # --- build, cluster, install ----------------------------------------------------
 log "building the image $IMAGE"
-(cd "$ROOT" && cargo xtask image --tag "$IMAGE")
+# Plain docker build (what `cargo xtask image` runs): no Rust toolchain needed
+# on this machine, the Dockerfile builds everything.
+docker build --tag "$IMAGE" --file "$ROOT/Dockerfile" "$ROOT"
 
 # kind nodes share the Docker engine's kernel: ask it the agent's own feature
 # probe (the same code, not a version number) before creating a cluster. Exit 1
@@ -171,6 +176,12 @@ if ((features_rc == 1)); then
   exit 0
 elif ((features_rc != 0)); then
   die "the kernel feature probe did not run (docker run exited $features_rc): ${features//$'\n'/; }"
+fi
+
+# A cluster of this name is someone's (a KEEP_CLUSTER=1 run's, say): never
+# reuse it, and never let this run's cleanup delete it.
+if kind get clusters 2>/dev/null | grep -qx "$CLUSTER"; then
+  die "a kind cluster named $CLUSTER already exists (left by KEEP_CLUSTER=1?): delete it (kind delete cluster --name $CLUSTER) or set CLUSTER to another name"
 fi
 
 trap cleanup EXIT
@@ -249,7 +260,7 @@ k -n "$NS" run long-connection --image=python:3.12-alpine --restart=Never \
   --overrides='{"spec":{"serviceAccountName":"client","nodeSelector":{"sluice-e2e/role":"client"},"volumes":[{"name":"p","configMap":{"name":"e2e-programs"}}],"containers":[{"name":"long-connection","image":"python:3.12-alpine","command":["python3","-u","/app/long_connection.py","server","9000"],"volumeMounts":[{"name":"p","mountPath":"/app"}]}]}}'
 k -n "$NS" wait pod/long-connection --for=condition=Ready --timeout=120s
 wait_for 30 "the long-lived connection is exchanging data" count_above 3
-k -n "$SYS" delete pods -l app.kubernetes.io/name=sluice --wait=true
+k -n "$SYS" delete pods -l app.kubernetes.io/name=sluice --wait=true --timeout=120s
 wait_for 180 "new agent pods are Ready" agents_ready
 n=$(long_connection_count)
 wait_for 30 "the long-lived connection still exchanges data" count_above "$n"
