@@ -272,14 +272,23 @@ def lint(chart, label, values):
         ok(f"helm lint --strict ({label})")
 
 
-def render(chart, label, values, kube_version=None):
+# What a cluster with node-readiness-controller installed serves.
+RULE_API = "readiness.node.x-k8s.io/v1alpha1/NodeReadinessRule"
+
+
+def render(chart, label, values, kube_version=None, api_versions=None, notes=None):
     try:
-        if kube_version is None:
+        if kube_version is None and api_versions is None:
             out = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
         else:
-            # Chart.render has no kube_version (lint has); Helm's own render
-            # call takes it, as `helm template --kube-version` does.
-            opts = {"name": RELEASE, "namespace": NAMESPACE, "is_install": True, "kube_version": kube_version}
+            # Chart.render has neither kube_version nor api_versions (lint has
+            # the first); Helm's own render call takes them, as `helm template
+            # --kube-version --api-versions` does.
+            opts = {"name": RELEASE, "namespace": NAMESPACE, "is_install": True}
+            if kube_version is not None:
+                opts["kube_version"] = kube_version
+            if api_versions is not None:
+                opts["api_versions"] = api_versions
             out = json.loads(helm_native.call_string("helm_render", chart._raw(), json.dumps(values), json.dumps(opts)))
     except helm.HelmError as e:
         fail(f"helm template ({label})", str(e))
@@ -289,6 +298,8 @@ def render(chart, label, values, kube_version=None):
         if path.endswith("NOTES.txt"):
             if not text.strip():
                 fail(f"{path} ({label})", "empty")
+            if notes is not None:
+                notes.append(text)
             continue
         for obj in docs(text):
             what = f"{path} ({label}) {obj.get('kind')}/{obj['metadata'].get('name')}"
@@ -526,15 +537,31 @@ def check_values_files(chart):
             ok(f"values file ({label}) renders {arg}")
 
 
+def check_rule_without_crd(chart):
+    """The rule enabled on a cluster without node-readiness-controller's CRD:
+    no NodeReadinessRule (it would fail the install), and NOTES.txt says so."""
+    notes = []
+    objs = render(chart, "NodeReadinessRule without its CRD", {"nodeReadinessRule": {"enabled": True}},
+                  api_versions=[], notes=notes)
+    said = any("no\nNodeReadinessRule CRD" in n or "no NodeReadinessRule CRD" in n for n in notes)
+    if "NodeReadinessRule" not in objs and said:
+        ok("chart: without the NodeReadinessRule CRD, no rule and a NOTES.txt warning")
+    else:
+        fail("chart (NodeReadinessRule without its CRD)",
+             f"rendered {sorted(objs)}; NOTES say it: {said}")
+
+
 def check_chart(chart_dir, plain):
     chart = helm.Chart.load(chart_dir)
     defaults = copy.deepcopy(chart.values)
     for label, values in [("default values", None), ("every option", FULL), ("minimal", MINIMAL)]:
         lint(chart_dir, label, values)
     render(chart, "default values", None)
-    full = render(chart, "every option", FULL)
+    full = render(chart, "every option", FULL, api_versions=[RULE_API])
     minimal = render(chart, "minimal", MINIMAL)
-    rule = render(chart, "NodeReadinessRule defaults", {"nodeReadinessRule": {"enabled": True}})
+    rule = render(chart, "NodeReadinessRule defaults", {"nodeReadinessRule": {"enabled": True}},
+                  api_versions=[RULE_API])
+    check_rule_without_crd(chart)
     if full:
         check_full(full)
     if minimal:
