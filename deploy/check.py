@@ -258,6 +258,7 @@ BAD = {
     "servedCheck not auto or off": {"readiness": {"servedCheck": "sometimes"}},
     "metrics.address false (an unquoted off)": {"metrics": {"address": False}},
     "unknown platform": {"platform": "aks-classic"},
+    "platform openshift (Multus: not supported, with the reason)": {"platform": "openshift"},
     "unknown enforcementMode": {"nodeReadinessRule": {"enabled": True, "enforcementMode": "sometimes"}},
     "metrics.address off (Prometheus scrapes the listener)": {"metrics": {"address": "off"}},
 }
@@ -411,13 +412,12 @@ def check_minimal(objs):
 
 
 def check_platforms(chart):
-    """platform: the CNI dirs (flags, mounts, host paths), GKE's quota and
-    OpenShift's SELinux type; explicit cni dirs still win."""
+    """platform: the CNI dirs (flags, mounts, host paths) and GKE's quota;
+    explicit cni dirs still win."""
     cases = [
         ("", "/etc/cni/net.d", "/opt/cni/bin"),
         ("gke", "/etc/cni/net.d", "/home/kubernetes/bin"),
         ("k3s", "/var/lib/rancher/k3s/agent/etc/cni/net.d", "/var/lib/rancher/k3s/data/cni"),
-        ("openshift", "/etc/cni/multus/net.d", "/var/lib/cni/bin"),
     ]
     for platform, conf, bin_dir in cases:
         label = f"platform {platform or '(none)'}"
@@ -438,7 +438,7 @@ def check_platforms(chart):
             expect(label, sel["scopeName"] == "PriorityClass" and sel["values"] == ["system-node-critical"],
                    f"quota scope {sel}")
         se = container(ds, "agent")["securityContext"].get("seLinuxOptions")
-        expect(label, se == ({"type": "spc_t"} if platform == "openshift" else None), f"seLinuxOptions {se}")
+        expect(label, se is None, f"seLinuxOptions {se}")
     objs = render(chart, "platform gke, explicit dirs",
                   {"platform": "gke", "cni": {"binDir": "/opt/x/bin"}, "agent": {"seLinuxOptions": {"level": "s0"}}})
     if objs:
@@ -458,7 +458,7 @@ def check_platforms(chart):
         bin_dir = dict((p, b) for p, _, b in cases)[want]
         expect(label, f"--cni-bin-dir={bin_dir}" in a, f"agent args {a}")
         expect(label, bool(objs.get("ResourceQuota")) == (want == "gke"), "ResourceQuota")
-    ok("chart platforms: CNI dirs, GKE quota, OpenShift SELinux type, GKE detected from the cluster version")
+    ok("chart platforms: CNI dirs, GKE quota, GKE detected from the cluster version")
 
 
 def check_rule_defaults(objs, plain):

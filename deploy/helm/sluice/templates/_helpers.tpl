@@ -65,17 +65,20 @@ gke
 
 {{/* The node's CNI config dir: cni.confDir, else the platform's. */}}
 {{- define "sluice.cniConfDir" -}}
-{{- $p := dict "" "/etc/cni/net.d" "gke" "/etc/cni/net.d" "k3s" "/var/lib/rancher/k3s/agent/etc/cni/net.d" "openshift" "/etc/cni/multus/net.d" -}}
+{{- $p := dict "" "/etc/cni/net.d" "gke" "/etc/cni/net.d" "k3s" "/var/lib/rancher/k3s/agent/etc/cni/net.d" -}}
 {{- $platform := include "sluice.platform" . -}}
+{{- if eq $platform "openshift" -}}
+{{- fail "platform openshift is not supported: OpenShift's primary network is Multus' (its /etc/cni/multus/net.d holds attachment configs, not the primary conflist), and sluice-cni has no Multus (non-chained) mode; see docs/INSTALL.md, Platforms" -}}
+{{- end -}}
 {{- if not (hasKey $p $platform) -}}
-{{- fail (printf "platform %q: expected one of \"\", gke, k3s, openshift" $platform) -}}
+{{- fail (printf "platform %q: expected one of \"\", gke, k3s" $platform) -}}
 {{- end -}}
 {{- default (get $p $platform) .Values.cni.confDir -}}
 {{- end -}}
 
 {{/* The node's CNI plugin dir: cni.binDir, else the platform's. */}}
 {{- define "sluice.cniBinDir" -}}
-{{- $p := dict "" "/opt/cni/bin" "gke" "/home/kubernetes/bin" "k3s" "/var/lib/rancher/k3s/data/cni" "openshift" "/var/lib/cni/bin" -}}
+{{- $p := dict "" "/opt/cni/bin" "gke" "/home/kubernetes/bin" "k3s" "/var/lib/rancher/k3s/data/cni" -}}
 {{- default (get $p (include "sluice.platform" .)) .Values.cni.binDir -}}
 {{- end -}}
 
