@@ -260,6 +260,8 @@ BAD = {
     "unknown platform": {"platform": "aks-classic"},
     "platform openshift (Multus: not supported, with the reason)": {"platform": "openshift"},
     "unknown enforcementMode": {"nodeReadinessRule": {"enabled": True, "enforcementMode": "sometimes"}},
+    "logFormat not auto, text or json": {"logFormat": "yaml"},
+    "a bad cni.recheck": {"cni": {"recheck": "often"}},
     "metrics.address off (Prometheus scrapes the listener)": {"metrics": {"address": "off"}},
 }
 
@@ -551,6 +553,43 @@ def check_rule_without_crd(chart):
              f"rendered {sorted(objs)}; NOTES say it: {said}")
 
 
+def cli_flags(root):
+    """The long flags of `sluice agent` and the global ones, from the clap
+    structs' fields (`#[arg(long …)] name: …`)."""
+    import re
+    flags = set()
+    for rel in ("userspace/src/cli/agent.rs", "userspace/src/cli/mod.rs", "userspace/src/cli/common.rs"):
+        with open(os.path.join(root, rel)) as fh:
+            src = fh.read()
+        for attr, field in re.findall(r"#\[arg\((.*?)\)\]\s*(?:pub\s+)?(\w+)\s*:", src, re.S):
+            if re.search(r"\blong\b", attr):
+                flags.add("--" + field.replace("_", "-"))
+    return flags
+
+
+# Agent flags that come from the pod rather than a value.
+FROM_THE_POD = {"--namespace": "POD_NAMESPACE"}
+
+
+def check_every_flag_has_a_value(root, full):
+    """Each flag of the agent's is set by the chart (every option rendered),
+    or comes from the pod's environment: none is out of the user's reach."""
+    ds = full.get("DaemonSet", [])
+    if not ds:
+        return
+    agent = container(ds[0], "agent")
+    given = {a.split("=", 1)[0] for a in agent["args"]}
+    env = {e["name"] for e in agent.get("env", [])}
+    flags = cli_flags(root)
+    missing = sorted(f for f in flags if f not in given and FROM_THE_POD.get(f) not in env)
+    if len(flags) < 20:
+        fail("chart flags", f"found only {sorted(flags)} in the CLI sources")
+    elif missing:
+        fail("chart flags", f"agent flags no value sets: {missing}")
+    else:
+        ok(f"chart: every one of the agent's {len(flags)} flags has a value (or comes from the pod)")
+
+
 def check_chart(chart_dir, plain):
     chart = helm.Chart.load(chart_dir)
     defaults = copy.deepcopy(chart.values)
@@ -564,6 +603,7 @@ def check_chart(chart_dir, plain):
     check_rule_without_crd(chart)
     if full:
         check_full(full)
+        check_every_flag_has_a_value(os.path.dirname(os.path.dirname(os.path.dirname(chart_dir))), full)
     if minimal:
         check_minimal(minimal)
     if rule:

@@ -109,3 +109,12 @@ off
 {{- fail (printf "readiness.servedCheck: %q is not a mode: use auto or off" (toString $v)) -}}
 {{- end -}}
 {{- end -}}
+
+{{/* --log-format of both containers. */}}
+{{- define "sluice.logFormat" -}}
+{{- $v := toString .Values.logFormat -}}
+{{- if not (has $v (list "auto" "text" "json")) -}}
+{{- fail (printf "logFormat: %q is not auto, text or json" $v) -}}
+{{- end -}}
+{{- $v -}}
+{{- end -}}
