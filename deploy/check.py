@@ -208,7 +208,7 @@ FULL = {
     "agent": {
         "privileged": True,
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
-        "extraArgs": ["--some-flag=x"],
+        "extraArgs": ["--orphan-grace=1m"],
     },
     "watchdog": {"enabled": True, "interval": "5s", "failures": 4,
                  "resources": {"requests": {"cpu": "10m"}}},
@@ -275,6 +275,9 @@ def lint(chart, label, values):
         ok(f"helm lint --strict ({label})")
 
 
+# Every successful render: (label, objects by kind), for the command check.
+RENDERED = []
+
 # What a cluster with node-readiness-controller installed serves.
 RULE_API = "readiness.node.x-k8s.io/v1alpha1/NodeReadinessRule"
 
@@ -297,6 +300,7 @@ def render(chart, label, values, kube_version=None, api_versions=None, notes=Non
         fail(f"helm template ({label})", str(e))
         return {}
     objs = {}
+    RENDERED.append((label, objs))
     for path, text in sorted(out.items()):
         if path.endswith("NOTES.txt"):
             if not text.strip():
@@ -354,7 +358,7 @@ def check_full(objs):
         "--untaint=example.com/startup",
         "--metrics-addr=127.0.0.1:15031",
         "--health-addr=127.0.0.1:15033",
-        "--some-flag=x",
+        "--orphan-grace=1m",
         "--node-netns=off",
         "--exclude-namespaces=kube-system,monitoring",
         "--dns-capture=false",
@@ -569,6 +573,8 @@ def cli_flags(root):
 
 # Agent flags that come from the pod rather than a value.
 FROM_THE_POD = {"--namespace": "POD_NAMESPACE"}
+# Flags that are not the agent's settings.
+NOT_SETTINGS = {"--check-args"}
 
 
 def check_every_flag_has_a_value(root, full):
@@ -581,13 +587,59 @@ def check_every_flag_has_a_value(root, full):
     given = {a.split("=", 1)[0] for a in agent["args"]}
     env = {e["name"] for e in agent.get("env", [])}
     flags = cli_flags(root)
-    missing = sorted(f for f in flags if f not in given and FROM_THE_POD.get(f) not in env)
+    missing = sorted(f for f in flags - NOT_SETTINGS if f not in given and FROM_THE_POD.get(f) not in env)
     if len(flags) < 20:
         fail("chart flags", f"found only {sorted(flags)} in the CLI sources")
     elif missing:
         fail("chart flags", f"agent flags no value sets: {missing}")
     else:
         ok(f"chart: every one of the agent's {len(flags)} flags has a value (or comes from the pod)")
+
+
+# What the kubelet expands $(VAR) to in a container's args, for the dry run.
+KUBELET_VARS = {"NODE_NAME": "node-1", "HOST_IP": "10.0.0.1", "POD_NAMESPACE": NAMESPACE}
+
+
+def sluice_commands(objs):
+    """(what, args) of every container that runs sluice, in every workload."""
+    import re
+    for kind in ("DaemonSet", "Job"):
+        for w in objs.get(kind, []):
+            spec = w["spec"]["template"]["spec"]
+            for c in spec.get("initContainers", []) + spec.get("containers", []):
+                command = c.get("command") or []
+                # The image's entrypoint is sluice; a shell command is not.
+                if command and not command[0].endswith("/sluice"):
+                    continue
+                args = [re.sub(r"\$\((\w+)\)", lambda m: KUBELET_VARS.get(m.group(1), m.group(0)), a)
+                        for a in command[1:] + c.get("args", [])]
+                yield f"{kind}/{w['metadata']['name']} {c['name']}", args
+
+
+def check_commands():
+    """Every sluice command line the chart rendered (each value set and
+    platform) through the CLI's own parser: a flag the binary does not know,
+    a bad duration or mode, a missing requirement fails here, not on a node."""
+    sluice = os.environ.get("SLUICE_BIN")
+    if not sluice:
+        fail("rendered commands", "SLUICE_BIN is not set: run this through `cargo xtask check-deploy`")
+        return
+    seen, bad = set(), 0
+    for label, objs in RENDERED:
+        for what, args in sluice_commands(objs):
+            key = tuple(args)
+            if key in seen:
+                continue
+            seen.add(key)
+            r = subprocess.run([sluice, "--check-args", *args], capture_output=True, text=True,
+                               env={"PATH": os.environ.get("PATH", "")}, timeout=30)
+            if r.returncode != 0:
+                bad += 1
+                fail(f"rendered command ({label}) {what}", f"sluice {' '.join(args)}: {r.stderr.strip()}")
+    if len(seen) < 4:
+        fail("rendered commands", f"found only {len(seen)} sluice commands in the renders")
+    elif not bad:
+        ok(f"every rendered sluice command parses ({len(seen)} distinct, `sluice --check-args`)")
 
 
 def check_chart(chart_dir, plain):
@@ -742,6 +794,7 @@ def main():
     plain_manifests(os.path.join(root, "tests", "kind"), root, {})
     check_chart(os.path.join(deploy, "helm", "sluice"), plain)
     check_generated(os.path.join(deploy, "helm", "sluice"), deploy)
+    check_commands()
     check_shell(root)
     check_kind_skips(root)
     if errors:

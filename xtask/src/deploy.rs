@@ -5,7 +5,7 @@ use std::{path::Path, process::Command};
 
 use anyhow::{bail, Context as _, Result};
 
-use crate::{run, workspace_root};
+use crate::{cargo, run, target_dir, workspace_root};
 
 pub const DEFAULT_TAG: &str = "sluice:dev";
 
@@ -54,26 +54,40 @@ const PY_PACKAGES: &[&str] = &[
     "typing_extensions==4.16.0",
 ];
 
-/// Renders, lints and validates deploy/ and shellchecks every script.
-pub fn check() -> Result<()> {
-    check_py(&[]).context("deploy checks failed (see above)")
+/// Renders, lints and validates deploy/, runs the rendered commands through
+/// `sluice` (built here unless given) and shellchecks every script.
+pub fn check(sluice: Option<&Path>) -> Result<()> {
+    let sluice = match sluice {
+        Some(p) => p.to_owned(),
+        None => {
+            cargo(&["build", "-p", "sluice", "--bin", "sluice"])?;
+            target_dir().join("debug/sluice")
+        }
+    };
+    check_py(&[], Some(&sluice)).context("deploy checks failed (see above)")
 }
 
 /// The plain manifests, rendered from the chart's default values.
 pub fn render_plain() -> Result<()> {
-    check_py(&["--write-plain"]).context("rendering the plain manifests failed")
+    check_py(&["--write-plain"], None).context("rendering the plain manifests failed")
 }
 
-fn check_py(args: &[&str]) -> Result<()> {
+/// deploy/check.py in its venv; `sluice`: the binary whose parser checks the
+/// rendered commands (SLUICE_BIN).
+fn check_py(args: &[&str], sluice: Option<&Path>) -> Result<()> {
     let root = workspace_root();
     let venv = root.join("target/deploy-venv");
     let python = venv.join("bin/python");
     ensure_venv(&venv, &python)?;
-    run(Command::new(&python)
-        .current_dir(&root)
+    let mut cmd = Command::new(&python);
+    cmd.current_dir(&root)
         .arg(root.join("deploy/check.py"))
         .arg(&root)
-        .args(args))
+        .args(args);
+    if let Some(s) = sluice {
+        cmd.env("SLUICE_BIN", s);
+    }
+    run(&mut cmd)
 }
 
 fn ensure_venv(venv: &Path, python: &Path) -> Result<()> {

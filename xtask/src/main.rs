@@ -79,7 +79,9 @@ enum Cmd {
         #[arg(long, default_value = deploy::DEFAULT_TAG)]
         tag: String,
     },
-    /// Render, lint and validate deploy/ (manifests, Helm chart); shellcheck scripts.
+    /// Render, lint and validate deploy/ (manifests, Helm chart), run every
+    /// sluice command the chart renders through the CLI's parser
+    /// (`--check-args`): the install's dry run. Shellcheck scripts.
     CheckDeploy,
     /// Write deploy/daemonset.yaml and deploy/rbac.yaml from the chart's
     /// default values (the chart is their one source; check-deploy compares).
@@ -123,10 +125,17 @@ fn main() -> Result<()> {
         Cmd::Demo => demo(),
         Cmd::Bench => bench(),
         Cmd::Image { tag } => deploy::image(&tag),
-        Cmd::CheckDeploy => deploy::check(),
+        Cmd::CheckDeploy => deploy::check(None),
         Cmd::RenderDeploy => deploy::render_plain(),
         Cmd::TestKernels(args) => kernels::run(args),
     }
+}
+
+/// Cargo's target dir: CARGO_TARGET_DIR, else the workspace's.
+pub fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target"))
 }
 
 pub fn workspace_root() -> PathBuf {
@@ -217,7 +226,7 @@ fn build_cni() -> Result<PathBuf> {
         .join("release/sluice-cni"))
 }
 
-fn cargo(args: &[&str]) -> Result<()> {
+pub fn cargo(args: &[&str]) -> Result<()> {
     run(Command::new("cargo")
         .current_dir(workspace_root())
         .args(args))
@@ -267,8 +276,9 @@ fn test(extra: &[String], repeat: u32, cpu_hog: bool) -> Result<()> {
         ]
         .concat(),
     )?;
-    deploy::check()?;
     let static_cni = build_test_bins()?;
+    // The chart's commands go through the binary the tests run.
+    deploy::check(Some(&target_dir().join("debug/sluice")))?;
     let mut args = [&["test"][..], &host].concat();
     if !extra.is_empty() {
         args.push("--");

@@ -14,7 +14,10 @@ use crate::{
     served,
 };
 
+// A flag given twice takes its last value: the chart's agent.extraArgs
+// come last and override what the chart set.
 #[derive(clap::Args)]
+#[command(args_override_self = true)]
 pub struct Args {
     /// Where ztunnel connects (its INPOD_UDS).
     #[arg(long, default_value = DEFAULT_ZDS_SOCKET, env = "SLUICE_ZDS_SOCKET")]
