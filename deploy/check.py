@@ -782,6 +782,50 @@ def check_kind_kept_cluster(script, docker):
              f"exit {r.returncode}, kind calls {seen}: {r.stdout!r} {r.stderr!r}")
 
 
+# --- the image ---------------------------------------------------------------------
+
+def check_dockerfile(root):
+    """The build stage installs the toolchain (the one nightly pin, in
+    xtask/src/setup.rs) from the manifests and xtask alone, before the
+    sources: that layer must load the workspace with only what it copies."""
+    import re
+    with open(os.path.join(root, "Dockerfile")) as fh:
+        lines = [l for l in fh.read().split("\n") if not l.lstrip().startswith("#")]
+    text = "\n".join(lines)
+    setup = next((i for i, l in enumerate(lines) if "cargo xtask setup --build-only" in l), None)
+    sources = next((i for i, l in enumerate(lines) if re.match(r"COPY \. \.\s*$", l)), None)
+    if setup is None or sources is None or setup > sources:
+        fail("Dockerfile", "`cargo xtask setup --build-only` must run before `COPY . .`")
+        return
+    if re.search(r"toolchain install|nightly", text):
+        fail("Dockerfile", "names a toolchain itself: the nightly pin lives in xtask/src/setup.rs only")
+        return
+    with tempfile.TemporaryDirectory() as stage:
+        for l in lines[:sources]:
+            words = l.split()
+            if len(words) < 3 or words[0] != "COPY" or words[1].startswith("--"):
+                continue
+            srcs, dest = words[1:-1], words[-1]
+            for src in srcs:
+                path = os.path.join(root, src)
+                to = os.path.join(stage, dest, os.path.basename(src)) if dest.endswith("/") else os.path.join(stage, dest)
+                if os.path.isdir(path):
+                    shutil.copytree(path, to, ignore=shutil.ignore_patterns("target"))
+                else:
+                    os.makedirs(os.path.dirname(to), exist_ok=True)
+                    shutil.copy(path, to)
+        m = re.search(r"for d in ([\w ]+); do", text)
+        for d in (m.group(1).split() if m else []):
+            os.makedirs(os.path.join(stage, d, "src"), exist_ok=True)
+            open(os.path.join(stage, d, "src", "lib.rs"), "w").close()
+        r = subprocess.run(["cargo", "metadata", "--offline", "--no-deps", "--format-version", "1"],
+                           cwd=stage, capture_output=True, text=True, timeout=120)
+    if r.returncode == 0:
+        ok("Dockerfile: the toolchain layer loads the workspace from the manifests and xtask alone")
+    else:
+        fail("Dockerfile (the toolchain layer)", r.stderr.strip()[-400:])
+
+
 def main():
     args = [a for a in sys.argv[1:] if a != "--write-plain"]
     root = os.path.abspath(args[0] if args else os.path.join(os.path.dirname(__file__), ".."))
@@ -797,6 +841,7 @@ def main():
     check_commands()
     check_shell(root)
     check_kind_skips(root)
+    check_dockerfile(root)
     if errors:
         print(f"\ncheck-deploy: {len(errors)} problem(s)")
         sys.exit(1)

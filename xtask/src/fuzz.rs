@@ -41,7 +41,7 @@ pub fn fuzz(secs: u64, build: Build) -> Result<()> {
     // One build of every target (its output shown), then the runs.
     run(Command::new("cargo")
         .current_dir(&root)
-        .args(["+nightly", "fuzz", "build"])
+        .args([&setup::plus_nightly(), "fuzz", "build"])
         .args(flags)
         .env_remove("RUSTC")
         .env_remove("RUSTC_WRAPPER"))?;
@@ -53,7 +53,7 @@ pub fn fuzz(secs: u64, build: Build) -> Result<()> {
         let seeds = root.join("fuzz/corpus").join(t);
         let out = Command::new("cargo")
             .current_dir(&root)
-            .args(["+nightly", "fuzz", "run"])
+            .args([&setup::plus_nightly(), "fuzz", "run"])
             .args(flags)
             .arg(t)
             .arg(&corpus)

@@ -344,7 +344,7 @@ fn fetch(package: &str, kver: &str, root: &Path) -> Result<()> {
 /// Builds what the contract tests run (as `cargo xtask test` does, without
 /// its lint) and returns the guest's command file running the test binary.
 fn contract_command(args: &[String], env: &[(&str, &OsStr)]) -> Result<String> {
-    setup::run()?;
+    setup::run(setup::Scope::Everything)?;
     crate::build_ebpf()?;
     crate::build_ebpf_variant()?;
     let static_cni = crate::build_test_bins()?;

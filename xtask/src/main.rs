@@ -26,7 +26,12 @@ struct Cli {
 enum Cmd {
     /// Install what building and testing need, only what is missing: nightly
     /// rust-src, bpf-linker built against rustc's own LLVM, Debian packages.
-    Setup,
+    Setup {
+        /// Only what building the shipped binaries needs (the image's
+        /// build stage): no test packages, no lint components.
+        #[arg(long)]
+        build_only: bool,
+    },
     /// Build the eBPF object (release, bpfel-unknown-none).
     BuildEbpf {
         /// Also the upgrade tests' variant builds (target/ebpf-variant,
@@ -93,7 +98,11 @@ enum Cmd {
 
 fn main() -> Result<()> {
     match Cli::parse().cmd {
-        Cmd::Setup => setup::run(),
+        Cmd::Setup { build_only } => setup::run(if build_only {
+            setup::Scope::Build
+        } else {
+            setup::Scope::Everything
+        }),
         Cmd::BuildCni => {
             eprintln!("built {}", build_cni()?.display());
             Ok(())
@@ -154,7 +163,7 @@ pub fn run(cmd: &mut Command) -> Result<()> {
     Ok(())
 }
 
-/// `cargo +nightly <cmd> -p sluice-ebpf` for the BPF target.
+/// `cargo +<pinned nightly> <cmd> -p sluice-ebpf` for the BPF target.
 fn ebpf_cargo(cmd: &str, extra: &[&str]) -> Result<()> {
     if let Some(missing) = setup::missing_for_ebpf() {
         bail!("cannot build the eBPF object: {missing}. Run `cargo xtask setup` (installs it).");
@@ -162,7 +171,13 @@ fn ebpf_cargo(cmd: &str, extra: &[&str]) -> Result<()> {
     let rustflags = ["-Cdebuginfo=2", "-Clink-arg=--btf"].join("\x1f");
     run(Command::new("cargo")
         .current_dir(workspace_root())
-        .args(["+nightly", cmd, "--release", "-p", "sluice-ebpf"])
+        .args([
+            &setup::plus_nightly(),
+            cmd,
+            "--release",
+            "-p",
+            "sluice-ebpf",
+        ])
         .args(["--target", "bpfel-unknown-none", "-Z", "build-std=core"])
         .args(extra)
         .env("CARGO_ENCODED_RUSTFLAGS", rustflags)
@@ -261,7 +276,7 @@ fn build_test_bins() -> Result<PathBuf> {
 const VM_SUBSET: &str = "contract::ipv4::";
 
 fn test(extra: &[String], repeat: u32, cpu_hog: bool) -> Result<()> {
-    setup::run()?;
+    setup::run(setup::Scope::Everything)?;
     build_ebpf()?;
     build_ebpf_variant()?;
     cargo(&["fmt", "--all", "--", "--check"])?;
@@ -340,7 +355,7 @@ fn terminate(pid: u32) {
 }
 
 fn demo() -> Result<()> {
-    setup::run()?;
+    setup::run(setup::Scope::Everything)?;
     build_ebpf()?;
     cargo(&[
         "run",
@@ -353,7 +368,7 @@ fn demo() -> Result<()> {
 }
 
 fn bench() -> Result<()> {
-    setup::run()?;
+    setup::run(setup::Scope::Everything)?;
     build_ebpf()?;
     // The memory and served scenarios run the release `sluice agent` and the
     // ZDS peer beside the bench binary.

@@ -46,13 +46,35 @@ fn has_python_venv() -> bool {
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
+/// The one nightly pin: the eBPF build (build-std, bpf-linker built against
+/// this toolchain's own LLVM, which bpf-linker 0.13 supports for LLVM 21–23
+/// only), the eBPF crate's clippy, fuzzing, and the image (its build stage
+/// runs `cargo xtask setup --build-only`). Move it on purpose, with the
+/// bpf-linker version, never by whatever nightly is current.
+pub const NIGHTLY: &str = "nightly-2026-05-20";
+
+/// `+<NIGHTLY>`, the toolchain argument of rustc and cargo.
+pub fn plus_nightly() -> String {
+    format!("+{NIGHTLY}")
+}
+
+/// What `setup` installs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// What building, linting and every test use.
+    Everything,
+    /// Only what building the shipped binaries needs (the image's build
+    /// stage): the toolchains, the musl target, bpf-linker, a C linker.
+    Build,
+}
+
 pub fn nightly_sysroot() -> Result<PathBuf> {
     let out = Command::new("rustc")
-        .args(["+nightly", "--print", "sysroot"])
+        .args([&plus_nightly(), "--print", "sysroot"])
         .output()
-        .context("running rustc +nightly (is the nightly toolchain installed?)")?;
+        .with_context(|| format!("running rustc +{NIGHTLY} (is that toolchain installed? `cargo xtask setup` installs it)"))?;
     if !out.status.success() {
-        bail!("rustc +nightly --print sysroot failed: install the nightly toolchain (rustup toolchain install nightly)");
+        bail!("rustc +{NIGHTLY} --print sysroot failed: install that toolchain (`cargo xtask setup` does)");
     }
     Ok(PathBuf::from(String::from_utf8(out.stdout)?.trim()))
 }
@@ -71,10 +93,23 @@ fn bpf_linker_path() -> Option<PathBuf> {
     p.exists().then_some(p)
 }
 
+/// Whether bpf-linker is installed and loads the pinned toolchain's LLVM
+/// (one built against another nightly's may not).
+fn bpf_linker_runs() -> bool {
+    let (Some(linker), Ok(sysroot)) = (bpf_linker_path(), nightly_sysroot()) else {
+        return false;
+    };
+    Command::new(linker)
+        .arg("--version")
+        .env("LD_LIBRARY_PATH", sysroot.join("lib"))
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
 /// What the eBPF build lacks, if anything.
 pub fn missing_for_ebpf() -> Option<String> {
     if !has_rust_src() {
-        return Some("the nightly rust-src component is missing".into());
+        return Some(format!("the {NIGHTLY} rust-src component is missing"));
     }
     if bpf_linker_path().is_none() {
         return Some("bpf-linker is not installed".into());
@@ -131,10 +166,12 @@ fn missing_components(toolchain: Option<&str>, wanted: &[&'static str]) -> Vec<&
         .collect()
 }
 
-pub fn run() -> Result<()> {
-    // rustfmt and clippy for the host crates; nightly with rust-src (the
-    // eBPF build) and clippy (its lint).
-    let stable = missing_components(None, &["rustfmt", "clippy"]);
+pub fn run(scope: Scope) -> Result<()> {
+    // rustfmt and clippy for the host crates' lint.
+    let stable = match scope {
+        Scope::Everything => missing_components(None, &["rustfmt", "clippy"]),
+        Scope::Build => Vec::new(),
+    };
     if !stable.is_empty() {
         eprintln!("setup: installing {stable:?}");
         exec(
@@ -143,28 +180,29 @@ pub fn run() -> Result<()> {
                 .args(&stable),
         )?;
     }
+    // The pinned nightly with rust-src (the eBPF build) and clippy (its lint).
     if Command::new("rustup")
-        .args(["run", "nightly", "rustc", "--version"])
+        .args(["run", NIGHTLY, "rustc", "--version"])
         .output()
         .map_or(true, |o| !o.status.success())
     {
-        eprintln!("setup: installing the nightly toolchain");
+        eprintln!("setup: installing the {NIGHTLY} toolchain");
         exec(Command::new("rustup").args([
             "toolchain",
             "install",
-            "nightly",
+            NIGHTLY,
             "--profile",
             "minimal",
         ]))?;
     }
-    let nightly = missing_components(Some("nightly"), &["rust-src", "clippy"]);
+    let nightly = missing_components(Some(NIGHTLY), &["rust-src", "clippy"]);
     if !nightly.is_empty() || !has_rust_src() {
-        eprintln!("setup: installing nightly {nightly:?}");
+        eprintln!("setup: installing {NIGHTLY} {nightly:?}");
         exec(Command::new("rustup").args([
             "component",
             "add",
             "--toolchain",
-            "nightly",
+            NIGHTLY,
             "rust-src",
             "clippy",
         ]))?;
@@ -175,8 +213,15 @@ pub fn run() -> Result<()> {
         eprintln!("setup: installing the {musl} target");
         exec(Command::new("rustup").args(["target", "add", &musl]))?;
     }
-    if bpf_linker_path().is_none() {
+    if !bpf_linker_runs() {
         install_bpf_linker()?;
+    }
+    if scope == Scope::Build {
+        let cc = APT_PACKAGES.iter().find(|(bin, _)| *bin == "cc");
+        return match cc {
+            Some((bin, pkg)) if !which(bin) => apt_install(&[pkg]),
+            _ => Ok(()),
+        };
     }
     let mut missing: Vec<&str> = APT_PACKAGES
         .iter()
@@ -306,8 +351,9 @@ fn install_bpf_linker() -> Result<()> {
     exec(
         Command::new("cargo")
             .args([
-                "+nightly",
+                &plus_nightly(),
                 "install",
+                "--force",
                 "--locked",
                 "bpf-linker",
                 "--version",
