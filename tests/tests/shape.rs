@@ -14,7 +14,6 @@ const PRODUCT: [&str; 4] = ["userspace/src", "cni/src", "common/src", "ebpf/src"
 const LONG_FILES: &[&str] = &[
     "common/src/lib.rs",
     "userspace/src/dataplane/loader.rs",
-    "userspace/src/dataplane/state.rs",
     "userspace/src/metrics.rs",
     "userspace/src/podnet/enroll.rs",
 ];
