@@ -12,7 +12,7 @@ use aya::programs::{
 use sluice_common::{ListenerKey, PodState, Role, NETNS_PATH_LEN};
 
 use crate::{
-    dataplane::loader::{Dataplane, Pins},
+    dataplane::loader::{Dataplane, Pins, Program},
     dataplane::state::{boottime_ns, Maps, StateError},
     dataplane::tcfilter,
     fault::crash_point,
@@ -124,7 +124,7 @@ pub fn enroll_with(
         back_out(dp, &a.netns, a.cookie);
         return Err(e);
     }
-    register(&mut dp.maps, &a.netns, a.cookie, None)
+    register(dp.maps_mut(), &a.netns, a.cookie, None)
 }
 
 /// A pod whose capture was just attached (`Pending`).
@@ -158,7 +158,7 @@ pub fn attach_pod(
         return Err(EnrollError::HostNetns { path, why });
     }
     // The reroute program tells a pod by its listener's netns alone.
-    if !options.reroute.is_empty() && !dp.features.netns_cookie_in_tc {
+    if !options.reroute.is_empty() && !dp.features().netns_cookie_in_tc {
         return Err(EnrollError::RerouteUnsupported(options.reroute.join(",")));
     }
     let view = PodView::open(&netns)?;
@@ -166,19 +166,19 @@ pub fn attach_pod(
         return Err(EnrollError::NoInterface(path));
     }
     let cookie = view.cookie;
-    if let Some(cookie) = dp.maps.find_uid(uid) {
+    if let Some(cookie) = dp.maps().find_uid(uid) {
         return Err(EnrollError::AlreadyEnrolled {
             uid: uid.clone(),
             cookie,
         });
     }
-    if dp.maps.entry(cookie).is_some() {
-        let owner = dp.maps.meta(cookie).map(|m| m.uid).unwrap_or_default();
+    if dp.maps().entry(cookie).is_some() {
+        let owner = dp.maps().meta(cookie).map(|m| m.uid).unwrap_or_default();
         return Err(EnrollError::NetnsTaken { path, uid: owner });
     }
     // Pins without state can only be the remains of an interrupted enroll;
     // a fresh pod has none, and skips the teardown's netlink round trips.
-    if dp.pins.pod(cookie).exists() {
+    if dp.pins().pod(cookie).exists() {
         teardown_in(dp, &netns, cookie)?;
     }
 
@@ -237,7 +237,7 @@ fn host_peers(
     view: Option<&PodView>,
     ifaces: &[String],
 ) -> (Vec<HostPeer>, Vec<String>) {
-    let (Some(node), Some(_)) = (&dp.node, &dp.host) else {
+    let Some(node) = dp.node().filter(|_| dp.has_program(Program::Host)) else {
         return (Vec::new(), Vec::new());
     };
     let found = match view {
@@ -257,7 +257,7 @@ fn host_peers(
     // exemption is lost). Asked of every peer, so that enrollment, repair
     // and CNI CHECK expect the same links.
     let mut held = Vec::new();
-    if dp.tc_attach != crate::dataplane::features::TcAttach::Tcx {
+    if dp.tc_attach() != crate::dataplane::features::TcAttach::Tcx {
         peers.retain(|p| match tcfilter::foreign_hook_qdisc(&node.nl, p.host_index) {
             Ok(None) => true,
             Ok(Some(kind)) => {
@@ -316,13 +316,15 @@ fn attach(
     options: &PodOptions,
 ) -> Result<Vec<String>, EnrollError> {
     let cookie = view.cookie;
-    dp.maps.attach(cookie, uid, path, workload, boottime_ns())?;
+    let node_dns = dp.dns_capture();
+    dp.maps_mut()
+        .attach(cookie, uid, path, workload, boottime_ns())?;
     // Before any link: a pod that bypasses inbound capture never has its
     // inbound captured. (Killed right here, the pod is enrolled without its
     // options: captured fully, the fail-closed side.)
-    dp.maps.set_options(cookie, options, dp.dns_capture)?;
+    dp.maps_mut().set_options(cookie, options, node_dns)?;
     crash_point("enroll:state");
-    publish_addrs(&mut dp.maps, netns, cookie, &view.addrs)?;
+    publish_addrs(dp.maps_mut(), netns, cookie, &view.addrs)?;
     crash_point("enroll:addrs");
     // The sysctl is a file of the pod's /proc/sys: the one step that enters
     // the netns; the rest goes over the view's socket.
@@ -331,7 +333,7 @@ fn attach(
     routes::install_over(&view.nl, &indexes, view.lo, view.ipv6)?;
     crash_point("enroll:routes");
     let ifaces = &view.names();
-    let dir = dp.pins.pod(cookie);
+    let dir = dp.pins().pod(cookie);
     fs::create_dir_all(&dir).map_err(|source| EnrollError::Io {
         what: format!("creating {}", dir.display()),
         source,
@@ -374,7 +376,7 @@ fn attach_link(
     spec: &LinkSpec,
 ) -> Result<(), EnrollError> {
     let path = dir.join(spec.pin_name());
-    let tcx = dp.tc_attach == crate::dataplane::features::TcAttach::Tcx;
+    let tcx = dp.tc_attach() == crate::dataplane::features::TcAttach::Tcx;
     let pod = |iface, kind| Tc {
         over: view.and_then(|v| Some((&v.nl, v.index(iface)?))),
         ..Tc::new(iface, kind, tcx)
@@ -385,15 +387,23 @@ fn attach_link(
                 what: "sk_lookup".into(),
                 source,
             };
-            let id = dp.steer.attach(netns).map_err(aerr)?;
-            pin(FdLink::from(dp.steer.take_link(id).map_err(aerr)?), &path)
+            let steer = dp.steer_mut();
+            let id = steer.attach(netns).map_err(aerr)?;
+            pin(FdLink::from(steer.take_link(id).map_err(aerr)?), &path)
         }
-        LinkSpec::Egress(i) => pod(i, TcAttachType::Egress).attach(&mut dp.egress, netns, &path),
-        LinkSpec::Ingress(i) => pod(i, TcAttachType::Ingress).attach(&mut dp.ingress, netns, &path),
+        LinkSpec::Egress(i) => {
+            pod(i, TcAttachType::Egress).attach(required(dp, spec)?, netns, &path)
+        }
+        LinkSpec::Ingress(i) => {
+            pod(i, TcAttachType::Ingress).attach(required(dp, spec)?, netns, &path)
+        }
+        LinkSpec::Lo => pod("lo", TcAttachType::Ingress).attach(required(dp, spec)?, netns, &path),
         LinkSpec::EgressL3(i) | LinkSpec::IngressL3(i) => {
             let (prog, kind) = match spec {
-                LinkSpec::EgressL3(_) => (dp.egress_l3.as_mut(), TcAttachType::Egress),
-                _ => (dp.ingress_l3.as_mut(), TcAttachType::Ingress),
+                LinkSpec::EgressL3(_) => {
+                    (dp.tc_program_mut(Program::EgressL3), TcAttachType::Egress)
+                }
+                _ => (dp.tc_program_mut(Program::IngressL3), TcAttachType::Ingress),
             };
             let Some(prog) = prog else {
                 return Err(EnrollError::Pin {
@@ -403,9 +413,8 @@ fn attach_link(
             };
             pod(i, kind).attach(prog, netns, &path)
         }
-        LinkSpec::Lo => pod("lo", TcAttachType::Ingress).attach(&mut dp.lo, netns, &path),
         LinkSpec::Reroute(i) => {
-            let Some(prog) = dp.reroute.as_mut() else {
+            let Some(prog) = dp.tc_program_mut(Program::Reroute) else {
                 return Err(EnrollError::Pin {
                     what: spec.pin_name(),
                     reason: "the pinned dataplane predates the reroute program".into(),
@@ -417,7 +426,7 @@ fn attach_link(
         // passes every packet on (TCX_NEXT), so the primary CNI's programs
         // on the same device still see everything.
         LinkSpec::Host(peer) => {
-            let (Some(node), Some(prog)) = (&dp.node, dp.host.as_mut()) else {
+            let Some((node, prog)) = dp.host_side_mut() else {
                 return Err(EnrollError::Pin {
                     what: spec.pin_name(),
                     reason: "no node netns or host-side program".into(),
@@ -431,6 +440,18 @@ fn attach_link(
             .attach(prog, &node.netns, &path)
         }
     }
+}
+
+/// The tc program of `spec`, one every build has.
+fn required<'d>(
+    dp: &'d mut Dataplane,
+    spec: &LinkSpec,
+) -> Result<&'d mut aya::programs::SchedClassifier, EnrollError> {
+    dp.tc_program_mut(spec.program())
+        .ok_or_else(|| EnrollError::Pin {
+            what: spec.pin_name(),
+            reason: "the pinned dataplane lacks its program".into(),
+        })
 }
 
 /// One tc attachment: sluice's cls_bpf filter (`tcfilter`), or with
@@ -524,7 +545,7 @@ fn attached(dp: &Dataplane, netns: &Netns, spec: &LinkSpec, path: &Path) -> bool
             };
             let ns = match hook.side {
                 Side::Pod => netns,
-                Side::Node => match &dp.node {
+                Side::Node => match dp.node() {
                     Some(node) => &node.netns,
                     None => return false,
                 },
@@ -560,31 +581,26 @@ pub enum Repair {
 /// in its teardown (`Draining`) is torn down completely instead: it never
 /// comes back to life.
 pub fn repair(dp: &mut Dataplane, cookie: u64, takeover: bool) -> Result<Repair, EnrollError> {
-    let draining = dp.maps.entry(cookie).and_then(|e| e.state()) == Some(PodState::Draining);
+    let draining = dp.maps().entry(cookie).and_then(|e| e.state()) == Some(PodState::Draining);
     if draining {
-        let netns = open_pod_netns(&dp.maps, cookie).ok();
-        teardown(
-            &dp.pins,
-            &mut dp.maps,
-            netns.as_ref(),
-            dp.node.as_ref(),
-            cookie,
-        )?;
+        let netns = open_pod_netns(dp.maps(), cookie).ok();
+        let (pins, maps, node) = dp.parts_mut();
+        teardown(pins, maps, netns.as_ref(), node, cookie)?;
         return Ok(Repair::TornDown);
     }
-    let netns = open_pod_netns(&dp.maps, cookie)?;
-    let path = dp.maps.meta(cookie).map(|m| m.netns).unwrap_or_default();
-    refresh_addrs(&mut dp.maps, &netns, cookie)?;
+    let netns = open_pod_netns(dp.maps(), cookie)?;
+    let path = dp.maps().meta(cookie).map(|m| m.netns).unwrap_or_default();
+    refresh_addrs(dp.maps_mut(), &netns, cookie)?;
     let ifaces = pod_interfaces(&netns, &path)?;
     netns.run(|| routes::install(&ifaces))??;
-    let dir = dp.pins.pod(cookie);
+    let dir = dp.pins().pod(cookie);
     fs::create_dir_all(&dir).map_err(|source| EnrollError::Io {
         what: format!("creating {}", dir.display()),
         source,
     })?;
     let mut relinked = Vec::new();
     let (peers, _) = host_peers(dp, &netns, None, &ifaces);
-    let reroute = dp.maps.options(cookie).reroute;
+    let reroute = dp.maps().options(cookie).reroute;
     let l3 = podlinks::l3_of(&netns, &ifaces);
     for spec in expected_links(&ifaces, &l3, &peers, &reroute) {
         let pin_path = dir.join(spec.pin_name());
@@ -616,12 +632,12 @@ pub fn repair(dp: &mut Dataplane, cookie: u64, takeover: bool) -> Result<Repair,
 /// The links a pod should have and has not (read only: nothing attached):
 /// what a CNI CHECK reports. Empty when its capture is complete.
 pub fn missing_links(dp: &Dataplane, cookie: u64) -> Result<Vec<String>, EnrollError> {
-    let netns = open_pod_netns(&dp.maps, cookie)?;
-    let path = dp.maps.meta(cookie).map(|m| m.netns).unwrap_or_default();
-    let dir = dp.pins.pod(cookie);
+    let netns = open_pod_netns(dp.maps(), cookie)?;
+    let path = dp.maps().meta(cookie).map(|m| m.netns).unwrap_or_default();
+    let dir = dp.pins().pod(cookie);
     let ifaces = pod_interfaces(&netns, &path)?;
     let (peers, _) = host_peers(dp, &netns, None, &ifaces);
-    let reroute = dp.maps.options(cookie).reroute;
+    let reroute = dp.maps().options(cookie).reroute;
     let l3 = podlinks::l3_of(&netns, &ifaces);
     Ok(expected_links(&ifaces, &l3, &peers, &reroute)
         .into_iter()
@@ -758,12 +774,12 @@ pub fn open_pod_netns(maps: &Maps, cookie: u64) -> Result<Netns, EnrollError> {
 /// Re-registers the listeners of an enrolled pod (after ztunnel (re)started).
 pub fn register_uid(dp: &mut Dataplane, uid: &PodUid) -> Result<Enrolled, EnrollError> {
     let cookie = dp
-        .maps
+        .maps()
         .find_uid(uid)
         .ok_or_else(|| EnrollError::UnknownPod(uid.clone()))?;
-    let netns = open_pod_netns(&dp.maps, cookie)?;
-    refresh_addrs(&mut dp.maps, &netns, cookie)?;
-    register(&mut dp.maps, &netns, cookie, None)
+    let netns = open_pod_netns(dp.maps(), cookie)?;
+    refresh_addrs(dp.maps_mut(), &netns, cookie)?;
+    register(dp.maps_mut(), &netns, cookie, None)
 }
 
 /// Unenrolls a pod: nothing of it remains (links, pins, routes, map entries).
@@ -916,13 +932,8 @@ impl<'a> Filters<'a> {
 
 /// [`teardown`] of a pod whose netns is open, with the dataplane's node.
 fn teardown_in(dp: &mut Dataplane, netns: &Netns, cookie: u64) -> Result<(), EnrollError> {
-    teardown(
-        &dp.pins,
-        &mut dp.maps,
-        Some(netns),
-        dp.node.as_ref(),
-        cookie,
-    )
+    let (pins, maps, node) = dp.parts_mut();
+    teardown(pins, maps, Some(netns), node, cookie)
 }
 
 /// Unpins (and so detaches) every link of a pod and removes its directory.
