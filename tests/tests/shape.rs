@@ -11,11 +11,7 @@ const PRODUCT: [&str; 4] = ["userspace/src", "cni/src", "common/src", "ebpf/src"
 /// Known offenders while they are being split (issue 36). The list may only
 /// shrink: an offender not listed fails, and so does a listed one that is no
 /// longer over.
-const LONG_FILES: &[&str] = &[
-    "common/src/lib.rs",
-    "userspace/src/metrics.rs",
-    "userspace/src/podnet/enroll.rs",
-];
+const LONG_FILES: &[&str] = &["common/src/lib.rs", "userspace/src/metrics.rs"];
 const LONG_FNS: &[&str] = &[
     "userspace/src/agent/mod.rs fn serve",
     "userspace/src/agent/node/relist.rs fn reconcile_from",
