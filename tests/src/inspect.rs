@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use anyhow::Context as _;
 use aya::programs::{SchedClassifier, SkLookup};
-use sluice::dataplane::loader::{Pins, PROG_STEER};
+use sluice::dataplane::loader::{Pins, Program};
 
 /// Kernel program id and tag of each program pinned under `pins`, by pin
 /// name.
@@ -19,7 +19,7 @@ pub fn pinned_programs(pins: &Pins) -> anyhow::Result<BTreeMap<String, (u32, u64
             .context("a pin without a name")?
             .to_string_lossy()
             .into_owned();
-        let info = if name == PROG_STEER {
+        let info = if name == Program::Steer.name() {
             SkLookup::from_pin(&path)?.info()?
         } else {
             SchedClassifier::from_pin(&path)?.info()?

@@ -1504,10 +1504,10 @@ fn links_follow_pins(f: &Fixture) -> anyhow::Result<std::collections::BTreeMap<S
     let links = link_programs(f)?;
     for (link, id) in &links {
         let prog = match link.as_str() {
-            "steer" => sluice::dataplane::loader::PROG_STEER,
-            "lo" => sluice::dataplane::loader::PROG_LO,
-            l if l.starts_with("egress_") => sluice::dataplane::loader::PROG_EGRESS,
-            _ => sluice::dataplane::loader::PROG_INGRESS,
+            "steer" => sluice::dataplane::loader::Program::Steer.name(),
+            "lo" => sluice::dataplane::loader::Program::Lo.name(),
+            l if l.starts_with("egress_") => sluice::dataplane::loader::Program::Egress.name(),
+            _ => sluice::dataplane::loader::Program::Ingress.name(),
         };
         ensure!(
             *id == pinned[prog].0,
@@ -1604,7 +1604,9 @@ fn link_programs(f: &Fixture) -> anyhow::Result<std::collections::BTreeMap<Strin
 /// pod link at its own programs in place, swaps the pins, and no connection
 /// fails meanwhile.
 fn programs_replaced() -> TestResult {
-    use sluice::dataplane::loader::{PROG_EGRESS, PROG_INGRESS};
+    use sluice::dataplane::loader::Program;
+    const PROG_EGRESS: &str = Program::Egress.name();
+    const PROG_INGRESS: &str = Program::Ingress.name();
     let f = Fixture::new("pr", None)?;
     let mut agent = AgentProc::start(&f.topo.pins)?;
     let _p = peer(&agent)?;
@@ -1645,8 +1647,8 @@ fn programs_replaced() -> TestResult {
     let links = link_programs(&f)?;
     for (link, id) in &links {
         let prog = match link.as_str() {
-            "steer" => sluice::dataplane::loader::PROG_STEER,
-            "lo" => sluice::dataplane::loader::PROG_LO,
+            "steer" => sluice::dataplane::loader::Program::Steer.name(),
+            "lo" => sluice::dataplane::loader::Program::Lo.name(),
             l if l.starts_with("egress_") => PROG_EGRESS,
             _ => PROG_INGRESS,
         };

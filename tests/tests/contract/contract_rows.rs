@@ -461,7 +461,7 @@ fn x2(fam: Family) -> TestResult {
         sluice::podnet::enroll::enroll(&mut dp, &b.topo.pod_netns_path(), &b.uid, &b.workload())?;
     ensure!(e.state == PodState::Enabled, "{e:?}");
     let owner = dp
-        .maps
+        .maps()
         .addrs_by_pod()
         .into_iter()
         .find(|(_, ks)| {

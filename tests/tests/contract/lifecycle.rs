@@ -550,9 +550,12 @@ fn hook_taken_after_enrollment() -> TestResult {
     let mut upgrade = sluice::dataplane::refilter::Refilter::new(&f.topo.pins.maps(), None);
     let pod_dir = f.topo.pins.pod(e.cookie);
     for (record, prog) in [
-        ("egress_eth0", &mut dp.egress),
-        ("ingress_eth0", &mut dp.lo),
+        ("egress_eth0", sluice::dataplane::loader::Program::Egress),
+        ("ingress_eth0", sluice::dataplane::loader::Program::Lo),
     ] {
+        let prog = dp
+            .tc_program_mut(prog)
+            .context("a tc program every build has")?;
         let switched = upgrade.switch(e.cookie, &pod_dir.join(record), prog)?;
         ensure!(!switched, "{record} switched over a taken hook");
     }
@@ -662,10 +665,10 @@ fn stateless_pins() -> TestResult {
     }
     let dp = f.dataplane()?;
     ensure!(
-        dp.maps.cookies().is_empty() && f.topo.pins.pod(cookie).exists(),
+        dp.maps().cookies().is_empty() && f.topo.pins.pod(cookie).exists(),
         "fresh maps with the pod's pins left is the test's premise"
     );
-    let n = sluice::podnet::enroll::remove_orphan_pins(&dp.pins, &dp.maps, dp.node.as_ref())?;
+    let n = sluice::podnet::enroll::remove_orphan_pins(dp.pins(), dp.maps(), dp.node())?;
     ensure!(n == 1, "{n} pods without state, want 1");
     drop(dp);
     if let Some(left) = capture_left(&f)? {
@@ -908,7 +911,11 @@ fn programs_after_sluice(tcx: bool) -> TestResult {
     let e = f.enroll()?;
     ensure!(e.state == sluice_common::PodState::Enabled, "{e:?}");
     let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime)?;
-    let prog_pin = f.topo.pins.progs().join(sluice::dataplane::loader::PROG_LO);
+    let prog_pin = f
+        .topo
+        .pins
+        .progs()
+        .join(sluice::dataplane::loader::Program::Lo.name());
     let pod = f.topo.pod.clone();
     // Held (tcx) or left on the veth (cls_bpf) until the topology goes.
     let _link = sluice_tests::ns::run_in(&pod, move || -> anyhow::Result<_> {
@@ -925,10 +932,13 @@ fn programs_after_sluice(tcx: bool) -> TestResult {
         Ok(p.take_link(id)?)
     })?;
     let runs = || -> anyhow::Result<u64> {
-        Ok(
-            ProgramInfo::from_pin(f.topo.pins.progs().join(sluice::dataplane::loader::PROG_LO))?
-                .run_count(),
-        )
+        Ok(ProgramInfo::from_pin(
+            f.topo
+                .pins
+                .progs()
+                .join(sluice::dataplane::loader::Program::Lo.name()),
+        )?
+        .run_count())
     };
     let before = runs()?;
     let dst = SocketAddr::new(Family::V4.client(), sluice_tests::harness::UDP_PORT);

@@ -13,7 +13,7 @@ use aya::programs::{
     LinkOrder, SchedClassifier,
 };
 use libtest_mimic::Trial;
-use sluice::dataplane::loader::PROG_HOST;
+use sluice::dataplane::loader::Program;
 use sluice_common::{PodState, Role};
 use sluice_tests::{
     agent::AgentProc,
@@ -181,7 +181,7 @@ fn host_link_lifecycle(tcx: bool) -> TestResult {
     drop(f.dataplane()?); // loads and pins the programs
     let ids = sluice_tests::inspect::pinned_programs(&pins)?;
     let id = |name: &str| ids.get(name).map(|(id, _)| *id).context(name.to_owned());
-    let host_id = id(PROG_HOST)?;
+    let host_id = id(Program::Host.name())?;
     // The stand-in "CNI" program: one that passes (ends the chain) and
     // writes no hint (each of sluice's own programs hints a SYN it sees: a
     // `Deny`, if nothing else). Pinned beside sluice's programs, so it goes

@@ -245,8 +245,10 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         }
         Err(e) => return Err(e).context("loading the dataplane"),
     };
-    match &dp.adoption {
-        crate::dataplane::loader::Adoption::Kept(_) => warn!(dataplane = %dp.adoption, "dataplane"),
+    match dp.adoption() {
+        crate::dataplane::loader::Adoption::Kept(_) => {
+            warn!(dataplane = %dp.adoption(), "dataplane")
+        }
         a => info!(dataplane = %a, "dataplane"),
     }
     if let Some(node) = node {
@@ -291,7 +293,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         client: k.client.clone(),
         node: k.node.clone(),
     });
-    let stamp = crate::dataplane::stamp::read(&dp.pins.maps())
+    let stamp = crate::dataplane::stamp::read(&dp.pins().maps())
         .map_or_else(|| "none".into(), |s| s.to_string());
     let node = node::Node::new(
         dp,

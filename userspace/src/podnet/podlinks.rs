@@ -5,6 +5,7 @@
 use aya::programs::TcAttachType;
 
 use crate::{
+    dataplane::loader::programs::Program,
     podnet::hostside::{self, HostPeer, Node},
     podnet::netns::Netns,
 };
@@ -50,18 +51,33 @@ pub enum LinkSpec {
 }
 
 impl LinkSpec {
-    pub fn pin_name(&self) -> String {
-        // bpffs reserves '.' in names; interface names may contain it.
+    /// The program the link runs.
+    pub fn program(&self) -> Program {
         match self {
-            LinkSpec::Steer => "steer".into(),
-            LinkSpec::Egress(i) => format!("egress_{}", i.replace('.', "_")),
-            LinkSpec::Ingress(i) => format!("ingress_{}", i.replace('.', "_")),
-            LinkSpec::EgressL3(i) => format!("l3egress_{}", i.replace('.', "_")),
-            LinkSpec::IngressL3(i) => format!("l3ingress_{}", i.replace('.', "_")),
-            LinkSpec::Lo => "lo".into(),
-            LinkSpec::Host(p) => format!("host_{}", p.pod_iface.replace('.', "_")),
-            LinkSpec::Reroute(i) => format!("reroute_{}", i.replace('.', "_")),
+            LinkSpec::Steer => Program::Steer,
+            LinkSpec::Egress(_) => Program::Egress,
+            LinkSpec::Ingress(_) => Program::Ingress,
+            LinkSpec::EgressL3(_) => Program::EgressL3,
+            LinkSpec::IngressL3(_) => Program::IngressL3,
+            LinkSpec::Lo => Program::Lo,
+            LinkSpec::Host(_) => Program::Host,
+            LinkSpec::Reroute(_) => Program::Reroute,
         }
+    }
+
+    /// Its pin name, as its program names its links (by the pod-side
+    /// interface).
+    pub fn pin_name(&self) -> String {
+        let iface = match self {
+            LinkSpec::Steer | LinkSpec::Lo => "",
+            LinkSpec::Egress(i)
+            | LinkSpec::Ingress(i)
+            | LinkSpec::EgressL3(i)
+            | LinkSpec::IngressL3(i)
+            | LinkSpec::Reroute(i) => i,
+            LinkSpec::Host(p) => &p.pod_iface,
+        };
+        self.program().link_pin(iface)
     }
 
     /// Where a tc link sits (`None` for the netns-wide sk_lookup link).
@@ -160,4 +176,37 @@ pub fn l3_of(netns: &Netns, ifaces: &[String]) -> Vec<String> {
 /// program parses Ethernet frames, so such a pod is refused.
 pub fn reroute_on_l3<'a>(l3: &'a [String], reroute: &[String]) -> Option<&'a String> {
     l3.iter().find(|i| reroute.contains(i))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pin_names_say_the_link_and_its_program() {
+        let host = HostPeer {
+            pod_iface: "eth0".into(),
+            host_iface: "veth1a2b".into(),
+            host_index: 7,
+        };
+        let mut specs = possible_pod_links(&["net1.5".into()]);
+        specs.push(LinkSpec::Host(host));
+        let names: Vec<String> = specs.iter().map(LinkSpec::pin_name).collect();
+        assert_eq!(
+            names,
+            [
+                "steer",
+                "lo",
+                "egress_net1_5",
+                "ingress_net1_5",
+                "l3egress_net1_5",
+                "l3ingress_net1_5",
+                "reroute_net1_5",
+                "host_eth0"
+            ]
+        );
+        for s in &specs {
+            assert_eq!(Program::of_link(&s.pin_name()), Some(s.program()), "{s:?}");
+        }
+    }
 }

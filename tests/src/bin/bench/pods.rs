@@ -198,7 +198,8 @@ fn sluice_enroll(dp: &mut Dataplane, pod: &str, uid: &str) -> anyhow::Result<f64
 fn sluice_unenroll(dp: &mut Dataplane, uid: &str) -> anyhow::Result<f64> {
     let uid = PodUid::new(uid)?;
     let t = Instant::now();
-    enroll::unenroll(&dp.pins, &mut dp.maps, dp.node.as_ref(), &uid)?;
+    let (pins, maps, node) = dp.parts_mut();
+    enroll::unenroll(pins, maps, node, &uid)?;
     Ok(ms(t))
 }
 
@@ -599,8 +600,8 @@ fn churn_with(
         )?;
         enroll::take_over(&a.netns)?;
         let mut d = dp.lock().unwrap();
-        let d = &mut *d;
-        enroll::unenroll(&d.pins, &mut d.maps, d.node.as_ref(), &uid)?;
+        let (pins, maps, node) = d.parts_mut();
+        enroll::unenroll(pins, maps, node, &uid)?;
         cycles.fetch_add(1, Ordering::SeqCst);
         Ok(())
     };

@@ -662,7 +662,7 @@ pub fn scale(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyhow::Re
             &Default::default(),
         )?;
     }
-    ensure!(dp.maps.pods().len() == n, "expected {n} pods enrolled");
+    ensure!(dp.maps().pods().len() == n, "expected {n} pods enrolled");
     let mut ratios = Vec::new();
     for _ in 0..cfg.scale_rounds {
         let b = (alone.inbound.accepted(), crowded.inbound.accepted());

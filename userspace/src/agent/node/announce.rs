@@ -26,8 +26,8 @@ impl Node {
         name: &str,
     ) -> (Option<PodState>, crate::kube::gate::Capture) {
         let dp = self.dp.lock().unwrap();
-        let found = dp.maps.states().into_iter().find_map(|(cookie, e)| {
-            let m = dp.maps.meta(cookie)?;
+        let found = dp.maps().states().into_iter().find_map(|(cookie, e)| {
+            let m = dp.maps().meta(cookie)?;
             (m.workload.namespace == namespace && m.workload.name == name)
                 .then(|| e.state().map(|s| (s, m.uid)))
                 .flatten()

@@ -89,7 +89,7 @@ impl Node {
             if have.contains(&cookie) {
                 continue;
             }
-            let dir = self.dp.lock().unwrap().pins.pod(cookie);
+            let dir = self.dp.lock().unwrap().pins().pod(cookie);
             let opened = netns.run(|| -> std::io::Result<(Watch, bool)> {
                 let sock = Watch::open(&self.link_watches)?;
                 // After subscribing: nothing added from here on is missed.
@@ -116,7 +116,7 @@ impl Node {
         let Some(netns) = self.pods.netns(cookie) else {
             return false;
         };
-        let dir = self.dp.lock().unwrap().pins.pod(cookie);
+        let dir = self.dp.lock().unwrap().pins().pod(cookie);
         !matches!(netns.run(|| unlinked_here(&dir)), Ok(Ok(false)))
     }
 
@@ -130,10 +130,10 @@ impl Node {
             return;
         };
         let mut guard = self.dp.lock().unwrap();
-        if guard.maps.entry(cookie).is_none() {
+        if guard.maps().entry(cookie).is_none() {
             return;
         }
-        if let Err(e) = crate::podnet::enroll::refresh_addrs(&mut guard.maps, &netns, cookie) {
+        if let Err(e) = crate::podnet::enroll::refresh_addrs(guard.maps_mut(), &netns, cookie) {
             warn!(cookie, error = %e, "cannot publish the pod's addresses");
         }
     }

@@ -124,15 +124,15 @@ impl metrics::Source for MapSource {
         let mut kernel = *node.retired.lock().unwrap();
         let mut dns = *node.retired_dns.lock().unwrap();
         let mut dns_modes = vec![("captured", 0), ("pass-through", 0), ("off", 0)];
-        let with_proxy = dp.maps.pods_with_dns_listener();
-        for (cookie, e) in dp.maps.states() {
+        let with_proxy = dp.maps().pods_with_dns_listener();
+        for (cookie, e) in dp.maps().states() {
             let state = e.state().map(PodState::as_str).unwrap_or("Unknown");
             if let Some(p) = pods.iter_mut().find(|(s, _)| *s == state) {
                 p.1 += 1;
             }
-            kernel.add(&dp.maps.counters(cookie));
-            dns.add(&dp.maps.dns_counters(cookie));
-            let mode = dp.maps.dns_mode(cookie, with_proxy.contains(&cookie));
+            kernel.add(&dp.maps().counters(cookie));
+            dns.add(&dp.maps().dns_counters(cookie));
+            let mode = dp.maps().dns_mode(cookie, with_proxy.contains(&cookie));
             if let Some(m) = dns_modes.iter_mut().find(|(s, _)| *s == mode.as_str()) {
                 m.1 += 1;
             }
@@ -144,7 +144,7 @@ impl metrics::Source for MapSource {
             dns_modes,
             drops: sluice_common::DropReason::ALL
                 .iter()
-                .map(|r| (r.as_str(), dp.maps.drops(*r)))
+                .map(|r| (r.as_str(), dp.maps().drops(*r)))
                 .collect(),
             capture_incomplete: node.pods.incomplete().len() as u64,
         }
@@ -164,7 +164,7 @@ impl Node {
         let mut dp = dp;
         Arc::new_cyclic(|me: &Weak<Self>| {
             let node = me.clone();
-            dp.maps.observe(Arc::new(move |a: &Applied| {
+            dp.maps_mut().observe(Arc::new(move |a: &Applied| {
                 if let Some(n) = node.upgrade() {
                     n.on_applied(a);
                 }
@@ -292,11 +292,11 @@ impl super::report::Inputs for Node {
         let dp = self.dp.lock().unwrap();
         let refused = self.pods.refused_by_ztunnel();
         let pods = dp
-            .maps
+            .maps()
             .states()
             .into_iter()
             .map(|(cookie, e)| {
-                let meta = dp.maps.meta(cookie);
+                let meta = dp.maps().meta(cookie);
                 PodView {
                     name: meta
                         .as_ref()
@@ -310,7 +310,7 @@ impl super::report::Inputs for Node {
             })
             .collect();
         readiness::Inputs {
-            programs_loaded: dp.pins.is_loaded(),
+            programs_loaded: dp.pins().is_loaded(),
             // Not managing the CNI config (a dev or hand-run agent): whoever
             // runs it vouches for it.
             cni_installed: cni.is_none_or(CniInstall::is_installed),
@@ -335,10 +335,10 @@ impl Node {
     pub fn verify_all(&self, at_start: bool) {
         let mut guard = self.dp.lock().unwrap();
         let dp = &mut *guard;
-        for cookie in dp.maps.cookies() {
+        for cookie in dp.maps().cookies() {
             self.verify_pod(dp, cookie, at_start);
         }
-        match enroll::remove_orphan_pins(&dp.pins, &dp.maps, dp.node.as_ref()) {
+        match enroll::remove_orphan_pins(dp.pins(), dp.maps(), dp.node()) {
             Ok(0) => {}
             Ok(n) => info!(pods = n, "removed pins of pods without state"),
             Err(e) => warn!(error = %e, "removing pins of pods without state"),
@@ -349,7 +349,7 @@ impl Node {
     /// link watch runs when the pod's interfaces change. Blocking.
     pub(super) fn verify_one(&self, cookie: u64) {
         let mut guard = self.dp.lock().unwrap();
-        if guard.maps.entry(cookie).is_some() {
+        if guard.maps().entry(cookie).is_some() {
             self.verify_pod(&mut guard, cookie, false);
         }
     }
@@ -359,7 +359,7 @@ impl Node {
     fn verify_pod(&self, dp: &mut Dataplane, cookie: u64, at_start: bool) {
         {
             let (uid, pod) = dp
-                .maps
+                .maps()
                 .meta(cookie)
                 .map(|m| {
                     (
@@ -393,9 +393,9 @@ impl Node {
                 Err(e) => warn!(error = %e, "could not verify the pod's capture; will retry"),
             }
             // A pod an earlier agent enrolled: open its netns once, now.
-            if let Some(meta) = dp.maps.meta(cookie) {
+            if let Some(meta) = dp.maps().meta(cookie) {
                 if !self.pods.contains(&meta.uid) {
-                    let ns = enroll::open_pod_netns(&dp.maps, cookie).ok();
+                    let ns = enroll::open_pod_netns(dp.maps(), cookie).ok();
                     self.pods.insert(cookie, meta, ns);
                 }
             }
@@ -441,7 +441,7 @@ impl Node {
     }
 
     pub fn pod_count(&self) -> usize {
-        self.dp.lock().unwrap().maps.states().len()
+        self.dp.lock().unwrap().maps().states().len()
     }
 
     /// From the table; the map is walked only for a pod the table does not
@@ -449,14 +449,14 @@ impl Node {
     fn cookie_of(&self, uid: &PodUid) -> Option<u64> {
         self.pods
             .cookie(uid.as_str())
-            .or_else(|| self.dp.lock().unwrap().maps.find_uid(uid))
+            .or_else(|| self.dp.lock().unwrap().maps().find_uid(uid))
     }
 
     fn state_of(&self, cookie: u64) -> Option<PodState> {
         self.dp
             .lock()
             .unwrap()
-            .maps
+            .maps()
             .entry(cookie)
             .and_then(|e| e.state())
     }
@@ -470,7 +470,7 @@ impl Node {
                 .dp
                 .lock()
                 .unwrap()
-                .maps
+                .maps()
                 .meta(cookie)
                 .map(|m| m.netns.into()),
         };
@@ -489,7 +489,7 @@ impl Node {
             });
         }
         let dp = self.dp.lock().unwrap();
-        enroll::open_pod_netns(&dp.maps, cookie)
+        enroll::open_pod_netns(dp.maps(), cookie)
     }
 
     /// Pods the agent is retrying, with why the last attempt failed.

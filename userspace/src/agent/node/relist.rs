@@ -71,7 +71,7 @@ impl Node {
         let now = boottime_ns();
         let this = self.clone();
         let records =
-            tokio::task::spawn_blocking(move || this.dp.lock().unwrap().maps.pods()).await?;
+            tokio::task::spawn_blocking(move || this.dp.lock().unwrap().maps().pods()).await?;
         // Annotations and gates that disagree with the map (a lost write,
         // someone else's edit) are written again.
         let by_name: HashMap<(&str, &str), (PodState, &str)> = records

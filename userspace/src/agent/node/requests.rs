@@ -104,7 +104,7 @@ impl Node {
                 // (temporaries live to the end of the statement).
                 let (dataplane, probes, tc_attach) = {
                     let dp = self.dp.lock().unwrap();
-                    (dp.adoption.to_string(), dp.probes(), dp.tc_attach)
+                    (dp.adoption().to_string(), dp.probes(), dp.tc_attach())
                 };
                 Response::More(NodeAnswer::Node(NodeStatus {
                     condition_type: self.report.condition_type.clone(),
@@ -350,7 +350,7 @@ impl Node {
                 let mut dp = this.dp.lock().unwrap();
                 let a = enroll::attach_pod(&mut dp, &netns, &u, &w, &options)?;
                 // The netns stays open from here on: adds and registrations use it.
-                if let Some(meta) = dp.maps.meta(a.cookie) {
+                if let Some(meta) = dp.maps().meta(a.cookie) {
                     let kept = a.netns.try_clone().map_err(|source| EnrollError::Io {
                         what: "duplicating the pod's netns fd".into(),
                         source,
@@ -466,10 +466,11 @@ impl Node {
             let mut guard = this.dp.lock().unwrap();
             let dp = &mut *guard;
             let last = dp
-                .maps
+                .maps()
                 .find_uid(&uid)
-                .map(|c| (dp.maps.counters(c), dp.maps.dns_counters(c)));
-            enroll::unenroll(&dp.pins, &mut dp.maps, dp.node.as_ref(), &uid)?;
+                .map(|c| (dp.maps().counters(c), dp.maps().dns_counters(c)));
+            let (pins, maps, node) = dp.parts_mut();
+            enroll::unenroll(pins, maps, node, &uid)?;
             if let Some((c, d)) = last {
                 this.retired.lock().unwrap().add(&c);
                 this.retired_dns.lock().unwrap().add(&d);

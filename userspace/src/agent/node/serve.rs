@@ -260,9 +260,9 @@ impl Node {
         let mut by_ztunnel: BTreeMap<crate::lifecycle::Ztunnel, Vec<Candidate>> = BTreeMap::new();
         {
             let dp = self.dp.lock().unwrap();
-            let mut addrs = dp.maps.addrs_by_pod();
+            let mut addrs = dp.maps().addrs_by_pod();
             for p in self.pods.staying() {
-                let Some(state) = dp.maps.entry(p.cookie).and_then(|e| e.state()) else {
+                let Some(state) = dp.maps().entry(p.cookie).and_then(|e| e.state()) else {
                     continue;
                 };
                 if !(state == PodState::Enabled || recheck && state == PodState::Served) {
@@ -329,10 +329,10 @@ impl Node {
                     }
                     _ => continue,
                 };
-                let entry = dp.maps.entry(c.cookie);
+                let entry = dp.maps().entry(c.cookie);
                 // The machine leaves a pod that changed since it was read as
                 // it is: the answer was about the pod as it was.
-                let now = dp.maps.apply(c.cookie, event, boottime_ns());
+                let now = dp.maps_mut().apply(c.cookie, event, boottime_ns());
                 let changed = now.map(|s| s != entry.and_then(|e| e.state()));
                 match changed {
                     Ok(true) if c.state == PodState::Enabled => {

@@ -18,7 +18,7 @@ impl Node {
             let mut dp = self.dp.lock().unwrap();
             for (uid, role) in &withdrawn {
                 if let Some(cookie) = self.pods.cookie(uid) {
-                    dp.maps.remove_listener(cookie, *role);
+                    dp.maps_mut().remove_listener(cookie, *role);
                 }
             }
             drop(dp);
@@ -98,8 +98,8 @@ impl Node {
         let mut due = Vec::new();
         let mut dp = self.dp.lock().unwrap();
         let connected = self.hub.is_connected();
-        let complete = dp.maps.pods_with_every_listener();
-        for (cookie, entry) in dp.maps.states() {
+        let complete = dp.maps().pods_with_every_listener();
+        for (cookie, entry) in dp.maps().states() {
             let state = entry.state();
             if !matches!(
                 state,
@@ -107,7 +107,7 @@ impl Node {
             ) {
                 continue;
             }
-            let Some(meta) = dp.maps.meta(cookie) else {
+            let Some(meta) = dp.maps().meta(cookie) else {
                 continue;
             };
             if !self.pods.contains(&meta.uid) {
@@ -118,7 +118,9 @@ impl Node {
             match state {
                 Some(PodState::Enabled | PodState::Served) if !complete.contains(&cookie) => {
                     warn!(uid = %meta.uid, "ztunnel's listeners are gone (ztunnel restarting?): Pending, failing closed");
-                    let _ = dp.maps.apply(cookie, Event::ListenersGone, boottime_ns());
+                    let _ = dp
+                        .maps_mut()
+                        .apply(cookie, Event::ListenersGone, boottime_ns());
                 }
                 Some(PodState::Pending)
                     if connected

@@ -81,7 +81,7 @@ impl Node {
         let kernel = tokio::task::spawn_blocking(move || {
             let dp = this.dp.lock().unwrap();
             this.custody.forget_all();
-            enroll::uninstall(&dp.pins, dp.node.as_ref())
+            enroll::uninstall(dp.pins(), dp.node())
         })
         .await;
         match kernel {

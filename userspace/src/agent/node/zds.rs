@@ -88,9 +88,9 @@ impl Node {
                 let mut guard = this.dp.lock().unwrap();
                 let dp = &mut *guard;
                 if first {
-                    enroll::refresh_addrs(&mut dp.maps, &ns, cookie)?;
+                    enroll::refresh_addrs(dp.maps_mut(), &ns, cookie)?;
                 }
-                let (e, taken) = enroll::register_keeping(&mut dp.maps, &ns, cookie, pid)?;
+                let (e, taken) = enroll::register_keeping(dp.maps_mut(), &ns, cookie, pid)?;
                 // Without a known peer there is no owner to ask about later.
                 if pid.is_some() {
                     this.custody.keep(&owned_uid, taken);
@@ -128,11 +128,11 @@ impl Handler for Node {
         for p in self.pods.staying() {
             let uid = p.identity.uid;
             // A pod being torn down is not offered again.
-            if dp.maps.entry(p.cookie).and_then(|e| e.state()) == Some(PodState::Draining) {
+            if dp.maps().entry(p.cookie).and_then(|e| e.state()) == Some(PodState::Draining) {
                 continue;
             }
             let held = p.netns.and_then(|n| n.try_clone().ok());
-            match held.map_or_else(|| enroll::open_pod_netns(&dp.maps, p.cookie), Ok) {
+            match held.map_or_else(|| enroll::open_pod_netns(dp.maps(), p.cookie), Ok) {
                 Ok(ns) => {
                     // The snapshot's add is this pod's attempt now; a new
                     // ztunnel starts the backoff afresh.

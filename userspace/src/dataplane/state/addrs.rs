@@ -1,0 +1,114 @@
+//! The node-wide address map: which pod each address belongs to, as the
+//! ingress programs and the address-theft guard know pods.
+
+use std::{collections::HashMap as StdHashMap, net::IpAddr};
+
+use aya::maps::{HashMap, MapData};
+use sluice_common::{AddrKey, FAMILY_V4, FAMILY_V6};
+
+use super::error::{merr, StateError};
+
+pub struct AddrMap {
+    map: HashMap<MapData, AddrKey, u64>,
+}
+
+impl AddrMap {
+    pub fn new(map: HashMap<MapData, AddrKey, u64>) -> Self {
+        Self { map }
+    }
+
+    /// Publishes pod `cookie`'s addresses. An address another enrolled pod
+    /// (`enrolled` says which) already has is not taken over (a pod that
+    /// adds a neighbour's address to its interface must not capture or
+    /// blackhole the neighbour's traffic): it is returned, refused. One held
+    /// by a cookie no longer enrolled is stale, and taken over.
+    pub fn set(
+        &mut self,
+        cookie: u64,
+        addrs: &[IpAddr],
+        enrolled: impl Fn(u64) -> bool,
+    ) -> Result<Vec<IpAddr>, StateError> {
+        let mut refused = Vec::new();
+        for a in addrs {
+            let key = addr_key(a);
+            if let Ok(owner) = self.map.get(&key, 0) {
+                if owner != cookie && enrolled(owner) {
+                    refused.push(*a);
+                    continue;
+                }
+            }
+            self.map.insert(key, cookie, 0).map_err(merr("pod_addrs"))?;
+        }
+        Ok(refused)
+    }
+
+    /// Every pod's addresses, in one walk of the map.
+    pub fn by_pod(&self) -> StdHashMap<u64, Vec<AddrKey>> {
+        let mut out: StdHashMap<u64, Vec<AddrKey>> = Default::default();
+        for (k, c) in self.map.iter().filter_map(Result::ok) {
+            out.entry(c).or_default().push(k);
+        }
+        out
+    }
+
+    pub fn of(&self, cookie: u64) -> Vec<AddrKey> {
+        self.map
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(_, c)| *c == cookie)
+            .map(|(k, _)| k)
+            .collect()
+    }
+
+    pub fn remove(&mut self, cookie: u64) {
+        for k in self.of(cookie) {
+            let _ = self.map.remove(&k);
+        }
+    }
+
+    /// The cookie of every entry.
+    pub fn cookies(&self) -> impl Iterator<Item = u64> + '_ {
+        self.map.iter().filter_map(Result::ok).map(|(_, c)| c)
+    }
+}
+
+/// The map key of an address: raw network-order words, as the programs read them.
+pub fn addr_key(a: &IpAddr) -> AddrKey {
+    let words = |b: &[u8]| {
+        let mut w = [0u32; 4];
+        for (i, c) in b.chunks(4).enumerate() {
+            w[i] = u32::from_ne_bytes([c[0], c[1], c[2], c[3]]);
+        }
+        w
+    };
+    match a {
+        IpAddr::V4(v4) => AddrKey::new(FAMILY_V4, words(&v4.octets())),
+        IpAddr::V6(v6) => AddrKey::new(FAMILY_V6, words(&v6.octets())),
+    }
+}
+
+/// The address a map key holds (the inverse of [`addr_key`]).
+pub fn addr_of(k: &AddrKey) -> IpAddr {
+    let mut b = [0u8; 16];
+    for (i, w) in k.addr.iter().enumerate() {
+        b[i * 4..i * 4 + 4].copy_from_slice(&w.to_ne_bytes());
+    }
+    if k.family == FAMILY_V4 {
+        IpAddr::from([b[0], b[1], b[2], b[3]])
+    } else {
+        IpAddr::from(b)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_round_trip_through_their_map_keys() {
+        for a in ["10.244.1.7", "fd00:10:244::7", "::1"] {
+            let ip: IpAddr = a.parse().unwrap();
+            assert_eq!(addr_of(&addr_key(&ip)), ip);
+        }
+    }
+}

@@ -1,0 +1,70 @@
+//! The programs' counters: per pod, per pod for DNS, and node-wide drops;
+//! per CPU, summed when read.
+
+use aya::maps::{MapData, PerCpuArray, PerCpuHashMap};
+use sluice_common::{Counters, DnsCounters, DropReason};
+
+pub struct CounterMaps {
+    counters: PerCpuHashMap<MapData, u64, Counters>,
+    /// `None` on pins of a build before it, as `drops`.
+    dns: Option<PerCpuHashMap<MapData, u64, DnsCounters>>,
+    /// Node-wide drops by `DropReason`.
+    drops: Option<PerCpuArray<MapData, u64>>,
+}
+
+impl CounterMaps {
+    pub fn new(
+        counters: PerCpuHashMap<MapData, u64, Counters>,
+        dns: Option<PerCpuHashMap<MapData, u64, DnsCounters>>,
+        drops: Option<PerCpuArray<MapData, u64>>,
+    ) -> Self {
+        Self {
+            counters,
+            dns,
+            drops,
+        }
+    }
+
+    pub fn counters(&self, cookie: u64) -> Counters {
+        let mut sum = Counters::default();
+        if let Ok(per_cpu) = self.counters.get(&cookie, 0) {
+            for c in per_cpu.iter() {
+                sum.add(c);
+            }
+        }
+        sum
+    }
+
+    pub fn dns_counters(&self, cookie: u64) -> DnsCounters {
+        let mut sum = DnsCounters::default();
+        if let Some(Ok(per_cpu)) = self.dns.as_ref().map(|m| m.get(&cookie, 0)) {
+            for c in per_cpu.iter() {
+                sum.add(c);
+            }
+        }
+        sum
+    }
+
+    /// Packets the programs dropped node-wide for `reason`, summed over CPUs.
+    pub fn drops(&self, reason: DropReason) -> u64 {
+        self.drops
+            .as_ref()
+            .and_then(|m| m.get(&(reason as u32), 0).ok())
+            .map_or(0, |per_cpu| per_cpu.iter().sum())
+    }
+
+    pub fn remove_dns(&mut self, cookie: u64) {
+        if let Some(m) = &mut self.dns {
+            let _ = m.remove(&cookie);
+        }
+    }
+
+    pub fn remove(&mut self, cookie: u64) {
+        let _ = self.counters.remove(&cookie);
+    }
+
+    /// The cookie of every pod with counters.
+    pub fn cookies(&self) -> impl Iterator<Item = u64> + '_ {
+        self.counters.keys().filter_map(Result::ok)
+    }
+}

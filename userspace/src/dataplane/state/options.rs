@@ -1,0 +1,75 @@
+//! Per-pod options as the programs read them: flags (DNS capture, inbound
+//! bypass) and the rerouted interfaces. Absent from pins of a build before
+//! them (a CLI adopting those: the agent's upgrade creates the maps).
+
+use aya::maps::{HashMap, MapData};
+use sluice_common::REROUTE_LEN;
+
+use crate::options::PodOptions;
+
+use super::error::{merr, StateError};
+
+pub struct OptionMaps {
+    flags: Option<HashMap<MapData, u64, u32>>,
+    reroute: Option<HashMap<MapData, u64, [u8; REROUTE_LEN]>>,
+}
+
+impl OptionMaps {
+    pub fn new(
+        flags: Option<HashMap<MapData, u64, u32>>,
+        reroute: Option<HashMap<MapData, u64, [u8; REROUTE_LEN]>>,
+    ) -> Self {
+        Self { flags, reroute }
+    }
+
+    /// Writes a pod's options (nothing to write: no entry), DNS capture
+    /// resolved against the node's default `node_dns`.
+    pub fn set(&mut self, cookie: u64, o: &PodOptions, node_dns: bool) -> Result<(), StateError> {
+        let flags = o.flags(node_dns);
+        match &mut self.flags {
+            Some(m) if flags != 0 => m.insert(cookie, flags, 0).map_err(merr("pod_flags"))?,
+            Some(m) => drop(m.remove(&cookie)),
+            None if flags == 0 => {}
+            None => return Err(StateError::Missing("pod_flags")),
+        }
+        match &mut self.reroute {
+            Some(m) if !o.reroute.is_empty() => m
+                .insert(cookie, o.reroute_bytes(), 0)
+                .map_err(merr("pod_reroute")),
+            Some(m) => {
+                let _ = m.remove(&cookie);
+                Ok(())
+            }
+            None if o.reroute.is_empty() => Ok(()),
+            None => Err(StateError::Missing("pod_reroute")),
+        }
+    }
+
+    /// Whether the programs capture the pod's DNS (its `pod_flags` bit).
+    pub fn dns_on(&self, cookie: u64) -> bool {
+        self.flags
+            .as_ref()
+            .and_then(|m| m.get(&cookie, 0).ok())
+            .is_some_and(|f| f & sluice_common::POD_FLAG_DNS_CAPTURE != 0)
+    }
+
+    /// A pod's options as they were written at its enrollment.
+    pub fn get(&self, cookie: u64) -> PodOptions {
+        let flags = self
+            .flags
+            .as_ref()
+            .and_then(|m| m.get(&cookie, 0).ok())
+            .unwrap_or(0);
+        let reroute = self.reroute.as_ref().and_then(|m| m.get(&cookie, 0).ok());
+        PodOptions::from_maps(flags, reroute.as_ref())
+    }
+
+    pub fn remove(&mut self, cookie: u64) {
+        if let Some(m) = &mut self.flags {
+            let _ = m.remove(&cookie);
+        }
+        if let Some(m) = &mut self.reroute {
+            let _ = m.remove(&cookie);
+        }
+    }
+}

@@ -1,0 +1,96 @@
+//! Attaching a pod's capture, one durable step at a time: its state entry
+//! (`Pending`) and options, its addresses, its routes, then its links.
+
+use std::fs;
+
+use crate::{
+    dataplane::{loader::Dataplane, state::boottime_ns, tcfilter},
+    fault::crash_point,
+    options::PodOptions,
+    podnet::{
+        netns::Netns,
+        podlinks::{self, expected_links, LinkSpec},
+        podview::PodView,
+        routes,
+    },
+    uid::PodUid,
+    workload::Workload,
+};
+
+use super::{addrs::publish_addrs, error::EnrollError, hostpeers::host_peers, links::attach_link};
+
+/// Attaches the pod's capture, one step at a time; every step is durable
+/// before the next begins (a link is pinned right after its attach), so a
+/// process killed at any point leaves a prefix of these steps, which the
+/// next agent completes (`repair`). The state entry comes first and says
+/// `Pending`: from their first link on, the programs fail closed for the
+/// pod. Returns the host-side hooks held by another tool's qdisc.
+pub fn attach(
+    dp: &mut Dataplane,
+    netns: &Netns,
+    view: &PodView,
+    uid: &PodUid,
+    path: &str,
+    workload: &Workload,
+    options: &PodOptions,
+) -> Result<Vec<String>, EnrollError> {
+    let cookie = view.cookie;
+    let node_dns = dp.dns_capture();
+    let maps = dp.maps_mut();
+    maps.attach(cookie, uid, path, workload, boottime_ns())?;
+    // Before any link: a pod that bypasses inbound capture never has its
+    // inbound captured. (Killed right here, the pod is enrolled without its
+    // options: captured fully, the fail-closed side.)
+    maps.set_options(cookie, options, node_dns)?;
+    crash_point("enroll:state");
+    publish_addrs(maps, netns, cookie, &view.addrs)?;
+    crash_point("enroll:addrs");
+    // The sysctl is a file of the pod's /proc/sys: the one step that enters
+    // the netns; the rest goes over the view's socket.
+    netns.run(|| routes::set_migrate_req(true))??;
+    let indexes: Vec<u32> = view.ifaces.iter().map(|i| i.index).collect();
+    routes::install_over(&view.nl, &indexes, view.lo, view.ipv6)?;
+    crash_point("enroll:routes");
+    attach_links(dp, netns, view, options)
+}
+
+/// The pod's links, each pinned as soon as attached. Returns the host-side
+/// hooks left to another tool's qdisc ("IFACE (KIND)").
+fn attach_links(
+    dp: &mut Dataplane,
+    netns: &Netns,
+    view: &PodView,
+    options: &PodOptions,
+) -> Result<Vec<String>, EnrollError> {
+    let ifaces = &view.names();
+    let dir = dp.pins().pod(view.cookie);
+    fs::create_dir_all(&dir).map_err(|source| EnrollError::Io {
+        what: format!("creating {}", dir.display()),
+        source,
+    })?;
+    // With tcx (`--tc-attach tcx`) each attach swaps the device's program
+    // array and waits for an RCU grace period under RTNL (≈ 10–20 ms here);
+    // cls_bpf filters (the default) need none.
+    let (peers, mut held) = host_peers(dp, netns, Some(view), ifaces);
+    let l3 = &view.l3_names();
+    if let Some(i) = podlinks::reroute_on_l3(l3, &options.reroute) {
+        return Err(EnrollError::RerouteOnL3(i.clone()));
+    }
+    for spec in expected_links(ifaces, l3, &peers, &options.reroute) {
+        match attach_link(dp, netns, Some(view), &dir, &spec) {
+            // Taken since it was asked: the host side only costs the probe
+            // exemption, never the pod.
+            Err(EnrollError::Attach { source, .. })
+                if matches!(spec, LinkSpec::Host(_)) && tcfilter::is_hook_taken(&source) =>
+            {
+                if let LinkSpec::Host(p) = &spec {
+                    held.push(format!("{} (not clsact)", p.host_iface));
+                }
+                continue;
+            }
+            r => r?,
+        }
+        crash_point(&format!("enroll:link:{}", spec.pin_name()));
+    }
+    Ok(held)
+}

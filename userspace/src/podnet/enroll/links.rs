@@ -1,0 +1,196 @@
+//! One link of a pod: attached (a cls_bpf filter, or a tcx or sk_lookup
+//! link) and pinned under the pod's directory, and whether it still is.
+
+use std::{fs, path::Path};
+
+use aya::programs::{links::FdLink, tc::TcAttachOptions, LinkOrder, SchedClassifier, TcAttachType};
+
+use crate::{
+    dataplane::{
+        features::TcAttach,
+        loader::{Dataplane, Program},
+        tcfilter,
+    },
+    fault::crash_point,
+    podnet::{
+        netns::Netns,
+        podlinks::{LinkSpec, Side},
+        podview::PodView,
+        rtnl::Rtnl,
+    },
+};
+
+use super::error::EnrollError;
+
+/// Attaches one link and pins it under `dir`; pod-side filters over
+/// `view`'s socket when there is one (an enrollment), else from inside
+/// `netns` (a repair).
+pub fn attach_link(
+    dp: &mut Dataplane,
+    netns: &Netns,
+    view: Option<&PodView>,
+    dir: &Path,
+    spec: &LinkSpec,
+) -> Result<(), EnrollError> {
+    let path = dir.join(spec.pin_name());
+    let tcx = dp.tc_attach() == TcAttach::Tcx;
+    let lacking = |reason: &str| EnrollError::Pin {
+        what: spec.pin_name(),
+        reason: reason.into(),
+    };
+    match spec {
+        LinkSpec::Steer => {
+            let aerr = |source| EnrollError::Attach {
+                what: "sk_lookup".into(),
+                source,
+            };
+            let steer = dp.steer_mut();
+            let id = steer.attach(netns).map_err(aerr)?;
+            pin(FdLink::from(steer.take_link(id).map_err(aerr)?), &path)
+        }
+        // In the node netns, first in the chain: it only writes hints and
+        // passes every packet on (TCX_NEXT), so the primary CNI's programs
+        // on the same device still see everything.
+        LinkSpec::Host(peer) => {
+            let Some((node, prog)) = dp.host_side_mut() else {
+                return Err(lacking("no node netns or host-side program"));
+            };
+            Tc {
+                order: LinkOrder::first(),
+                over: Some((&node.nl, peer.host_index)),
+                ..Tc::new(&peer.host_iface, TcAttachType::Egress, tcx)
+            }
+            .attach(prog, &node.netns, &path)
+        }
+        // The pod side: a tc program on one of its interfaces.
+        _ => {
+            let Some(hook) = spec.tc_hook() else {
+                return Err(lacking("no tc hook"));
+            };
+            let program = spec.program();
+            let Some(prog) = dp.tc_program_mut(program) else {
+                return Err(lacking(match program {
+                    Program::EgressL3 | Program::IngressL3 => {
+                        "the pinned dataplane predates the programs for interfaces without an Ethernet header"
+                    }
+                    Program::Reroute => "the pinned dataplane predates the reroute program",
+                    _ => "the pinned dataplane lacks its program",
+                }));
+            };
+            Tc {
+                over: view.and_then(|v| Some((&v.nl, v.index(hook.iface)?))),
+                ..Tc::new(hook.iface, hook.kind, tcx)
+            }
+            .attach(prog, netns, &path)
+        }
+    }
+}
+
+/// One tc attachment: sluice's cls_bpf filter (`tcfilter`), or with
+/// `--tc-attach tcx` a tcx link (at `order` in the device's chain).
+struct Tc<'a> {
+    iface: &'a str,
+    kind: TcAttachType,
+    order: LinkOrder,
+    tcx: bool,
+    /// A socket in the hook's netns and the interface's index there: a
+    /// filter goes over it (no visit of the netns).
+    over: Option<(&'a Rtnl, u32)>,
+}
+
+impl<'a> Tc<'a> {
+    /// After the device's other programs.
+    fn new(iface: &'a str, kind: TcAttachType, tcx: bool) -> Self {
+        Self {
+            iface,
+            kind,
+            order: LinkOrder::default(),
+            tcx,
+            over: None,
+        }
+    }
+
+    /// Attaches `prog` in `ns` and pins at `path` the link, or the program
+    /// as the filter's record. Interface names resolve in the calling
+    /// thread's netns, so the attach runs inside `ns`; the pin is made
+    /// outside it (bpffs refuses pins from a thread in another netns).
+    fn attach(
+        self,
+        prog: &mut SchedClassifier,
+        ns: &Netns,
+        path: &Path,
+    ) -> Result<(), EnrollError> {
+        let what = || format!("tc {:?} on {}", self.kind, self.iface);
+        let aerr = |source| EnrollError::Attach {
+            what: what(),
+            source,
+        };
+        let (iface, kind) = (self.iface, self.kind);
+        if !self.tcx {
+            // The record first: a filter is no BPF object and outlives this
+            // process, so one attached without its record would be left
+            // running by a teardown (which goes by the records). A record
+            // without its filter counts as not attached ([`attached`]).
+            tcfilter::pin_record(prog, path).map_err(|e| EnrollError::Pin {
+                what: path.display().to_string(),
+                reason: e.to_string(),
+            })?;
+            if let Some(name) = path.file_name() {
+                crash_point(&format!("enroll:record:{}", name.to_string_lossy()));
+            }
+            let attached = match self.over {
+                Some((nl, index)) => tcfilter::attach_over(nl, prog, index, kind),
+                None => ns.run(|| tcfilter::attach(prog, iface, kind))?,
+            };
+            if let Err(e) = attached {
+                let _ = fs::remove_file(path);
+                return Err(aerr(e));
+            }
+            return Ok(());
+        }
+        let order = self.order;
+        let link = ns.run(|| -> Result<FdLink, EnrollError> {
+            let id = prog
+                .attach_with_options(iface, kind, TcAttachOptions::TcxOrder(order))
+                .map_err(aerr)?;
+            let link = prog.take_link(id).map_err(aerr)?;
+            FdLink::try_from(link).map_err(|e| EnrollError::Pin {
+                what: what(),
+                reason: crate::error_line(&e),
+            })
+        })??;
+        pin(link, path)
+    }
+}
+
+/// Whether `spec` is attached, as its pin at `path` records: a link (attached
+/// while pinned), or the program standing for a cls_bpf filter, which counts
+/// only while the kernel still runs that program in sluice's filter on the
+/// hook (a filter can be deleted behind the record's back).
+pub fn attached(dp: &Dataplane, netns: &Netns, spec: &LinkSpec, path: &Path) -> bool {
+    match tcfilter::pinned(path) {
+        None => false,
+        Some(tcfilter::Pinned::Link) => true,
+        Some(tcfilter::Pinned::Program(id)) => {
+            let Some(hook) = spec.tc_hook() else {
+                return false;
+            };
+            let ns = match hook.side {
+                Side::Pod => netns,
+                Side::Node => match dp.node() {
+                    Some(node) => &node.netns,
+                    None => return false,
+                },
+            };
+            let running = ns.run(|| tcfilter::filter_program(hook.iface, hook.kind));
+            matches!(running, Ok(Ok(Some(running))) if running == id)
+        }
+    }
+}
+
+fn pin(link: FdLink, path: &Path) -> Result<(), EnrollError> {
+    link.pin(path).map(drop).map_err(|e| EnrollError::Pin {
+        what: path.display().to_string(),
+        reason: crate::error_line(&e),
+    })
+}

@@ -1,0 +1,82 @@
+//! Taking sluice off the node: every pod unenrolled, in-flight connections
+//! given a moment to finish, then the node-wide pins removed.
+
+use std::fs;
+
+use aya::programs::links::PinnedLink;
+
+use crate::{
+    dataplane::{
+        loader::{remove_node_pins, Pins},
+        state::{boottime_ns, Maps},
+    },
+    lifecycle::Event,
+    podnet::{hostside, podlinks::LinkSpec},
+};
+
+use super::{
+    error::EnrollError,
+    reopen::open_pod_netns,
+    teardown::{remove_stateless, teardown},
+};
+
+/// How long an uninstall lets connections in flight through ztunnel finish
+/// between steering nothing new and removing the tc programs that carry
+/// them (a request and its answer, not a long-lived connection: those end
+/// with capture, as when ztunnel goes). A SYN dropped meanwhile is retried
+/// by its client after a second, and then reaches the pod uncaptured.
+pub const UNINSTALL_DRAIN: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// Unenrolls every pod and removes the node-wide pins. Works from whatever is
+/// pinned, also when the maps cannot be opened (e.g. left by another version).
+/// `node` as for `unenroll`.
+pub fn uninstall(pins: &Pins, node: Option<&hostside::Node>) -> Result<usize, EnrollError> {
+    if !pins.root().exists() {
+        return Ok(0);
+    }
+    let mut n = 0;
+    let mut maps = Maps::open_pinned(&pins.maps()).ok();
+    if let Some(maps) = maps.as_mut() {
+        let cookies = maps.cookies();
+        // First no pod takes new connections to ztunnel (its sk_lookup goes;
+        // new SYNs from outside are dropped and retried), while the tc
+        // programs still carry the connections ztunnel holds: those in
+        // flight finish before the rest goes.
+        for &cookie in &cookies {
+            quiesce(pins, maps, cookie)?;
+        }
+        if !cookies.is_empty() {
+            std::thread::sleep(UNINSTALL_DRAIN);
+        }
+        for cookie in cookies {
+            let netns = open_pod_netns(maps, cookie).ok();
+            teardown(pins, maps, netns.as_ref(), node, cookie)?;
+            n += 1;
+        }
+    }
+    // Pod directories with no map entry (interrupted enrolls, unreadable maps).
+    if let Ok(entries) = fs::read_dir(pins.pods()) {
+        for e in entries.flatten() {
+            if let Some(cookie) = e.file_name().to_str().and_then(|s| s.parse().ok()) {
+                remove_stateless(pins, node, cookie)?;
+            }
+        }
+    }
+    remove_node_pins(pins).map_err(|e| EnrollError::Io {
+        what: "removing node pins".into(),
+        source: std::io::Error::other(e.to_string()),
+    })?;
+    Ok(n)
+}
+
+/// The first step of a pod's teardown, alone: `Draining` (new SYNs from
+/// outside fail closed) and its sk_lookup link gone (nothing new reaches
+/// ztunnel). Its tc programs stay.
+fn quiesce(pins: &Pins, maps: &mut Maps, cookie: u64) -> Result<(), EnrollError> {
+    maps.apply(cookie, Event::Drain, boottime_ns())?;
+    let steer = pins.pod(cookie).join(LinkSpec::Steer.pin_name());
+    if let Ok(link) = PinnedLink::from_pin(&steer) {
+        drop(link.unpin());
+    }
+    Ok(())
+}
