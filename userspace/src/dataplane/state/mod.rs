@@ -53,12 +53,15 @@ pub struct Maps {
     options: OptionMaps,
     /// Told of every state change (the agent; none for the CLI).
     observer: Option<Observer>,
-    /// uid → netns cookie of every pod in `pod_meta`: read once when the
-    /// maps are opened, then kept by this process's own inserts and
-    /// removals (it is the maps' one writer: CLI commands go through a
-    /// running agent), so an enrollment's "already enrolled?" costs no walk
-    /// of the map.
+    /// uid → netns cookie of every pod in `pod_meta`, and each cookie's
+    /// identity: read once when the maps are opened, then kept by this
+    /// process's own inserts and removals (it is the maps' one writer: CLI
+    /// commands go through a running agent), so an enrollment's "already
+    /// enrolled?" costs no walk of the map, and telling the observer of an
+    /// event that changed nothing (a served recheck, every pod, every 30 s)
+    /// costs no map lookup.
     uids: StdHashMap<String, u64>,
+    identities: StdHashMap<u64, PodIdentity>,
 }
 
 impl Maps {
@@ -93,20 +96,19 @@ impl Maps {
             options: OptionMaps::new(optional(take("pod_flags")), optional(take("pod_reroute"))),
             observer: None,
             uids: Default::default(),
+            identities: Default::default(),
         }
         .with_uid_index())
     }
 }
 
 impl Maps {
-    /// Fills the uid index from one walk of `pod_meta`.
+    /// Fills the uid and identity indexes from one walk of `pod_meta`.
     fn with_uid_index(mut self) -> Self {
-        self.uids = self
-            .pod_meta
-            .iter()
-            .filter_map(Result::ok)
-            .map(|(cookie, m)| (identity::uid_of(&m), cookie))
-            .collect();
+        for (cookie, m) in self.pod_meta.iter().filter_map(Result::ok) {
+            self.uids.insert(identity::uid_of(&m), cookie);
+            self.identities.insert(cookie, identity::identity_of(&m));
+        }
         self
     }
 
@@ -188,8 +190,9 @@ impl Maps {
                 .insert(cookie, m, 0)
                 .map_err(merr("pod_meta"))?;
             self.uids.insert(identity::uid_of(&m), cookie);
+            self.identities.insert(cookie, identity::identity_of(&m));
         }
-        let pod = self.meta(cookie);
+        let pod = self.identity(cookie);
         match to {
             Some(state) => {
                 let entry = match before {
@@ -229,7 +232,7 @@ impl Maps {
         if let Some(o) = &self.observer {
             o(&Applied {
                 cookie,
-                pod: self.meta(cookie),
+                pod: self.identity(cookie),
                 event,
                 from,
                 to,
@@ -257,6 +260,16 @@ impl Maps {
         let _ = self.pod_state.remove(&cookie);
         let _ = self.pod_meta.remove(&cookie);
         self.uids.retain(|_, c| *c != cookie);
+        self.identities.remove(&cookie);
+    }
+
+    /// Who the pod is, from memory (the map where memory has nothing, e.g.
+    /// an entry another process wrote).
+    fn identity(&self, cookie: u64) -> Option<PodIdentity> {
+        self.identities
+            .get(&cookie)
+            .cloned()
+            .or_else(|| self.meta(cookie))
     }
 }
 
