@@ -259,10 +259,10 @@ const IMPORTS_PARENT: &[&str] = &[
     "agent::node::linkwatch",
     "agent::node::relist",
     "agent::node::requests",
-    "agent::node::serve",
+    "agent::node::served_check",
     "agent::node::supervise",
     "agent::node::uninstall",
-    "agent::node::zds",
+    "agent::node::ztunnels",
 ];
 
 /// A child module does not name its parent's own items (`use super::*`,

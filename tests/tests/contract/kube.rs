@@ -10,7 +10,7 @@ use libtest_mimic::Trial;
 use serde_json::{json, Value};
 use sluice::{
     agent::{
-        kube::KubeCtx,
+        cluster::KubeCtx,
         node::{Node, ServedConfig},
     },
     cni::spec::PodRef,

@@ -7,9 +7,9 @@
 //! removes sluice from the node first (`node::uninstall`).
 
 pub mod admin;
+pub mod cluster;
 pub mod control_socket;
 pub mod custody;
-pub mod kube;
 pub mod node;
 pub mod report;
 
@@ -277,7 +277,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     }
     let hub = Arc::new(Hub::default());
     let kube = match &cfg.node_name {
-        Some(node) => Some(kube::KubeCtx {
+        Some(node) => Some(cluster::KubeCtx {
             client: checked_client(node).await?,
             node: node.clone(),
             // Beside the control socket: host tmpfs, survives agent restarts.

@@ -23,8 +23,8 @@ use tokio::sync::{watch, Notify};
 use tracing::{info, info_span, warn, Instrument as _};
 
 use super::{
+    cluster::{Admission, KubeCtx},
     custody::Custody,
-    kube::{Admission, KubeCtx},
     report::Report,
 };
 use crate::{
@@ -52,10 +52,10 @@ mod linkwatch;
 mod pods;
 mod relist;
 mod requests;
-mod serve;
+mod served_check;
 mod supervise;
 mod uninstall;
-mod zds;
+mod ztunnels;
 
 use crate::lifecycle::Cause;
 
@@ -96,14 +96,14 @@ pub struct Node {
     /// Every pod the agent holds: identity, cookie, netns, retry schedule.
     pods: pods::PodTable,
     /// Whether ztunnel can serve the pods it acked.
-    served: serve::Served,
+    served: served_check::Served,
     /// Whether sluice is being (or was) removed from this node.
     uninstall: watch::Sender<uninstall::Uninstall>,
     /// Link-event sockets open (`linkwatch`): one per watched pod.
     link_watches: Arc<std::sync::atomic::AtomicUsize>,
 }
 
-pub use serve::{ServedConfig, DEFAULT_RECHECK, FALLBACK_AFTER};
+pub use served_check::{ServedConfig, DEFAULT_RECHECK, FALLBACK_AFTER};
 
 /// The metrics' view of the maps, through the node (which owns them).
 struct MapSource(Weak<Node>);
@@ -205,7 +205,7 @@ impl Node {
             link_watches: Default::default(),
             custody: Custody::new(orphan_grace),
             pods: pods::PodTable::default(),
-            served: serve::Served::new(served, node_name),
+            served: served_check::Served::new(served, node_name),
             uninstall: watch::Sender::new(uninstall::Uninstall::No),
         }
     }

@@ -60,7 +60,7 @@ impl Node {
     async fn reconcile_from(
         self: &Arc<Self>,
         pods: &[Arc<Pod>],
-        namespaces: &crate::agent::kube::NamespaceLabels,
+        namespaces: &crate::agent::cluster::NamespaceLabels,
         min_age: Duration,
     ) -> anyhow::Result<()> {
         let Some(k) = self.kube.clone() else {
@@ -92,7 +92,7 @@ impl Node {
             let found = by_name.get(&(ns.as_str(), name.as_str())).copied();
             let state = found.map(|(s, _)| s);
             let capture = found.map_or(Default::default(), |(_, uid)| self.capture_of(uid));
-            if crate::agent::kube::out_of_step(pod, state, capture) {
+            if crate::agent::cluster::out_of_step(pod, state, capture) {
                 self.announce_pod(ns, name);
             }
         }
