@@ -251,20 +251,6 @@ fn resolve(m: &[String], path: &str) -> Option<Vec<String>> {
     Some(full)
 }
 
-/// Modules that still import their parent. agent::node's files each add an
-/// `impl Node` block over `use super::*`.
-// agent::node is being split into roles (issue 36); this list only shrinks.
-const IMPORTS_PARENT: &[&str] = &[
-    "agent::node::announce",
-    "agent::node::linkwatch",
-    "agent::node::relist",
-    "agent::node::requests",
-    "agent::node::served_check",
-    "agent::node::supervise",
-    "agent::node::uninstall",
-    "agent::node::ztunnels",
-];
-
 /// A child module does not name its parent's own items (`use super::*`,
 /// `super::item`, `crate::<parent>::item`): what children share lives in a
 /// sibling module they name. Naming a sibling through the parent
@@ -294,22 +280,9 @@ fn no_child_module_imports_its_parent() {
             }
         }
     }
-    let allowed: BTreeSet<&str> = IMPORTS_PARENT.iter().copied().collect();
-    let unlisted: BTreeMap<_, _> = found
-        .iter()
-        .filter(|(m, _)| !allowed.contains(m.as_str()))
-        .collect();
-    let stale: Vec<_> = allowed
-        .iter()
-        .filter(|m| !found.contains_key(**m))
-        .collect();
     assert!(
-        unlisted.is_empty(),
+        found.is_empty(),
         "child modules that import their parent (move what they use into a \
-         sibling module): {unlisted:#?}"
-    );
-    assert!(
-        stale.is_empty(),
-        "no longer import their parent, take them off IMPORTS_PARENT: {stale:#?}"
+         sibling module): {found:#?}"
     );
 }

@@ -20,7 +20,6 @@ const LONG_FILES: &[&str] = &[
 ];
 const LONG_FNS: &[&str] = &[
     "userspace/src/agent/mod.rs fn serve",
-    "userspace/src/agent/node/relist.rs fn reconcile_from",
     "userspace/src/dataplane/loader.rs fn upgrade",
     "userspace/src/metrics.rs fn new",
     "userspace/src/readiness.rs fn compute",

@@ -116,13 +116,13 @@ async fn uninstall_reason(
 async fn watch_daemonset(
     client: ::kube::Client,
     ds: (String, String),
-    node: Arc<node::Node>,
+    uninstall: Arc<node::Uninstaller>,
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
         if let Some(r) = uninstall_reason(&client, &ds).await {
             info!(why = r.as_str(), "uninstall asked");
-            node.request_uninstall(r);
+            uninstall.request(r);
             return;
         }
         tokio::select! {
@@ -293,7 +293,8 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     });
     let stamp = crate::dataplane::stamp::read(&dp.pins.maps())
         .map_or_else(|| "none".into(), |s| s.to_string());
-    let node = node::Node::new(
+    let kube_client = kube.as_ref().map(|k| k.client.clone());
+    let node = node::NodeAgent::new(
         dp,
         hub.clone(),
         kube,
@@ -307,8 +308,8 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     // Before anything is served: every pod left by an earlier agent is
     // completely captured, or its teardown finished (crash safety).
     {
-        let node = node.clone();
-        tokio::task::spawn_blocking(move || node.verify_all(true))
+        let repair = node.repair().clone();
+        tokio::task::spawn_blocking(move || repair.verify_all(true))
             .await
             .context("verifying the pods' capture")?;
     }
@@ -334,33 +335,32 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     // The control and admin listeners stop last: they answer during an
     // uninstall and after it.
     let (listen_stop_tx, listen_stop) = watch::channel(false);
-    let kube_client = node.kube_client();
     // An agent started after the uninstall mark (a restart midway) finishes it.
     if let (Some(c), Some(ds)) = (&kube_client, &cfg.daemonset) {
         if let Some(r) = uninstall_reason(c, ds).await {
-            node.request_uninstall(r);
+            node.uninstall().request(r);
         }
     }
-    let uninstalling = node.uninstall_state() != node::Uninstall::No;
+    let uninstalling = node.uninstall().state() != node::Uninstall::No;
 
     let zds_task = tokio::spawn(server::serve(
         zds,
         cfg.zds_socket.clone(),
         hub,
-        node.clone() as Arc<dyn server::Handler>,
+        node.zds_handler(),
         stop.clone(),
     ));
     let control_task = tokio::spawn(control_socket::serve(
         control,
         cfg.control_socket.clone(),
         cfg.pins.root().to_owned(),
-        node.clone(),
+        node.requests().clone(),
         listen_stop.clone(),
     ));
-    let reconcile_task = tokio::spawn(node.clone().reconcile(stop.clone()));
-    let announce_task = tokio::spawn(node.clone().announcer(stop.clone()));
-    let served_task = tokio::spawn(node.clone().check_served(stop.clone()));
-    let links_task = tokio::spawn(node.clone().watch_links(stop.clone()));
+    let reconcile_task = tokio::spawn(node.supervise(stop.clone()));
+    let announce_task = tokio::spawn(node.announce(stop.clone()));
+    let served_task = tokio::spawn(node.check_served(stop.clone()));
+    let links_task = tokio::spawn(node.watch_links(stop.clone()));
     let report_task = tokio::spawn(report::run(
         node.report().clone(),
         node.clone(),
@@ -380,7 +380,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
             ))
         })
         .collect();
-    let api_task = tokio::spawn(node.clone().reconcile_with_api(stop.clone()));
+    let api_task = tokio::spawn(node.relist_with_api(stop.clone()));
     // Removing the plugin is not part of stopping: pods must keep going
     // through it while the agent restarts (see `sluice uninstall-cni`).
     let cni_task = cfg
@@ -392,7 +392,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         (Some(c), Some(ds)) if !uninstalling => Some(tokio::spawn(watch_daemonset(
             c.clone(),
             ds.clone(),
-            node.clone(),
+            node.uninstall().clone(),
             stop.clone(),
         ))),
         _ => None,
@@ -400,7 +400,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     info!(pods = node.pod_count(), "sluice agent running");
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    let mut asked = node.watch_uninstall();
+    let mut asked = node.uninstall().watch();
     let signalled = tokio::select! {
         _ = term.recv() => { info!("SIGTERM"); true }
         _ = tokio::signal::ctrl_c() => { info!("SIGINT"); true }
@@ -408,10 +408,10 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     };
     // Stopped without being asked: an uninstall if the DaemonSet is going
     // (`kubectl delete daemonset`), else a restart or an upgrade.
-    if signalled && node.uninstall_state() == node::Uninstall::No {
+    if signalled && node.uninstall().state() == node::Uninstall::No {
         if let (Some(c), Some(ds)) = (&kube_client, &cfg.daemonset) {
             if let Some(r) = uninstall_reason(c, ds).await {
-                node.request_uninstall(r);
+                node.uninstall().request(r);
             }
         }
     }
@@ -430,8 +430,8 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     if let Some(t) = ds_task {
         let _ = t.await;
     }
-    if let node::Uninstall::Started(r) = node.uninstall_state() {
-        node.uninstall_node(cfg.cni.as_ref(), r).await;
+    if let node::Uninstall::Started(r) = node.uninstall().state() {
+        node.uninstall().run(cfg.cni.as_ref(), r).await;
         if !signalled {
             // Exiting would only have the DaemonSet start the agent again.
             info!("sluice removed from this node; waiting to be stopped");
@@ -446,7 +446,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     for t in admin_tasks {
         let _ = t.await;
     }
-    match node.uninstall_state() {
+    match node.uninstall().state() {
         node::Uninstall::No => info!("agent stopped; capture stays in place (pins kept)"),
         u => info!(uninstall = %u, "agent stopped"),
     }
