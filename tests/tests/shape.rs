@@ -19,7 +19,6 @@ const LONG_FILES: &[&str] = &[
     "userspace/src/podnet/enroll.rs",
 ];
 const LONG_FNS: &[&str] = &[
-    "userspace/src/agent/mod.rs fn serve",
     "userspace/src/dataplane/loader.rs fn upgrade",
     "userspace/src/metrics.rs fn new",
     "userspace/src/readiness.rs fn compute",
