@@ -68,7 +68,7 @@ impl Report {
     }
 
     /// Sets the condition from outside the readiness loop (an agent that
-    /// cannot run one: see `agent::hold_incompatible`).
+    /// cannot run one: see `agent::incompatible`).
     pub fn hold(&self, c: Condition) {
         self.set(c);
     }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use sluice_common::PodState;
 use tracing::info;
 
-use super::{announce::Announcer, pods::PodTable, served_check::ServedCheck};
+use super::{announce::Announcer, pods::PodTable, served_check::ServedChecker};
 use crate::{
     agent::custody::Custody,
     lifecycle::{Applied, Effect, Observer},
@@ -19,7 +19,7 @@ use crate::{
 pub(super) struct EffectRunner {
     pub(super) pods: Arc<PodTable>,
     pub(super) announcer: Arc<Announcer>,
-    pub(super) served: Arc<ServedCheck>,
+    pub(super) served: Arc<ServedChecker>,
     pub(super) custody: Arc<Custody>,
     pub(super) metrics: Arc<Metrics>,
 }

@@ -2,7 +2,7 @@
 //! the app creates) are captured as soon as the kernel announces them, not
 //! at the next verification: one rtnetlink socket per held pod, opened in the
 //! pod's netns and subscribed to its link and address events. An event there
-//! runs that pod's repair (`Repair::verify_one`), which is idempotent and
+//! runs that pod's repair (`Repairer::verify_one`), which is idempotent and
 //! attaches what the pod's interfaces now call for, when an interface lacks
 //! its links; otherwise it publishes the pod's addresses as they are now. A socket that overflowed (events
 //! lost) counts as an event. The verification every `VERIFY_EVERY` stays
@@ -26,7 +26,7 @@ use tokio::{
 };
 use tracing::warn;
 
-use super::{book::PodBook, repair::Repair};
+use super::{book::PodBook, repair::Repairer};
 use crate::podnet::podlinks::LinkSpec;
 
 /// rtnetlink's multicast groups of link and address events
@@ -37,13 +37,13 @@ const SUBSCRIBE_EVERY: Duration = Duration::from_millis(200);
 
 pub(super) struct LinkWatch {
     book: Arc<PodBook>,
-    repair: Arc<Repair>,
+    repair: Arc<Repairer>,
     /// Link-event sockets open: one per watched pod.
     open: Arc<AtomicUsize>,
 }
 
 impl LinkWatch {
-    pub(super) fn new(book: Arc<PodBook>, repair: Arc<Repair>) -> Self {
+    pub(super) fn new(book: Arc<PodBook>, repair: Arc<Repairer>) -> Self {
         Self {
             book,
             repair,

@@ -51,7 +51,7 @@ mod uninstall;
 mod ztunnels;
 
 pub use relist::Relist;
-pub use repair::Repair;
+pub use repair::Repairer;
 pub use requests::Requests;
 pub use served_check::{ServedConfig, DEFAULT_RECHECK, FALLBACK_AFTER};
 pub use uninstall::{Uninstall, Uninstaller};
@@ -62,7 +62,7 @@ use effects::EffectRunner;
 use enroller::Enroller;
 use linkwatch::LinkWatch;
 use pods::PodTable;
-use served_check::ServedCheck;
+use served_check::ServedChecker;
 use supervise::Supervisor;
 use ztunnels::Ztunnels;
 
@@ -71,9 +71,9 @@ pub struct NodeAgent {
     book: Arc<PodBook>,
     report: Arc<Report>,
     announcer: Arc<Announcer>,
-    served: Arc<ServedCheck>,
+    served: Arc<ServedChecker>,
     ztunnels: Arc<Ztunnels>,
-    repair: Arc<Repair>,
+    repair: Arc<Repairer>,
     supervisor: Arc<Supervisor>,
     links: Arc<LinkWatch>,
     relist: Arc<Relist>,
@@ -99,7 +99,7 @@ impl NodeAgent {
         let custody = Arc::new(Custody::new(orphan_grace));
         let announcer = Arc::new(Announcer::new(kube.clone(), pods.clone()));
         let node_name = kube.as_ref().map(|k| k.node.clone());
-        let served = Arc::new(ServedCheck::new(
+        let served = Arc::new(ServedChecker::new(
             served,
             node_name,
             hub.clone(),
@@ -122,7 +122,7 @@ impl NodeAgent {
             announcer.clone(),
             metrics.clone(),
         );
-        let repair = Arc::new(Repair {
+        let repair = Arc::new(Repairer {
             book: book.clone(),
             announcer: announcer.clone(),
             metrics: metrics.clone(),
@@ -196,7 +196,7 @@ impl NodeAgent {
     }
 
     /// Verifying every pod's capture (at start, before anything is served).
-    pub fn repair(&self) -> &Arc<Repair> {
+    pub fn repair(&self) -> &Arc<Repairer> {
         &self.repair
     }
 

@@ -19,13 +19,13 @@ use crate::{
 /// How often every pod's capture is verified, whatever else happens.
 pub const VERIFY_EVERY: Duration = Duration::from_secs(60);
 
-pub struct Repair {
+pub struct Repairer {
     pub(super) book: Arc<PodBook>,
     pub(super) announcer: Arc<Announcer>,
     pub(super) metrics: Arc<Metrics>,
 }
 
-impl Repair {
+impl Repairer {
     /// Verifies and completes every pod's capture; removes pins no pod owns.
     /// Blocking: run it off the async workers.
     pub fn verify_all(&self, at_start: bool) {

@@ -12,7 +12,7 @@ use super::{
     linkwatch::LinkWatch,
     relist::Relist,
     repair::VERIFY_EVERY,
-    served_check::ServedCheck,
+    served_check::ServedChecker,
     uninstall::{Uninstall, Uninstaller},
     ztunnels::Ztunnels,
 };
@@ -37,7 +37,7 @@ pub struct Requests {
     pub(super) book: Arc<PodBook>,
     pub(super) enroller: Arc<Enroller>,
     pub(super) ztunnels: Arc<Ztunnels>,
-    pub(super) served: Arc<ServedCheck>,
+    pub(super) served: Arc<ServedChecker>,
     pub(super) relist: Arc<Relist>,
     pub(super) links: Arc<LinkWatch>,
     pub(super) uninstall: Arc<Uninstaller>,

@@ -78,7 +78,7 @@ struct Heard {
     fallback: bool,
 }
 
-pub(super) struct ServedCheck {
+pub(super) struct ServedChecker {
     cfg: ServedConfig,
     /// This node's name, when the agent knows it (workloads on other nodes
     /// do not count).
@@ -93,7 +93,7 @@ pub(super) struct ServedCheck {
     metrics: Arc<Metrics>,
 }
 
-impl ServedCheck {
+impl ServedChecker {
     pub(super) fn new(
         cfg: ServedConfig,
         node: Option<String>,
@@ -240,7 +240,7 @@ struct Candidate {
     want: Wanted,
 }
 
-impl ServedCheck {
+impl ServedChecker {
     /// Runs the served check on `book`'s pods until `stop`.
     pub(super) async fn run(self: Arc<Self>, book: Arc<PodBook>, mut stop: watch::Receiver<bool>) {
         let mut every = WAIT_MIN;

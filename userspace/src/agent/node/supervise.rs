@@ -14,7 +14,7 @@ use tracing::{info, info_span, warn, Instrument as _};
 
 use super::{
     book::PodBook,
-    repair::{Repair, VERIFY_EVERY},
+    repair::{Repairer, VERIFY_EVERY},
     ztunnels::Ztunnels,
 };
 use crate::{
@@ -29,7 +29,7 @@ const CHECK_EVERY: Duration = Duration::from_millis(200);
 pub(super) struct Supervisor {
     pub(super) book: Arc<PodBook>,
     pub(super) ztunnels: Arc<Ztunnels>,
-    pub(super) repair: Arc<Repair>,
+    pub(super) repair: Arc<Repairer>,
 }
 
 impl Supervisor {
