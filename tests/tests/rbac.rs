@@ -4,7 +4,7 @@
 //! all the places userspace builds a kube `Api` (kube::{condition, taint,
 //! annotate, gate, verify}, kube::uninstall::{decide, clean (one node)},
 //! kube::node_identity::verify,
-//! agent::kube::{admit_add, observe, changed}, kube::events); a new one must
+//! agent::cluster::{admit_add, observe, changed}, kube::events); a new one must
 //! be added here.
 //! (`sluice uninstall-cluster`, the Helm hook, runs with the hook's own role.) They run against a recording mock API; each request
 //! is mapped to the resource and verb RBAC checks it as.
@@ -20,7 +20,7 @@ use kube::client::Body;
 use serde::Deserialize as _;
 use serde_json::{json, Value};
 use sluice::{
-    agent::kube::KubeCtx,
+    agent::cluster::KubeCtx,
     cni::spec::PodRef,
     kube::{annotate, condition::ConditionWriter, gate, taint, uninstall, verify},
     readiness::Condition,

@@ -8,32 +8,8 @@ const MAX_FILE_LINES: usize = 600;
 const MAX_FN_LINES: usize = 120;
 const PRODUCT: [&str; 4] = ["userspace/src", "cni/src", "common/src", "ebpf/src"];
 
-/// Known offenders while they are being split (issue 36). The list may only
-/// shrink: an offender not listed fails, and so does a listed one that is no
-/// longer over.
-const LONG_FILES: &[&str] = &[];
-const LONG_FNS: &[&str] = &[
-    "userspace/src/agent/mod.rs fn serve",
-    "userspace/src/agent/node/relist.rs fn reconcile_from",
-];
-
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap()
-}
-
-/// Offenders found against the list: (unlisted, listed but fixed).
-fn against(found: &[(String, String)], listed: &[&str]) -> (Vec<String>, Vec<String>) {
-    let new = found
-        .iter()
-        .filter(|(key, _)| !listed.contains(&key.as_str()))
-        .map(|(_, what)| what.clone())
-        .collect();
-    let fixed = listed
-        .iter()
-        .filter(|l| !found.iter().any(|(key, _)| key == *l))
-        .map(|l| l.to_string())
-        .collect();
-    (new, fixed)
 }
 
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
@@ -187,49 +163,35 @@ fn relative(p: &Path) -> String {
 
 #[test]
 fn no_product_file_is_over_600_lines() {
-    let found: Vec<(String, String)> = product_files()
+    let long: Vec<String> = product_files()
         .iter()
         .filter_map(|p| {
             let n = std::fs::read_to_string(p).unwrap().lines().count();
-            (n > MAX_FILE_LINES).then(|| (relative(p), format!("{} ({n} lines)", relative(p))))
+            (n > MAX_FILE_LINES).then(|| format!("{} ({n} lines)", relative(p)))
         })
         .collect();
-    let (new, fixed) = against(&found, LONG_FILES);
     assert!(
-        new.is_empty(),
+        long.is_empty(),
         "files over {MAX_FILE_LINES} lines:\n{}",
-        new.join("\n")
-    );
-    assert!(
-        fixed.is_empty(),
-        "no longer over {MAX_FILE_LINES} lines, drop from LONG_FILES: {fixed:?}"
+        long.join("\n")
     );
 }
 
 #[test]
 fn no_product_function_is_over_120_lines() {
-    let mut found = Vec::new();
+    let mut long = Vec::new();
     for p in product_files() {
         let code = code_only(&std::fs::read_to_string(&p).unwrap());
         for (name, line, n) in functions(&code) {
             if n > MAX_FN_LINES {
-                let key = format!("{} fn {name}", relative(&p));
-                found.push((
-                    key,
-                    format!("{}:{line} fn {name} ({n} lines)", relative(&p)),
-                ));
+                long.push(format!("{}:{line} fn {name} ({n} lines)", relative(&p)));
             }
         }
     }
-    let (new, fixed) = against(&found, LONG_FNS);
     assert!(
-        new.is_empty(),
+        long.is_empty(),
         "functions over {MAX_FN_LINES} lines:\n{}",
-        new.join("\n")
-    );
-    assert!(
-        fixed.is_empty(),
-        "no longer over {MAX_FN_LINES} lines, drop from LONG_FNS: {fixed:?}"
+        long.join("\n")
     );
 }
 

@@ -10,8 +10,8 @@ use libtest_mimic::Trial;
 use serde_json::{json, Value};
 use sluice::{
     agent::{
-        kube::KubeCtx,
-        node::{Node, ServedConfig},
+        cluster::KubeCtx,
+        node::{NodeAgent, ServedConfig},
     },
     cni::spec::PodRef,
     control,
@@ -59,7 +59,7 @@ fn cluster_node(
     f: &Fixture,
     client: kube::Client,
     cni_records: Option<std::path::PathBuf>,
-) -> anyhow::Result<(Arc<Node>, tokio::sync::watch::Sender<bool>)> {
+) -> anyhow::Result<(Arc<NodeAgent>, tokio::sync::watch::Sender<bool>)> {
     cluster_node_with(f, client, cni_records, Default::default(), None)
 }
 
@@ -69,7 +69,7 @@ fn cluster_node_with(
     cni_records: Option<std::path::PathBuf>,
     served: ServedConfig,
     selection_file: Option<std::path::PathBuf>,
-) -> anyhow::Result<(Arc<Node>, tokio::sync::watch::Sender<bool>)> {
+) -> anyhow::Result<(Arc<NodeAgent>, tokio::sync::watch::Sender<bool>)> {
     cluster_node_over(f.dataplane()?, client, cni_records, served, selection_file)
 }
 
@@ -80,7 +80,7 @@ fn cluster_node_over(
     cni_records: Option<std::path::PathBuf>,
     served: ServedConfig,
     selection_file: Option<std::path::PathBuf>,
-) -> anyhow::Result<(Arc<Node>, tokio::sync::watch::Sender<bool>)> {
+) -> anyhow::Result<(Arc<NodeAgent>, tokio::sync::watch::Sender<bool>)> {
     let k = KubeCtx {
         client,
         node: "node-a".into(),
@@ -88,7 +88,7 @@ fn cluster_node_over(
         excluded: ["kube-system".to_string()].into(),
         selection_file,
     };
-    let node = Node::new(
+    let node = NodeAgent::new(
         dp,
         Arc::new(Hub::default()),
         Some(k),
@@ -97,7 +97,7 @@ fn cluster_node_over(
         std::time::Duration::ZERO,
     );
     let (announcing, stop) = tokio::sync::watch::channel(false);
-    tokio::spawn(node.clone().announcer(stop));
+    tokio::spawn(node.announce(stop));
     Ok((node, announcing))
 }
 
@@ -249,7 +249,7 @@ fn incomplete_gate() -> TestResult {
         );
         let verify = || {
             let n = node.clone();
-            tokio::task::spawn_blocking(move || n.verify_all(false))
+            tokio::task::spawn_blocking(move || n.repair().verify_all(false))
         };
         // "STATUS/REASON" of the gate in the last status patch of shop/cart.
         let gate_reason = || {
@@ -328,19 +328,20 @@ fn incomplete_gate() -> TestResult {
 }
 
 /// The CNI ADD of the mock API's shop/cart pod, in `f`'s pod netns.
-async fn add_cart(node: &Arc<Node>, f: &Fixture) -> control::Response {
+async fn add_cart(node: &Arc<NodeAgent>, f: &Fixture) -> control::Response {
     let cart = PodRef {
         name: "cart".into(),
         namespace: "shop".into(),
         uid: Some("u-cart".into()),
     };
-    node.handle(control::Request::CniAdd(control::CniAdd {
-        container_id: "c1".into(),
-        netns: f.topo.pod_netns_path(),
-        pod: cart,
-        ips: vec![],
-    }))
-    .await
+    node.requests()
+        .handle(control::Request::CniAdd(control::CniAdd {
+            container_id: "c1".into(),
+            netns: f.topo.pod_netns_path(),
+            pod: cart,
+            ips: vec![],
+        }))
+        .await
 }
 
 fn admitted() -> TestResult {
@@ -368,7 +369,7 @@ fn admitted_with(f: &Fixture, records: &std::path::Path) -> TestResult {
         // Ambient namespace: enrolled (Pending: no ztunnel), with the pod's
         // real uid and service account, annotated `pending`, and its
         // readiness gate False.
-        let r = node
+        let r = node.requests()
             .handle(control::Request::CniAdd(control::CniAdd { container_id: "c1".into(), netns: netns.clone(), pod: cart.clone(), ips: vec![] }))
             .await;
         ensure!(matches!(&r, control::Response::Enrolled { uid, state: Some(sluice_common::PodState::Pending), .. } if uid == "u-cart"), "{r:?}");
@@ -416,7 +417,7 @@ fn admitted_with(f: &Fixture, records: &std::path::Path) -> TestResult {
 
         // Not ambient: passed through, nothing enrolled.
         let plain = PodRef { name: "plain".into(), namespace: "other".into(), uid: Some("u-plain".into()) };
-        let r = node
+        let r = node.requests()
             .handle(control::Request::CniAdd(control::CniAdd { container_id: "c2".into(), netns: netns.clone(), pod: plain.clone(), ips: vec![] }))
             .await;
         ensure!(matches!(&r, control::Response::Skipped { reason } if reason.contains("neither the pod nor its namespace")), "{r:?}");
@@ -426,24 +427,24 @@ fn admitted_with(f: &Fixture, records: &std::path::Path) -> TestResult {
 
         // CHECK: the captured pod passes; a pod sluice does not manage passes.
         let check = |pod: &PodRef| control::Request::CniCheck(control::CniCheck { pod: pod.clone() });
-        let r = node.handle(check(&cart)).await;
+        let r = node.requests().handle(check(&cart)).await;
         ensure!(matches!(&r, control::Response::Enrolled { .. }), "{r:?}");
-        let r = node.handle(check(&plain)).await;
+        let r = node.requests().handle(check(&plain)).await;
         ensure!(matches!(&r, control::Response::Skipped { .. }), "{r:?}");
         // A link lost behind the agent's back: CHECK names it.
         let cookie = sluice::status::read(&f.topo.pins)?[0].netns_cookie;
         std::fs::remove_file(f.topo.pins.pod(cookie).join("lo"))?;
-        let r = node.handle(check(&cart)).await;
+        let r = node.requests().handle(check(&cart)).await;
         ensure!(matches!(&r, control::Response::Error { message } if message.contains("capture incomplete, missing links lo")), "{r:?}");
         let n = node.clone();
-        tokio::task::spawn_blocking(move || n.verify_all(false)).await?;
-        let r = node.handle(check(&cart)).await;
+        tokio::task::spawn_blocking(move || n.repair().verify_all(false)).await?;
+        let r = node.requests().handle(check(&cart)).await;
         ensure!(matches!(&r, control::Response::Enrolled { .. }), "repaired: {r:?}");
 
         // A forged DEL for the running pod (another container id, its
         // sandbox alive) is refused.
         let forged = control::Request::CniDel(control::CniDel { container_id: "forged".into(), netns: netns.clone(), pod: cart.clone() });
-        let r = node.handle(forged).await;
+        let r = node.requests().handle(forged).await;
         ensure!(matches!(&r, control::Response::Refused { message } if message.contains("refusing DEL") && message.contains("container c1")), "{r:?}");
         ensure!(sluice::status::read(&f.topo.pins)?.len() == 1, "forged DEL removed capture");
         let del = control::Request::CniDel(control::CniDel { container_id: "c1".into(), netns: netns.clone(), pod: cart.clone() });
@@ -451,7 +452,7 @@ fn admitted_with(f: &Fixture, records: &std::path::Path) -> TestResult {
         // The runtime's own DEL (the pod is being deleted): it goes through
         // and the annotation goes.
         *deleting.lock().unwrap() = true;
-        let r = node.handle(del).await;
+        let r = node.requests().handle(del).await;
         ensure!(matches!(&r, control::Response::Unenrolled { .. }), "{r:?}");
         ensure!(sluice::status::read(&f.topo.pins)?.is_empty());
         wait_patch(&patches, 4).await?;
@@ -626,7 +627,7 @@ fn relist() -> TestResult {
             Default::default(),
             Some(selection.clone()),
         )?;
-        node.reconcile_once(std::time::Duration::ZERO).await?;
+        node.relist().reconcile_once(std::time::Duration::ZERO).await?;
         let pods = sluice::status::read(&f.topo.pins)?;
         ensure!(pods.len() == 1 && pods[0].uid == uid, "{pods:?}");
         // The CNI plugin's view for when the agent is down: ambient
@@ -662,7 +663,7 @@ fn relist() -> TestResult {
         })
         .await?;
         // The pod left out says why, for `status --pod`.
-        let control::Response::More(control::NodeAnswer::Node(n)) = node.handle(control::Request::Status).await else {
+        let control::Response::More(control::NodeAnswer::Node(n)) = node.requests().handle(control::Request::Status).await else {
             anyhow::bail!("no node status");
         };
         let why = sluice::status::explain::explain("kube-system/dns", &[], Some(&n)).map(|e| e.verdict);
@@ -674,7 +675,7 @@ fn relist() -> TestResult {
             n.skipped
         );
         // A second pass has nothing to do.
-        node.reconcile_once(std::time::Duration::ZERO).await?;
+        node.relist().reconcile_once(std::time::Duration::ZERO).await?;
         ensure!(sluice::status::read(&f.topo.pins)?.len() == 1);
         Ok(())
     })
@@ -744,10 +745,10 @@ fn watch_triggers_capture() -> TestResult {
         });
         let (node, _announcing) = cluster_node(&f, kube::Client::new(svc, "default"), None)?;
         // A pass while the pod is not ambient: nothing to capture.
-        node.reconcile_once(std::time::Duration::ZERO).await?;
+        node.relist().reconcile_once(std::time::Duration::ZERO).await?;
         ensure!(sluice::status::read(&f.topo.pins)?.is_empty(), "captured before it was ambient");
         let (_stop_tx, stop) = tokio::sync::watch::channel(false);
-        let task = tokio::spawn(node.clone().reconcile_with_api(stop));
+        let task = tokio::spawn(node.relist_with_api(stop));
         // The label comes only once the reflector has listed the pod
         // unlabelled (two pod LISTs with ours) and the watch is open: only
         // the watch event can lead to capture now (the next resync is 60 s
@@ -817,10 +818,10 @@ fn gate_follows_served_in(f: &Fixture, dir: &std::path::Path) -> TestResult {
             server::bind(&zds)?,
             zds.clone(),
             hub,
-            node.clone() as Arc<dyn server::Handler>,
+            node.zds_handler(),
             stop.clone(),
         ));
-        let checking = tokio::spawn(node.clone().check_served(stop.clone()));
+        let checking = tokio::spawn(node.check_served(stop.clone()));
         // A ztunnel whose xDS does not have the pod yet.
         std::fs::write(&workloads, "[]")?;
         let _peer = PeerProc::start(

@@ -14,7 +14,7 @@ use libtest_mimic::Trial;
 use serde_json::{json, Value};
 use sluice::{
     agent::{
-        node::Node,
+        node::NodeAgent,
         report::{self, NodeApi, ReportConfig},
     },
     readiness::DEFAULT_CONDITION_TYPE,
@@ -271,7 +271,7 @@ fn stop_marks_node() -> TestResult {
     rt.block_on(async {
         let patches = Arc::new(Mutex::new(Vec::new()));
         let client = node_api(patches.clone());
-        let node = Node::new(
+        let node = NodeAgent::new(
             f.dataplane()?,
             Arc::new(Hub::default()),
             None,
@@ -375,7 +375,7 @@ fn untaint_when_ready() -> TestResult {
         let log = Arc::new(Mutex::new(Vec::new()));
         let client = tainted_node_api(log.clone());
         let hub = Arc::new(Hub::default());
-        let node = Node::new(
+        let node = NodeAgent::new(
             f.dataplane()?,
             hub.clone(),
             None,
@@ -389,7 +389,7 @@ fn untaint_when_ready() -> TestResult {
             listener,
             zds.clone(),
             hub.clone(),
-            node.clone() as Arc<dyn server::Handler>,
+            node.zds_handler(),
             stop.clone(),
         ));
         let cfg = ReportConfig {

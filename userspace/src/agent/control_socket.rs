@@ -1,6 +1,6 @@
 //! The agent's end of the control socket (protocol: [`crate::control`]):
 //! binds it root-only, reads one request per connection, refuses requests
-//! for another bpf root, and hands the rest to the node.
+//! for another bpf root, and hands the rest to the node's [`Requests`].
 
 use std::{
     os::unix::fs::PermissionsExt,
@@ -15,7 +15,7 @@ use tokio::{
 };
 use tracing::warn;
 
-use super::node::Node;
+use super::node::Requests;
 use crate::{
     accept_errors::AcceptErrors,
     control::{wrong_root, Envelope, Response},
@@ -39,7 +39,7 @@ pub async fn serve(
     listener: std::os::unix::net::UnixListener,
     path: PathBuf,
     root: PathBuf,
-    node: Arc<Node>,
+    requests: Arc<Requests>,
     mut stop: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
     let listener = UnixListener::from_std(listener)?;
@@ -50,9 +50,9 @@ pub async fn serve(
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
                     errors.ok();
-                    let (node, root) = (node.clone(), root.clone());
+                    let (requests, root) = (requests.clone(), root.clone());
                     tokio::spawn(async move {
-                        if let Err(e) = handle(stream, &root, node).await {
+                        if let Err(e) = handle(stream, &root, requests).await {
                             warn!(error = %e, "control connection failed");
                         }
                     });
@@ -70,7 +70,7 @@ pub async fn serve(
 async fn handle(
     stream: tokio::net::UnixStream,
     root: &Path,
-    node: Arc<Node>,
+    requests: Arc<Requests>,
 ) -> std::io::Result<()> {
     let (r, mut w) = stream.into_split();
     let mut line = String::new();
@@ -86,14 +86,14 @@ async fn handle(
         Ok(Ok(n)) if n as u64 > MAX_REQUEST => Response::Error {
             message: format!("request over {} KiB", MAX_REQUEST >> 10),
         },
-        Ok(Ok(_)) => parse_and_handle(&line, root, node).await,
+        Ok(Ok(_)) => parse_and_handle(&line, root, requests).await,
     };
     let mut out = serde_json::to_vec(&resp).expect("responses always serialise");
     out.push(b'\n');
     w.write_all(&out).await
 }
 
-async fn parse_and_handle(line: &str, root: &Path, node: Arc<Node>) -> Response {
+async fn parse_and_handle(line: &str, root: &Path, requests: Arc<Requests>) -> Response {
     match crate::control::parse_envelope(line) {
         Ok(Envelope {
             bpf_root: Some(asked),
@@ -101,7 +101,7 @@ async fn parse_and_handle(line: &str, root: &Path, node: Arc<Node>) -> Response 
         }) if wrong_root(root, &asked).is_some() => Response::Error {
             message: wrong_root(root, &asked).unwrap_or_default(),
         },
-        Ok(env) => node.handle(env.request).await,
+        Ok(env) => requests.handle(env.request).await,
         Err(message) => Response::Error { message },
     }
 }

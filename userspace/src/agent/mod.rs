@@ -4,133 +4,44 @@
 //! metrics (`admin`). On SIGTERM it marks the node not ready, stops serving
 //! and leaves capture in place — unless sluice is being uninstalled (its
 //! DaemonSet marked, being deleted or gone, or `sluice uninstall`): then it
-//! removes sluice from the node first (`node::uninstall`).
+//! removes sluice from the node first (`node::Uninstaller`).
+//!
+//! `serve` reads top-down as the agent's life: open the dataplane, build the
+//! node's roles (`node::NodeAgent`), verify the pods an earlier agent left,
+//! bind the listeners, start the tasks, run until stopped, stop the tasks in
+//! three waves (`Stops`). Beside it: `config` (what the agent is told),
+//! `cluster` (its Kubernetes side), `daemonset` (the uninstall mark),
+//! `incompatible` (holding a dataplane it cannot take over).
 
 pub mod admin;
+pub mod cluster;
+pub mod config;
 pub mod control_socket;
 pub mod custody;
-pub mod kube;
+pub mod daemonset;
+pub mod incompatible;
 pub mod node;
 pub mod report;
 
-use std::{net::SocketAddr, path::PathBuf, sync::Arc};
+use std::sync::Arc;
 
 use anyhow::Context as _;
-use tokio::sync::watch;
+use tokio::{
+    signal::unix::{signal, Signal, SignalKind},
+    sync::watch,
+    task::JoinHandle,
+};
 use tracing::{info, warn};
 
+pub use config::{Config, DEFAULT_HEALTH_ADDR, DEFAULT_METRICS_ADDR, DEFAULT_ZDS_SOCKET};
+
 use crate::{
-    cni::install::CniInstall,
-    dataplane::loader::{Dataplane, Pins},
+    dataplane::loader::{Adoption, Dataplane, LoadError},
+    podnet::hostside,
     zds::server::{self, Hub},
 };
-
-pub const DEFAULT_ZDS_SOCKET: &str = "/var/run/ztunnel/ztunnel.sock";
-pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:15030";
-/// The node-only health listener's default (`--health-addr`).
-pub const DEFAULT_HEALTH_ADDR: &str = "127.0.0.1:15032";
-
-#[derive(Debug, Clone)]
-pub struct Config {
-    pub pins: Pins,
-    pub zds_socket: PathBuf,
-    pub control_socket: PathBuf,
-    /// Keep `sluice-cni` in the node's CNI config (DaemonSet mode).
-    pub cni: Option<CniInstall>,
-    /// The node this agent runs on, when it runs in a cluster: CNI requests
-    /// are then admitted against the API and pods annotated.
-    pub node_name: Option<String>,
-    /// The node condition's type, grace and heartbeat, and startup taints.
-    pub report: report::ReportConfig,
-    /// Where /metrics, /healthz and /readyz are served (`None`: not served).
-    pub metrics_addr: Option<SocketAddr>,
-    /// The node-only health listener (`--health-addr`), for the kubelet's
-    /// probes and the watchdog.
-    pub health_addr: Option<SocketAddr>,
-    /// How pods are found served by ztunnel.
-    pub served: node::ServedConfig,
-    /// How long the listeners of a ztunnel that died keep connections queued
-    /// on them for the next ztunnel (see `custody`).
-    pub orphan_grace: std::time::Duration,
-    /// The agents' DaemonSet (namespace, name), watched for uninstall (with
-    /// `node_name`).
-    pub daemonset: Option<(String, String)>,
-    /// The node's netns, for host-originated probes (`None`: address-only).
-    pub node_netns: Option<PathBuf>,
-    /// Namespaces whose pods are never captured.
-    pub excluded: std::collections::BTreeSet<String>,
-    /// The node's DNS capture default (`--dns-capture`).
-    pub dns_capture: bool,
-    /// How tc programs are attached (`--tc-attach`).
-    pub tc_attach: crate::dataplane::features::TcAttach,
-}
-
-/// The API client, once `node` is known to name this host (refused when it
-/// names another; an API that cannot answer now is not waited for).
-async fn checked_client(node: &str) -> anyhow::Result<::kube::Client> {
-    let client = ::kube::Client::try_default()
-        .await
-        .context("connecting to the Kubernetes API (in-cluster config or KUBECONFIG)")?;
-    let checked = tokio::time::timeout(
-        crate::kube::API_TIMEOUT,
-        crate::kube::node_identity::verify(client.clone(), node),
-    )
-    .await;
-    match checked {
-        Ok(Ok(Ok(()))) => {}
-        Ok(Ok(Err(wrong))) => return Err(wrong.into()),
-        Ok(Err(e)) => warn!(error = %e, "could not check --node-name against the Node: going on"),
-        Err(_) => warn!("checking --node-name against the Node timed out: going on"),
-    }
-    Ok(client)
-}
-
-/// How often the DaemonSet is read for the uninstall mark.
-const DAEMONSET_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
-
-/// Whether the DaemonSet says uninstall; `None` also when it cannot be read
-/// (capture stays on a doubt).
-async fn uninstall_reason(
-    client: &::kube::Client,
-    (namespace, name): &(String, String),
-) -> Option<crate::kube::uninstall::Reason> {
-    let read = tokio::time::timeout(
-        crate::kube::API_TIMEOUT,
-        crate::kube::uninstall::decide(client.clone(), namespace, name),
-    )
-    .await;
-    match read {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => {
-            warn!(daemonset = %name, error = %e, "cannot read the DaemonSet: taken as not uninstalling");
-            None
-        }
-        Err(_) => {
-            warn!(daemonset = %name, "reading the DaemonSet timed out: taken as not uninstalling");
-            None
-        }
-    }
-}
-
-/// Reads the DaemonSet until it says uninstall, then asks the node.
-async fn watch_daemonset(
-    client: ::kube::Client,
-    ds: (String, String),
-    node: Arc<node::Node>,
-    mut stop: watch::Receiver<bool>,
-) {
-    loop {
-        if let Some(r) = uninstall_reason(&client, &ds).await {
-            info!(why = r.as_str(), "uninstall asked");
-            node.request_uninstall(r);
-            return;
-        }
-        tokio::select! {
-            _ = stop.changed() => return,
-            _ = tokio::time::sleep(DAEMONSET_EVERY) => {}
-        }
-    }
-}
+use cluster::KubeCtx;
+use node::{NodeAgent, Uninstall};
 
 /// The agent holds a descriptor per pod netns and per ztunnel listener it
 /// registered (three per pod): lift the soft open-files limit to the hard one
@@ -156,109 +67,72 @@ pub fn run(cfg: Config) -> anyhow::Result<()> {
     rt.block_on(serve(cfg))
 }
 
-/// No pods to sample (an agent holding an incompatible dataplane).
-struct NoPods;
-
-impl crate::metrics::Source for NoPods {
-    fn sample(&self) -> crate::metrics::Sample {
-        crate::metrics::Sample::default()
-    }
-}
-
-/// The pinned dataplane is another build's that this one cannot take over:
-/// capture stays exactly as that build left it (its programs keep running),
-/// and the agent only reports why — node condition False
-/// `DataplaneIncompatible`, `/readyz` 503 with the reason, `/healthz` 200 —
-/// until it is stopped, instead of exiting into a restart loop.
-async fn hold_incompatible(cfg: Config, why: String) -> anyhow::Result<()> {
-    use crate::readiness::{Condition, Reason};
-    tracing::error!(%why, "cannot take over the pinned dataplane; reporting only");
-    let condition = Condition {
-        ready: false,
-        reason: Reason::DataplaneIncompatible,
-        message: format!(
-            "this sluice build cannot take over the dataplane pinned by another build ({why}); that build's capture stays in place, nothing new is enrolled"
-        ),
+async fn serve(cfg: Config) -> anyhow::Result<()> {
+    let node_netns = open_node_netns(&cfg)?;
+    let mut dp = match Dataplane::load_adopt_or_upgrade(cfg.pins.clone(), node_netns.as_ref()) {
+        Ok(dp) => dp,
+        Err(LoadError::Incompatible(why)) => return incompatible::hold(cfg, why).await,
+        Err(e) => return Err(e).context("loading the dataplane"),
     };
-    let report = Arc::new(report::Report::new(
-        Arc::new(crate::metrics::Metrics::new(Arc::new(NoPods))),
-        &cfg.report.condition_type,
-    ));
-    report.hold(condition.clone());
-    if let Some(node) = &cfg.node_name {
-        match ::kube::Client::try_default().await {
-            Ok(client) => {
-                let w = crate::kube::condition::ConditionWriter::new(
-                    client,
-                    node,
-                    &cfg.report.condition_type,
-                    cfg.report.heartbeat,
-                );
-                if let Err(e) = w.write(&condition).await {
-                    warn!(error = %e, "could not write the node condition");
-                }
+    set_up_dataplane(&mut dp, node_netns, &cfg);
+    let kube = cluster_context(&cfg).await?;
+    let node = build_node(&cfg, dp, kube.clone());
+    verify_pods_left(&node).await?;
+    let listeners = Listeners::bind(&cfg).await?;
+    let stops = Stops::default();
+    let client = kube.as_ref().map(|k| k.client.clone());
+    // An agent started after the uninstall mark (a restart midway) finishes it.
+    if let (Some(c), Some(ds)) = (&client, &cfg.daemonset) {
+        daemonset::check(c, ds, node.uninstall()).await;
+    }
+    let mut tasks = Tasks::start(&cfg, &node, kube.as_ref(), listeners, &stops);
+    info!(pods = node.pod_count(), "sluice agent running");
+    let mut term = signal(SignalKind::terminate())?;
+    let signalled = until_stopped(&cfg, &node, client.as_ref(), &mut term).await;
+    tasks.stop_serving(&stops).await;
+    if let Uninstall::Started(r) = node.uninstall().state() {
+        node.uninstall().run(cfg.cni.as_ref(), r).await;
+        if !signalled {
+            // Exiting would only have the DaemonSet start the agent again.
+            info!("sluice removed from this node; waiting to be stopped");
+            tokio::select! {
+                _ = term.recv() => info!("SIGTERM"),
+                _ = tokio::signal::ctrl_c() => info!("SIGINT"),
             }
-            Err(e) => warn!(error = %e, "no Kubernetes API: the node condition is not written"),
         }
     }
-    let (stop_tx, stop) = watch::channel(false);
-    let mut admin_tasks = Vec::new();
-    for (addr, audience) in admin_addrs(&cfg) {
-        let l = admin::bind(addr)
-            .await
-            .with_context(|| format!("binding the admin address {addr}"))?;
-        admin_tasks.push(tokio::spawn(admin::serve(
-            l,
-            report.clone(),
-            stop.clone(),
-            audience,
-        )));
-    }
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    loop {
-        tokio::select! {
-            _ = term.recv() => break,
-            _ = tokio::signal::ctrl_c() => break,
-            // Kept fresh, so /healthz does not take it for a stuck loop.
-            _ = tokio::time::sleep(std::time::Duration::from_secs(5)) => report.hold(condition.clone()),
-        }
-    }
-    let _ = stop_tx.send(true);
-    for t in admin_tasks {
-        let _ = t.await;
+    tasks.stop_listening(&stops).await;
+    match node.uninstall().state() {
+        Uninstall::No => info!("agent stopped; capture stays in place (pins kept)"),
+        u => info!(uninstall = %u, "agent stopped"),
     }
     Ok(())
 }
 
-async fn serve(cfg: Config) -> anyhow::Result<()> {
-    let node = match &cfg.node_netns {
-        Some(path) => Some(
-            crate::podnet::hostside::Node::open(path)
-                .with_context(|| format!("--node-netns {}", path.display()))?,
-        ),
-        None => None,
-    };
-    let mut dp = match Dataplane::load_adopt_or_upgrade(cfg.pins.clone(), node.as_ref()) {
-        Ok(dp) => dp,
-        Err(crate::dataplane::loader::LoadError::Incompatible(why)) => {
-            return hold_incompatible(cfg, why).await
-        }
-        Err(e) => return Err(e).context("loading the dataplane"),
-    };
-    match dp.adoption() {
-        crate::dataplane::loader::Adoption::Kept(_) => {
-            warn!(dataplane = %dp.adoption(), "dataplane")
-        }
+/// The node's netns (`--node-netns`), for host-originated probes.
+fn open_node_netns(cfg: &Config) -> anyhow::Result<Option<hostside::Node>> {
+    cfg.node_netns
+        .as_ref()
+        .map(|path| {
+            hostside::Node::open(path).with_context(|| format!("--node-netns {}", path.display()))
+        })
+        .transpose()
+}
+
+/// Sets the loaded dataplane up for this node: its netns, then the DNS
+/// capture default and the tc attach mode, before any pod is verified or
+/// enrolled (pods enrolled under another default follow this one).
+fn set_up_dataplane(dp: &mut Dataplane, node_netns: Option<hostside::Node>, cfg: &Config) {
+    match &dp.adoption() {
+        Adoption::Kept(_) => warn!(dataplane = %dp.adoption(), "dataplane"),
         a => info!(dataplane = %a, "dataplane"),
     }
-    if let Some(node) = node {
+    if let Some(node) = node_netns {
         if let Some(why) = dp.set_node(node).err() {
             warn!(error = %why, "host-originated probes stay captured");
         }
     }
     info!(probes = %dp.probes(), "kubelet probes");
-    // Before any pod is verified or enrolled: pods enrolled under another
-    // default follow this one.
     match dp.set_dns_capture(cfg.dns_capture) {
         Ok(changed) => info!(
             default = cfg.dns_capture,
@@ -277,27 +151,30 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     } else {
         info!(tc_attach = tc_attach.as_str(), "tc programs attach");
     }
-    let hub = Arc::new(Hub::default());
-    let kube = match &cfg.node_name {
-        Some(node) => Some(kube::KubeCtx {
-            client: checked_client(node).await?,
-            node: node.clone(),
-            // Beside the control socket: host tmpfs, survives agent restarts.
-            cni_records: cfg.control_socket.parent().map(|d| d.join("cni-pods")),
-            excluded: cfg.excluded.clone(),
-            selection_file: Some(crate::cni::snapshot::path_for(&cfg.control_socket)),
-        }),
-        None => None,
+}
+
+/// The Kubernetes side, when the agent runs on a node (`--node-name`).
+async fn cluster_context(cfg: &Config) -> anyhow::Result<Option<KubeCtx>> {
+    let Some(node) = &cfg.node_name else {
+        return Ok(None);
     };
-    let api = kube.as_ref().map(|k| report::NodeApi {
-        client: k.client.clone(),
-        node: k.node.clone(),
-    });
+    Ok(Some(KubeCtx {
+        client: cluster::checked_client(node).await?,
+        node: node.clone(),
+        // Beside the control socket: host tmpfs, survives agent restarts.
+        cni_records: cfg.control_socket.parent().map(|d| d.join("cni-pods")),
+        excluded: cfg.excluded.clone(),
+        selection_file: Some(crate::cni::snapshot::path_for(&cfg.control_socket)),
+    }))
+}
+
+/// The node's roles over the dataplane, with the build in the metrics.
+fn build_node(cfg: &Config, dp: Dataplane, kube: Option<KubeCtx>) -> Arc<NodeAgent> {
     let stamp = crate::dataplane::stamp::read(&dp.pins().maps())
         .map_or_else(|| "none".into(), |s| s.to_string());
-    let node = node::Node::new(
+    let node = NodeAgent::new(
         dp,
-        hub.clone(),
+        Arc::new(Hub::default()),
         kube,
         &cfg.report.condition_type,
         cfg.served.clone(),
@@ -306,164 +183,218 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     node.report()
         .metrics
         .set_build_info(&crate::dataplane::features::describe(), &stamp);
-    // Before anything is served: every pod left by an earlier agent is
-    // completely captured, or its teardown finished (crash safety).
-    {
-        let node = node.clone();
-        tokio::task::spawn_blocking(move || node.verify_all(true))
-            .await
-            .context("verifying the pods' capture")?;
-    }
-    let mut admin = Vec::new();
-    for (addr, audience) in admin_addrs(&cfg) {
-        let l = admin::bind(addr)
-            .await
-            .with_context(|| format!("binding the admin address {addr}"))?;
-        admin.push((l, audience));
-    }
-    let zds = server::bind(&cfg.zds_socket)
-        .with_context(|| format!("binding the ZDS socket {}", cfg.zds_socket.display()))?;
-    let control = control_socket::bind(&cfg.control_socket).with_context(|| {
-        format!(
-            "binding the control socket {}",
-            cfg.control_socket.display()
-        )
-    })?;
-    let (stop_tx, stop) = watch::channel(false);
-    // The report stops first, on its own signal: the node is marked not
-    // ready while everything else still serves.
-    let (report_stop_tx, report_stop) = watch::channel(false);
-    // The control and admin listeners stop last: they answer during an
-    // uninstall and after it.
-    let (listen_stop_tx, listen_stop) = watch::channel(false);
-    let kube_client = node.kube_client();
-    // An agent started after the uninstall mark (a restart midway) finishes it.
-    if let (Some(c), Some(ds)) = (&kube_client, &cfg.daemonset) {
-        if let Some(r) = uninstall_reason(c, ds).await {
-            node.request_uninstall(r);
+    node
+}
+
+/// Before anything is served: every pod left by an earlier agent is
+/// completely captured, or its teardown finished (crash safety).
+async fn verify_pods_left(node: &NodeAgent) -> anyhow::Result<()> {
+    let repair = node.repair().clone();
+    tokio::task::spawn_blocking(move || repair.verify_all(true))
+        .await
+        .context("verifying the pods' capture")
+}
+
+/// Runs until SIGTERM or SIGINT (true) or until an uninstall is asked
+/// (false).
+async fn until_stopped(
+    cfg: &Config,
+    node: &NodeAgent,
+    client: Option<&kube::Client>,
+    term: &mut Signal,
+) -> bool {
+    let mut asked = node.uninstall().watch();
+    let signalled = tokio::select! {
+        _ = term.recv() => { info!("SIGTERM"); true }
+        _ = tokio::signal::ctrl_c() => { info!("SIGINT"); true }
+        _ = asked.wait_for(|u| *u != Uninstall::No) => false,
+    };
+    // Stopped without being asked: an uninstall if the DaemonSet is going
+    // (`kubectl delete daemonset`), else a restart or an upgrade.
+    if signalled && node.uninstall().state() == Uninstall::No {
+        if let (Some(c), Some(ds)) = (client, &cfg.daemonset) {
+            daemonset::check(c, ds, node.uninstall()).await;
         }
     }
-    let uninstalling = node.uninstall_state() != node::Uninstall::No;
+    signalled
+}
 
-    let zds_task = tokio::spawn(server::serve(
-        zds,
-        cfg.zds_socket.clone(),
-        hub,
-        node.clone() as Arc<dyn server::Handler>,
-        stop.clone(),
-    ));
-    let control_task = tokio::spawn(control_socket::serve(
-        control,
-        cfg.control_socket.clone(),
-        cfg.pins.root().to_owned(),
-        node.clone(),
-        listen_stop.clone(),
-    ));
-    let reconcile_task = tokio::spawn(node.clone().reconcile(stop.clone()));
-    let announce_task = tokio::spawn(node.clone().announcer(stop.clone()));
-    let served_task = tokio::spawn(node.clone().check_served(stop.clone()));
-    let links_task = tokio::spawn(node.clone().watch_links(stop.clone()));
-    let report_task = tokio::spawn(report::run(
-        node.report().clone(),
-        node.clone(),
-        cfg.cni.clone(),
-        cfg.report.clone(),
-        api,
-        report_stop,
-    ));
-    let admin_tasks: Vec<_> = admin
-        .into_iter()
-        .map(|(l, audience)| {
+/// The listening sockets, bound before any task starts.
+struct Listeners {
+    admin: Vec<(tokio::net::TcpListener, admin::Audience)>,
+    zds: std::os::fd::OwnedFd,
+    control: std::os::unix::net::UnixListener,
+}
+
+impl Listeners {
+    async fn bind(cfg: &Config) -> anyhow::Result<Self> {
+        let mut admin = Vec::new();
+        for (addr, audience) in cfg.admin_addrs() {
+            let l = admin::bind(addr)
+                .await
+                .with_context(|| format!("binding the admin address {addr}"))?;
+            admin.push((l, audience));
+        }
+        let zds = server::bind(&cfg.zds_socket)
+            .with_context(|| format!("binding the ZDS socket {}", cfg.zds_socket.display()))?;
+        let control = control_socket::bind(&cfg.control_socket).with_context(|| {
+            format!(
+                "binding the control socket {}",
+                cfg.control_socket.display()
+            )
+        })?;
+        Ok(Self {
+            admin,
+            zds,
+            control,
+        })
+    }
+}
+
+/// The agent's tasks stop in three waves, each on its own signal.
+struct Stops {
+    /// The report stops first: the node is marked not ready while
+    /// everything else still serves.
+    report: watch::Sender<bool>,
+    /// Then everything that serves ztunnel and the pods.
+    serving: watch::Sender<bool>,
+    /// The control and admin listeners stop last: they answer during an
+    /// uninstall and after it.
+    listening: watch::Sender<bool>,
+}
+
+impl Default for Stops {
+    fn default() -> Self {
+        Self {
+            report: watch::Sender::new(false),
+            serving: watch::Sender::new(false),
+            listening: watch::Sender::new(false),
+        }
+    }
+}
+
+/// The agent's running tasks, by the wave that stops them (see [`Stops`]).
+struct Tasks {
+    report: JoinHandle<()>,
+    serving: Vec<JoinHandle<()>>,
+    listening: Vec<JoinHandle<()>>,
+}
+
+impl Tasks {
+    fn start(
+        cfg: &Config,
+        node: &Arc<NodeAgent>,
+        kube: Option<&KubeCtx>,
+        listeners: Listeners,
+        stops: &Stops,
+    ) -> Self {
+        let stop = stops.serving.subscribe();
+        let listen_stop = stops.listening.subscribe();
+        // As it stands before the control socket takes requests.
+        let uninstalling = node.uninstall().state() != Uninstall::No;
+        let zds = spawn(server::serve(
+            listeners.zds,
+            cfg.zds_socket.clone(),
+            node.hub(),
+            node.zds_handler(),
+            stop.clone(),
+        ));
+        let control = spawn(control_socket::serve(
+            listeners.control,
+            cfg.control_socket.clone(),
+            cfg.pins.root().to_owned(),
+            node.requests().clone(),
+            listen_stop.clone(),
+        ));
+        let mut serving = vec![
+            zds,
+            tokio::spawn(node.supervise(stop.clone())),
+            tokio::spawn(node.announce(stop.clone())),
+            tokio::spawn(node.check_served(stop.clone())),
+            tokio::spawn(node.watch_links(stop.clone())),
+        ];
+        let report = tokio::spawn(report::run(
+            node.report().clone(),
+            node.clone(),
+            cfg.cni.clone(),
+            cfg.report.clone(),
+            kube.map(|k| report::NodeApi {
+                client: k.client.clone(),
+                node: k.node.clone(),
+            }),
+            stops.report.subscribe(),
+        ));
+        let mut listening = vec![control];
+        listening.extend(listeners.admin.into_iter().map(|(l, audience)| {
             tokio::spawn(admin::serve(
                 l,
                 node.report().clone(),
                 listen_stop.clone(),
                 audience,
             ))
-        })
-        .collect();
-    let api_task = tokio::spawn(node.clone().reconcile_with_api(stop.clone()));
-    // Removing the plugin is not part of stopping: pods must keep going
-    // through it while the agent restarts (see `sluice uninstall-cni`).
-    let cni_task = cfg
-        .cni
-        .clone()
-        .filter(|_| !uninstalling)
-        .map(|c| tokio::spawn(c.keep_installed(stop.clone())));
-    let ds_task = match (&kube_client, &cfg.daemonset) {
-        (Some(c), Some(ds)) if !uninstalling => Some(tokio::spawn(watch_daemonset(
-            c.clone(),
-            ds.clone(),
-            node.clone(),
-            stop.clone(),
-        ))),
-        _ => None,
-    };
-    info!(pods = node.pod_count(), "sluice agent running");
+        }));
+        serving.extend(in_step_with_cluster(cfg, node, kube, uninstalling, stop));
+        Self {
+            report,
+            serving,
+            listening,
+        }
+    }
 
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    let mut asked = node.watch_uninstall();
-    let signalled = tokio::select! {
-        _ = term.recv() => { info!("SIGTERM"); true }
-        _ = tokio::signal::ctrl_c() => { info!("SIGINT"); true }
-        _ = asked.wait_for(|u| *u != node::Uninstall::No) => false,
-    };
-    // Stopped without being asked: an uninstall if the DaemonSet is going
-    // (`kubectl delete daemonset`), else a restart or an upgrade.
-    if signalled && node.uninstall_state() == node::Uninstall::No {
-        if let (Some(c), Some(ds)) = (&kube_client, &cfg.daemonset) {
-            if let Some(r) = uninstall_reason(c, ds).await {
-                node.request_uninstall(r);
-            }
+    /// Stops the report (the node marked not ready), then everything that
+    /// serves ztunnel and the pods.
+    async fn stop_serving(&mut self, stops: &Stops) {
+        let _ = stops.report.send(true);
+        let _ = (&mut self.report).await;
+        let _ = stops.serving.send(true);
+        for t in self.serving.drain(..) {
+            let _ = t.await;
         }
     }
-    let _ = report_stop_tx.send(true);
-    let _ = report_task.await;
-    let _ = stop_tx.send(true);
-    let _ = zds_task.await;
-    let _ = reconcile_task.await;
-    let _ = announce_task.await;
-    let _ = served_task.await;
-    let _ = links_task.await;
-    let _ = api_task.await;
-    if let Some(t) = cni_task {
-        let _ = t.await;
-    }
-    if let Some(t) = ds_task {
-        let _ = t.await;
-    }
-    if let node::Uninstall::Started(r) = node.uninstall_state() {
-        node.uninstall_node(cfg.cni.as_ref(), r).await;
-        if !signalled {
-            // Exiting would only have the DaemonSet start the agent again.
-            info!("sluice removed from this node; waiting to be stopped");
-            tokio::select! {
-                _ = term.recv() => info!("SIGTERM"),
-                _ = tokio::signal::ctrl_c() => info!("SIGINT"),
-            }
+
+    /// Stops the control and admin listeners.
+    async fn stop_listening(self, stops: &Stops) {
+        let _ = stops.listening.send(true);
+        for t in self.listening {
+            let _ = t.await;
         }
     }
-    let _ = listen_stop_tx.send(true);
-    let _ = control_task.await;
-    for t in admin_tasks {
-        let _ = t.await;
-    }
-    match node.uninstall_state() {
-        node::Uninstall::No => info!("agent stopped; capture stays in place (pins kept)"),
-        u => info!(uninstall = %u, "agent stopped"),
-    }
-    Ok(())
 }
 
-/// The admin listeners to bind: the health one (node only) and the scrape
-/// one (bounded per peer); the same address for both binds it once.
-fn admin_addrs(cfg: &Config) -> Vec<(SocketAddr, admin::Audience)> {
-    let mut out = Vec::new();
-    if let Some(h) = cfg.health_addr {
-        out.push((h, admin::Audience::Node));
+/// The tasks that keep the node in step with its cluster: the relist, the
+/// CNI config, the DaemonSet's uninstall mark (the last two not when
+/// `uninstalling`).
+fn in_step_with_cluster(
+    cfg: &Config,
+    node: &NodeAgent,
+    kube: Option<&KubeCtx>,
+    uninstalling: bool,
+    stop: watch::Receiver<bool>,
+) -> Vec<JoinHandle<()>> {
+    let mut tasks = vec![tokio::spawn(node.relist_with_api(stop.clone()))];
+    // Removing the plugin is not part of stopping: pods must keep going
+    // through it while the agent restarts (see `sluice uninstall-cni`).
+    if let Some(c) = cfg.cni.clone().filter(|_| !uninstalling) {
+        tasks.push(tokio::spawn(c.keep_installed(stop.clone())));
     }
-    if let Some(m) = cfg.metrics_addr.filter(|m| Some(*m) != cfg.health_addr) {
-        out.push((m, admin::Audience::Scrapers));
+    if let (Some(k), Some(ds)) = (kube, &cfg.daemonset) {
+        if !uninstalling {
+            tasks.push(tokio::spawn(daemonset::watch_for_mark(
+                k.client.clone(),
+                ds.clone(),
+                node.uninstall().clone(),
+                stop,
+            )));
+        }
     }
-    out
+    tasks
+}
+
+/// Spawns a task whose result nobody reads.
+fn spawn<T: Send + 'static>(
+    task: impl std::future::Future<Output = T> + Send + 'static,
+) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let _ = task.await;
+    })
 }

@@ -68,7 +68,7 @@ impl Report {
     }
 
     /// Sets the condition from outside the readiness loop (an agent that
-    /// cannot run one: see `agent::hold_incompatible`).
+    /// cannot run one: see `agent::incompatible`).
     pub fn hold(&self, c: Condition) {
         self.set(c);
     }
@@ -115,7 +115,7 @@ pub struct NodeApi {
     pub node: String,
 }
 
-/// What the report reads from the node each pass (the agent's `Node`; a
+/// What the report reads from the node each pass (the agent's `NodeAgent`; a
 /// trait so this module does not depend on it).
 pub trait Inputs: Send + Sync + 'static {
     /// The node condition's inputs (blocking: it walks the pinned maps).

@@ -1,9 +1,47 @@
-//! Telling Kubernetes: one queue writes each pod's annotation and readiness
-//! gate from the map's current state.
+//! Telling Kubernetes about pods: one queue writes each pod's annotation and
+//! readiness gate from the map's current state, and Events go on the pods.
+//! Without the API (no `--node-name`) nothing is queued or sent.
 
-use super::*;
+use std::{
+    collections::BTreeSet,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
 
-impl Node {
+use tokio::sync::{watch, Notify};
+use tracing::warn;
+
+use super::{book::PodBook, pods::PodTable};
+use crate::{
+    agent::cluster::KubeCtx,
+    kube::events::{Events, PodRef, Reason},
+};
+
+pub(super) struct Announcer {
+    kube: Option<KubeCtx>,
+    /// Kubernetes Events on pods (with the API only).
+    events: Option<Events>,
+    /// Who a pod is, for its Events.
+    pods: Arc<PodTable>,
+    /// Pods (namespace, name) whose annotation and gate need writing.
+    queue: Mutex<BTreeSet<(String, String)>>,
+    wake: Notify,
+}
+
+impl Announcer {
+    pub(super) fn new(kube: Option<KubeCtx>, pods: Arc<PodTable>) -> Self {
+        let events = kube
+            .as_ref()
+            .map(|k| Events::start(k.client.clone(), &k.node));
+        Self {
+            kube,
+            events,
+            pods,
+            queue: Mutex::default(),
+            wake: Notify::new(),
+        }
+    }
+
     /// Queues pod `namespace/name` for the announcer, which writes whatever
     /// state the map has for it when its turn comes: writes for one pod can
     /// neither overtake each other nor leave an old state behind.
@@ -11,58 +49,45 @@ impl Node {
         if self.kube.is_none() {
             return;
         }
-        self.announcements
+        self.queue
             .lock()
             .unwrap()
             .insert((namespace.to_owned(), name.to_owned()));
-        self.announce_wake.notify_one();
+        self.wake.notify_one();
     }
 
-    /// The state the map has for the pod named `namespace/name`, and
-    /// whether its capture is complete (as the last repair found it).
-    pub(super) fn state_by_name(
-        &self,
-        namespace: &str,
-        name: &str,
-    ) -> (Option<PodState>, crate::kube::gate::Capture) {
-        let dp = self.dp.lock().unwrap();
-        let found = dp.maps().states().into_iter().find_map(|(cookie, e)| {
-            let m = dp.maps().meta(cookie)?;
-            (m.workload.namespace == namespace && m.workload.name == name)
-                .then(|| e.state().map(|s| (s, m.uid)))
-                .flatten()
-        });
-        match found {
-            Some((state, uid)) => (Some(state), self.capture_of(&uid)),
-            None => (None, Default::default()),
+    /// Publishes a Kubernetes Event on an enrolled pod (nothing without the
+    /// API, or for a pod the agent does not hold).
+    pub(super) fn pod_event(&self, uid: &str, reason: Reason, note: &str) {
+        if let Some(w) = self.pods.workload(uid) {
+            self.event(PodRef::new(&w, uid), reason, note);
         }
     }
 
-    /// Whether the pod of `uid` has every link its capture calls for.
-    pub(super) fn capture_of(&self, uid: &str) -> crate::kube::gate::Capture {
-        use crate::kube::gate::Capture;
-        if self.pods.is_incomplete(uid) {
-            Capture::Incomplete
-        } else {
-            Capture::Complete
+    /// Publishes a Kubernetes Event on `pod`, held or not (nothing without
+    /// the API).
+    pub(super) fn event(&self, pod: PodRef, reason: Reason, note: impl Into<String>) {
+        if let Some(events) = &self.events {
+            events.pod(pod, reason, note);
         }
     }
 
     /// Writes queued pods' annotation and readiness-gate condition, one pod
-    /// at a time; failures are retried after a second (not for gone pods).
-    pub async fn announcer(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+    /// at a time, as `book` has them; failures are retried after a second
+    /// (not for gone pods).
+    pub(super) async fn run(self: Arc<Self>, book: Arc<PodBook>, mut stop: watch::Receiver<bool>) {
         let Some(k) = self.kube.clone() else { return };
         loop {
             tokio::select! {
                 _ = stop.changed() => return,
-                _ = self.announce_wake.notified() => {}
+                _ = self.wake.notified() => {}
             }
-            let batch = std::mem::take(&mut *self.announcements.lock().unwrap());
+            let batch = std::mem::take(&mut *self.queue.lock().unwrap());
             for (ns, name) in batch {
-                let this = self.clone();
+                let book = book.clone();
                 let (n, p) = (ns.clone(), name.clone());
                 let Ok((state, capture)) =
-                    tokio::task::spawn_blocking(move || this.state_by_name(&n, &p)).await
+                    tokio::task::spawn_blocking(move || book.state_by_name(&n, &p)).await
                 else {
                     continue;
                 };

@@ -2,39 +2,66 @@
 //! the app creates) are captured as soon as the kernel announces them, not
 //! at the next verification: one rtnetlink socket per held pod, opened in the
 //! pod's netns and subscribed to its link and address events. An event there
-//! runs that pod's repair ([`Node::verify_one`]), which is idempotent and
+//! runs that pod's repair (`Repairer::verify_one`), which is idempotent and
 //! attaches what the pod's interfaces now call for, when an interface lacks
 //! its links; otherwise it publishes the pod's addresses as they are now. A socket that overflowed (events
-//! lost) counts as an event. The verification every `RESYNC` stays behind
-//! it, for a pod whose netns could not be opened.
+//! lost) counts as an event. The verification every `VERIFY_EVERY` stays
+//! behind it, for a pod whose netns could not be opened.
 
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeSet, HashMap},
     os::fd::{AsRawFd, RawFd},
-    sync::atomic::{AtomicUsize, Ordering},
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    },
+    time::Duration,
 };
 
 use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr};
 use tokio::{
     io::{unix::AsyncFd, Interest},
-    sync::mpsc,
+    sync::{mpsc, watch},
     task::JoinHandle,
 };
+use tracing::warn;
 
-use super::*;
+use super::{book::PodBook, repair::Repairer};
 use crate::podnet::podlinks::LinkSpec;
 
 /// rtnetlink's multicast groups of link and address events
 /// (`RTMGRP_LINK | RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR`).
 const RTMGRP_LINK_AND_ADDRS: u32 = 0x1 | 0x10 | 0x100;
+/// How often pods held since the last look get their socket.
+const SUBSCRIBE_EVERY: Duration = Duration::from_millis(200);
 
-impl Node {
+pub(super) struct LinkWatch {
+    book: Arc<PodBook>,
+    repair: Arc<Repairer>,
+    /// Link-event sockets open: one per watched pod.
+    open: Arc<AtomicUsize>,
+}
+
+impl LinkWatch {
+    pub(super) fn new(book: Arc<PodBook>, repair: Arc<Repairer>) -> Self {
+        Self {
+            book,
+            repair,
+            open: Arc::default(),
+        }
+    }
+
+    /// How many link-event sockets are open (`sluice status`).
+    pub(super) fn sockets(&self) -> usize {
+        self.open.load(Ordering::Relaxed)
+    }
+
     /// Keeps a link-event socket for every held pod with an open netns and
     /// repairs the pods whose links changed, until `stop`.
-    pub async fn watch_links(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+    pub(super) async fn run(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
         let (tx, mut rx) = mpsc::unbounded_channel::<u64>();
         let mut watched: HashMap<u64, JoinHandle<()>> = HashMap::new();
-        let mut tick = tokio::time::interval(CHECK_EVERY);
+        let mut tick = tokio::time::interval(SUBSCRIBE_EVERY);
         loop {
             tokio::select! {
                 _ = stop.changed() => break,
@@ -56,7 +83,7 @@ impl Node {
                     let _ = tokio::task::spawn_blocking(move || {
                         for cookie in due {
                             if this.has_unlinked_interface(cookie) {
-                                this.verify_one(cookie);
+                                this.repair.verify_one(cookie);
                             } else {
                                 this.publish_addrs_of(cookie);
                             }
@@ -76,7 +103,7 @@ impl Node {
     /// its capture link (one added between its enrollment and now).
     /// Blocking: enters each netns on a thread of its own.
     fn subscribe_new(&self, have: &BTreeSet<u64>) -> Subscriptions {
-        let open = self.pods.open_netns();
+        let open = self.book.pods().open_netns();
         let mut out = Subscriptions {
             gone: have
                 .iter()
@@ -89,9 +116,9 @@ impl Node {
             if have.contains(&cookie) {
                 continue;
             }
-            let dir = self.dp.lock().unwrap().pins().pod(cookie);
+            let dir = self.book.dataplane().pins().pod(cookie);
             let opened = netns.run(|| -> std::io::Result<(Watch, bool)> {
-                let sock = Watch::open(&self.link_watches)?;
+                let sock = Watch::open(&self.open)?;
                 // After subscribing: nothing added from here on is missed.
                 Ok((sock, unlinked_here(&dir)?))
             });
@@ -113,10 +140,10 @@ impl Node {
     /// published as they are now ([`Self::publish_addrs_of`]). An error
     /// says yes: the repair reports it.
     fn has_unlinked_interface(&self, cookie: u64) -> bool {
-        let Some(netns) = self.pods.netns(cookie) else {
+        let Some(netns) = self.book.pods().netns(cookie) else {
             return false;
         };
-        let dir = self.dp.lock().unwrap().pins().pod(cookie);
+        let dir = self.book.dataplane().pins().pod(cookie);
         !matches!(netns.run(|| unlinked_here(&dir)), Ok(Ok(false)))
     }
 
@@ -126,10 +153,10 @@ impl Node {
     /// its SYNs are dropped until then, row X5; the ingress program tells
     /// inbound SYNs to it by it on every kernel). Blocking.
     fn publish_addrs_of(&self, cookie: u64) {
-        let Some(netns) = self.pods.netns(cookie) else {
+        let Some(netns) = self.book.pods().netns(cookie) else {
             return;
         };
-        let mut guard = self.dp.lock().unwrap();
+        let mut guard = self.book.dataplane();
         if guard.maps().entry(cookie).is_none() {
             return;
         }

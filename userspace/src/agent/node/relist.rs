@@ -1,24 +1,95 @@
 //! Reconciling with the API: capture ambient pods the CNI plugin did not
-//! see, release pods that are gone or no longer ambient.
+//! see, release pods that are gone or no longer ambient, rewrite annotations
+//! and gates that disagree with the map, and keep what was left out (and
+//! why) for `sluice status`.
 
-use super::*;
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
 use k8s_openapi::api::core::v1::Pod;
+use sluice_common::PodState;
+use tokio::sync::watch;
+use tracing::{info, info_span, warn, Instrument as _};
 
-use crate::kube::events::{PodRef, Reason};
+use super::{announce::Announcer, book::PodBook, enroller::Enroller};
+use crate::{
+    agent::cluster::{out_of_step, KubeCtx, NamespaceLabels},
+    control::SkippedPod,
+    dataplane::state::{boottime_ns, PodRecord},
+    kube::{
+        events::{PodRef, Reason},
+        reconcile::{plan, Action, Enrolled},
+    },
+    metrics::{Metrics, ReconcileError},
+    options::{OptionsError, PodOptions},
+    uid::PodUid,
+    workload::Workload,
+};
 
-impl Node {
+/// How often the agent relists this node's pods from the API even when the
+/// watch reports nothing.
+const RESYNC: Duration = Duration::from_secs(60);
+/// Pods captured this recently are never released by a relist.
+const RECENT: Duration = Duration::from_secs(30);
+
+pub struct Relist {
+    /// `None`: no API, nothing to reconcile with.
+    kube: Option<KubeCtx>,
+    book: Arc<PodBook>,
+    enroller: Arc<Enroller>,
+    announcer: Arc<Announcer>,
+    metrics: Arc<Metrics>,
+    /// This node's pods the last reconcile left uncaptured, with why.
+    skipped: Mutex<Vec<SkippedPod>>,
+}
+
+/// An ambient pod the plan captures.
+struct ToCapture {
+    uid: String,
+    name: String,
+    namespace: String,
+    service_account: String,
+    options: Result<PodOptions, OptionsError>,
+}
+
+impl Relist {
+    pub(super) fn new(
+        kube: Option<KubeCtx>,
+        book: Arc<PodBook>,
+        enroller: Arc<Enroller>,
+        announcer: Arc<Announcer>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Self {
+            kube,
+            book,
+            enroller,
+            announcer,
+            metrics,
+            skipped: Mutex::default(),
+        }
+    }
+
+    /// This node's pods the last reconcile left uncaptured, with why.
+    pub(super) fn skipped(&self) -> Vec<SkippedPod> {
+        self.skipped.lock().unwrap().clone()
+    }
+
     /// Keeps the enrolled pods equal to the ambient pods of this node (pods
     /// that became ambient after they started, pods that existed before the
     /// agent, pods gone while it was away): a pass at start, on every pod or
     /// namespace change the watch reports, and every `RESYNC`.
-    pub async fn reconcile_with_api(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+    pub(super) async fn run(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
         let Some(k) = self.kube.clone() else { return };
         // Watch events wake the loop at once; the timer is a safety net
         // (a pod whose capture failed is tried again).
         let (tx, mut changes) = tokio::sync::mpsc::channel(1);
-        let me = self.clone();
+        let metrics = self.metrics.clone();
         let (view, drive) = k.reflect(tx, move |e| {
-            me.metrics().reconcile_error(ReconcileError::Api);
+            metrics.reconcile_error(ReconcileError::Api);
             warn!(error = %e, "watching the API failed; retrying with backoff");
         });
         let watching = tokio::spawn(drive);
@@ -46,7 +117,7 @@ impl Node {
 
     /// One pass from a fresh LIST of the API (at start and in tests; the
     /// loop above reads the reflectors' stores).
-    pub async fn reconcile_once(self: &Arc<Self>, min_age: Duration) -> anyhow::Result<()> {
+    pub async fn reconcile_once(&self, min_age: Duration) -> anyhow::Result<()> {
         let Some(k) = self.kube.clone() else {
             return Ok(());
         };
@@ -58,9 +129,9 @@ impl Node {
     /// less than `min_age` ago are not removed (the API may not show a pod
     /// its CNI ADD just captured).
     async fn reconcile_from(
-        self: &Arc<Self>,
+        &self,
         pods: &[Arc<Pod>],
-        namespaces: &crate::agent::kube::NamespaceLabels,
+        namespaces: &NamespaceLabels,
         min_age: Duration,
     ) -> anyhow::Result<()> {
         let Some(k) = self.kube.clone() else {
@@ -69,11 +140,51 @@ impl Node {
         k.write_selection(namespaces);
         k.prune_records(&pods.iter().filter_map(|p| p.metadata.uid.clone()).collect());
         let now = boottime_ns();
-        let this = self.clone();
-        let records =
-            tokio::task::spawn_blocking(move || this.dp.lock().unwrap().maps().pods()).await?;
-        // Annotations and gates that disagree with the map (a lost write,
-        // someone else's edit) are written again.
+        let book = self.book.clone();
+        let records = tokio::task::spawn_blocking(move || book.dataplane().maps().pods()).await?;
+        self.announce_out_of_step(pods, &records);
+        let enrolled: Vec<Enrolled> = records
+            .iter()
+            .map(|r| Enrolled { uid: r.uid.clone() })
+            .collect();
+        *self.skipped.lock().unwrap() =
+            crate::kube::reconcile::skipped(pods, namespaces, &k.node, &k.excluded);
+        for action in plan(pods, namespaces, &k.node, &k.excluded, &enrolled) {
+            match action {
+                Action::Enroll {
+                    uid,
+                    name,
+                    namespace,
+                    service_account,
+                    options,
+                } => {
+                    let span = info_span!("pod", %uid, pod = %format!("{namespace}/{name}"));
+                    let pod = ToCapture {
+                        uid,
+                        name,
+                        namespace,
+                        service_account,
+                        options,
+                    };
+                    self.capture(&k, pod).instrument(span).await
+                }
+                Action::Unenroll { uid, reason } => {
+                    let young = records.iter().any(|r| {
+                        r.uid == uid
+                            && now.saturating_sub(r.enrolled_at_ns) < min_age.as_nanos() as u64
+                    });
+                    if !young {
+                        self.release(&uid, &reason, &records).await;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Annotations and gates that disagree with the map (a lost write,
+    /// someone else's edit) are written again.
+    fn announce_out_of_step(&self, pods: &[Arc<Pod>], records: &[PodRecord]) {
         let by_name: HashMap<(&str, &str), (PodState, &str)> = records
             .iter()
             .filter_map(|r| {
@@ -91,100 +202,82 @@ impl Node {
             };
             let found = by_name.get(&(ns.as_str(), name.as_str())).copied();
             let state = found.map(|(s, _)| s);
-            let capture = found.map_or(Default::default(), |(_, uid)| self.capture_of(uid));
-            if crate::agent::kube::out_of_step(pod, state, capture) {
-                self.announce_pod(ns, name);
+            let capture = found.map_or(Default::default(), |(_, uid)| self.book.capture_of(uid));
+            if out_of_step(pod, state, capture) {
+                self.announcer.announce_pod(ns, name);
             }
         }
-        let enrolled: Vec<Enrolled> = records
+    }
+
+    /// Captures a running ambient pod the CNI plugin did not (its netns as
+    /// the plugin recorded it, or found from its processes).
+    async fn capture(&self, k: &KubeCtx, pod: ToCapture) {
+        let ToCapture {
+            uid,
+            name,
+            namespace,
+            service_account,
+            options,
+        } = pod;
+        let pod = PodRef {
+            namespace: namespace.clone(),
+            name: name.clone(),
+            uid: uid.clone(),
+        };
+        let event = |reason, note: String| self.announcer.event(pod.clone(), reason, note);
+        let found = PodUid::new(&uid)
+            .ok()
+            .and_then(|u| k.recorded_netns(&u))
+            .or_else(|| crate::podnet::podns::find(&uid));
+        let Some(netns) = found else {
+            self.metrics.reconcile_error(ReconcileError::NoProcess);
+            warn!("ambient pod without capture, but none of its processes runs here yet");
+            return;
+        };
+        info!(netns = %netns.display(), "capturing a running ambient pod");
+        let options = match options {
+            Ok(o) => o,
+            Err(e) => {
+                warn!(error = %e, "not capturing: bad pod annotation");
+                self.metrics.reconcile_error(ReconcileError::BadAnnotation);
+                return event(Reason::InvalidAnnotation, format!("not captured: {e}"));
+            }
+        };
+        let w = match Workload::new(&name, &namespace, &service_account) {
+            Ok(w) => w,
+            Err(e) => return warn!(error = %e, "bad workload identity"),
+        };
+        match self.enroller.enroll(netns, &uid, w, options).await {
+            Ok(_) => self.metrics.captured_after_start(),
+            Err(e) => {
+                let e = crate::one_line(&e);
+                warn!(error = %e, "enrolling failed; will retry");
+                self.metrics.reconcile_error(ReconcileError::Enroll);
+                event(
+                    Reason::CaptureFailed,
+                    format!("capturing the running pod failed (retried): {e}"),
+                );
+            }
+        }
+    }
+
+    /// Releases a pod that is gone or no longer ambient.
+    async fn release(&self, uid: &str, reason: &str, records: &[PodRecord]) {
+        info!(%uid, %reason, "releasing pod");
+        let who = records
             .iter()
-            .map(|r| Enrolled { uid: r.uid.clone() })
-            .collect();
-        *self.skipped.lock().unwrap() =
-            crate::kube::reconcile::skipped(pods, namespaces, &k.node, &k.excluded);
-        for action in plan(pods, namespaces, &k.node, &k.excluded, &enrolled) {
-            match action {
-                Action::Enroll {
-                    uid,
-                    name,
-                    namespace,
-                    service_account,
-                    options,
-                } => {
-                    let span = info_span!("pod", %uid, pod = %format!("{namespace}/{name}"));
-                    let pod = PodRef {
-                        namespace: namespace.clone(),
-                        name: name.clone(),
-                        uid: uid.clone(),
-                    };
-                    let event = |reason, note: String| {
-                        if let Some(e) = &self.events {
-                            e.pod(pod.clone(), reason, note);
-                        }
-                    };
-                    async {
-                        let found = PodUid::new(&uid)
-                            .ok()
-                            .and_then(|u| k.recorded_netns(&u))
-                            .or_else(|| crate::podnet::podns::find(&uid));
-                        let Some(netns) = found else {
-                            self.metrics().reconcile_error(ReconcileError::NoProcess);
-                            warn!("ambient pod without capture, but none of its processes runs here yet");
-                            return;
-                        };
-                        info!(netns = %netns.display(), "capturing a running ambient pod");
-                        let options = match options {
-                            Ok(o) => o,
-                            Err(e) => {
-                                warn!(error = %e, "not capturing: bad pod annotation");
-                                self.metrics().reconcile_error(ReconcileError::BadAnnotation);
-                                return event(Reason::InvalidAnnotation, format!("not captured: {e}"));
-                            }
-                        };
-                        let w = match Workload::new(&name, &namespace, &service_account) {
-                            Ok(w) => w,
-                            Err(e) => return warn!(error = %e, "bad workload identity"),
-                        };
-                        match self.enroll(netns, &uid, w, options).await {
-                            Ok(_) => self.metrics().captured_after_start(),
-                            Err(e) => {
-                                let e = crate::one_line(&e);
-                                warn!(error = %e, "enrolling failed; will retry");
-                                self.metrics().reconcile_error(ReconcileError::Enroll);
-                                event(Reason::CaptureFailed, format!("capturing the running pod failed (retried): {e}"));
-                            }
-                        }
-                    }
-                    .instrument(span)
-                    .await
-                }
-                Action::Unenroll { uid, reason } => {
-                    let young = records.iter().any(|r| {
-                        r.uid == uid
-                            && now.saturating_sub(r.enrolled_at_ns) < min_age.as_nanos() as u64
-                    });
-                    if young {
-                        continue;
-                    }
-                    info!(%uid, %reason, "releasing pod");
-                    let who = records
-                        .iter()
-                        .find(|r| r.uid == uid)
-                        .and_then(|r| r.workload.as_ref());
-                    if let (Some(events), Some(w)) = (&self.events, who) {
-                        events.pod(
-                            PodRef::new(w, &uid),
-                            Reason::CaptureReleased,
-                            format!("capture removed: {reason}"),
-                        );
-                    }
-                    if let Err(e) = self.unenroll(&uid).await {
-                        self.metrics().reconcile_error(ReconcileError::Unenroll);
-                        warn!(%uid, error = %crate::one_line(&e), "unenrolling failed; will retry");
-                    }
-                }
-            }
+            .find(|r| r.uid == uid)
+            .and_then(|r| r.workload.as_ref());
+        if let Some(w) = who {
+            self.announcer.event(
+                PodRef::new(w, uid),
+                Reason::CaptureReleased,
+                format!("capture removed: {reason}"),
+            );
         }
-        Ok(())
+        if let Err(e) = self.enroller.unenroll(uid).await {
+            self.metrics.reconcile_error(ReconcileError::Unenroll);
+            warn!(%uid, error = %crate::one_line(&e), "unenrolling failed; will retry");
+        }
     }
 }

@@ -1,68 +1,53 @@
-//! Listener supervision and retries: Enabled pods whose listeners are gone
-//! go back to Pending; Pending pods are offered to ztunnel again, with
-//! backoff; listeners whose ztunnel let go of them are released.
+//! Supervision and retries: Enabled pods whose listeners are gone go back to
+//! Pending; Pending pods are offered to ztunnel again, with backoff; listeners
+//! whose ztunnel let go of them are released; every pod's capture is verified
+//! every `VERIFY_EVERY`.
 
-use super::*;
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
-impl Node {
-    /// Withdraws held listeners whose ztunnel let go of them (out of the
-    /// socket map, so the pod fails closed; still held for the connections
-    /// queued on them), except for pods with an add in flight (a newer
-    /// ztunnel's listeners replace them first); closes those withdrawn longer
-    /// than `--orphan-grace`.
-    pub(super) fn release_orphans(&self, only: Option<&str>) {
-        let withdrawn = self
-            .custody
-            .withdraw_orphans(only, |uid| self.pods.in_flight(uid));
-        if !withdrawn.is_empty() {
-            let mut dp = self.dp.lock().unwrap();
-            for (uid, role) in &withdrawn {
-                if let Some(cookie) = self.pods.cookie(uid) {
-                    dp.maps_mut().remove_listener(cookie, *role);
-                }
-            }
-            drop(dp);
-            info!(
-                listeners = withdrawn.len(),
-                "ztunnel let go of listeners: out of the socket map; connections queued on them wait for the next ztunnel"
-            );
-            self.wake.notify_one();
-        }
-        let n = self.custody.expire();
-        if n > 0 {
-            warn!(
-                listeners = n,
-                "no ztunnel took over within the orphan grace: closed, connections queued on them were reset"
-            );
-        }
-    }
+use sluice_common::PodState;
+use tokio::sync::watch;
+use tracing::{info, info_span, warn, Instrument as _};
 
-    /// Schedules a retry with exponential backoff.
-    pub(super) fn fail(&self, uid: &str, cause: Cause, why: &str) {
-        self.pods.apply(
-            uid,
-            Event::AddFailed {
-                cause,
-                why: why.to_owned(),
-            },
-        );
-    }
+use super::{
+    book::PodBook,
+    repair::{Repairer, VERIFY_EVERY},
+    ztunnels::Ztunnels,
+};
+use crate::{
+    dataplane::state::boottime_ns,
+    lifecycle::{Effect, Event},
+    workload::Workload,
+};
 
+/// How often Enabled pods are checked for their listeners, at most.
+const CHECK_EVERY: Duration = Duration::from_millis(200);
+
+pub(super) struct Supervisor {
+    pub(super) book: Arc<PodBook>,
+    pub(super) ztunnels: Arc<Ztunnels>,
+    pub(super) repair: Arc<Repairer>,
+}
+
+impl Supervisor {
     /// Keeps the map's states true: Enabled pods whose listeners are gone
     /// (ztunnel exited) go back to Pending; Pending pods are offered to the
     /// newest ztunnel again, with backoff.
-    pub async fn reconcile(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+    pub(super) async fn run(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
         let mut verified = Instant::now();
         loop {
             tokio::select! {
                 _ = stop.changed() => return,
-                _ = self.wake.notified() => {},
+                _ = self.ztunnels.changed() => {},
                 _ = tokio::time::sleep(CHECK_EVERY) => {},
             }
-            if verified.elapsed() >= RESYNC {
+            if verified.elapsed() >= VERIFY_EVERY {
                 verified = Instant::now();
-                let this = self.clone();
-                let _ = tokio::task::spawn_blocking(move || this.verify_all(false)).await;
+                let repair = self.repair.clone();
+                let _ = tokio::task::spawn_blocking(move || repair.verify_all(false)).await;
             }
             // The map walk waits for the dataplane lock an enrollment may
             // hold for tens of milliseconds: never on an async worker.
@@ -70,16 +55,16 @@ impl Node {
             let Ok(due) = tokio::task::spawn_blocking(move || this.check()).await else {
                 continue;
             };
-            let Some(conn) = self.hub.newest() else {
+            let Some(conn) = self.ztunnels.hub().newest() else {
                 continue;
             };
             for (cookie, uid, w) in due {
-                let this = self.clone();
+                let ztunnels = self.ztunnels.clone();
                 let conn = conn.clone();
                 let span = info_span!("pod", %uid, pod = %format!("{}/{}", w.namespace, w.name));
                 tokio::spawn(
                     async move {
-                        if let Err(why) = this.add(&conn, cookie, &uid, &w).await {
+                        if let Err(why) = ztunnels.add(&conn, cookie, &uid, &w).await {
                             info!(%why, "pod stays Pending; will retry");
                         }
                     }
@@ -91,13 +76,14 @@ impl Node {
 
     /// One pass over the pods: demotes Enabled pods without listeners and
     /// returns the Pending pods due for another add.
-    pub(super) fn check(&self) -> Vec<(u64, String, Workload)> {
+    fn check(&self) -> Vec<(u64, String, Workload)> {
         // First let go of listeners ztunnel closed: their map entries go,
         // and the pass below sees those pods without listeners.
-        self.release_orphans(None);
+        self.ztunnels.release_orphans(None);
         let mut due = Vec::new();
-        let mut dp = self.dp.lock().unwrap();
-        let connected = self.hub.is_connected();
+        let pods = self.book.pods();
+        let mut dp = self.book.dataplane();
+        let connected = self.ztunnels.hub().is_connected();
         let complete = dp.maps().pods_with_every_listener();
         for (cookie, entry) in dp.maps().states() {
             let state = entry.state();
@@ -110,10 +96,10 @@ impl Node {
             let Some(meta) = dp.maps().meta(cookie) else {
                 continue;
             };
-            if !self.pods.contains(&meta.uid) {
+            if !pods.contains(&meta.uid) {
                 // Not opened at start (its netns was missing then): hold it
                 // now, opened by path when needed.
-                self.pods.insert(cookie, meta.clone(), None);
+                pods.insert(cookie, meta.clone(), None);
             }
             match state {
                 Some(PodState::Enabled | PodState::Served) if !complete.contains(&cookie) => {
@@ -124,8 +110,7 @@ impl Node {
                 }
                 Some(PodState::Pending)
                     if connected
-                        && self
-                            .pods
+                        && pods
                             .apply(&meta.uid, Event::RetryDue(Instant::now()))
                             .contains(&Effect::SendAdd) =>
                 {

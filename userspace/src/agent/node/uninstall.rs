@@ -7,9 +7,18 @@
 //! annotations. The agent then stays up, answering `uninstalled`, until it is
 //! stopped — exiting would only have the DaemonSet start it again.
 
-use crate::kube::uninstall::Reason;
+use std::sync::Arc;
 
-use super::*;
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+use super::book::PodBook;
+use crate::{
+    agent::{cluster::KubeCtx, custody::Custody, report::Report},
+    cni::install::CniInstall,
+    kube::uninstall::Reason,
+    podnet::enroll,
+};
 
 /// Where this node's uninstall stands.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -33,20 +42,39 @@ impl std::fmt::Display for Uninstall {
     }
 }
 
-impl Node {
-    /// The API client, when the agent runs in a cluster.
-    pub fn kube_client(&self) -> Option<kube::Client> {
-        self.kube.as_ref().map(|k| k.client.clone())
+/// Where this node's uninstall stands, and carrying it out.
+pub struct Uninstaller {
+    state: watch::Sender<Uninstall>,
+    kube: Option<KubeCtx>,
+    book: Arc<PodBook>,
+    custody: Arc<Custody>,
+    report: Arc<Report>,
+}
+
+impl Uninstaller {
+    pub(super) fn new(
+        kube: Option<KubeCtx>,
+        book: Arc<PodBook>,
+        custody: Arc<Custody>,
+        report: Arc<Report>,
+    ) -> Self {
+        Self {
+            state: watch::Sender::new(Uninstall::No),
+            kube,
+            book,
+            custody,
+            report,
+        }
     }
 
-    pub fn uninstall_state(&self) -> Uninstall {
-        self.uninstall.borrow().clone()
+    pub fn state(&self) -> Uninstall {
+        self.state.borrow().clone()
     }
 
     /// Asks for the uninstall (once; later asks change nothing). The agent's
     /// main loop carries it out.
-    pub fn request_uninstall(&self, reason: Reason) {
-        self.uninstall.send_if_modified(|u| {
+    pub fn request(&self, reason: Reason) {
+        self.state.send_if_modified(|u| {
             if *u == Uninstall::No {
                 *u = Uninstall::Started(reason);
                 true
@@ -57,16 +85,16 @@ impl Node {
     }
 
     /// A receiver that sees the uninstall being asked.
-    pub fn watch_uninstall(&self) -> watch::Receiver<Uninstall> {
-        self.uninstall.subscribe()
+    pub fn watch(&self) -> watch::Receiver<Uninstall> {
+        self.state.subscribe()
     }
 
     /// Carries the uninstall out, after the agent's tasks stopped (control
     /// and admin listeners aside). Each step runs whatever the previous one
     /// did; the first error is reported, the rest still runs.
-    pub async fn uninstall_node(self: &Arc<Self>, cni: Option<&CniInstall>, reason: Reason) {
-        self.request_uninstall(reason);
-        let reason = match self.uninstall_state() {
+    pub async fn run(&self, cni: Option<&CniInstall>, reason: Reason) {
+        self.request(reason);
+        let reason = match self.state() {
             Uninstall::Started(r) => r,
             _ => reason,
         };
@@ -77,10 +105,10 @@ impl Node {
                 Err(e) => errors.push(format!("removing sluice-cni: {e}")),
             }
         }
-        let this = self.clone();
+        let (book, custody) = (self.book.clone(), self.custody.clone());
         let kernel = tokio::task::spawn_blocking(move || {
-            let dp = this.dp.lock().unwrap();
-            this.custody.forget_all();
+            let dp = book.dataplane();
+            custody.forget_all();
             enroll::uninstall(dp.pins(), dp.node())
         })
         .await;
@@ -119,6 +147,6 @@ impl Node {
             warn!(%why, "uninstall incomplete; `sluice uninstall` on the node finishes it");
             Uninstall::Failed(reason, why)
         };
-        self.uninstall.send_replace(end);
+        self.state.send_replace(end);
     }
 }

@@ -39,6 +39,27 @@ pub struct KubeCtx {
     pub selection_file: Option<std::path::PathBuf>,
 }
 
+/// The API client, once `node` is known to name this host (refused when it
+/// names another; an API that cannot answer now is not waited for).
+pub async fn checked_client(node: &str) -> anyhow::Result<kube::Client> {
+    use anyhow::Context as _;
+    let client = kube::Client::try_default()
+        .await
+        .context("connecting to the Kubernetes API (in-cluster config or KUBECONFIG)")?;
+    let checked = tokio::time::timeout(
+        crate::kube::API_TIMEOUT,
+        crate::kube::node_identity::verify(client.clone(), node),
+    )
+    .await;
+    match checked {
+        Ok(Ok(Ok(()))) => {}
+        Ok(Ok(Err(wrong))) => return Err(wrong.into()),
+        Ok(Err(e)) => warn!(error = %e, "could not check --node-name against the Node: going on"),
+        Err(_) => warn!("checking --node-name against the Node timed out: going on"),
+    }
+    Ok(client)
+}
+
 /// What to do with a pod a CNI ADD names.
 pub enum Admission {
     Enroll {

@@ -11,13 +11,25 @@
 //! gets its acks counted as served, and `status` and the metrics say so; it
 //! keeps being asked, and its answer takes over as soon as it comes.
 
-use std::{collections::BTreeMap, net::IpAddr, sync::atomic::AtomicBool};
+use std::{
+    collections::BTreeMap,
+    net::IpAddr,
+    sync::{atomic::AtomicBool, Arc, Mutex},
+    time::{Duration, Instant},
+};
 
-use super::*;
+use sluice_common::PodState;
+use tokio::sync::{watch, Notify};
+use tracing::{info, info_span, warn};
+
+use super::book::PodBook;
 use crate::{
     control::ServedCheck as CheckView,
-    dataplane::state::addr_of,
+    dataplane::state::{addr_of, boottime_ns},
+    lifecycle::{Event, Ztunnel},
+    metrics::Metrics,
     served::{fetch, Known, Mode, Wanted},
+    zds::server::Hub,
 };
 
 /// First look after a pod starts waiting, doubled up to `WAIT_MAX`.
@@ -66,7 +78,7 @@ struct Heard {
     fallback: bool,
 }
 
-pub(super) struct Served {
+pub(super) struct ServedChecker {
     cfg: ServedConfig,
     /// This node's name, when the agent knows it (workloads on other nodes
     /// do not count).
@@ -76,16 +88,26 @@ pub(super) struct Served {
     recheck: AtomicBool,
     /// By ztunnel pid (0: unknown pid).
     heard: Mutex<BTreeMap<i32, Heard>>,
+    /// The live ztunnels, whose pids are asked.
+    hub: Arc<Hub>,
+    metrics: Arc<Metrics>,
 }
 
-impl Served {
-    pub(super) fn new(cfg: ServedConfig, node: Option<String>) -> Self {
+impl ServedChecker {
+    pub(super) fn new(
+        cfg: ServedConfig,
+        node: Option<String>,
+        hub: Arc<Hub>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         Self {
             cfg,
             node,
             wake: Notify::new(),
             recheck: AtomicBool::new(false),
             heard: Mutex::new(BTreeMap::new()),
+            hub,
+            metrics,
         }
     }
 
@@ -137,13 +159,13 @@ impl Served {
 
     /// What ztunnel `pid` says of `wanted`: `Some(known)`, or `None` when it
     /// did not answer and its acks do not count yet.
-    fn ask(&self, pid: Option<i32>, wanted: &[Wanted], metrics: &Metrics) -> Answer {
+    fn ask(&self, pid: Option<i32>, wanted: &[Wanted]) -> Answer {
         if self.cfg.mode == Mode::Off {
             return Answer::AcksCount;
         }
         let key = pid.unwrap_or(0);
         let out = fetch::known(pid, self.cfg.admin_port, wanted, self.node.as_deref());
-        metrics.served_check(out.is_ok());
+        self.metrics.served_check(out.is_ok());
         let mut heard = self.heard.lock().unwrap();
         let h = heard.entry(key).or_default();
         let now = Instant::now();
@@ -218,25 +240,24 @@ struct Candidate {
     want: Wanted,
 }
 
-impl Node {
-    /// Runs the served check until `stop`.
-    pub async fn check_served(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+impl ServedChecker {
+    /// Runs the served check on `book`'s pods until `stop`.
+    pub(super) async fn run(self: Arc<Self>, book: Arc<PodBook>, mut stop: watch::Receiver<bool>) {
         let mut every = WAIT_MIN;
         let mut rechecked = Instant::now();
         loop {
             tokio::select! {
                 _ = stop.changed() => return,
-                _ = self.served.wake.notified() => every = WAIT_MIN,
+                _ = self.wake.notified() => every = WAIT_MIN,
                 _ = tokio::time::sleep(every) => {},
             }
-            let recheck_every = self.served.cfg.recheck;
+            let recheck_every = self.cfg.recheck;
             let recheck = rechecked.elapsed() >= recheck_every
                 || self
-                    .served
                     .recheck
                     .swap(false, std::sync::atomic::Ordering::Relaxed);
-            let this = self.clone();
-            let Ok(waiting) = tokio::task::spawn_blocking(move || this.served_pass(recheck)).await
+            let (this, book) = (self.clone(), book.clone());
+            let Ok(waiting) = tokio::task::spawn_blocking(move || this.pass(&book, recheck)).await
             else {
                 continue;
             };
@@ -256,12 +277,12 @@ impl Node {
     /// One pass: asks each ztunnel about its Enabled pods (and, on `recheck`,
     /// its Served ones) and moves them. Blocking. Returns whether some pod
     /// still waits to be served.
-    pub(super) fn served_pass(&self, recheck: bool) -> bool {
-        let mut by_ztunnel: BTreeMap<crate::lifecycle::Ztunnel, Vec<Candidate>> = BTreeMap::new();
+    fn pass(&self, book: &PodBook, recheck: bool) -> bool {
+        let mut by_ztunnel: BTreeMap<Ztunnel, Vec<Candidate>> = BTreeMap::new();
         {
-            let dp = self.dp.lock().unwrap();
+            let dp = book.dataplane();
             let mut addrs = dp.maps().addrs_by_pod();
-            for p in self.pods.staying() {
+            for p in book.pods().staying() {
                 let Some(state) = dp.maps().entry(p.cookie).and_then(|e| e.state()) else {
                     continue;
                 };
@@ -295,16 +316,16 @@ impl Node {
             }
         }
         let live: Vec<i32> = self.hub.all().iter().filter_map(|c| c.pid).collect();
-        self.served.keep_only(&live);
+        self.keep_only(&live);
         let mut waiting = false;
         for (ztunnel, pods) in by_ztunnel {
             let wanted: Vec<Wanted> = pods.iter().map(|c| c.want.clone()).collect();
-            let answer = self.served.ask(ztunnel.pid(), &wanted, self.metrics());
-            let mut dp = self.dp.lock().unwrap();
+            let answer = self.ask(ztunnel.pid(), &wanted);
+            let mut dp = book.dataplane();
             for c in pods {
                 // Another ztunnel acked the pod while this one was asked:
                 // its answer says nothing about the pod now.
-                if self.pods.ztunnel_of(&c.uid) != Some(ztunnel) {
+                if book.pods().ztunnel_of(&c.uid) != Some(ztunnel) {
                     waiting |= c.state == PodState::Enabled;
                     continue;
                 }
@@ -318,7 +339,7 @@ impl Node {
                         continue;
                     }
                 };
-                let span = info_span!("pod", uid = %c.uid, pod = %self.pod_name(&c.uid), cookie = c.cookie);
+                let span = info_span!("pod", uid = %c.uid, pod = %book.pod_name(&c.uid), cookie = c.cookie);
                 let _e = span.enter();
                 let event = match (c.state, served) {
                     (PodState::Enabled, true) => Event::ServedFound,
@@ -339,7 +360,7 @@ impl Node {
                         if let Some(e) = entry {
                             // Since it turned Enabled (acked): the wait for xDS.
                             let waited = boottime_ns().saturating_sub(e.changed_at_ns);
-                            self.metrics().time_to_served(Duration::from_nanos(waited));
+                            self.metrics.time_to_served(Duration::from_nanos(waited));
                         }
                         if matches!(answer, Answer::AcksCount) {
                             info!("served (ztunnel's ack counts: its workloads cannot be read)");
@@ -356,7 +377,7 @@ impl Node {
                 }
             }
         }
-        self.metrics().set_served_fallbacks(self.served.fallbacks());
+        self.metrics.set_served_fallbacks(self.fallbacks());
         waiting
     }
 }

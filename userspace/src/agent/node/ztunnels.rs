@@ -1,20 +1,102 @@
-//! The ZDS side: adds to ztunnel, their answers, and registering the
-//! listeners of the ztunnel that acked; the server's `Handler`.
+//! The ztunnel connections: the ZDS hub, adds to ztunnel and their answers,
+//! registering the listeners of the ztunnel that acked, and custody of those
+//! listeners (released once their ztunnel lets go of them). Implements the
+//! ZDS server's `Handler`.
 
-use super::*;
-use crate::{kube::events::Reason, lifecycle::Ztunnel};
+use std::{
+    collections::BTreeMap,
+    sync::{Arc, Weak},
+    time::{Duration, Instant},
+};
 
-impl Node {
+use sluice_common::PodState;
+use tokio::sync::Notify;
+use tracing::{info, warn};
+
+use super::{announce::Announcer, book::PodBook};
+use crate::{
+    agent::custody::Custody,
+    kube::events::Reason,
+    lifecycle::{Cause, Event, Ztunnel},
+    metrics::{Failure, Metrics},
+    podnet::{
+        enroll::{self, EnrollError},
+        netns::Netns,
+    },
+    uid::PodUid,
+    workload::Workload,
+    zds::{
+        proto::WorkloadRequest,
+        server::{Answer, Conn, Handler, Hub, SnapshotEntry, ZdsError},
+    },
+};
+
+/// ztunnel opens a pod's listeners around its ack: look for this long.
+const LISTENER_WAIT: Duration = Duration::from_secs(2);
+
+pub(super) struct Ztunnels {
+    me: Weak<Ztunnels>,
+    hub: Arc<Hub>,
+    /// Duplicates of the ztunnel listeners in the socket map.
+    custody: Arc<Custody>,
+    book: Arc<PodBook>,
+    announcer: Arc<Announcer>,
+    metrics: Arc<Metrics>,
+    /// A ztunnel came or went, or listeners were withdrawn: the supervision
+    /// pass looks again.
+    changed: Notify,
+}
+
+impl Ztunnels {
+    pub(super) fn new(
+        hub: Arc<Hub>,
+        custody: Arc<Custody>,
+        book: Arc<PodBook>,
+        announcer: Arc<Announcer>,
+        metrics: Arc<Metrics>,
+    ) -> Arc<Self> {
+        Arc::new_cyclic(|me| Self {
+            me: me.clone(),
+            hub,
+            custody,
+            book,
+            announcer,
+            metrics,
+            changed: Notify::new(),
+        })
+    }
+
+    /// The ZDS connections this node's adds go to.
+    pub(super) fn hub(&self) -> &Arc<Hub> {
+        &self.hub
+    }
+
+    /// Resolves at the next change of the ztunnels or their listeners.
+    pub(super) async fn changed(&self) {
+        self.changed.notified().await
+    }
+
+    /// For each ztunnel process (pid), how many pods' listeners it owns.
+    pub(super) fn owners(&self) -> BTreeMap<i32, usize> {
+        self.custody.pods_by_owner()
+    }
+
+    /// Drops the listeners held for a pod that is leaving.
+    pub(super) fn forget(&self, uid: &str) {
+        self.custody.forget(uid);
+    }
+
     /// ZDS add on `conn`, then listener registration. Errors explain why the
     /// pod stays Pending (it is retried).
     pub(super) async fn add(
-        self: &Arc<Self>,
+        &self,
         conn: &Arc<Conn>,
         cookie: u64,
         uid: &str,
         w: &Workload,
     ) -> Result<(), String> {
         let fd = self
+            .book
             .netns_of(cookie)
             .map(Netns::into_fd)
             .map_err(|e| e.to_string())?;
@@ -22,18 +104,19 @@ impl Node {
         self.after_add(uid, cookie, conn.pid, out).await
     }
 
-    pub(super) async fn after_add(
-        self: &Arc<Self>,
+    async fn after_add(
+        &self,
         uid: &str,
         cookie: u64,
         pid: Option<i32>,
         out: Result<Answer, ZdsError>,
     ) -> Result<(), String> {
+        let pods = self.book.pods();
         let (cause, why) = match out {
             Ok(Answer::Ack) => {
-                self.metrics().zds_answer(true);
+                self.metrics.zds_answer(true);
                 // Before the pod can turn Enabled: the served check asks this one.
-                self.pods.apply(uid, Event::Acked(Ztunnel::new(pid)));
+                pods.apply(uid, Event::Acked(Ztunnel::new(pid)));
                 match self.register(uid, cookie, pid).await {
                     Ok(()) => {
                         // Listeners of an older ztunnel that were kept only
@@ -42,50 +125,53 @@ impl Node {
                         return Ok(());
                     }
                     Err(e) => {
-                        self.metrics().failed(Failure::NoListeners);
-                        self.pod_event(uid, Reason::ZtunnelListenersMissing, &e);
+                        self.metrics.failed(Failure::NoListeners);
+                        self.announcer
+                            .pod_event(uid, Reason::ZtunnelListenersMissing, &e);
                         (Cause::Other, e)
                     }
                 }
             }
             Ok(Answer::Nack(t)) => {
                 warn!(%uid, nack = %t, "ztunnel nacked add");
-                self.pod_event(
+                self.announcer.pod_event(
                     uid,
                     Reason::ZtunnelRejected,
                     &format!("ztunnel refused the pod: {t}"),
                 );
-                self.metrics().zds_answer(false);
-                self.metrics().failed(Failure::Nack);
+                self.metrics.zds_answer(false);
+                self.metrics.failed(Failure::Nack);
                 (Cause::ZtunnelRefused, format!("ztunnel nacked add: {t}"))
             }
             Err(e) => {
                 warn!(%uid, error = %e, "add failed");
-                self.metrics().failed(Failure::Zds);
+                self.metrics.failed(Failure::Zds);
                 (Cause::Other, format!("add failed: {e}"))
             }
         };
-        self.fail(uid, cause, &why);
+        // Schedules a retry with exponential backoff.
+        pods.apply(
+            uid,
+            Event::AddFailed {
+                cause,
+                why: why.clone(),
+            },
+        );
         self.release_orphans(Some(uid));
         Err(why)
     }
 
     /// Looks for the listeners of the ztunnel that just acked (`pid`) until
     /// every role has one, then the pod is Enabled.
-    pub(super) async fn register(
-        self: &Arc<Self>,
-        uid: &str,
-        cookie: u64,
-        pid: Option<i32>,
-    ) -> Result<(), String> {
+    async fn register(&self, uid: &str, cookie: u64, pid: Option<i32>) -> Result<(), String> {
         let start = Instant::now();
         let mut first = true;
         loop {
-            let this = self.clone();
+            let (book, custody) = (self.book.clone(), self.custody.clone());
             let owned_uid = uid.to_owned();
             let got = tokio::task::spawn_blocking(move || -> Result<PodState, EnrollError> {
-                let ns = this.netns_of(cookie)?;
-                let mut guard = this.dp.lock().unwrap();
+                let ns = book.netns_of(cookie)?;
+                let mut guard = book.dataplane();
                 let dp = &mut *guard;
                 if first {
                     enroll::refresh_addrs(dp.maps_mut(), &ns, cookie)?;
@@ -93,7 +179,7 @@ impl Node {
                 let (e, taken) = enroll::register_keeping(dp.maps_mut(), &ns, cookie, pid)?;
                 // Without a known peer there is no owner to ask about later.
                 if pid.is_some() {
-                    this.custody.keep(&owned_uid, taken);
+                    custody.keep(&owned_uid, taken);
                 }
                 Ok(e.state)
             })
@@ -119,13 +205,47 @@ impl Node {
             }
         }
     }
+
+    /// Withdraws held listeners whose ztunnel let go of them (out of the
+    /// socket map, so the pod fails closed; still held for the connections
+    /// queued on them), except for pods with an add in flight (a newer
+    /// ztunnel's listeners replace them first); closes those withdrawn longer
+    /// than `--orphan-grace`.
+    pub(super) fn release_orphans(&self, only: Option<&str>) {
+        let pods = self.book.pods();
+        let withdrawn = self
+            .custody
+            .withdraw_orphans(only, |uid| pods.in_flight(uid));
+        if !withdrawn.is_empty() {
+            let mut dp = self.book.dataplane();
+            for (uid, role) in &withdrawn {
+                if let Some(cookie) = pods.cookie(uid) {
+                    dp.maps_mut().remove_listener(cookie, *role);
+                }
+            }
+            drop(dp);
+            info!(
+                listeners = withdrawn.len(),
+                "ztunnel let go of listeners: out of the socket map; connections queued on them wait for the next ztunnel"
+            );
+            self.changed.notify_one();
+        }
+        let n = self.custody.expire();
+        if n > 0 {
+            warn!(
+                listeners = n,
+                "no ztunnel took over within the orphan grace: closed, connections queued on them were reset"
+            );
+        }
+    }
 }
 
-impl Handler for Node {
+impl Handler for Ztunnels {
     fn snapshot(&self) -> Vec<SnapshotEntry> {
-        let dp = self.dp.lock().unwrap();
+        let dp = self.book.dataplane();
+        let pods = self.book.pods();
         let mut out = Vec::new();
-        for p in self.pods.staying() {
+        for p in pods.staying() {
             let uid = p.identity.uid;
             // A pod being torn down is not offered again.
             if dp.maps().entry(p.cookie).and_then(|e| e.state()) == Some(PodState::Draining) {
@@ -136,7 +256,7 @@ impl Handler for Node {
                 Ok(ns) => {
                     // The snapshot's add is this pod's attempt now; a new
                     // ztunnel starts the backoff afresh.
-                    self.pods.apply(&uid, Event::AddSent);
+                    pods.apply(&uid, Event::AddSent);
                     out.push(SnapshotEntry::Add {
                         uid,
                         workload: p.identity.workload,
@@ -155,8 +275,10 @@ impl Handler for Node {
     fn add_outcome(&self, uid: &str, pid: Option<i32>, outcome: &Result<Answer, ZdsError>) {
         // Registration may take a while (listeners appear around the ack): off
         // the connection's task, so the snapshot goes on.
-        let Some(this) = self.self_arc() else { return };
-        let Some(cookie) = PodUid::new(uid).ok().and_then(|u| self.cookie_of(&u)) else {
+        let Some(this) = self.me.upgrade() else {
+            return;
+        };
+        let Some(cookie) = PodUid::new(uid).ok().and_then(|u| self.book.cookie_of(&u)) else {
             return;
         };
         let uid = uid.to_owned();
@@ -173,12 +295,12 @@ impl Handler for Node {
 
     fn connected(&self, id: u64, pid: Option<i32>) {
         info!(conn = id, pid = pid.unwrap_or(0), "ztunnel live");
-        self.wake.notify_one();
+        self.changed.notify_one();
     }
 
     fn disconnected(&self, id: u64) {
         info!(conn = id, "ztunnel connection gone");
         self.release_orphans(None);
-        self.wake.notify_one();
+        self.changed.notify_one();
     }
 }

@@ -1,0 +1,247 @@
+//! The pod book: the dataplane (behind the one lock every kernel change
+//! takes) and the pod table beside it, with what the other roles read from
+//! both: a pod's cookie, state, netns, whether its sandbox lives. The pod's
+//! state lives in the pinned map; the table holds what the agent needs to act
+//! on it. Lock order: the dataplane before the table.
+
+use std::{
+    sync::{Arc, Mutex, MutexGuard, Weak},
+    time::Duration,
+};
+
+use sluice_common::{Counters, DnsCounters, PodState};
+
+use super::pods::PodTable;
+use crate::{
+    cni::install::CniInstall,
+    dataplane::{loader::Dataplane, state::boottime_ns},
+    kube::gate::Capture,
+    lifecycle::Observer,
+    metrics,
+    podnet::{
+        enroll::{self, EnrollError},
+        netns::Netns,
+    },
+    readiness::{self, PodView},
+    uid::PodUid,
+    zds::server::Hub,
+};
+
+pub(super) struct PodBook {
+    dp: Mutex<Dataplane>,
+    pods: Arc<PodTable>,
+    /// Kernel counters of pods since unenrolled, so the metrics' totals
+    /// never go backwards while the agent runs.
+    retired: Mutex<Counters>,
+    retired_dns: Mutex<DnsCounters>,
+}
+
+impl PodBook {
+    pub(super) fn new(dp: Dataplane, pods: Arc<PodTable>) -> Self {
+        Self {
+            dp: Mutex::new(dp),
+            pods,
+            retired: Mutex::default(),
+            retired_dns: Mutex::default(),
+        }
+    }
+
+    /// From now on `on_applied` sees every event the pinned map takes (see
+    /// `lifecycle`).
+    pub(super) fn observe(&self, on_applied: Observer) {
+        self.dataplane().maps_mut().observe(on_applied);
+    }
+
+    /// The dataplane, locked: every change to the kernel's view of a pod
+    /// holds it.
+    pub(super) fn dataplane(&self) -> MutexGuard<'_, Dataplane> {
+        self.dp.lock().unwrap()
+    }
+
+    pub(super) fn pods(&self) -> &PodTable {
+        &self.pods
+    }
+
+    /// `namespace/name` of a pod the agent holds (`-` for one it does not),
+    /// for log spans.
+    pub(super) fn pod_name(&self, uid: &str) -> String {
+        self.pods
+            .workload(uid)
+            .map_or_else(|| "-".into(), |w| format!("{}/{}", w.namespace, w.name))
+    }
+
+    pub(super) fn pod_count(&self) -> usize {
+        self.dataplane().maps().states().len()
+    }
+
+    /// From the table; the map is walked only for a pod the table does not
+    /// hold (its netns could not be opened when the agent started).
+    pub(super) fn cookie_of(&self, uid: &PodUid) -> Option<u64> {
+        self.pods
+            .cookie(uid.as_str())
+            .or_else(|| self.dataplane().maps().find_uid(uid))
+    }
+
+    pub(super) fn state_of(&self, cookie: u64) -> Option<PodState> {
+        self.dataplane()
+            .maps()
+            .entry(cookie)
+            .and_then(|e| e.state())
+    }
+
+    /// Whether the pod's netns path still names the netns it was enrolled
+    /// with (its sandbox lives).
+    pub(super) fn sandbox_alive(&self, cookie: u64) -> bool {
+        let path = match self.pods.netns(cookie) {
+            Some(ns) => Some(ns.path().to_owned()),
+            None => self.dataplane().maps().meta(cookie).map(|m| m.netns.into()),
+        };
+        path.and_then(|p| Netns::open(&p).ok())
+            .and_then(|ns| ns.cookie().ok())
+            == Some(cookie)
+    }
+
+    /// The pod's netns, as held since its enrollment; opened by its path
+    /// (and checked) only for a pod the table does not hold.
+    pub(super) fn netns_of(&self, cookie: u64) -> Result<Netns, EnrollError> {
+        if let Some(ns) = self.pods.netns(cookie) {
+            return ns.try_clone().map_err(|source| EnrollError::Io {
+                what: "duplicating the pod's netns fd".into(),
+                source,
+            });
+        }
+        let dp = self.dataplane();
+        enroll::open_pod_netns(dp.maps(), cookie)
+    }
+
+    /// The state the map has for the pod named `namespace/name`, and
+    /// whether its capture is complete (as the last repair found it).
+    pub(super) fn state_by_name(&self, namespace: &str, name: &str) -> (Option<PodState>, Capture) {
+        let dp = self.dataplane();
+        let found = dp.maps().states().into_iter().find_map(|(cookie, e)| {
+            let m = dp.maps().meta(cookie)?;
+            (m.workload.namespace == namespace && m.workload.name == name)
+                .then(|| e.state().map(|s| (s, m.uid)))
+                .flatten()
+        });
+        match found {
+            Some((state, uid)) => (Some(state), self.capture_of(&uid)),
+            None => (None, Default::default()),
+        }
+    }
+
+    /// Whether the pod of `uid` has every link its capture calls for.
+    pub(super) fn capture_of(&self, uid: &str) -> Capture {
+        if self.pods.is_incomplete(uid) {
+            Capture::Incomplete
+        } else {
+            Capture::Complete
+        }
+    }
+
+    /// Removes the pod's capture from the kernel (its row goes with the
+    /// teardown's last step), keeping its counters for the metrics' totals.
+    /// Blocking.
+    pub(super) fn tear_down(&self, uid: &PodUid) -> Result<(), EnrollError> {
+        let mut guard = self.dataplane();
+        let dp = &mut *guard;
+        let last = dp
+            .maps()
+            .find_uid(uid)
+            .map(|c| (dp.maps().counters(c), dp.maps().dns_counters(c)));
+        let (pins, maps, node) = dp.parts_mut();
+        enroll::unenroll(pins, maps, node, uid)?;
+        if let Some((c, d)) = last {
+            self.retired.lock().unwrap().add(&c);
+            self.retired_dns.lock().unwrap().add(&d);
+        }
+        Ok(())
+    }
+
+    /// The node condition's inputs: the pods as the pinned state map has
+    /// them, the pins, the CNI config and `hub`'s connection. Blocking.
+    pub(super) fn readiness_inputs(
+        &self,
+        cni: Option<&CniInstall>,
+        pending_grace: Duration,
+        hub: &Hub,
+    ) -> readiness::Inputs {
+        let dp = self.dataplane();
+        let refused = self.pods.refused_by_ztunnel();
+        let pods = dp
+            .maps()
+            .states()
+            .into_iter()
+            .map(|(cookie, e)| {
+                let meta = dp.maps().meta(cookie);
+                PodView {
+                    name: meta
+                        .as_ref()
+                        .map(|m| format!("{}/{}", m.workload.namespace, m.workload.name))
+                        .unwrap_or_else(|| format!("netns:{cookie}")),
+                    state: e.state(),
+                    changed_at_ns: e.changed_at_ns,
+                    ztunnel_refused: meta.as_ref().is_some_and(|m| refused.contains(&m.uid)),
+                    capture_incomplete: meta.is_some_and(|m| self.pods.is_incomplete(&m.uid)),
+                }
+            })
+            .collect();
+        readiness::Inputs {
+            programs_loaded: dp.pins().is_loaded(),
+            // Not managing the CNI config (a dev or hand-run agent): whoever
+            // runs it vouches for it.
+            cni_installed: cni.is_none_or(CniInstall::is_installed),
+            ztunnel_connected: hub.is_connected(),
+            pods,
+            now_ns: boottime_ns(),
+            pending_grace,
+        }
+    }
+}
+
+/// The metrics' view of the maps, through the book (which owns them). Weak:
+/// the book's observer holds the metrics.
+pub(super) struct MapSource(pub(super) Weak<PodBook>);
+
+impl metrics::Source for MapSource {
+    fn sample(&self) -> metrics::Sample {
+        let Some(book) = self.0.upgrade() else {
+            return metrics::Sample::default();
+        };
+        let dp = book.dataplane();
+        let mut pods = vec![
+            ("Pending", 0),
+            ("Enabled", 0),
+            ("Served", 0),
+            ("Draining", 0),
+            ("Unknown", 0),
+        ];
+        let mut kernel = *book.retired.lock().unwrap();
+        let mut dns = *book.retired_dns.lock().unwrap();
+        let mut dns_modes = vec![("captured", 0), ("pass-through", 0), ("off", 0)];
+        let with_proxy = dp.maps().pods_with_dns_listener();
+        for (cookie, e) in dp.maps().states() {
+            let state = e.state().map(PodState::as_str).unwrap_or("Unknown");
+            if let Some(p) = pods.iter_mut().find(|(s, _)| *s == state) {
+                p.1 += 1;
+            }
+            kernel.add(&dp.maps().counters(cookie));
+            dns.add(&dp.maps().dns_counters(cookie));
+            let mode = dp.maps().dns_mode(cookie, with_proxy.contains(&cookie));
+            if let Some(m) = dns_modes.iter_mut().find(|(s, _)| *s == mode.as_str()) {
+                m.1 += 1;
+            }
+        }
+        metrics::Sample {
+            pods,
+            kernel,
+            dns,
+            dns_modes,
+            drops: sluice_common::DropReason::ALL
+                .iter()
+                .map(|r| (r.as_str(), dp.maps().drops(*r)))
+                .collect(),
+            capture_incomplete: book.pods.incomplete().len() as u64,
+        }
+    }
+}

@@ -1,0 +1,139 @@
+//! Verifying every pod's capture link by link and completing what an
+//! interrupted enrollment (or anything else) left out; finishing interrupted
+//! teardowns; removing pins no pod owns. At start (before ZDS and the control
+//! socket serve), every `VERIFY_EVERY`, and for one pod when its links change.
+
+use std::{sync::Arc, time::Duration};
+
+use tracing::{info, info_span, warn};
+
+use super::{announce::Announcer, book::PodBook};
+use crate::{
+    dataplane::loader::Dataplane,
+    kube::events::Reason,
+    lifecycle::{Effect, Event, Incomplete},
+    metrics::Metrics,
+    podnet::enroll::{self, EnrollError},
+};
+
+/// How often every pod's capture is verified, whatever else happens.
+pub const VERIFY_EVERY: Duration = Duration::from_secs(60);
+
+pub struct Repairer {
+    pub(super) book: Arc<PodBook>,
+    pub(super) announcer: Arc<Announcer>,
+    pub(super) metrics: Arc<Metrics>,
+}
+
+impl Repairer {
+    /// Verifies and completes every pod's capture; removes pins no pod owns.
+    /// Blocking: run it off the async workers.
+    pub fn verify_all(&self, at_start: bool) {
+        let mut guard = self.book.dataplane();
+        let dp = &mut *guard;
+        for cookie in dp.maps().cookies() {
+            self.verify_pod(dp, cookie, at_start);
+        }
+        match enroll::remove_orphan_pins(dp.pins(), dp.maps(), dp.node()) {
+            Ok(0) => {}
+            Ok(n) => info!(pods = n, "removed pins of pods without state"),
+            Err(e) => warn!(error = %e, "removing pins of pods without state"),
+        }
+    }
+
+    /// [`Self::verify_all`] for one pod, if it is still enrolled: what the
+    /// link watch runs when the pod's interfaces change. Blocking.
+    pub(super) fn verify_one(&self, cookie: u64) {
+        let mut guard = self.book.dataplane();
+        if guard.maps().entry(cookie).is_some() {
+            self.verify_pod(&mut guard, cookie, false);
+        }
+    }
+
+    /// Verifies and completes one pod's capture (see [`enroll::repair`]),
+    /// with an Event and a count when something was missing.
+    fn verify_pod(&self, dp: &mut Dataplane, cookie: u64, at_start: bool) {
+        let (uid, pod) = dp
+            .maps()
+            .meta(cookie)
+            .map(|m| {
+                (
+                    m.uid,
+                    format!("{}/{}", m.workload.namespace, m.workload.name),
+                )
+            })
+            .unwrap_or_default();
+        let span = info_span!("pod", %uid, %pod, cookie);
+        let _e = span.enter();
+        let outcome = enroll::repair(dp, cookie, at_start);
+        match &outcome {
+            Ok(enroll::Repair::Complete) => {}
+            Ok(enroll::Repair::Repaired {
+                relinked,
+                istio_rules,
+            }) => {
+                warn!(
+                    ?relinked,
+                    ?istio_rules,
+                    "capture was incomplete: completed (links attached, istio-cni rules removed)"
+                );
+                let note = format!("capture was incomplete and has been completed: links attached {relinked:?}, istio-cni rules removed {istio_rules:?}");
+                self.announcer
+                    .pod_event(&uid, Reason::CaptureRepaired, &note);
+                self.metrics.capture_repaired();
+            }
+            Ok(enroll::Repair::TornDown) => {
+                info!("finished an interrupted teardown");
+                return;
+            }
+            Err(e) => warn!(error = %e, "could not verify the pod's capture; will retry"),
+        }
+        // A pod an earlier agent enrolled: open its netns once, now.
+        if let Some(meta) = dp.maps().meta(cookie) {
+            let pods = self.book.pods();
+            if !pods.contains(&meta.uid) {
+                let ns = enroll::open_pod_netns(dp.maps(), cookie).ok();
+                pods.insert(cookie, meta, ns);
+            }
+        }
+        self.note_completeness(dp, cookie, &uid, &pod, outcome.err());
+    }
+
+    /// After a repair of the pod (`failed`: its error, if it failed):
+    /// whether its capture still lacks links, recorded for `sluice status`
+    /// and, when that changes, told to Kubernetes (its readiness gate, an
+    /// Event). A repair that failed for another reason (the netns being
+    /// torn down, a map error) with every link in place changes nothing.
+    fn note_completeness(
+        &self,
+        dp: &Dataplane,
+        cookie: u64,
+        uid: &str,
+        pod: &str,
+        failed: Option<EnrollError>,
+    ) {
+        let lacks = failed.and_then(|e| {
+            let missing = enroll::missing_links(dp, cookie).ok()?;
+            (!missing.is_empty()).then(|| Incomplete {
+                missing,
+                reason: crate::error_line(&e),
+            })
+        });
+        let effects = self.book.pods().apply(uid, Event::Checked(lacks.clone()));
+        if !effects.contains(&Effect::ReportCompleteness) {
+            return;
+        }
+        match lacks {
+            Some(Incomplete { missing, reason }) => {
+                warn!(?missing, %reason, "the pod's capture is incomplete and cannot be completed now: part of its traffic bypasses ztunnel; retried at every repair");
+                let note = format!("capture incomplete: {} cannot be attached ({reason}), so part of the pod's traffic bypasses ztunnel; the readiness gate is False until a repair completes it", missing.join(", "));
+                self.announcer
+                    .pod_event(uid, Reason::CaptureIncomplete, &note);
+            }
+            None => info!("the pod's capture is complete again"),
+        }
+        if let Some((namespace, name)) = pod.split_once('/') {
+            self.announcer.announce_pod(namespace, name);
+        }
+    }
+}
