@@ -321,6 +321,18 @@ pub fn sluice_bin() -> PathBuf {
     bin
 }
 
+/// Whether the `sluice` binary was built with the `fault-injection` feature
+/// (crash points; another build's object through SLUICE_EBPF_OBJECT_FILE):
+/// the crash and upgrade tests need it, and `cargo xtask test` builds it so.
+/// A plain `cargo build` does not: those tests are then skipped, with why.
+pub fn has_fault_injection() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        let marker = b"sluice-fault-injection-build-v1";
+        std::fs::read(sluice_bin()).is_ok_and(|b| b.windows(marker.len()).any(|w| w == marker))
+    })
+}
+
 /// Whether an enrollment's answer (or a status line) shows the pod steering
 /// to ztunnel: Enabled, or already Served (the served check runs apart from
 /// the enrollment and may be quicker than the answer).

@@ -3,6 +3,12 @@
 //! check what the next agent makes of it. Built only with the
 //! `fault-injection` feature (the test build); otherwise every call is empty.
 
+/// In the binary only when built with crash points, so a test can tell a
+/// fault-injection build from the shipped one by reading the executable.
+#[cfg(feature = "fault-injection")]
+#[used]
+pub static FAULT_INJECTION_MARKER: [u8; 31] = *b"sluice-fault-injection-build-v1";
+
 /// Kills this process with SIGKILL right after `step` when the environment
 /// says `SLUICE_CRASH_AT=<step>` (fault-injection builds only).
 #[inline(always)]

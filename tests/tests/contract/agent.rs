@@ -28,7 +28,7 @@ use sluice_tests::{
     wait,
 };
 
-use crate::{tcx_trial, trial, TestResult};
+use crate::{needs_fault_injection, tcx_trial, trial, TestResult};
 
 const PEER: &str = env!("CARGO_BIN_EXE_sluice-zds-peer");
 /// "Another build" of the programs: the `upgrade-variant` feature (same maps
@@ -87,15 +87,15 @@ pub fn trials() -> Vec<Trial> {
             "agent::a_capture_a_repair_cannot_complete_is_reported_until_it_is_completed",
             incomplete_capture,
         ),
-        trial(
+        needs_fault_injection(trial(
             "agent::restart_over_another_builds_programs_replaces_them_in_place_under_load",
             programs_replaced,
-        ),
+        )),
         {
-            let t = trial(
+            let t = needs_fault_injection(trial(
                 "agent::upgrade_to_another_build_and_back_under_load_loses_no_connection",
                 another_build,
-            );
+            ));
             if Path::new(VARIANT).exists() {
                 t
             } else {
@@ -106,10 +106,10 @@ pub fn trials() -> Vec<Trial> {
             }
         },
         {
-            let t = trial(
+            let t = needs_fault_injection(trial(
                 "agent::migrate_to_another_map_layout_and_back_under_load_loses_no_connection",
                 another_layout,
-            );
+            ));
             if Path::new(LAYOUT).exists() {
                 t
             } else {
@@ -120,15 +120,15 @@ pub fn trials() -> Vec<Trial> {
             }
         },
         // tcx links are pointed at the new programs with BPF_LINK_UPDATE.
-        tcx_trial(
+        needs_fault_injection(tcx_trial(
             "agent::tcx::restart_over_another_builds_programs_replaces_them_in_place_under_load",
             programs_replaced,
-        ),
+        )),
         {
-            let t = tcx_trial(
+            let t = needs_fault_injection(tcx_trial(
                 "agent::tcx::upgrade_to_another_build_and_back_under_load_loses_no_connection",
                 another_build,
-            );
+            ));
             if Path::new(VARIANT).exists() {
                 t
             } else {
@@ -136,15 +136,15 @@ pub fn trials() -> Vec<Trial> {
             }
         },
         // As on kernels without tcx (cls_bpf filters, no netns cookies in tc).
-        trial(
+        needs_fault_injection(trial(
             "agent::no_tcx::restart_over_another_builds_programs_replaces_them_in_place_under_load",
             || as_if_kernel(without_tcx(), programs_replaced),
-        ),
+        )),
         {
-            let t = trial(
+            let t = needs_fault_injection(trial(
                 "agent::no_tcx::upgrade_to_another_build_and_back_under_load_loses_no_connection",
                 || as_if_kernel(without_tcx(), another_build),
-            );
+            ));
             if Path::new(VARIANT).exists() {
                 t
             } else {
@@ -152,10 +152,10 @@ pub fn trials() -> Vec<Trial> {
             }
         },
         {
-            let t = trial(
+            let t = needs_fault_injection(trial(
                 "agent::no_tcx::migrate_to_another_map_layout_and_back_under_load_loses_no_connection",
                 || as_if_kernel(without_tcx(), another_layout),
-            );
+            ));
             if Path::new(LAYOUT).exists() {
                 t
             } else {

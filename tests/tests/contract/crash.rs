@@ -19,7 +19,7 @@ use sluice_tests::{
     topology::Family,
 };
 
-use crate::{tcx_trial, trial, TestResult};
+use crate::{needs_fault_injection, tcx_trial, trial, TestResult};
 
 const PEER: &str = env!("CARGO_BIN_EXE_sluice-zds-peer");
 
@@ -67,14 +67,18 @@ pub fn trials() -> Vec<Trial> {
             "crash::killed_after_{}_then_completed",
             step.replace(':', "_")
         );
-        v.push(trial(name, move || enroll_killed(&step)));
+        v.push(needs_fault_injection(trial(name, move || {
+            enroll_killed(&step)
+        })));
     }
     for step in unenroll_steps() {
         let name = format!(
             "crash::killed_after_{}_then_finished",
             step.replace(':', "_")
         );
-        v.push(trial(name, move || unenroll_killed(&step)));
+        v.push(needs_fault_injection(trial(name, move || {
+            unenroll_killed(&step)
+        })));
     }
     v.push(trial(
         "crash::lost_tc_links_are_found_and_attached_again_on_restart",
@@ -84,10 +88,10 @@ pub fn trials() -> Vec<Trial> {
         "crash::tcx::lost_tc_links_are_found_and_attached_again_on_restart",
         lost_links,
     ));
-    v.push(trial(
+    v.push(needs_fault_injection(trial(
         "crash::takeover_from_istio_cni_killed_before_its_rules_went_is_finished",
         takeover_killed,
-    ));
+    )));
     v
 }
 

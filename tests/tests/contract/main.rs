@@ -21,7 +21,9 @@ mod served;
 mod syncookies;
 
 use libtest_mimic::{Arguments, Failed, Trial};
-use sluice_tests::harness::{attaching_with_tcx, is_root, tcx_available};
+use sluice_tests::harness::{
+    attaching_with_tcx, has_fault_injection, is_root, sluice_bin, tcx_available,
+};
 
 pub type TestResult = anyhow::Result<()>;
 
@@ -41,8 +43,24 @@ pub fn tcx_trial(
     trial(name, move || attaching_with_tcx(f)).with_ignored_flag(!is_root() || !tcx_available())
 }
 
+/// `t`, skipped when the `sluice` binary has no crash points (a plain
+/// `cargo build`; `cargo xtask test` builds it with them).
+pub fn needs_fault_injection(t: Trial) -> Trial {
+    if has_fault_injection() {
+        t
+    } else {
+        t.with_ignored_flag(true)
+    }
+}
+
 fn main() {
     let args = Arguments::from_args();
+    if !has_fault_injection() {
+        eprintln!(
+            "skipping the crash and upgrade tests: {} has no crash points (`cargo build -p sluice --bins --features fault-injection` builds them; `cargo xtask test` does)",
+            sluice_bin().display()
+        );
+    }
     if !is_root() {
         eprintln!("skipping the dataplane tests: they need root (network namespaces, eBPF)");
     } else if !tcx_available() {
