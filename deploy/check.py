@@ -543,6 +543,27 @@ def check_values_files(chart):
             ok(f"values file ({label}) renders {arg}")
 
 
+def check_uninstall_mark(objs, rule):
+    """The DaemonSet renders the uninstall mark "false" (a helm upgrade clears a
+    failed uninstall's "true"); with the rule enabled, the hook deletes it first
+    and may: its flag and its RBAC."""
+    ds = objs.get("DaemonSet", [{}])[0]
+    mark = (ds.get("metadata", {}).get("annotations") or {}).get("sluice.dev/uninstall")
+    expect("uninstall mark", mark == "false", f"DaemonSet annotation sluice.dev/uninstall is {mark!r}")
+    job = next((j for j in rule.get("Job", []) if j["metadata"]["name"].endswith("uninstall")), None)
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"] if job else []
+    name = rule.get("NodeReadinessRule", [{}])[0].get("metadata", {}).get("name")
+    expect("uninstall hook", f"--node-readiness-rule={name}" in args, f"hook args {args}")
+    roles = [r for r in rule.get("ClusterRole", []) if r["metadata"]["name"].endswith("uninstall")]
+    grants = [x for r in roles for x in r["rules"] if "nodereadinessrules" in x.get("resources", [])]
+    expect("uninstall hook", grants == [{"apiGroups": ["readiness.node.x-k8s.io"],
+                                         "resources": ["nodereadinessrules"],
+                                         "resourceNames": [name], "verbs": ["delete"]}],
+           f"hook grants {grants}")
+    if mark == "false" and f"--node-readiness-rule={name}" in args and grants:
+        ok("chart: the uninstall mark renders false; the hook deletes the NodeReadinessRule first, with its grant")
+
+
 def check_rule_without_crd(chart):
     """The rule enabled on a cluster without node-readiness-controller's CRD:
     no NodeReadinessRule (it would fail the install), and NOTES.txt says so."""
@@ -660,6 +681,7 @@ def check_chart(chart_dir, plain):
         check_minimal(minimal)
     if rule:
         check_rule_defaults(rule, plain)
+        check_uninstall_mark(rule, rule)
     check_platforms(chart)
     check_values_files(chart)
     for label, values in BAD.items():

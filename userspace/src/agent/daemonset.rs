@@ -64,3 +64,60 @@ pub async fn watch_for_mark(
         }
     }
 }
+
+/// Returns once the DaemonSet exists without the uninstall mark: cleared by
+/// a `helm upgrade` after a failed or cancelled uninstall, or by hand. An
+/// agent that removed sluice on the mark then exits, and its restart installs
+/// sluice again. Never returns without a client and a DaemonSet to read.
+pub async fn until_unmarked(client: Option<kube::Client>, ds: Option<(String, String)>) {
+    let (Some(client), Some((namespace, name))) = (client, ds) else {
+        return std::future::pending().await;
+    };
+    loop {
+        tokio::time::sleep(EVERY).await;
+        let read = tokio::time::timeout(
+            crate::kube::API_TIMEOUT,
+            decide(client.clone(), &namespace, &name),
+        )
+        .await;
+        if let Ok(Ok(None)) = read {
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::kube::{
+        mock::{self, reply},
+        uninstall::REQUESTED,
+    };
+
+    /// Marked, unreadable, then unmarked: only the last ends the wait.
+    #[tokio::test(start_paused = true)]
+    async fn a_cleared_mark_ends_the_wait_a_read_failure_does_not() {
+        let (client, mut handle) = mock::client();
+        let ds = |mark: &str| {
+            json!({"apiVersion": "apps/v1", "kind": "DaemonSet",
+                "metadata": {"name": "sluice", "annotations": {REQUESTED: mark}},
+                "spec": {"selector": {}, "template": {}}})
+        };
+        let forbidden = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+            "reason": "Forbidden", "code": 403, "message": "forbidden"});
+        let server = tokio::spawn(async move {
+            for (code, body) in [(200, ds("true")), (403, forbidden), (200, ds("false"))] {
+                let (req, send) = handle.next_request().await.unwrap();
+                assert_eq!(
+                    req.uri().path(),
+                    "/apis/apps/v1/namespaces/istio-system/daemonsets/sluice"
+                );
+                reply(send, code, &body);
+            }
+        });
+        until_unmarked(Some(client), Some(("istio-system".into(), "sluice".into()))).await;
+        server.await.unwrap();
+    }
+}

@@ -37,6 +37,7 @@ pub use config::{Config, DEFAULT_HEALTH_ADDR, DEFAULT_METRICS_ADDR, DEFAULT_ZDS_
 
 use crate::{
     dataplane::loader::{Adoption, Dataplane, LoadError},
+    kube::uninstall::Reason,
     podnet::hostside,
     zds::server::{self, Hub},
 };
@@ -93,11 +94,19 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     if let Uninstall::Started(r) = node.uninstall().state() {
         node.uninstall().run(cfg.cni.as_ref(), r).await;
         if !signalled {
-            // Exiting would only have the DaemonSet start the agent again.
+            // Exiting would only have the DaemonSet start the agent again,
+            // unless the mark it acted on is cleared (an uninstall that
+            // failed or was cancelled, then a `helm upgrade`).
             info!("sluice removed from this node; waiting to be stopped");
+            let marked = (r == Reason::Requested)
+                .then(|| cfg.daemonset.clone())
+                .flatten();
             tokio::select! {
                 _ = term.recv() => info!("SIGTERM"),
                 _ = tokio::signal::ctrl_c() => info!("SIGINT"),
+                _ = daemonset::until_unmarked(client.clone(), marked) => info!(
+                    "the DaemonSet's uninstall mark was cleared: exiting, so that the agent starts again and installs sluice"
+                ),
             }
         }
     }

@@ -24,6 +24,10 @@ pub struct Args {
     /// repeatable).
     #[arg(long = "taint", value_name = "KEY")]
     taints: Vec<String>,
+    /// The NodeReadinessRule to delete first (the chart's, when enabled):
+    /// with it in place, every node would be tainted as its condition goes.
+    #[arg(long, value_name = "NAME")]
+    node_readiness_rule: Option<String>,
     /// How long to wait for the nodes; the API objects are cleared after
     /// it either way, and the nodes still pending are named.
     #[arg(long, default_value = "120s", value_parser = parse_duration)]
@@ -43,6 +47,7 @@ async fn uninstall_cluster(args: &Args) -> anyhow::Result<()> {
         selector: &args.selector,
         condition_type: &args.readiness.condition_type,
         taints: &args.taints,
+        readiness_rule: args.node_readiness_rule.as_deref(),
     };
     let left = cluster.uninstall(client, args.timeout).await?;
     if !left.is_empty() {

@@ -13,6 +13,7 @@ pub mod events;
 pub mod gate;
 pub mod node_identity;
 pub mod patch;
+pub mod readiness_rule;
 pub mod reconcile;
 pub mod selection;
 pub mod taint;
