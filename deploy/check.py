@@ -261,6 +261,7 @@ BAD = {
     "platform openshift (Multus: not supported, with the reason)": {"platform": "openshift"},
     "unknown enforcementMode": {"nodeReadinessRule": {"enabled": True, "enforcementMode": "sometimes"}},
     "logFormat not auto, text or json": {"logFormat": "yaml"},
+    "takeOverNodeAgent not a boolean": {"takeOverNodeAgent": "yes please"},
     "a bad cni.recheck": {"cni": {"recheck": "often"}},
     "metrics.address off (Prometheus scrapes the listener)": {"metrics": {"address": "off"}},
 }

@@ -64,6 +64,9 @@ pub enum Reason {
     /// The agent cannot take over the pinned dataplane (another build's
     /// maps it cannot open or migrate): capture stays as that build left it.
     DataplaneIncompatible,
+    /// Another node agent (istio-cni's, a second sluice) serves ztunnel on
+    /// this node: sluice does not start beside it.
+    AnotherNodeAgent,
 }
 
 impl Reason {
@@ -81,13 +84,14 @@ impl Reason {
             Reason::AgentStopped => "AgentStopped",
             Reason::AgentNotRunning => "AgentNotRunning",
             Reason::DataplaneIncompatible => "DataplaneIncompatible",
+            Reason::AnotherNodeAgent => "AnotherNodeAgent",
         }
     }
 }
 
 impl Reason {
     /// Every reason, for metrics that show each.
-    pub const ALL: [Reason; 11] = [
+    pub const ALL: [Reason; 12] = [
         Reason::Ready,
         Reason::ProgramsNotLoaded,
         Reason::CniPluginMissing,
@@ -99,6 +103,7 @@ impl Reason {
         Reason::AgentStopped,
         Reason::AgentNotRunning,
         Reason::DataplaneIncompatible,
+        Reason::AnotherNodeAgent,
     ];
 }
 

@@ -171,6 +171,10 @@ pub fn trials() -> Vec<Trial> {
             "agent::pinned_maps_it_cannot_take_over_are_reported_not_crash_looped_on",
             incompatible_maps,
         ),
+        trial(
+            "agent::another_node_agent_on_the_zds_socket_is_reported_and_waited_for",
+            another_node_agent,
+        ),
         trial("agent::unenroll_sends_del_and_removes_capture", unenroll),
         trial(
             "agent::uninstall_removes_everything_and_pods_keep_working",
@@ -1494,6 +1498,48 @@ fn incompatible_maps() -> TestResult {
         "the log does not name the map:\n{}",
         agent.log()
     );
+    Ok(())
+}
+
+/// Another node agent (istio-cni's) already serves ztunnel on the ZDS socket:
+/// the agent neither takes the socket nor starts; it says why on /readyz
+/// (and in the node condition), and starts once the other is gone.
+fn another_node_agent() -> TestResult {
+    let f = Fixture::new("ra", None)?;
+    let port = free_port()?;
+    let metrics = format!("127.0.0.1:{port}");
+    let mut agent = AgentProc::start_with(&f.topo.pins, &["--metrics-addr", &metrics])?;
+    ensure!(agent.terminate());
+    // The other agent: a listener on the socket path (this test process).
+    let _ = std::fs::remove_file(&agent.zds);
+    let other = std::os::unix::net::UnixListener::bind(&agent.zds)?;
+    agent.restart_reporting_only()?;
+    let (_, body) = wait::until("/readyz to name the other agent", wait::DEADLINE, || {
+        match http_get(port, "/readyz") {
+            Ok((503, b)) if b.contains("AnotherNodeAgent") => Ok((503, b)),
+            other => Err(format!("{other:?}")),
+        }
+    })?;
+    println!("/readyz: {}", body.trim());
+    let me = format!("pid {}", std::process::id());
+    ensure!(
+        agent.log().contains(&me),
+        "the log does not name {me}:\n{}",
+        agent.log()
+    );
+    ensure!(agent.pid().is_some(), "the agent exited:\n{}", agent.log());
+    ensure!(!agent.control.exists(), "the agent started beside the other one");
+    // The other goes: the agent starts and serves ztunnel itself.
+    drop(other);
+    wait::until("the agent to start", wait::DEADLINE, || {
+        match (agent.control.exists(), http_get(port, "/readyz")) {
+            (true, Ok((_, b))) if !b.contains("AnotherNodeAgent") => Ok(()),
+            seen => Err(format!("{seen:?}")),
+        }
+    })?;
+    let p = peer(&agent)?;
+    enroll_enabled(&agent, &f)?;
+    drop(p);
     Ok(())
 }
 

@@ -45,6 +45,9 @@ pub struct Config {
     pub dns_capture: bool,
     /// How tc programs are attached (`--tc-attach`).
     pub tc_attach: crate::dataplane::features::TcAttach,
+    /// Start even when another node agent serves ztunnel here (replacing
+    /// its ZDS socket) instead of waiting for it to go.
+    pub take_over_node_agent: bool,
 }
 
 impl Config {

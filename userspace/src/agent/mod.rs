@@ -19,9 +19,11 @@ pub mod config;
 pub mod control_socket;
 pub mod custody;
 pub mod daemonset;
+pub mod hold;
 pub mod incompatible;
 pub mod node;
 pub mod report;
+pub mod rival;
 
 use std::sync::Arc;
 
@@ -69,6 +71,9 @@ pub fn run(cfg: Config) -> anyhow::Result<()> {
 }
 
 async fn serve(cfg: Config) -> anyhow::Result<()> {
+    if !cfg.take_over_node_agent && !rival::wait_until_gone(&cfg).await? {
+        return Ok(());
+    }
     let node_netns = open_node_netns(&cfg)?;
     let mut dp = match Dataplane::load_adopt_or_upgrade(cfg.pins.clone(), node_netns.as_ref()) {
         Ok(dp) => dp,

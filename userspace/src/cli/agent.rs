@@ -112,6 +112,11 @@ pub struct Args {
     /// way keep their attachments.
     #[arg(long, default_value = "cls_bpf", env = "SLUICE_TC_ATTACH")]
     tc_attach: TcAttach,
+    /// Start even when another node agent (istio-cni's) already serves
+    /// ztunnel on --zds-socket, replacing its socket. Without it the agent
+    /// reports `AnotherNodeAgent` and starts once the other is gone.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, env = "SLUICE_TAKE_OVER_NODE_AGENT")]
+    take_over_node_agent: bool,
     /// With --install-cni: how often the CNI config is checked besides
     /// the inotify watch that sees the primary CNI's rewrites at once.
     #[arg(long, default_value = "5s", value_parser = parse_duration)]
@@ -173,6 +178,7 @@ pub fn run(g: Globals, args: Args) -> anyhow::Result<()> {
         excluded,
         dns_capture: args.dns_capture,
         tc_attach: args.tc_attach,
+        take_over_node_agent: args.take_over_node_agent,
     })
 }
 
