@@ -1514,12 +1514,14 @@ fn another_node_agent() -> TestResult {
     let _ = std::fs::remove_file(&agent.zds);
     let other = std::os::unix::net::UnixListener::bind(&agent.zds)?;
     agent.restart_reporting_only()?;
-    let (_, body) = wait::until("/readyz to name the other agent", wait::DEADLINE, || {
-        match http_get(port, "/readyz") {
+    let (_, body) = wait::until(
+        "/readyz to name the other agent",
+        wait::DEADLINE,
+        || match http_get(port, "/readyz") {
             Ok((503, b)) if b.contains("AnotherNodeAgent") => Ok((503, b)),
             other => Err(format!("{other:?}")),
-        }
-    })?;
+        },
+    )?;
     println!("/readyz: {}", body.trim());
     let me = format!("pid {}", std::process::id());
     ensure!(
@@ -1528,7 +1530,10 @@ fn another_node_agent() -> TestResult {
         agent.log()
     );
     ensure!(agent.pid().is_some(), "the agent exited:\n{}", agent.log());
-    ensure!(!agent.control.exists(), "the agent started beside the other one");
+    ensure!(
+        !agent.control.exists(),
+        "the agent started beside the other one"
+    );
     // The other goes: the agent starts and serves ztunnel itself.
     drop(other);
     wait::until("the agent to start", wait::DEADLINE, || {
