@@ -726,6 +726,20 @@ def check_shell(root):
             ok(f"shellcheck {rel}")
 
 
+def run_kind_script(script, bare, stubs, tools=("bash", "dirname", "uname")):
+    """tests/kind/run.sh with PATH holding only `tools` (the real ones) and
+    `stubs` (name → a script's text), all in directory `bare`."""
+    for tool in tools:
+        os.symlink(shutil.which(tool), os.path.join(bare, tool))
+    for name, body in stubs.items():
+        path = os.path.join(bare, name)
+        with open(path, "w") as f:
+            f.write(body)
+        os.chmod(path, 0o755)
+    return subprocess.run([os.path.join(bare, "bash"), script], capture_output=True,
+                          text=True, env={"PATH": bare}, timeout=30)
+
+
 def check_kind_skips(root):
     """tests/kind/run.sh where its tools are missing, where docker is installed
     but no engine answers, under rootless Docker, and where the engine's kernel
@@ -755,15 +769,7 @@ def check_kind_skips(root):
     ]
     for label, stubs, want, whole in cases:
         with tempfile.TemporaryDirectory() as bare:
-            for tool in ("bash", "dirname", "uname"):
-                os.symlink(shutil.which(tool), os.path.join(bare, tool))
-            for name, body in stubs.items():
-                path = os.path.join(bare, name)
-                with open(path, "w") as f:
-                    f.write(body)
-                os.chmod(path, 0o755)
-            r = subprocess.run([os.path.join(bare, "bash"), script], capture_output=True,
-                               text=True, env={"PATH": bare}, timeout=30)
+            r = run_kind_script(script, bare, stubs)
         out = r.stdout.strip()
         got = out if whole else (out.splitlines() or [""])[-1]
         if r.returncode == 0 and got == want:
@@ -786,15 +792,7 @@ def check_kind_kept_cluster(script, docker):
             "kubectl": "#!/bin/sh\nexit 1\n",
             "helm": "#!/bin/sh\nexit 1\n",
         }
-        for tool in ("bash", "dirname", "uname", "grep"):
-            os.symlink(shutil.which(tool), os.path.join(bare, tool))
-        for name, body in stubs.items():
-            path = os.path.join(bare, name)
-            with open(path, "w") as f:
-                f.write(body)
-            os.chmod(path, 0o755)
-        r = subprocess.run([os.path.join(bare, "bash"), script], capture_output=True,
-                           text=True, env={"PATH": bare}, timeout=30)
+        r = run_kind_script(script, bare, stubs, ("bash", "dirname", "uname", "grep"))
         with open(calls) as f:
             seen = f.read().split("\n")
     touched = [c for c in seen if c.startswith(("create", "delete"))]
