@@ -110,6 +110,13 @@ pub fn trials() -> Vec<Trial> {
             ),
             move || x2(fam),
         ));
+        v.push(trial(
+            format!(
+                "contract::{}::x7_an_address_a_pod_dropped_or_a_link_local_one_is_not_its",
+                fam.name()
+            ),
+            move || x7(fam),
+        ));
     }
     v
 }
@@ -476,6 +483,68 @@ fn x2(fam: Family) -> TestResult {
         fam_pod(&a, fam)
     );
     inbound_captured(&a, fam)
+}
+
+/// Pod A (with NET_ADMIN) adds an address, then deletes it: once its
+/// addresses are published again (a link event, a repair), the address is no
+/// longer A's, and pod B, enrolled later with it, gets it. A link-local
+/// address is never anyone's. Before, the first claim stayed until A left,
+/// and B's traffic went to A's ztunnel (issue: address ownership).
+fn x7(fam: Family) -> TestResult {
+    let a = enabled("x7a", Bind::DualStack)?;
+    let b = Fixture::in_subnet("x7b", Some(Bind::DualStack), 1)?;
+    let (taken, local) = match fam {
+        Family::V4 => ("10.199.0.20/32", "169.254.10.10/32"),
+        Family::V6 => ("fd00:199::20/128", "fe80::beef/128"),
+    };
+    let ip = |ns: &str, op: &str, addr: &str| {
+        let mut args = vec!["-n", ns, "addr", op, addr, "dev", "eth0"];
+        if fam == Family::V6 && op == "add" {
+            args.push("nodad");
+        }
+        sluice_tests::topology::ip(&args)
+    };
+    let addr =
+        |cidr: &str| -> std::net::IpAddr { cidr.split('/').next().unwrap().parse().unwrap() };
+    let owner = |dp: &sluice::dataplane::loader::Dataplane, a: std::net::IpAddr| {
+        let key = sluice::dataplane::state::addr_key(&a);
+        dp.maps()
+            .addrs_by_pod()
+            .into_iter()
+            .find(|(_, ks)| ks.contains(&key))
+            .map(|(c, _)| c)
+    };
+    let a_cookie = a.pod_record()?.netns_cookie;
+    let a_netns = sluice::podnet::netns::Netns::open(&a.topo.pod_netns_path())?;
+    let mut dp = a.dataplane()?;
+    ip(&a.topo.pod, "add", taken)?;
+    ip(&a.topo.pod, "add", local)?;
+    sluice::podnet::enroll::refresh_addrs(dp.maps_mut(), &a_netns, a_cookie)?;
+    ensure!(
+        owner(&dp, addr(taken)) == Some(a_cookie),
+        "{taken} not published for A"
+    );
+    ensure!(
+        owner(&dp, addr(local)).is_none(),
+        "link-local {local} was published"
+    );
+    ip(&a.topo.pod, "del", taken)?;
+    sluice::podnet::enroll::refresh_addrs(dp.maps_mut(), &a_netns, a_cookie)?;
+    ensure!(
+        owner(&dp, addr(taken)).is_none(),
+        "{taken} is still A's after A deleted it"
+    );
+    ip(&b.topo.pod, "add", taken)?;
+    let e =
+        sluice::podnet::enroll::enroll(&mut dp, &b.topo.pod_netns_path(), &b.uid, &b.workload())?;
+    ensure!(e.state == PodState::Enabled, "{e:?}");
+    let b_cookie = dp.maps().find_uid(&b.uid).context("B enrolled")?;
+    ensure!(
+        owner(&dp, addr(taken)) == Some(b_cookie),
+        "{taken} is not B's: {:?}",
+        owner(&dp, addr(taken))
+    );
+    Ok(())
 }
 
 /// A process in the pod (with CAP_NET_ADMIN) connects to the app over lo

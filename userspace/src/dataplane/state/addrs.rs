@@ -17,23 +17,36 @@ impl AddrMap {
         Self { map }
     }
 
-    /// Publishes pod `cookie`'s addresses. An address another enrolled pod
-    /// (`enrolled` says which) already has is not taken over (a pod that
-    /// adds a neighbour's address to its interface must not capture or
-    /// blackhole the neighbour's traffic): it is returned, refused. One held
-    /// by a cookie no longer enrolled is stale, and taken over.
+    /// Publishes pod `cookie`'s addresses: afterwards it holds exactly
+    /// those of `addrs` it may have. An address it held before and no longer
+    /// has goes (a claim must not outlive the address: another pod may get
+    /// it next). An address another enrolled pod (`enrolled` says which)
+    /// already has is not taken over (a pod that adds a neighbour's address
+    /// to its interface must not capture or blackhole the neighbour's
+    /// traffic): it is returned, refused. One held by a cookie no longer
+    /// enrolled is stale, and taken over. Link-local addresses are never
+    /// published: every interface has one, and they say nothing of a pod.
     pub fn set(
         &mut self,
         cookie: u64,
         addrs: &[IpAddr],
         enrolled: impl Fn(u64) -> bool,
     ) -> Result<Vec<IpAddr>, StateError> {
+        let wanted: Vec<AddrKey> = addrs
+            .iter()
+            .filter(|a| !link_local(a))
+            .map(addr_key)
+            .collect();
+        for k in self.of(cookie) {
+            if !wanted.contains(&k) {
+                let _ = self.map.remove(&k);
+            }
+        }
         let mut refused = Vec::new();
-        for a in addrs {
-            let key = addr_key(a);
+        for key in wanted {
             if let Ok(owner) = self.map.get(&key, 0) {
                 if owner != cookie && enrolled(owner) {
-                    refused.push(*a);
+                    refused.push(addr_of(&key));
                     continue;
                 }
             }
@@ -72,6 +85,14 @@ impl AddrMap {
     }
 }
 
+/// 169.254.0.0/16 and fe80::/10.
+pub fn link_local(a: &IpAddr) -> bool {
+    match a {
+        IpAddr::V4(v4) => v4.is_link_local(),
+        IpAddr::V6(v6) => v6.segments()[0] & 0xffc0 == 0xfe80,
+    }
+}
+
 /// The map key of an address: raw network-order words, as the programs read them.
 pub fn addr_key(a: &IpAddr) -> AddrKey {
     let words = |b: &[u8]| {
@@ -103,6 +124,16 @@ pub fn addr_of(k: &AddrKey) -> IpAddr {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn link_local_addresses_are_told_apart() {
+        for a in ["169.254.7.127", "fe80::1", "febf::1"] {
+            assert!(link_local(&a.parse().unwrap()), "{a}");
+        }
+        for a in ["10.244.1.7", "fd00::7", "fec0::1", "::1"] {
+            assert!(!link_local(&a.parse().unwrap()), "{a}");
+        }
+    }
 
     #[test]
     fn addresses_round_trip_through_their_map_keys() {
