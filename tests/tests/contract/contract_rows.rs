@@ -117,6 +117,13 @@ pub fn trials() -> Vec<Trial> {
             ),
             move || x7(fam),
         ));
+        v.push(trial(
+            format!(
+                "contract::{}::x8_a_pod_cannot_publish_more_than_its_share_of_addresses",
+                fam.name()
+            ),
+            move || x8(fam),
+        ));
     }
     v
 }
@@ -545,6 +552,63 @@ fn x7(fam: Family) -> TestResult {
         owner(&dp, addr(taken))
     );
     Ok(())
+}
+
+/// Pod A (with NET_ADMIN) adds 40 addresses: at most its share
+/// (`DEFAULT_MAX_POD_ADDRESSES`) is published, its own pod address kept among
+/// them, the rest returned as over the cap; a pod enrolled next still gets
+/// its address. Before, every address went into the node-wide map, and a pod
+/// could fill it so that no new pod on the node could be enrolled.
+fn x8(fam: Family) -> TestResult {
+    let a = enabled("x8a", Bind::DualStack)?;
+    let b = Fixture::in_subnet("x8b", Some(Bind::DualStack), 1)?;
+    let cap = sluice::dataplane::state::DEFAULT_MAX_POD_ADDRESSES;
+    let extra: Vec<String> = (1..=40)
+        .map(|i| match fam {
+            Family::V4 => format!("10.198.0.{i}/32"),
+            Family::V6 => format!("fd00:198::{i:x}/128"),
+        })
+        .collect();
+    let batch: String = extra
+        .iter()
+        .map(|a| {
+            let dad = if fam == Family::V6 { " nodad" } else { "" };
+            format!("addr add {a} dev eth0{dad}\n")
+        })
+        .collect();
+    let file =
+        std::env::temp_dir().join(format!("sluice-x8-{}-{}", std::process::id(), fam.name()));
+    std::fs::write(&file, batch)?;
+    let added = sluice_tests::topology::ip(&["-n", &a.topo.pod, "-batch", file.to_str().unwrap()]);
+    let _ = std::fs::remove_file(&file);
+    added?;
+    let a_cookie = a.pod_record()?.netns_cookie;
+    let a_netns = sluice::podnet::netns::Netns::open(&a.topo.pod_netns_path())?;
+    let mut dp = a.dataplane()?;
+    let over = sluice::podnet::enroll::refresh_addrs(dp.maps_mut(), &a_netns, a_cookie)?;
+    let held = dp.maps().addrs_of(a_cookie);
+    ensure!(
+        held.len() == cap,
+        "A holds {} addresses, its share is {cap}",
+        held.len()
+    );
+    ensure!(
+        over.len() >= extra.len() + 1 - cap,
+        "over the cap: {over:?}"
+    );
+    let own = sluice::dataplane::state::addr_key(&fam_pod(&a, fam));
+    ensure!(held.contains(&own), "A's own address lost its place");
+    let e =
+        sluice::podnet::enroll::enroll(&mut dp, &b.topo.pod_netns_path(), &b.uid, &b.workload())?;
+    ensure!(e.state == PodState::Enabled, "{e:?}");
+    let b_cookie = dp.maps().find_uid(&b.uid).context("B enrolled")?;
+    let b_own = sluice::dataplane::state::addr_key(&fam_pod(&b, fam));
+    ensure!(
+        dp.maps().addrs_of(b_cookie).contains(&b_own),
+        "B's address is not B's"
+    );
+    drop(dp);
+    inbound_captured(&a, fam)
 }
 
 /// A process in the pod (with CAP_NET_ADMIN) connects to the app over lo

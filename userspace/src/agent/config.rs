@@ -48,6 +48,8 @@ pub struct Config {
     /// Start even when another node agent serves ztunnel here (replacing
     /// its ZDS socket) instead of waiting for it to go.
     pub take_over_node_agent: bool,
+    /// `--max-pod-addresses`: a pod's share of the node-wide address map.
+    pub max_pod_addresses: usize,
 }
 
 impl Config {

@@ -137,6 +137,7 @@ fn open_node_netns(cfg: &Config) -> anyhow::Result<Option<hostside::Node>> {
 /// capture default and the tc attach mode, before any pod is verified or
 /// enrolled (pods enrolled under another default follow this one).
 fn set_up_dataplane(dp: &mut Dataplane, node_netns: Option<hostside::Node>, cfg: &Config) {
+    dp.maps_mut().set_addr_cap(cfg.max_pod_addresses);
     match &dp.adoption() {
         Adoption::Kept(_) => warn!(dataplane = %dp.adoption(), "dataplane"),
         a => info!(dataplane = %a, "dataplane"),

@@ -117,6 +117,11 @@ pub struct Args {
     /// reports `AnotherNodeAgent` and starts once the other is gone.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, env = "SLUICE_TAKE_OVER_NODE_AGENT")]
     take_over_node_agent: bool,
+    /// At most this many of a pod's addresses are published to the programs
+    /// (the node-wide address map is bounded per pod, so no pod can fill it
+    /// for its neighbours); past it, a TooManyAddresses Warning Event.
+    #[arg(long, default_value_t = crate::dataplane::state::DEFAULT_MAX_POD_ADDRESSES as u16, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    max_pod_addresses: u16,
     /// With --install-cni: how often the CNI config is checked besides
     /// the inotify watch that sees the primary CNI's rewrites at once.
     #[arg(long, default_value = "5s", value_parser = parse_duration)]
@@ -179,6 +184,7 @@ pub fn run(g: Globals, args: Args) -> anyhow::Result<()> {
         dns_capture: args.dns_capture,
         tc_attach: args.tc_attach,
         take_over_node_agent: args.take_over_node_agent,
+        max_pod_addresses: args.max_pod_addresses.into(),
     })
 }
 

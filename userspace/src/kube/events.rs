@@ -55,6 +55,9 @@ pub enum Reason {
     /// host-side program there, so the node's own connections to the pod
     /// (kubelet's probes) are captured like any other.
     HostProbesCaptured,
+    /// The pod has more addresses than `--max-pod-addresses`: those past it
+    /// are not the pod's for the programs (a node-wide map, bounded per pod).
+    TooManyAddresses,
     /// On the node: its condition turned True (the note has the reason).
     RedirectionReady,
     /// On the node: its condition turned False (ztunnel disconnected, the
@@ -75,6 +78,7 @@ impl Reason {
             Self::CaptureReleased => "CaptureReleased",
             Self::TookOverFromIstioCni => "TookOverFromIstioCni",
             Self::HostProbesCaptured => "HostProbesCaptured",
+            Self::TooManyAddresses => "TooManyAddresses",
             Self::RedirectionReady => "RedirectionReady",
             Self::RedirectionNotReady => "RedirectionNotReady",
         }
@@ -99,7 +103,8 @@ impl Reason {
             Self::CaptureFailed
             | Self::InvalidAnnotation
             | Self::TookOverFromIstioCni
-            | Self::HostProbesCaptured => "Capture",
+            | Self::HostProbesCaptured
+            | Self::TooManyAddresses => "Capture",
             Self::CaptureRepaired | Self::CaptureIncomplete => "Verify",
             Self::CaptureReleased => "Release",
             Self::RedirectionReady | Self::RedirectionNotReady => "Report",

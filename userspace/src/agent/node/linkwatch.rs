@@ -26,8 +26,8 @@ use tokio::{
 };
 use tracing::warn;
 
-use super::{book::PodBook, repair::Repairer};
-use crate::podnet::podlinks::LinkSpec;
+use super::{announce::Announcer, book::PodBook, repair::Repairer};
+use crate::{kube::events::Reason, podnet::podlinks::LinkSpec};
 
 /// rtnetlink's multicast groups of link and address events
 /// (`RTMGRP_LINK | RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR`).
@@ -38,14 +38,20 @@ const SUBSCRIBE_EVERY: Duration = Duration::from_millis(200);
 pub(super) struct LinkWatch {
     book: Arc<PodBook>,
     repair: Arc<Repairer>,
+    announcer: Arc<Announcer>,
     /// Link-event sockets open: one per watched pod.
     open: Arc<AtomicUsize>,
 }
 
 impl LinkWatch {
-    pub(super) fn new(book: Arc<PodBook>, repair: Arc<Repairer>) -> Self {
+    pub(super) fn new(
+        book: Arc<PodBook>,
+        repair: Arc<Repairer>,
+        announcer: Arc<Announcer>,
+    ) -> Self {
         Self {
             book,
+            announcer,
             repair,
             open: Arc::default(),
         }
@@ -160,8 +166,20 @@ impl LinkWatch {
         if guard.maps().entry(cookie).is_none() {
             return;
         }
-        if let Err(e) = crate::podnet::enroll::refresh_addrs(guard.maps_mut(), &netns, cookie) {
-            warn!(cookie, error = %e, "cannot publish the pod's addresses");
+        match crate::podnet::enroll::refresh_addrs(guard.maps_mut(), &netns, cookie) {
+            Ok(over) if !over.is_empty() => {
+                let uid = guard.maps().meta(cookie).map(|m| m.uid);
+                drop(guard);
+                if let Some(uid) = uid {
+                    let note = format!(
+                        "the pod has more addresses than this node publishes per pod (--max-pod-addresses); not captured as its: {over:?}"
+                    );
+                    self.announcer
+                        .pod_event(&uid, Reason::TooManyAddresses, &note);
+                }
+            }
+            Ok(_) => {}
+            Err(e) => warn!(cookie, error = %e, "cannot publish the pod's addresses"),
         }
     }
 

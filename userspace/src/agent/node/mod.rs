@@ -140,7 +140,11 @@ impl NodeAgent {
             announcer.clone(),
             metrics,
         ));
-        let links = Arc::new(LinkWatch::new(book.clone(), repair.clone()));
+        let links = Arc::new(LinkWatch::new(
+            book.clone(),
+            repair.clone(),
+            announcer.clone(),
+        ));
         let uninstall = Arc::new(Uninstaller::new(
             kube.clone(),
             book.clone(),

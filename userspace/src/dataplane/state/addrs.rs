@@ -8,8 +8,21 @@ use sluice_common::{AddrKey, FAMILY_V4, FAMILY_V6};
 
 use super::error::{merr, StateError};
 
+/// How many addresses one pod may have published by default: pods get one
+/// or two from the runtime; the map is node-wide, so no pod may fill it.
+pub const DEFAULT_MAX_POD_ADDRESSES: usize = 16;
+
 pub struct AddrMap {
     map: HashMap<MapData, AddrKey, u64>,
+}
+
+/// What publishing a pod's addresses left out.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Published {
+    /// Another enrolled pod has them.
+    pub refused: Vec<IpAddr>,
+    /// Past the per-pod cap: not captured as the pod's.
+    pub over_cap: Vec<IpAddr>,
 }
 
 impl AddrMap {
@@ -18,7 +31,7 @@ impl AddrMap {
     }
 
     /// Publishes pod `cookie`'s addresses: afterwards it holds exactly
-    /// those of `addrs` it may have. An address it held before and no longer
+    /// those of `addrs` it may have, at most `cap` of them. An address it held before and no longer
     /// has goes (a claim must not outlive the address: another pod may get
     /// it next). An address another enrolled pod (`enrolled` says which)
     /// already has is not taken over (a pod that adds a neighbour's address
@@ -30,29 +43,37 @@ impl AddrMap {
         &mut self,
         cookie: u64,
         addrs: &[IpAddr],
+        cap: usize,
         enrolled: impl Fn(u64) -> bool,
-    ) -> Result<Vec<IpAddr>, StateError> {
-        let wanted: Vec<AddrKey> = addrs
+    ) -> Result<Published, StateError> {
+        let held = self.of(cookie);
+        let mut wanted: Vec<AddrKey> = addrs
             .iter()
             .filter(|a| !link_local(a))
             .map(addr_key)
             .collect();
-        for k in self.of(cookie) {
+        // Past the cap, the addresses the pod already has come first: adding
+        // addresses never takes the pod's own away.
+        wanted.sort_by_key(|k| !held.contains(k));
+        let mut out = Published::default();
+        if wanted.len() > cap {
+            out.over_cap = wanted.split_off(cap).iter().map(addr_of).collect();
+        }
+        for k in held {
             if !wanted.contains(&k) {
                 let _ = self.map.remove(&k);
             }
         }
-        let mut refused = Vec::new();
         for key in wanted {
             if let Ok(owner) = self.map.get(&key, 0) {
                 if owner != cookie && enrolled(owner) {
-                    refused.push(addr_of(&key));
+                    out.refused.push(addr_of(&key));
                     continue;
                 }
             }
             self.map.insert(key, cookie, 0).map_err(merr("pod_addrs"))?;
         }
-        Ok(refused)
+        Ok(out)
     }
 
     /// Every pod's addresses, in one walk of the map.

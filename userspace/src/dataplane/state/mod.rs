@@ -34,7 +34,7 @@ use crate::{
 };
 
 pub use crate::workload::PodIdentity;
-pub use addrs::{addr_key, addr_of};
+pub use addrs::{addr_key, addr_of, Published, DEFAULT_MAX_POD_ADDRESSES};
 pub use error::StateError;
 pub use records::{DnsMode, DnsView, PodRecord};
 
@@ -62,6 +62,8 @@ pub struct Maps {
     /// costs no map lookup.
     uids: StdHashMap<String, u64>,
     identities: StdHashMap<u64, PodIdentity>,
+    /// At most this many addresses per pod in the node-wide address map.
+    addr_cap: usize,
 }
 
 impl Maps {
@@ -97,6 +99,7 @@ impl Maps {
             observer: None,
             uids: Default::default(),
             identities: Default::default(),
+            addr_cap: addrs::DEFAULT_MAX_POD_ADDRESSES,
         }
         .with_uid_index())
     }
@@ -301,10 +304,16 @@ impl Maps {
     /// Publishes pod `cookie`'s addresses to the ingress programs. An
     /// address another enrolled pod already has is not taken over: it is
     /// returned, refused (`AddrMap::set`).
-    pub fn set_addrs(&mut self, cookie: u64, addrs: &[IpAddr]) -> Result<Vec<IpAddr>, StateError> {
+    pub fn set_addrs(&mut self, cookie: u64, addrs: &[IpAddr]) -> Result<Published, StateError> {
         let pod_state = &self.pod_state;
-        self.addrs
-            .set(cookie, addrs, |owner| pod_state.get(&owner, 0).is_ok())
+        self.addrs.set(cookie, addrs, self.addr_cap, |owner| {
+            pod_state.get(&owner, 0).is_ok()
+        })
+    }
+
+    /// How many addresses one pod may have published (`--max-pod-addresses`).
+    pub fn set_addr_cap(&mut self, cap: usize) {
+        self.addr_cap = cap;
     }
 
     /// Every pod's addresses, in one walk of the address map.
