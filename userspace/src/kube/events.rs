@@ -10,7 +10,14 @@
 //! (same pod, reason and action) into one Event whose series count grows,
 //! from one task fed by a bounded queue: publishing never holds up an
 //! enrollment, and a burst beyond the queue is dropped (and logged) rather
-//! than queued without bound.
+//! than queued without bound. Each pod has a share of the queue
+//! ([`PER_POD`]): a pod flapping its interfaces cannot push out the events
+//! of its neighbours.
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+};
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
@@ -23,6 +30,36 @@ use crate::workload::Workload;
 pub const CONTROLLER: &str = "sluice.dev/agent";
 /// Events waiting to be published at most.
 const QUEUE: usize = 256;
+/// Events of one pod waiting to be published at most.
+pub const PER_POD: usize = 8;
+
+/// How many events each pod has waiting (by uid; no entry: none).
+#[derive(Default)]
+struct Shares(Mutex<HashMap<String, usize>>);
+
+impl Shares {
+    /// Takes a place for one more event of pod `uid`, if it has one left.
+    fn take(&self, uid: &str) -> bool {
+        let mut m = self.0.lock().unwrap();
+        let n = m.entry(uid.to_owned()).or_default();
+        if *n >= PER_POD {
+            return false;
+        }
+        *n += 1;
+        true
+    }
+
+    /// Gives a place back (its event was taken off the queue).
+    fn give_back(&self, uid: &str) {
+        let mut m = self.0.lock().unwrap();
+        if let Some(n) = m.get_mut(uid) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(uid);
+            }
+        }
+    }
+}
 
 /// Why an event is published: its `reason`, searchable with
 /// `kubectl get events --field-selector reason=…`.
@@ -162,6 +199,7 @@ fn node_ref(name: &str) -> ObjectReference {
 #[derive(Clone)]
 pub struct Events {
     tx: mpsc::Sender<(Regarding, Reason, String)>,
+    shares: Arc<Shares>,
 }
 
 impl Events {
@@ -170,6 +208,8 @@ impl Events {
     pub fn start(client: kube::Client, node: &str) -> Self {
         let (tx, mut rx) = mpsc::channel::<(Regarding, Reason, String)>(QUEUE);
         let node = node.to_owned();
+        let shares = Arc::new(Shares::default());
+        let taken = shares.clone();
         let recorder = Recorder::new(
             client,
             Reporter {
@@ -179,6 +219,9 @@ impl Events {
         );
         tokio::spawn(async move {
             while let Some((regarding, reason, note)) = rx.recv().await {
+                if let Regarding::Pod(p) = &regarding {
+                    taken.give_back(&p.uid);
+                }
                 let ev = Event {
                     type_: if reason.warning() {
                         EventType::Warning
@@ -201,24 +244,36 @@ impl Events {
                 }
             }
         });
-        Self { tx }
+        Self { tx, shares }
     }
 
     /// Queues an event; drops it when the queue is full (a burst the API
-    /// is not keeping up with: the agent's own log has each of them).
-    pub fn pod(&self, pod: PodRef, reason: Reason, note: impl Into<String>) {
-        self.queue(Regarding::Pod(pod), reason, note.into());
+    /// is not keeping up with: the agent's own log has each of them) or the
+    /// pod has its share of it waiting already. True: queued.
+    pub fn pod(&self, pod: PodRef, reason: Reason, note: impl Into<String>) -> bool {
+        if !self.shares.take(&pod.uid) {
+            debug!(pod = %pod.uid, reason = reason.as_str(), "the pod's share of the event queue is full: event dropped");
+            return false;
+        }
+        let uid = pod.uid.clone();
+        let queued = self.queue(Regarding::Pod(pod), reason, note.into());
+        if !queued {
+            self.shares.give_back(&uid);
+        }
+        queued
     }
 
     /// Queues an event on this node.
-    pub fn node(&self, reason: Reason, note: impl Into<String>) {
-        self.queue(Regarding::Node, reason, note.into());
+    pub fn node(&self, reason: Reason, note: impl Into<String>) -> bool {
+        self.queue(Regarding::Node, reason, note.into())
     }
 
-    fn queue(&self, regarding: Regarding, reason: Reason, note: String) {
-        if self.tx.try_send((regarding, reason, note)).is_err() {
+    fn queue(&self, regarding: Regarding, reason: Reason, note: String) -> bool {
+        let queued = self.tx.try_send((regarding, reason, note)).is_ok();
+        if !queued {
             debug!(reason = reason.as_str(), "event queue full: event dropped");
         }
+        queued
     }
 }
 
@@ -247,5 +302,24 @@ mod tests {
         let t = truncate(long);
         assert!(t.len() <= 1024 && t.ends_with("..."), "{}", t.len());
         assert_eq!(truncate("short".into()), "short");
+    }
+
+    /// A pod flooding events (an API that does not answer keeps them all
+    /// waiting) gets its share of the queue; a neighbour's still gets in.
+    #[tokio::test]
+    async fn one_pod_cannot_push_out_its_neighbours_events() {
+        let (client, _api) = crate::kube::mock::client();
+        let events = Events::start(client, "node-1");
+        let pod = |name: &str| PodRef {
+            namespace: "shop".into(),
+            name: name.into(),
+            uid: format!("uid-{name}"),
+        };
+        let queued = (0..100)
+            .filter(|i| events.pod(pod("flapping"), Reason::CaptureIncomplete, format!("{i}")))
+            .count();
+        // Its share, and perhaps one more taken off the queue meanwhile.
+        assert!((PER_POD..=PER_POD + 1).contains(&queued), "{queued}");
+        assert!(events.pod(pod("neighbour"), Reason::ZtunnelRejected, "nack"));
     }
 }
