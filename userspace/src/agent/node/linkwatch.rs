@@ -26,7 +26,7 @@ use tokio::{
 };
 use tracing::warn;
 
-use super::{announce::Announcer, book::PodBook, repair::Repairer};
+use super::{announce::Announcer, book::PodBook, pace::Pace, repair::Repairer};
 use crate::{kube::events::Reason, podnet::podlinks::LinkSpec};
 
 /// rtnetlink's multicast groups of link and address events
@@ -68,6 +68,9 @@ impl LinkWatch {
         let (tx, mut rx) = mpsc::unbounded_channel::<u64>();
         let mut watched: HashMap<u64, JoinHandle<()>> = HashMap::new();
         let mut tick = tokio::time::interval(SUBSCRIBE_EVERY);
+        // A flapping pod's events are handled at growing gaps.
+        let mut pace = Pace::default();
+        let mut deferred: BTreeSet<u64> = BTreeSet::new();
         loop {
             tokio::select! {
                 _ = stop.changed() => break,
@@ -78,12 +81,35 @@ impl LinkWatch {
                         continue;
                     };
                     self.update_watches(&mut watched, opened, &tx).await;
+                    pace.keep_only(|c| watched.contains_key(&c));
+                    deferred.retain(|c| watched.contains_key(c));
                 }
                 Some(cookie) = rx.recv() => {
                     // Coalesce: a burst of events looks at each pod once.
                     let mut due = BTreeSet::from([cookie]);
                     while let Ok(c) = rx.try_recv() {
                         due.insert(c);
+                    }
+                    let now = std::time::Instant::now();
+                    due.retain(|&c| match pace.admit(c, now) {
+                        Ok(()) => {
+                            deferred.remove(&c);
+                            true
+                        }
+                        Err(wait) => {
+                            // Looked at again once its gap has passed.
+                            if deferred.insert(c) {
+                                let tx = tx.clone();
+                                tokio::spawn(async move {
+                                    tokio::time::sleep(wait).await;
+                                    let _ = tx.send(c);
+                                });
+                            }
+                            false
+                        }
+                    });
+                    if due.is_empty() {
+                        continue;
                     }
                     let this = self.clone();
                     let _ = tokio::task::spawn_blocking(move || {

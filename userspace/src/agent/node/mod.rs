@@ -41,6 +41,7 @@ mod book;
 mod effects;
 mod enroller;
 mod linkwatch;
+mod pace;
 mod pods;
 mod relist;
 mod repair;
