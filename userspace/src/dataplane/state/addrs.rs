@@ -14,6 +14,10 @@ pub const DEFAULT_MAX_POD_ADDRESSES: usize = 16;
 
 pub struct AddrMap {
     map: HashMap<MapData, AddrKey, u64>,
+    /// Each pod's entries, read once when the map is opened and then kept by
+    /// this process's own writes (the map's one writer, as for the uid
+    /// index): publishing a pod's addresses costs no walk of the node-wide map.
+    held: StdHashMap<u64, Vec<AddrKey>>,
 }
 
 /// What publishing a pod's addresses left out.
@@ -27,7 +31,12 @@ pub struct Published {
 
 impl AddrMap {
     pub fn new(map: HashMap<MapData, AddrKey, u64>) -> Self {
-        Self { map }
+        let mut m = Self {
+            map,
+            held: Default::default(),
+        };
+        m.held = m.by_pod();
+        m
     }
 
     /// Publishes pod `cookie`'s addresses: afterwards it holds exactly
@@ -46,7 +55,7 @@ impl AddrMap {
         cap: usize,
         enrolled: impl Fn(u64) -> bool,
     ) -> Result<Published, StateError> {
-        let held = self.of(cookie);
+        let held = self.held.remove(&cookie).unwrap_or_default();
         let mut wanted: Vec<AddrKey> = addrs
             .iter()
             .filter(|a| !link_local(a))
@@ -64,16 +73,31 @@ impl AddrMap {
                 let _ = self.map.remove(&k);
             }
         }
+        let mut now = Vec::with_capacity(wanted.len());
+        let mut result = Ok(());
         for key in wanted {
             if let Ok(owner) = self.map.get(&key, 0) {
                 if owner != cookie && enrolled(owner) {
                     out.refused.push(addr_of(&key));
                     continue;
                 }
+                if owner != cookie {
+                    // A stale claim taken over: no longer the old owner's.
+                    if let Some(v) = self.held.get_mut(&owner) {
+                        v.retain(|k| *k != key);
+                    }
+                }
             }
-            self.map.insert(key, cookie, 0).map_err(merr("pod_addrs"))?;
+            if let Err(e) = self.map.insert(key, cookie, 0) {
+                result = Err(merr("pod_addrs")(e));
+                break;
+            }
+            now.push(key);
         }
-        Ok(out)
+        if !now.is_empty() {
+            self.held.insert(cookie, now);
+        }
+        result.map(|()| out)
     }
 
     /// Every pod's addresses, in one walk of the map.
@@ -95,6 +119,7 @@ impl AddrMap {
     }
 
     pub fn remove(&mut self, cookie: u64) {
+        self.held.remove(&cookie);
         for k in self.of(cookie) {
             let _ = self.map.remove(&k);
         }
