@@ -11,10 +11,11 @@ pub enum DropReason {
     /// or cut short: it could hide a TCP SYN, so it never leaves a captured
     /// interface.
     Malformed = 0,
-    /// A SYN leaving a captured interface from an address no enrolled pod
-    /// has, on a kernel whose tc programs cannot learn a packet's netns (so
-    /// the address is all that names the pod); or a rerouted interface's
-    /// SYN there.
+    /// A SYN or DNS query leaving a captured interface from a source that
+    /// is not its pod's: another pod's address (a spoofed source), or, on a
+    /// kernel whose tc programs cannot learn a packet's netns (so the
+    /// address is all that names the pod), an address no enrolled pod has;
+    /// or a rerouted interface's SYN there.
     UnknownSource = 1,
     /// A TCP segment that reached a listener lookup in an enrolled pod with
     /// no fresh hint from a tc program (or a `Deny` one), which sk_lookup

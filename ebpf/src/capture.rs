@@ -18,7 +18,8 @@ use aya_ebpf::{
     bindings::bpf_sock_tuple,
     bindings::{tcx_action_base::TCX_NEXT, BPF_F_CURRENT_NETNS, TC_ACT_SHOT},
     helpers::{
-        bpf_ktime_get_ns, bpf_sk_assign, bpf_sk_fullsock, bpf_sk_release, bpf_skc_lookup_tcp,
+        bpf_ktime_get_ns, bpf_sk_assign, bpf_sk_fullsock, bpf_sk_lookup_udp, bpf_sk_release,
+        bpf_skc_lookup_tcp,
     },
     programs::TcContext,
     EbpfContext,
@@ -26,8 +27,8 @@ use aya_ebpf::{
 use core::ffi::c_void;
 use sluice_common::{
     Counters, DropReason, FlowKey, HintVerdict, Role, FAMILY_V4, FLOW_HINT_TTL_NS, HINT_HOST_TAKEN,
-    HINT_USED, MARK_MASK, MARK_REDIRECT, MARK_ZTUNNEL, POD_FLAG_BYPASS_INBOUND, PORT_HBONE,
-    PORT_OUTBOUND,
+    HINT_USED, MARK_MASK, MARK_REDIRECT, MARK_ZTUNNEL, POD_FLAG_BYPASS_INBOUND, PORT_DNS,
+    PORT_HBONE, PORT_OUTBOUND,
 };
 
 use crate::{
@@ -36,7 +37,7 @@ use crate::{
     maps::{count, count_drop, FLOW_HINTS, NODE_NETNS, POD_STATE, TC_LOOKUP},
     packet::{parse, parse_tcp, Parsed, Tcp, L2_ETH},
     tc::{
-        listener_present, mark, mark_redirect, netns_cookie, pod_flags, pod_of, put_hint,
+        listener, listener_present, mark, mark_redirect, netns_cookie, pod_flags, pod_of, put_hint,
         put_hint_flags, redirect_to_self,
     },
 };
@@ -96,10 +97,11 @@ pub fn egress<const L2: usize>(ctx: &TcContext) -> i32 {
         // paths) reads as the host netns, and a kernel that cannot tell has
         // none: then the source address names the pod.
         let by_socket = netns_cookie(ctx);
+        let owner = pod_of(t.family, &t.saddr);
         let found = by_socket
             .and_then(|c| unsafe { POD_STATE.get(c) }.map(|p| (c, p)))
             .or_else(|| {
-                let c = pod_of(t.family, &t.saddr)?;
+                let c = owner?;
                 unsafe { POD_STATE.get(c) }.map(|p| (c, p))
             });
         let Some((cookie, pod)) = found else {
@@ -111,6 +113,20 @@ pub fn egress<const L2: usize>(ctx: &TcContext) -> i32 {
             count_drop(DropReason::UnknownSource);
             return TC_SHOT;
         };
+        // A source address another pod owns: never steered as that pod's
+        // (its listeners, its identity) nor as this one's.
+        let role = if t.dport == PORT_DNS
+            && dns::dns_on(cookie)
+            && listener_present(cookie, Role::DnsTcp, t.family)
+        {
+            Role::DnsTcp
+        } else {
+            Role::Outbound
+        };
+        if !from_its_pod(ctx, cookie, owner, role, t.family, &t.saddr, t.sport) {
+            count_drop(DropReason::UnknownSource);
+            return TC_SHOT;
+        }
         if !pod.steers() {
             count(cookie, |c: &mut Counters| &mut c.dropped_fail_closed);
             return TC_SHOT;
@@ -136,6 +152,80 @@ pub fn egress<const L2: usize>(ctx: &TcContext) -> i32 {
         return redirect_to_self::<L2>(ctx);
     }
     TC_OK
+}
+
+/// Whether a packet leaving an enrolled pod's interface that names pod
+/// `cookie` (by its socket's netns, else by `owner`, its source address's
+/// pod) came from that pod. When its socket's netns is the pod's, that pod
+/// sent it: its source must not be another pod's address (`owner`).
+/// Otherwise (a kernel without netns cookies in tc, or a packet without a
+/// socket: forwarded by the pod) the address named the pod, and a pod with
+/// `NET_RAW` may have written a neighbour's: `cookie`'s `role` listener must
+/// then be the one this interface's netns holds (a socket lookup at
+/// loopback, where ztunnel's listeners answer). A pod without that listener
+/// fails closed later on.
+#[inline(always)]
+pub fn from_its_pod(
+    ctx: &TcContext,
+    cookie: u64,
+    owner: Option<u64>,
+    role: Role,
+    family: u8,
+    saddr: &[u32; 4],
+    sport: u16,
+) -> bool {
+    if netns_cookie(ctx) == Some(cookie) {
+        return owner.is_none_or(|o| o == cookie);
+    }
+    let Some(registered) = listener(cookie, role, family) else {
+        return true;
+    };
+    let port = role.port();
+    let here = if role == Role::DnsUdp {
+        sk_lookup_udp(ctx, family, saddr, &loopback(family), sport, port)
+    } else {
+        skc_lookup(ctx, family, saddr, &loopback(family), sport, port).map(|s| s as *mut c_void)
+    };
+    let same = here.is_some_and(|h| core::ptr::eq(h, registered));
+    unsafe { bpf_sk_release(registered) };
+    if let Some(h) = here {
+        unsafe { bpf_sk_release(h) };
+    }
+    same
+}
+
+/// The loopback address of `family`, as raw network-order words.
+#[inline(always)]
+fn loopback(family: u8) -> [u32; 4] {
+    if family == FAMILY_V4 {
+        [u32::from_ne_bytes([127, 0, 0, 1]), 0, 0, 0]
+    } else {
+        [0, 0, 0, u32::from_ne_bytes([0, 0, 0, 1])]
+    }
+}
+
+/// The UDP socket of this netns a datagram from `saddr:sport` to
+/// `daddr:dport` would reach, referenced (the caller releases it).
+#[inline(always)]
+fn sk_lookup_udp(
+    ctx: &TcContext,
+    family: u8,
+    saddr: &[u32; 4],
+    daddr: &[u32; 4],
+    sport: u16,
+    dport: u16,
+) -> Option<*mut c_void> {
+    let (mut tuple, size) = sock_tuple(family, saddr, daddr, sport, dport);
+    let sk = unsafe {
+        bpf_sk_lookup_udp(
+            ctx.as_ptr(),
+            &mut tuple,
+            size as u32,
+            BPF_F_CURRENT_NETNS as u64,
+            0,
+        )
+    };
+    (!sk.is_null()).then_some(sk as *mut c_void)
 }
 
 /// Ingress on the pod's interface: drop inbound SYNs that ztunnel cannot take
@@ -255,12 +345,14 @@ pub fn reroute_ingress(ctx: &TcContext) -> i32 {
 /// looked up at loopback so that sk_lookup passes the lookup through.
 #[inline(always)]
 fn outbound_listener(ctx: &TcContext, t: &Tcp) -> Option<*mut c_void> {
-    let loopback = if t.family == FAMILY_V4 {
-        [u32::from_ne_bytes([127, 0, 0, 1]), 0, 0, 0]
-    } else {
-        [0, 0, 0, u32::from_ne_bytes([0, 0, 0, 1])]
-    };
-    let sk = skc_lookup(ctx, t.family, &t.saddr, &loopback, t.sport, PORT_OUTBOUND)?;
+    let sk = skc_lookup(
+        ctx,
+        t.family,
+        &t.saddr,
+        &loopback(t.family),
+        t.sport,
+        PORT_OUTBOUND,
+    )?;
     if unsafe { (*sk).state } != BPF_TCP_LISTEN {
         unsafe { bpf_sk_release(sk as *mut c_void) };
         return None;
@@ -281,22 +373,7 @@ fn skc_lookup(
 ) -> Option<*mut aya_ebpf::bindings::bpf_sock> {
     // sk_lookup runs inside this lookup: it is told who asks (TC_LOOKUP).
     let asking = TC_LOOKUP.get_ptr_mut(0);
-    let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
-    let size = if family == FAMILY_V4 {
-        let v4 = unsafe { &mut tuple.__bindgen_anon_1.ipv4 };
-        v4.saddr = saddr[0];
-        v4.daddr = daddr[0];
-        v4.sport = sport.to_be();
-        v4.dport = dport.to_be();
-        core::mem::size_of_val(v4)
-    } else {
-        let v6 = unsafe { &mut tuple.__bindgen_anon_1.ipv6 };
-        v6.saddr = *saddr;
-        v6.daddr = *daddr;
-        v6.sport = sport.to_be();
-        v6.dport = dport.to_be();
-        core::mem::size_of_val(v6)
-    };
+    let (mut tuple, size) = sock_tuple(family, saddr, daddr, sport, dport);
     if let Some(a) = asking {
         unsafe { *a = 1 };
     }
@@ -313,6 +390,34 @@ fn skc_lookup(
         unsafe { *a = 0 };
     }
     (!sk.is_null()).then_some(sk)
+}
+
+/// A socket-lookup tuple and its size for `family`.
+#[inline(always)]
+fn sock_tuple(
+    family: u8,
+    saddr: &[u32; 4],
+    daddr: &[u32; 4],
+    sport: u16,
+    dport: u16,
+) -> (bpf_sock_tuple, usize) {
+    let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
+    let size = if family == FAMILY_V4 {
+        let v4 = unsafe { &mut tuple.__bindgen_anon_1.ipv4 };
+        v4.saddr = saddr[0];
+        v4.daddr = daddr[0];
+        v4.sport = sport.to_be();
+        v4.dport = dport.to_be();
+        core::mem::size_of_val(v4)
+    } else {
+        let v6 = unsafe { &mut tuple.__bindgen_anon_1.ipv6 };
+        v6.saddr = *saddr;
+        v6.daddr = *daddr;
+        v6.sport = sport.to_be();
+        v6.dport = dport.to_be();
+        core::mem::size_of_val(v6)
+    };
+    (tuple, size)
 }
 
 /// Ingress on the pod's `lo`: Istio exempts `-i lo` traffic (the app to its own

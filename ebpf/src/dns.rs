@@ -17,18 +17,19 @@
 //! off — UDP leaves for the resolver, TCP is captured to 15001 (row D4).
 
 use aya_ebpf::{
-    bindings::{tcx_action_base::TCX_NEXT, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
+    bindings::{tcx_action_base::TCX_NEXT, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_SHOT},
     helpers::bpf_csum_diff,
     programs::TcContext,
 };
 use sluice_common::{
-    DnsCounters, DnsFlow, DnsFlowKey, HintVerdict, Role, FAMILY_V4, MARK_MASK, MARK_ZTUNNEL,
-    POD_FLAG_DNS_CAPTURE, PORT_DNS, PORT_DNS_PROXY,
+    DnsCounters, DnsFlow, DnsFlowKey, DropReason, HintVerdict, Role, FAMILY_V4, MARK_MASK,
+    MARK_ZTUNNEL, POD_FLAG_DNS_CAPTURE, PORT_DNS, PORT_DNS_PROXY,
 };
 
 use crate::{
     addr::is_loopback,
-    maps::{count_dns, DNS_FLOWS, POD_STATE},
+    capture::from_its_pod,
+    maps::{count_dns, count_drop, DNS_FLOWS, POD_STATE},
     packet::{Tcp, Udp, IPV4_CHECK, IPV4_SADDR, IPV6_SADDR},
     tc::{
         flow_key, listener_present, mark, netns_cookie, pod_flags, pod_of, put_hint,
@@ -38,9 +39,10 @@ use crate::{
 
 /// Passed on to the next program on the hook (see capture.rs `TC_OK`).
 const PASS: i32 = TCX_NEXT;
+const DROP: i32 = TC_ACT_SHOT;
 
 #[inline(always)]
-fn dns_on(cookie: u64) -> bool {
+pub fn dns_on(cookie: u64) -> bool {
     pod_flags(cookie) & POD_FLAG_DNS_CAPTURE != 0
 }
 
@@ -58,11 +60,29 @@ pub fn egress_udp<const L2: usize>(ctx: &TcContext, u: &Udp) -> i32 {
     if u.dport != PORT_DNS || mark(ctx) & MARK_MASK == MARK_ZTUNNEL {
         return PASS;
     }
-    let Some(cookie) = netns_cookie(ctx).or_else(|| pod_of(u.family, &u.saddr)) else {
-        return PASS;
+    let owner = pod_of(u.family, &u.saddr);
+    let Some(cookie) = netns_cookie(ctx).or(owner) else {
+        // A captured interface, a source no pod has, no socket's netns to
+        // tell the pod: as for a SYN, it does not leave around ztunnel.
+        count_drop(DropReason::UnknownSource);
+        return DROP;
     };
     if !dns_on(cookie) {
         return PASS;
+    }
+    // Another pod's source address: never that pod's query (its proxy
+    // socket would take it, and its answer go to that pod's app).
+    if !from_its_pod(
+        ctx,
+        cookie,
+        owner,
+        Role::DnsUdp,
+        u.family,
+        &u.saddr,
+        u.sport,
+    ) {
+        count_drop(DropReason::UnknownSource);
+        return DROP;
     }
     let steers = unsafe { POD_STATE.get(cookie) }.is_some_and(|p| p.steers());
     if !steers || !listener_present(cookie, Role::DnsUdp, u.family) {

@@ -116,6 +116,17 @@ pub fn redirect_to_self<const L2: usize>(ctx: &TcContext) -> i32 {
 /// return a referenced socket, released at once.)
 #[inline(always)]
 pub fn listener_present(cookie: u64, role: Role, family: u8) -> bool {
+    let Some(sk) = listener(cookie, role, family) else {
+        return false;
+    };
+    unsafe { bpf_sk_release(sk) };
+    true
+}
+
+/// The pod's registered listener for this role, referenced (the caller
+/// releases it).
+#[inline(always)]
+pub fn listener(cookie: u64, role: Role, family: u8) -> Option<*mut c_void> {
     let key = ListenerKey::new(cookie, role, family);
     let map = if role.is_dns() {
         &DNS_LISTENERS as *const _ as *mut c_void
@@ -123,9 +134,5 @@ pub fn listener_present(cookie: u64, role: Role, family: u8) -> bool {
         &LISTENERS as *const _ as *mut c_void
     };
     let sk = unsafe { bpf_map_lookup_elem(map, &key as *const _ as *const c_void) };
-    if sk.is_null() {
-        return false;
-    }
-    unsafe { bpf_sk_release(sk) };
-    true
+    (!sk.is_null()).then_some(sk)
 }

@@ -185,6 +185,9 @@ fn chain() -> TestResult {
         .run()?;
     ensure!(ptp.ok, "ptp ADD: {} {}", ptp.stdout, ptp.stderr);
     let prev = ptp.json()?;
+    // An address the runtime did not give the pod: never the pod's for
+    // capture (only prevResult's are).
+    ip(&["-n", &n.pod, "addr", "add", "10.196.0.9/32", "dev", "eth0"])?;
     let conf = json!({
         "cniVersion": "1.0.0", "name": "sluice-test", "type": "sluice-cni",
         "agentSocket": agent.control, "prevResult": prev,
@@ -230,6 +233,11 @@ fn chain() -> TestResult {
         .next()
         .unwrap()
         .parse()?;
+    ensure!(
+        pods[0].addresses == [pod_ip],
+        "published {:?}, the runtime gave {pod_ip}",
+        pods[0].addresses
+    );
     let gw: IpAddr = prev["ips"][0]["gateway"]
         .as_str()
         .context("no gateway")?

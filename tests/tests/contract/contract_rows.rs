@@ -117,6 +117,27 @@ pub fn trials() -> Vec<Trial> {
             ),
             move || x7(fam),
         ));
+        let x10_name = "x10_a_syn_with_a_neighbours_source_address_is_dropped";
+        v.push(trial(
+            format!("contract::{}::{x10_name}", fam.name()),
+            move || x10(fam),
+        ));
+        v.push(trial(
+            format!(
+                "contract::no_netns_cookie_in_tc::{}::{x10_name}",
+                fam.name()
+            ),
+            move || as_if_kernel(without_netns_cookie_in_tc(), || x10(fam)),
+        ));
+        let x9_name = "x9_the_runtimes_address_is_the_pods_whatever_another_pod_claimed";
+        v.push(trial(
+            format!("contract::{}::{x9_name}", fam.name()),
+            move || x9(fam),
+        ));
+        v.push(trial(
+            format!("contract::no_netns_cookie_in_tc::{}::{x9_name}", fam.name()),
+            move || as_if_kernel(without_netns_cookie_in_tc(), || x9(fam)),
+        ));
         v.push(trial(
             format!(
                 "contract::{}::x8_a_pod_cannot_publish_more_than_its_share_of_addresses",
@@ -280,7 +301,11 @@ fn i5(fam: Family) -> TestResult {
 }
 
 fn o1(fam: Family) -> TestResult {
-    let f = enabled("o1", Bind::DualStack)?;
+    o1_on(&enabled("o1", Bind::DualStack)?, fam)
+}
+
+/// Row O1 on an enrolled fixture that has captured nothing yet.
+fn o1_on(f: &Fixture, fam: Family) -> TestResult {
     let dst = sa(fam.client(), REMOTE_PORT);
     let r = connect(&f.topo.pod, dst, Opts::default());
     // ztunnel connected onwards from the pod's address.
@@ -513,14 +538,6 @@ fn x7(fam: Family) -> TestResult {
     };
     let addr =
         |cidr: &str| -> std::net::IpAddr { cidr.split('/').next().unwrap().parse().unwrap() };
-    let owner = |dp: &sluice::dataplane::loader::Dataplane, a: std::net::IpAddr| {
-        let key = sluice::dataplane::state::addr_key(&a);
-        dp.maps()
-            .addrs_by_pod()
-            .into_iter()
-            .find(|(_, ks)| ks.contains(&key))
-            .map(|(c, _)| c)
-    };
     let a_cookie = a.pod_record()?.netns_cookie;
     let a_netns = sluice::podnet::netns::Netns::open(&a.topo.pod_netns_path())?;
     let mut dp = a.dataplane()?;
@@ -552,6 +569,138 @@ fn x7(fam: Family) -> TestResult {
         owner(&dp, addr(taken))
     );
     Ok(())
+}
+
+/// Pod A (with NET_ADMIN), enrolled first, puts pod B's address on its own
+/// interface before B exists. B is enrolled with the addresses the runtime
+/// gave it: they are B's, A's claim is evicted and A cannot take it back,
+/// and an address B adds itself is not published. B's inbound and outbound
+/// reach B's ztunnel, never A's. Before, the first claim won: B was refused
+/// its address, and its traffic went to A's listeners (issue 38, case 1).
+fn x9(fam: Family) -> TestResult {
+    let a = enabled("x9a", Bind::DualStack)?;
+    let b = Fixture::in_subnet("x9b", Some(Bind::DualStack), 1)?;
+    let (b4, b6) = (b.topo.pod_ip(Family::V4), b.topo.pod_ip(Family::V6));
+    let b_ip = b.topo.pod_ip(fam);
+    let add = |ns: &str, addr: String| {
+        let mut args = vec!["-n", ns, "addr", "add", &addr, "dev", "eth0"];
+        if fam == Family::V6 {
+            args.push("nodad");
+        }
+        sluice_tests::topology::ip(&args)
+    };
+    let host = if fam == Family::V4 { 32 } else { 128 };
+    let a_cookie = a.pod_record()?.netns_cookie;
+    let a_netns = sluice::podnet::netns::Netns::open(&a.topo.pod_netns_path())?;
+    let mut dp = a.dataplane()?;
+    add(&a.topo.pod, format!("{b_ip}/{host}"))?;
+    sluice::podnet::enroll::refresh_addrs(dp.maps_mut(), &a_netns, a_cookie)?;
+    ensure!(owner(&dp, b_ip) == Some(a_cookie), "A did not claim {b_ip}");
+    let runtime = sluice::podnet::enroll::PodAddrs::Runtime(vec![b4, b6]);
+    let e = sluice::podnet::enroll::enroll_with_addrs(
+        &mut dp,
+        &b.topo.pod_netns_path(),
+        &b.uid,
+        &b.workload(),
+        &Default::default(),
+        &runtime,
+    )?;
+    ensure!(e.state == PodState::Enabled, "{e:?}");
+    let b_cookie = dp.maps().find_uid(&b.uid).context("B enrolled")?;
+    ensure!(
+        owner(&dp, b_ip) == Some(b_cookie),
+        "{b_ip} is not B's: {:?}",
+        owner(&dp, b_ip)
+    );
+    // A link event of A's: its netns still holds the address.
+    sluice::podnet::enroll::refresh_addrs(dp.maps_mut(), &a_netns, a_cookie)?;
+    ensure!(owner(&dp, b_ip) == Some(b_cookie), "A took {b_ip} back");
+    // An address B puts on its interface names nothing.
+    let extra: std::net::IpAddr = match fam {
+        Family::V4 => "10.197.0.9".parse()?,
+        Family::V6 => "fd00:197::9".parse()?,
+    };
+    add(&b.topo.pod, format!("{extra}/{host}"))?;
+    let b_netns = sluice::podnet::netns::Netns::open(&b.topo.pod_netns_path())?;
+    sluice::podnet::enroll::refresh_addrs(dp.maps_mut(), &b_netns, b_cookie)?;
+    ensure!(
+        owner(&dp, extra).is_none(),
+        "{extra}, B's own doing, was published"
+    );
+    drop(dp);
+    let dst = sa(b_ip, APP_PORT);
+    let r = connect(&b.topo.client, dst, Opts::default());
+    expect_reply(&r, &format!("app:{APP_PORT} peer="))?;
+    let out = sa(b.topo.client_ip(fam), REMOTE_PORT);
+    let r = connect(&b.topo.pod, out, Opts::default());
+    expect_reply(&r, &format!("app:{REMOTE_PORT} peer="))?;
+    let acc = b.standin().accepted();
+    ensure!(
+        acc.len() == 2
+            && acc
+                .iter()
+                .any(|c| c.role == Role::Inbound && c.local == dst)
+            && acc
+                .iter()
+                .any(|c| c.role == Role::Outbound && c.local == out),
+        "B's ztunnel accepted {acc:?}"
+    );
+    ensure!(
+        a.standin().accepted().is_empty(),
+        "A's ztunnel accepted B's: {:?}",
+        a.standin().accepted()
+    );
+    Ok(())
+}
+
+/// Pod A (with NET_RAW/NET_ADMIN) opens a connection from its neighbour
+/// B's address (IP_TRANSPARENT). It is dropped and counted
+/// (`unknown_source`): neither A's ztunnel nor B's takes it. Before, on
+/// kernels with netns cookies in tc, A's 15001 took it; on kernels
+/// without, the address named B, and B's 15001 took A's connection, to be
+/// opened under B's identity (issue 38, case 6).
+fn x10(fam: Family) -> TestResult {
+    let a = enabled("x10a", Bind::DualStack)?;
+    let b = Fixture::in_subnet("x10b", Some(Bind::DualStack), 1)?;
+    let mut dp = a.dataplane()?;
+    let e =
+        sluice::podnet::enroll::enroll(&mut dp, &b.topo.pod_netns_path(), &b.uid, &b.workload())?;
+    ensure!(e.state == PodState::Enabled, "{e:?}");
+    drop(dp);
+    let drops = || -> anyhow::Result<u64> {
+        Ok(
+            sluice::dataplane::state::Maps::open_pinned(&a.topo.pins.maps())?
+                .drops(sluice_common::DropReason::UnknownSource),
+        )
+    };
+    let before = drops()?;
+    let r = connect(
+        &a.topo.pod,
+        sa(fam.client(), REMOTE_PORT),
+        // The default timeout: an IPv6 SYN can wait a second for neighbour
+        // discovery before it reaches the egress program.
+        Opts {
+            bind: Some(b.topo.pod_ip(fam)),
+            transparent: true,
+            ..Opts::default()
+        },
+    );
+    ensure!(
+        matches!(r, Reached::TimedOut | Reached::Refused),
+        "spoofed connection: {r:?}"
+    );
+    ensure!(
+        a.standin().accepted().is_empty() && b.standin().accepted().is_empty(),
+        "taken: A's ztunnel {:?}, B's {:?}",
+        a.standin().accepted(),
+        b.standin().accepted()
+    );
+    wait::until("an unknown-source drop", wait::DEADLINE, || match drops() {
+        Ok(n) if n > before => Ok(()),
+        other => Err(format!("{other:?}")),
+    })?;
+    // A's own connections are A's as before.
+    o1_on(&a, fam)
 }
 
 /// Pod A (with NET_ADMIN) adds 40 addresses: at most its share
@@ -648,6 +797,16 @@ fn x3(fam: Family) -> TestResult {
         },
     );
     expect_reply(&r, &format!("app:{APP_PORT} peer={}", peer(fam.client())))
+}
+
+/// The pod (netns cookie) the node-wide address map gives `ip` to.
+fn owner(dp: &sluice::dataplane::loader::Dataplane, ip: std::net::IpAddr) -> Option<u64> {
+    let key = sluice::dataplane::state::addr_key(&ip);
+    dp.maps()
+        .addrs_by_pod()
+        .into_iter()
+        .find(|(_, ks)| ks.contains(&key))
+        .map(|(c, _)| c)
 }
 
 fn fam_pod(f: &Fixture, fam: Family) -> std::net::IpAddr {

@@ -63,6 +63,12 @@ pub fn trials() -> Vec<Trial> {
             name("d4_no_proxy_socket_passes_through_to_the_resolver"),
             move || pass_through(fam),
         ));
+        let d6 = "d6_a_query_with_a_neighbours_source_address_is_dropped";
+        v.push(trial(name(d6), move || spoofed(fam)));
+        v.push(trial(
+            format!("dns::no_netns_cookie_in_tc::{}::{d6}", fam.name()),
+            move || as_if_kernel(without_netns_cookie_in_tc(), || spoofed(fam)),
+        ));
     }
     v.push(trial(
         "dns::d5_annotations_and_the_node_default_choose",
@@ -259,6 +265,68 @@ fn differential(fam: Family) -> TestResult {
         "Istio {:?}\nsluice {:?}",
         rows[0],
         rows[1]
+    );
+    Ok(())
+}
+
+/// Pod A (with NET_RAW/NET_ADMIN) sends a DNS query from its neighbour
+/// B's address and port (IP_TRANSPARENT). It is dropped and counted
+/// (`unknown_source`): neither proxy gets it. Before, on kernels without
+/// netns cookies in tc, the address named B: B's proxy took A's query and
+/// answered it to B's socket on that port (issue 38, case 6).
+fn spoofed(fam: Family) -> TestResult {
+    use socket2::{Domain, Socket, Type};
+    let a = DnsPod::new("dnssp", true)?;
+    let b = Fixture::in_subnet("dnsspb", Some(Bind::DualStack), 1)?;
+    let b_proxy = dns::proxy(
+        &b.topo.pod,
+        SocketAddr::new(b.topo.client_ip(Family::V4), 53),
+    );
+    a.enroll(PodOptions::default(), true)?;
+    let mut dp = a.f.dataplane()?;
+    let e = enroll::enroll(&mut dp, &b.topo.pod_netns_path(), &b.uid, &b.workload())?;
+    ensure!(e.state == PodState::Enabled, "{e:?}");
+    let drops = |dp: &sluice::dataplane::loader::Dataplane| {
+        dp.maps().drops(sluice_common::DropReason::UnknownSource)
+    };
+    let before = drops(&dp);
+    let from = SocketAddr::new(b.topo.pod_ip(fam), 40053);
+    let to = SocketAddr::new(fam.client(), 53);
+    let q = dns::query(7, "spoofed.example.", qtype(fam));
+    sluice_tests::ns::run_in(&a.f.topo.pod, move || -> std::io::Result<()> {
+        let s = Socket::new(Domain::for_address(to), Type::DGRAM, None)?;
+        if to.is_ipv4() {
+            s.set_ip_transparent(true)?;
+        } else {
+            sluice_tests::flow::set_ipv6_transparent(&s)?;
+        }
+        s.bind(&from.into())?;
+        s.send_to(&q, &to.into())?;
+        Ok(())
+    })?;
+    // (An IPv6 datagram may wait for neighbour discovery first.)
+    wait::until("an unknown-source drop", wait::DEADLINE, || {
+        let n = drops(&dp);
+        if n > before {
+            Ok(())
+        } else {
+            Err(n)
+        }
+    })?;
+    drop(dp);
+    let proxy = a.proxy.as_ref().context("A's proxy")?;
+    ensure!(
+        b_proxy.seen().is_empty() && proxy.seen().is_empty(),
+        "a proxy took the spoofed query: B's {:?}, A's {:?}",
+        b_proxy.seen(),
+        proxy.seen()
+    );
+    // A's own queries are captured as before.
+    let got = a.ask(fam, Client::UdpConnected, "own.example.")?;
+    ensure!(
+        proxy.seen().len() == 1,
+        "A's query: {got:?}, proxy saw {:?}",
+        proxy.seen()
     );
     Ok(())
 }

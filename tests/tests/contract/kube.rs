@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use anyhow::ensure;
+use anyhow::{ensure, Context as _};
 use http::{Method, Request, Response};
 use kube::client::Body;
 use libtest_mimic::Trial;
@@ -49,6 +49,10 @@ pub fn trials() -> Vec<Trial> {
         trial(
             "kube::a_capture_a_repair_cannot_complete_turns_the_gate_false_with_a_warning",
             incomplete_gate,
+        ),
+        trial(
+            "kube::a_pod_that_claimed_an_address_the_runtime_gives_another_gets_a_warning",
+            claim_evicted_event,
         ),
     ]
 }
@@ -213,6 +217,82 @@ fn host_hook_event() -> TestResult {
                         && e["note"]
                             .as_str()
                             .is_some_and(|n| n.contains("veth-c (ingress)"))
+                });
+                if found {
+                    Ok(())
+                } else {
+                    Err(seen)
+                }
+            },
+        )
+        .await?;
+        Ok(())
+    })
+}
+
+/// A pod enrolled earlier put shop/cart's address on its own interface;
+/// cart's CNI ADD names that address (prevResult): it is cart's, and the
+/// claimer gets a Warning naming the address and cart.
+fn claim_evicted_event() -> TestResult {
+    let claimer = Fixture::new("kubeev", None)?;
+    let cart = Fixture::in_subnet("kubeevc", None, 1)?;
+    let cart_ip = cart.topo.pod_ip(sluice_tests::topology::Family::V4);
+    claimer.enroll()?;
+    let ip = |args: &[&str]| sluice_tests::topology::ip(args);
+    ip(&[
+        "-n",
+        &claimer.topo.pod,
+        "addr",
+        "add",
+        &format!("{cart_ip}/32"),
+        "dev",
+        "eth0",
+    ])?;
+    let claimer_cookie = claimer.pod_record()?.netns_cookie;
+    {
+        let mut dp = claimer.dataplane()?;
+        let ns = sluice::podnet::netns::Netns::open(&claimer.topo.pod_netns_path())?;
+        sluice::podnet::enroll::refresh_addrs(dp.maps_mut(), &ns, claimer_cookie)?;
+    }
+    ensure!(claimer.pod_record()?.addresses.contains(&cart_ip));
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async {
+        let events: Events = Arc::default();
+        let client = api(Arc::default(), Arc::default(), events.clone());
+        let (node, _announcing) = cluster_node(&claimer, client, None)?;
+        let r = node
+            .requests()
+            .handle(control::Request::CniAdd(control::CniAdd {
+                container_id: "c1".into(),
+                netns: cart.topo.pod_netns_path(),
+                pod: PodRef {
+                    name: "cart".into(),
+                    namespace: "shop".into(),
+                    uid: Some("u-cart".into()),
+                },
+                ips: vec![cart_ip.to_string()],
+            }))
+            .await;
+        ensure!(
+            matches!(&r, control::Response::Enrolled { uid, .. } if uid == "u-cart"),
+            "{r:?}"
+        );
+        let pods = sluice::status::read(&claimer.topo.pins)?;
+        let cart_record = pods.iter().find(|p| p.uid == "u-cart").context("cart")?;
+        ensure!(cart_record.addresses == [cart_ip], "{cart_record:?}");
+        ensure!(!claimer.pod_record()?.addresses.contains(&cart_ip));
+        wait::until_async(
+            "an AddressClaimEvicted warning on the claimer",
+            wait::DEADLINE,
+            || {
+                let seen = events.lock().unwrap().clone();
+                let found = seen.iter().any(|e| {
+                    e["reason"] == "AddressClaimEvicted"
+                        && e["type"] == "Warning"
+                        && e["regarding"]["name"] == claimer.uid.as_str()
+                        && e["note"].as_str().is_some_and(|n| {
+                            n.contains(&cart_ip.to_string()) && n.contains("shop/cart")
+                        })
                 });
                 if found {
                     Ok(())
@@ -566,6 +646,7 @@ fn relist() -> TestResult {
             &sluice::uid::PodUid::new("stale-uid")?,
             &w,
             &Default::default(),
+            &sluice::podnet::enroll::PodAddrs::Netns,
         )?;
     }
     let rt = tokio::runtime::Runtime::new()?;

@@ -95,6 +95,10 @@ pub enum Reason {
     /// The pod has more addresses than `--max-pod-addresses`: those past it
     /// are not the pod's for the programs (a node-wide map, bounded per pod).
     TooManyAddresses,
+    /// The runtime gave another pod an address this pod had claimed (on
+    /// its interface, or left from before): the claim is gone, the address
+    /// captures the other pod's traffic only.
+    AddressClaimEvicted,
     /// On the node: its condition turned True (the note has the reason).
     RedirectionReady,
     /// On the node: its condition turned False (ztunnel disconnected, the
@@ -116,6 +120,7 @@ impl Reason {
             Self::TookOverFromIstioCni => "TookOverFromIstioCni",
             Self::HostProbesCaptured => "HostProbesCaptured",
             Self::TooManyAddresses => "TooManyAddresses",
+            Self::AddressClaimEvicted => "AddressClaimEvicted",
             Self::RedirectionReady => "RedirectionReady",
             Self::RedirectionNotReady => "RedirectionNotReady",
         }
@@ -141,7 +146,8 @@ impl Reason {
             | Self::InvalidAnnotation
             | Self::TookOverFromIstioCni
             | Self::HostProbesCaptured
-            | Self::TooManyAddresses => "Capture",
+            | Self::TooManyAddresses
+            | Self::AddressClaimEvicted => "Capture",
             Self::CaptureRepaired | Self::CaptureIncomplete => "Verify",
             Self::CaptureReleased => "Release",
             Self::RedirectionReady | Self::RedirectionNotReady => "Report",

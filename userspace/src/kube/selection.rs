@@ -58,6 +58,24 @@ pub fn options(pod: &Pod) -> Result<crate::options::PodOptions, crate::options::
     crate::options::PodOptions::from_annotations(|k| annotations?.get(k).map(String::as_str))
 }
 
+/// The addresses the runtime gave the pod, as its status has them
+/// (`status.podIPs`, else `status.podIP`); what does not parse is left out.
+pub fn pod_ips(pod: &Pod) -> Vec<std::net::IpAddr> {
+    let Some(status) = pod.status.as_ref() else {
+        return Vec::new();
+    };
+    let listed = status.pod_ips.iter().flatten().map(|p| p.ip.as_str());
+    let ips: Vec<std::net::IpAddr> = listed.filter_map(|ip| ip.parse().ok()).collect();
+    if !ips.is_empty() {
+        return ips;
+    }
+    status
+        .pod_ip
+        .iter()
+        .filter_map(|ip| ip.parse().ok())
+        .collect()
+}
+
 pub fn select(
     pod: &Pod,
     namespace_labels: Option<&BTreeMap<String, String>>,
@@ -118,6 +136,20 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+
+    #[test]
+    fn pod_ips_come_from_the_status() {
+        let pod = |status: serde_json::Value| -> Pod {
+            serde_json::from_value(json!({"metadata": {"name": "p"}, "status": status})).unwrap()
+        };
+        let ips = |p: &Pod| -> Vec<String> { pod_ips(p).iter().map(ToString::to_string).collect() };
+        let both =
+            pod(json!({"podIP": "10.0.0.5", "podIPs": [{"ip": "10.0.0.5"}, {"ip": "fd00::5"}]}));
+        assert_eq!(ips(&both), ["10.0.0.5", "fd00::5"]);
+        assert_eq!(ips(&pod(json!({"podIP": "10.0.0.6"}))), ["10.0.0.6"]);
+        assert!(ips(&pod(json!({"podIPs": [{"ip": "not-an-ip"}]}))).is_empty());
+        assert!(ips(&pod(json!({}))).is_empty());
+    }
 
     fn pod(v: serde_json::Value) -> Pod {
         let mut base = json!({

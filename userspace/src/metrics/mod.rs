@@ -42,6 +42,7 @@ pub struct Metrics {
     served_fallbacks: Gauge,
     captured_late: Counter,
     repairs: Counter,
+    claims_evicted: Counter,
     build_info: Family<Vec<(&'static str, String)>, Gauge>,
     cni_requests: Family<Labels, Counter>,
     cni_seconds: Family<Labels, Histogram>,
@@ -66,6 +67,7 @@ impl Metrics {
             served_fallbacks: Gauge::default(),
             captured_late: Counter::default(),
             repairs: Counter::default(),
+            claims_evicted: Counter::default(),
             build_info: Family::default(),
             cni_requests: Family::default(),
             // 1 ms … ≈ 16 s.
@@ -128,6 +130,11 @@ impl Metrics {
             "capture_repairs",
             "Enrolled pods whose capture verification found incomplete (a link or filter gone, an interface added) and completed",
             self.repairs.clone(),
+        );
+        self.registry.register(
+            "address_claims_evicted",
+            "Addresses the runtime gave a pod that another pod had claimed (a stale claim, or a pod that put a neighbour's address on its interface): the claim was removed",
+            self.claims_evicted.clone(),
         );
         self.registry.register_with_unit(
             "teardown",
@@ -196,6 +203,11 @@ impl Metrics {
     /// A running pod was captured by the reconcile, not at its CNI ADD.
     pub fn captured_after_start(&self) {
         self.captured_late.inc();
+    }
+
+    /// An address the runtime gave a pod was taken from another pod's claim.
+    pub fn address_claim_evicted(&self) {
+        self.claims_evicted.inc();
     }
 
     /// An enrolled pod's capture was found incomplete and completed.

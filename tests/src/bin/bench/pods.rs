@@ -190,7 +190,14 @@ fn ms(t: Instant) -> f64 {
 fn sluice_enroll(dp: &mut Dataplane, pod: &str, uid: &str) -> anyhow::Result<f64> {
     let uid = PodUid::new(uid)?;
     let t = Instant::now();
-    let a = enroll::attach_pod(dp, &ns_path(pod), &uid, &workload(pod), &Default::default())?;
+    let a = enroll::attach_pod(
+        dp,
+        &ns_path(pod),
+        &uid,
+        &workload(pod),
+        &Default::default(),
+        &enroll::PodAddrs::Netns,
+    )?;
     enroll::take_over(&a.netns)?;
     Ok(ms(t))
 }
@@ -311,6 +318,7 @@ pub fn enrollment(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyho
                 &uid,
                 &workload(pod),
                 &Default::default(),
+                &enroll::PodAddrs::Netns,
             )?
         };
         enroll::take_over(&a.netns)?;
@@ -597,6 +605,7 @@ fn churn_with(
             &uid,
             &workload(pod),
             &Default::default(),
+            &enroll::PodAddrs::Netns,
         )?;
         enroll::take_over(&a.netns)?;
         let mut d = dp.lock().unwrap();

@@ -660,6 +660,7 @@ pub fn scale(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyhow::Re
             &uid,
             &workload(&p.name),
             &Default::default(),
+            &enroll::PodAddrs::Netns,
         )?;
     }
     ensure!(dp.maps().pods().len() == n, "expected {n} pods enrolled");

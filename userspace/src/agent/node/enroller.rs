@@ -4,21 +4,23 @@
 //! let go of it, then removes its capture. Kernel work runs off the async
 //! workers.
 
-use std::{path::PathBuf, sync::Arc, time::Instant};
+use std::{net::IpAddr, path::PathBuf, sync::Arc, time::Instant};
 
 use sluice_common::PodState;
+
+use crate::dataplane::state::AddrSource;
 use tracing::{info, warn};
 
 use super::{announce::Announcer, book::PodBook, ztunnels::Ztunnels};
 use crate::{
     control::Response,
-    kube::events::Reason,
+    kube::events::{PodRef, Reason},
     lifecycle::Event,
     metrics::{Failure, Metrics},
     options::PodOptions,
-    podnet::enroll::{self, EnrollError},
+    podnet::enroll::{self, EnrollError, PodAddrs},
     uid::PodUid,
-    workload::Workload,
+    workload::{PodIdentity, Workload},
     zds::{proto::WorkloadRequest, server::Answer},
 };
 
@@ -36,6 +38,7 @@ impl Enroller {
         uid: &str,
         workload: Workload,
         options: PodOptions,
+        addrs: PodAddrs,
     ) -> anyhow::Result<Response> {
         let uid = PodUid::new(uid)?;
         let workload = Workload::new(
@@ -46,13 +49,17 @@ impl Enroller {
         let (book, w, u) = (self.book.clone(), workload.clone(), uid.clone());
         let started = Instant::now();
         let attached =
-            tokio::task::spawn_blocking(move || attach(&book, &netns, &u, &w, &options)).await?;
+            tokio::task::spawn_blocking(move || attach(&book, &netns, &u, &w, &options, &addrs))
+                .await?;
         let cookie = match attached {
             Ok(Captured {
                 cookie,
                 took_over,
                 held,
+                evicted,
+                over_cap,
             }) => {
+                self.announce_addresses(&uid, &workload, &evicted, &over_cap);
                 let notes = [
                     (!held.is_empty()).then(|| (Reason::HostProbesCaptured, format!(
                         "captured, without the host-side program: another tool's qdisc holds the hook of {} (e.g. the bandwidth plugin's egress limit), so the node's own connections to the pod (kubelet probes) are captured by ztunnel too",
@@ -112,6 +119,74 @@ impl Enroller {
         })
     }
 
+    /// The runtime's addresses for a pod already enrolled whose addresses
+    /// came from its netns (adopted by a starting agent; a retried CNI ADD):
+    /// published as its from now on, others' claims on them evicted.
+    /// Nothing for a pod whose addresses came from the runtime already: a
+    /// sandbox keeps its addresses for life.
+    pub(super) fn claim_addrs(&self, uid: &PodUid, ips: &[IpAddr]) {
+        let Some(cookie) = self.book.cookie_of(uid) else {
+            return;
+        };
+        let (evicted, over_cap, workload) = {
+            let mut dp = self.book.dataplane();
+            let maps = dp.maps_mut();
+            if ips.is_empty() || maps.addr_source(cookie) == Some(AddrSource::Runtime) {
+                return;
+            }
+            let Some(meta) = maps.meta(cookie) else {
+                return;
+            };
+            let out = match maps.claim_addrs(cookie, ips) {
+                Ok(out) => out,
+                Err(e) => {
+                    return warn!(cookie, error = %e, "cannot publish the runtime's addresses")
+                }
+            };
+            info!(
+                cookie,
+                ?ips,
+                "the pod's addresses are the runtime's from now on"
+            );
+            let evicted: Vec<(IpAddr, PodIdentity)> = out
+                .evicted
+                .iter()
+                .filter_map(|(addr, owner)| Some((*addr, maps.meta(*owner)?)))
+                .collect();
+            (evicted, out.over_cap, meta.workload)
+        };
+        self.announce_addresses(uid, &workload, &evicted, &over_cap);
+    }
+
+    /// Events for what publishing the pod's addresses took from other pods
+    /// (on each pod that lost its claim) or left out (past the cap).
+    fn announce_addresses(
+        &self,
+        uid: &PodUid,
+        w: &Workload,
+        evicted: &[(IpAddr, PodIdentity)],
+        over_cap: &[IpAddr],
+    ) {
+        for (addr, claimer) in evicted {
+            self.metrics.address_claim_evicted();
+            let note = format!(
+                "the runtime gave {addr} to pod {}/{}: this pod's claim on it is removed (an address a pod adds to its own interface is never its for capture)",
+                w.namespace, w.name
+            );
+            // By the map's identity: the claimer may be a pod this agent
+            // does not hold (its netns could not be opened).
+            let pod = PodRef::new(&claimer.workload, &claimer.uid);
+            self.announcer.event(pod, Reason::AddressClaimEvicted, note);
+        }
+        if !over_cap.is_empty() {
+            let note = format!(
+                "the pod has more addresses than this node publishes per pod (--max-pod-addresses); not captured as its: {over_cap:?}"
+            );
+            self.announcer
+                .pod_event(uid.as_str(), Reason::TooManyAddresses, &note);
+        }
+    }
+
     pub(super) async fn unenroll(&self, uid: &str) -> anyhow::Result<()> {
         let uid = PodUid::new(uid)?;
         self.book
@@ -149,6 +224,10 @@ struct Captured {
     took_over: Vec<&'static str>,
     /// Host-side hooks another tool's qdisc holds.
     held: Vec<String>,
+    /// Addresses the runtime gave it that another pod had claimed.
+    evicted: Vec<(IpAddr, PodIdentity)>,
+    /// Its addresses past the per-pod cap.
+    over_cap: Vec<IpAddr>,
 }
 
 /// Attaches the pod's capture and holds it in the table, then removes
@@ -159,10 +238,17 @@ fn attach(
     uid: &PodUid,
     w: &Workload,
     options: &PodOptions,
+    addrs: &PodAddrs,
 ) -> Result<Captured, EnrollError> {
-    let (cookie, netns, held) = {
+    let (cookie, netns, held, evicted, over_cap) = {
         let mut dp = book.dataplane();
-        let a = enroll::attach_pod(&mut dp, netns, uid, w, options)?;
+        let a = enroll::attach_pod(&mut dp, netns, uid, w, options, addrs)?;
+        let evicted = a
+            .addrs
+            .evicted
+            .iter()
+            .filter_map(|(addr, owner)| Some((*addr, dp.maps().meta(*owner)?)))
+            .collect();
         // The netns stays open from here on: adds and registrations use it.
         if let Some(meta) = dp.maps().meta(a.cookie) {
             let kept = a.netns.try_clone().map_err(|source| EnrollError::Io {
@@ -180,7 +266,13 @@ fn attach(
         // Its first add goes out right after: the supervision pass must not
         // send another.
         book.pods().apply(uid.as_str(), Event::AddSent);
-        (a.cookie, a.netns, a.host_hooks_held)
+        (
+            a.cookie,
+            a.netns,
+            a.host_hooks_held,
+            evicted,
+            a.addrs.over_cap,
+        )
     };
     // istio-cni's rules, if any, go without the dataplane held: the iptables
     // tools may take seconds, and other pods' enrollments must not wait for
@@ -191,6 +283,8 @@ fn attach(
             cookie,
             took_over,
             held,
+            evicted,
+            over_cap,
         }),
         Err(e) => {
             let mut dp = book.dataplane();

@@ -25,6 +25,7 @@ use crate::{
     },
     metrics::{Metrics, ReconcileError},
     options::{OptionsError, PodOptions},
+    podnet::enroll::PodAddrs,
     uid::PodUid,
     workload::Workload,
 };
@@ -46,6 +47,14 @@ pub struct Relist {
     skipped: Mutex<Vec<SkippedPod>>,
 }
 
+/// The addresses the runtime gave the pod of `uid`, as the API shows them.
+fn ips_of(pods: &[Arc<Pod>], uid: &str) -> Vec<std::net::IpAddr> {
+    pods.iter()
+        .find(|p| p.metadata.uid.as_deref() == Some(uid))
+        .map(|p| crate::kube::selection::pod_ips(p))
+        .unwrap_or_default()
+}
+
 /// An ambient pod the plan captures.
 struct ToCapture {
     uid: String,
@@ -53,6 +62,8 @@ struct ToCapture {
     namespace: String,
     service_account: String,
     options: Result<PodOptions, OptionsError>,
+    /// What the runtime gave it (`status.podIPs`).
+    ips: Vec<std::net::IpAddr>,
 }
 
 impl Relist {
@@ -149,6 +160,7 @@ impl Relist {
             .collect();
         *self.skipped.lock().unwrap() =
             crate::kube::reconcile::skipped(pods, namespaces, &k.node, &k.excluded);
+        self.claim_runtime_addrs(pods, &records).await?;
         for action in plan(pods, namespaces, &k.node, &k.excluded, &enrolled) {
             match action {
                 Action::Enroll {
@@ -159,12 +171,14 @@ impl Relist {
                     options,
                 } => {
                     let span = info_span!("pod", %uid, pod = %format!("{namespace}/{name}"));
+                    let ips = ips_of(pods, &uid);
                     let pod = ToCapture {
                         uid,
                         name,
                         namespace,
                         service_account,
                         options,
+                        ips,
                     };
                     self.capture(&k, pod).instrument(span).await
                 }
@@ -179,6 +193,29 @@ impl Relist {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Enrolled pods whose addresses a starting agent read from their netns
+    /// get the runtime's (`status.podIPs`) once the API shows them
+    /// (`Enroller::claim_addrs`: nothing for pods that have them already).
+    async fn claim_runtime_addrs(
+        &self,
+        pods: &[Arc<Pod>],
+        records: &[PodRecord],
+    ) -> anyhow::Result<()> {
+        let known: Vec<(PodUid, Vec<std::net::IpAddr>)> = records
+            .iter()
+            .filter_map(|r| Some((PodUid::new(&r.uid).ok()?, ips_of(pods, &r.uid))))
+            .filter(|(_, ips)| !ips.is_empty())
+            .collect();
+        let enroller = self.enroller.clone();
+        tokio::task::spawn_blocking(move || {
+            for (uid, ips) in known {
+                enroller.claim_addrs(&uid, &ips);
+            }
+        })
+        .await?;
         Ok(())
     }
 
@@ -218,6 +255,7 @@ impl Relist {
             namespace,
             service_account,
             options,
+            ips,
         } = pod;
         let pod = PodRef {
             namespace: namespace.clone(),
@@ -247,7 +285,8 @@ impl Relist {
             Ok(w) => w,
             Err(e) => return warn!(error = %e, "bad workload identity"),
         };
-        match self.enroller.enroll(netns, &uid, w, options).await {
+        let addrs = PodAddrs::from_runtime(ips);
+        match self.enroller.enroll(netns, &uid, w, options, addrs).await {
             Ok(_) => self.metrics.captured_after_start(),
             Err(e) => {
                 let e = crate::one_line(&e);

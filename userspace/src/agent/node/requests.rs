@@ -25,7 +25,10 @@ use crate::{
     lifecycle::Event,
     metrics::{CniCommand, CniResult},
     options::PodOptions,
-    podnet::{enroll, netns::Netns},
+    podnet::{
+        enroll::{self, PodAddrs},
+        netns::Netns,
+    },
     uid::PodUid,
     workload::Workload,
 };
@@ -86,7 +89,13 @@ impl Requests {
             } => {
                 let span = info_span!("pod", %uid, pod = %format!("{}/{}", workload.namespace, workload.name), netns = %netns.display());
                 self.enroller
-                    .enroll(netns, &uid, workload, PodOptions::default())
+                    .enroll(
+                        netns,
+                        &uid,
+                        workload,
+                        PodOptions::default(),
+                        PodAddrs::Netns,
+                    )
                     .instrument(span)
                     .await
                     .unwrap_or_else(|e| Response::Error {
@@ -115,7 +124,7 @@ impl Requests {
                 let started = Instant::now();
                 let r = async {
                     info!(?ips, netns = %netns.display(), "CNI ADD");
-                    self.cni_add(&container_id, netns, &pod).await
+                    self.cni_add(&container_id, netns, &pod, &ips).await
                 }
                 .instrument(span)
                 .await
@@ -352,7 +361,20 @@ impl Requests {
         container_id: &str,
         netns: PathBuf,
         pod: &crate::cni::spec::PodRef,
+        ips: &[String],
     ) -> anyhow::Result<Response> {
+        // The runtime's word on the pod's addresses: a bad one refuses the
+        // pod (fail closed) rather than publish what its netns holds.
+        let ips = ips
+            .iter()
+            .map(|ip| {
+                ip.parse::<std::net::IpAddr>().map_err(|_| {
+                    anyhow::anyhow!(
+                        "prevResult names {ip:?} as the pod's address: not an IP address"
+                    )
+                })
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
         let (uid, workload, options) = match &self.kube {
             // Without a Kubernetes API to ask, the service account (and the
             // pod's annotations) are unknown.
@@ -388,6 +410,8 @@ impl Requests {
                 self.book
                     .pods()
                     .apply(uid.as_str(), Event::SandboxOwned(container_id.to_owned()));
+                let (enroller, u) = (self.enroller.clone(), uid.clone());
+                tokio::task::spawn_blocking(move || enroller.claim_addrs(&u, &ips)).await?;
                 return Ok(self.enrolled(&uid, cookie));
             }
             info!(%uid, "new sandbox for an enrolled pod: replacing its capture");
@@ -395,7 +419,13 @@ impl Requests {
         }
         let out = self
             .enroller
-            .enroll(netns, uid.as_str(), workload, options)
+            .enroll(
+                netns,
+                uid.as_str(),
+                workload,
+                options,
+                PodAddrs::from_runtime(ips),
+            )
             .await?;
         // Only this sandbox's runtime may tear it down again (CNI DEL).
         self.book

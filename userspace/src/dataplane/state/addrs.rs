@@ -17,16 +17,38 @@ pub struct AddrMap {
     /// Each pod's entries, read once when the map is opened and then kept by
     /// this process's own writes (the map's one writer, as for the uid
     /// index): publishing a pod's addresses costs no walk of the node-wide map.
-    held: StdHashMap<u64, Vec<AddrKey>>,
+    held: StdHashMap<u64, Claim>,
 }
 
-/// What publishing a pod's addresses left out.
+/// Where a pod's published addresses came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AddrSource {
+    /// The container runtime gave them (CNI ADD's `prevResult`, the pod's
+    /// `status.podIPs`): the pod's by right. They take the address from any
+    /// other pod's claim, and the pod's netns is never read for more: an
+    /// address a pod adds to its own interface names nothing.
+    Runtime,
+    /// Read from the pod's netns: a pod enrolled by hand, or one a starting
+    /// agent adopted before the runtime's view reached it. Never taken from
+    /// another enrolled pod.
+    Netns,
+}
+
+struct Claim {
+    keys: Vec<AddrKey>,
+    source: AddrSource,
+}
+
+/// What publishing a pod's addresses left out or took.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Published {
     /// Another enrolled pod has them.
     pub refused: Vec<IpAddr>,
     /// Past the per-pod cap: not captured as the pod's.
     pub over_cap: Vec<IpAddr>,
+    /// Taken from the pod (netns cookie) that claimed them before: the
+    /// runtime gave them to this one.
+    pub evicted: Vec<(IpAddr, u64)>,
 }
 
 impl AddrMap {
@@ -35,19 +57,38 @@ impl AddrMap {
             map,
             held: Default::default(),
         };
-        m.held = m.by_pod();
+        // Where the addresses came from is this process's knowledge: after a
+        // restart, a pod's are the netns' until the runtime's view comes.
+        m.held = m
+            .by_pod()
+            .into_iter()
+            .map(|(c, keys)| {
+                let claim = Claim {
+                    keys,
+                    source: AddrSource::Netns,
+                };
+                (c, claim)
+            })
+            .collect();
         m
     }
 
-    /// Publishes pod `cookie`'s addresses: afterwards it holds exactly
-    /// those of `addrs` it may have, at most `cap` of them. An address it held before and no longer
-    /// has goes (a claim must not outlive the address: another pod may get
-    /// it next). An address another enrolled pod (`enrolled` says which)
-    /// already has is not taken over (a pod that adds a neighbour's address
-    /// to its interface must not capture or blackhole the neighbour's
-    /// traffic): it is returned, refused. One held by a cookie no longer
-    /// enrolled is stale, and taken over. Link-local addresses are never
-    /// published: every interface has one, and they say nothing of a pod.
+    /// Where pod `cookie`'s published addresses came from (`None`: it has none).
+    pub fn source(&self, cookie: u64) -> Option<AddrSource> {
+        self.held.get(&cookie).map(|c| c.source)
+    }
+
+    /// Publishes the addresses pod `cookie`'s netns holds: afterwards it
+    /// holds exactly those of `addrs` it may have, at most `cap` of them. An
+    /// address it held before and no longer has goes (a claim must not
+    /// outlive the address: another pod may get it next). An address
+    /// another enrolled pod (`enrolled` says which) already has is not taken
+    /// over (a pod that adds a neighbour's address to its interface must not
+    /// capture or blackhole the neighbour's traffic): it is returned,
+    /// refused. One held by a cookie no longer enrolled is stale, and taken
+    /// over. Link-local addresses are never published: every interface has
+    /// one, and they say nothing of a pod. A pod whose addresses came from
+    /// the runtime keeps them: its netns says nothing.
     pub fn set(
         &mut self,
         cookie: u64,
@@ -55,12 +96,51 @@ impl AddrMap {
         cap: usize,
         enrolled: impl Fn(u64) -> bool,
     ) -> Result<Published, StateError> {
-        let held = self.held.remove(&cookie).unwrap_or_default();
-        let mut wanted: Vec<AddrKey> = addrs
-            .iter()
-            .filter(|a| !link_local(a))
-            .map(addr_key)
-            .collect();
+        if self.source(cookie) == Some(AddrSource::Runtime) {
+            return Ok(Published::default());
+        }
+        self.publish(cookie, addrs, cap, AddrSource::Netns, |owner| {
+            owner != cookie && enrolled(owner)
+        })
+    }
+
+    /// Publishes the addresses the runtime gave pod `cookie` (at most `cap`
+    /// of them, link-local ones never): they are its from now on, taken from
+    /// any pod that claimed them before (returned, evicted: the runtime
+    /// does not give one address to two live pods, so that claim is stale
+    /// or stolen). Addresses it held before and the runtime no longer gives
+    /// it go.
+    pub fn claim(
+        &mut self,
+        cookie: u64,
+        addrs: &[IpAddr],
+        cap: usize,
+    ) -> Result<Published, StateError> {
+        self.publish(cookie, addrs, cap, AddrSource::Runtime, |_| false)
+    }
+
+    /// Makes `addrs` (up to `cap`) pod `cookie`'s, as `source`; an address
+    /// another pod holds is refused where `refuse(owner)` says so, else
+    /// taken from it.
+    fn publish(
+        &mut self,
+        cookie: u64,
+        addrs: &[IpAddr],
+        cap: usize,
+        source: AddrSource,
+        refuse: impl Fn(u64) -> bool,
+    ) -> Result<Published, StateError> {
+        let held = self
+            .held
+            .remove(&cookie)
+            .map(|c| c.keys)
+            .unwrap_or_default();
+        let mut wanted: Vec<AddrKey> = Vec::new();
+        for k in addrs.iter().filter(|a| !link_local(a)).map(addr_key) {
+            if !wanted.contains(&k) {
+                wanted.push(k);
+            }
+        }
         // Past the cap, the addresses the pod already has come first: adding
         // addresses never takes the pod's own away.
         wanted.sort_by_key(|k| !held.contains(k));
@@ -77,14 +157,17 @@ impl AddrMap {
         let mut result = Ok(());
         for key in wanted {
             if let Ok(owner) = self.map.get(&key, 0) {
-                if owner != cookie && enrolled(owner) {
+                if owner != cookie && refuse(owner) {
                     out.refused.push(addr_of(&key));
                     continue;
                 }
                 if owner != cookie {
-                    // A stale claim taken over: no longer the old owner's.
-                    if let Some(v) = self.held.get_mut(&owner) {
-                        v.retain(|k| *k != key);
+                    // No longer the old owner's.
+                    if let Some(c) = self.held.get_mut(&owner) {
+                        c.keys.retain(|k| *k != key);
+                    }
+                    if source == AddrSource::Runtime {
+                        out.evicted.push((addr_of(&key), owner));
                     }
                 }
             }
@@ -94,8 +177,10 @@ impl AddrMap {
             }
             now.push(key);
         }
-        if !now.is_empty() {
-            self.held.insert(cookie, now);
+        // A runtime claim stands even when empty: the netns is never read
+        // for the pod again.
+        if !now.is_empty() || source == AddrSource::Runtime {
+            self.held.insert(cookie, Claim { keys: now, source });
         }
         result.map(|()| out)
     }

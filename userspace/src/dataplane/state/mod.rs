@@ -34,7 +34,7 @@ use crate::{
 };
 
 pub use crate::workload::PodIdentity;
-pub use addrs::{addr_key, addr_of, Published, DEFAULT_MAX_POD_ADDRESSES};
+pub use addrs::{addr_key, addr_of, AddrSource, Published, DEFAULT_MAX_POD_ADDRESSES};
 pub use error::StateError;
 pub use records::{DnsMode, DnsView, PodRecord};
 
@@ -309,6 +309,18 @@ impl Maps {
         self.addrs.set(cookie, addrs, self.addr_cap, |owner| {
             pod_state.get(&owner, 0).is_ok()
         })
+    }
+
+    /// Publishes the addresses the runtime gave pod `cookie`: its from now
+    /// on, taken from any pod that claimed them before (returned, evicted),
+    /// never re-read from its netns (`AddrMap::claim`).
+    pub fn claim_addrs(&mut self, cookie: u64, addrs: &[IpAddr]) -> Result<Published, StateError> {
+        self.addrs.claim(cookie, addrs, self.addr_cap)
+    }
+
+    /// Where pod `cookie`'s published addresses came from.
+    pub fn addr_source(&self, cookie: u64) -> Option<AddrSource> {
+        self.addrs.source(cookie)
     }
 
     /// How many addresses one pod may have published (`--max-pod-addresses`).

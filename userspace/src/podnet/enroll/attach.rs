@@ -4,7 +4,11 @@
 use std::fs;
 
 use crate::{
-    dataplane::{loader::Dataplane, state::boottime_ns, tcfilter},
+    dataplane::{
+        loader::Dataplane,
+        state::{boottime_ns, Published},
+        tcfilter,
+    },
     fault::crash_point,
     options::PodOptions,
     podnet::{
@@ -17,14 +21,21 @@ use crate::{
     workload::Workload,
 };
 
-use super::{addrs::publish_addrs, error::EnrollError, hostpeers::host_peers, links::attach_link};
+use super::{
+    addrs::{publish_addrs, PodAddrs},
+    error::EnrollError,
+    hostpeers::host_peers,
+    links::attach_link,
+};
 
 /// Attaches the pod's capture, one step at a time; every step is durable
 /// before the next begins (a link is pinned right after its attach), so a
 /// process killed at any point leaves a prefix of these steps, which the
 /// next agent completes (`repair`). The state entry comes first and says
 /// `Pending`: from their first link on, the programs fail closed for the
-/// pod. Returns the host-side hooks held by another tool's qdisc.
+/// pod. Returns the host-side hooks held by another tool's qdisc, and what
+/// publishing its addresses (`addrs`) left out or took.
+#[allow(clippy::too_many_arguments)]
 pub fn attach(
     dp: &mut Dataplane,
     netns: &Netns,
@@ -33,7 +44,8 @@ pub fn attach(
     path: &str,
     workload: &Workload,
     options: &PodOptions,
-) -> Result<Vec<String>, EnrollError> {
+    addrs: &PodAddrs,
+) -> Result<(Vec<String>, Published), EnrollError> {
     let cookie = view.cookie;
     let node_dns = dp.dns_capture();
     let maps = dp.maps_mut();
@@ -43,7 +55,7 @@ pub fn attach(
     // options: captured fully, the fail-closed side.)
     maps.set_options(cookie, options, node_dns)?;
     crash_point("enroll:state");
-    publish_addrs(maps, netns, cookie, &view.addrs)?;
+    let published = publish_addrs(maps, netns, cookie, addrs, &view.addrs)?;
     crash_point("enroll:addrs");
     // The sysctl is a file of the pod's /proc/sys: the one step that enters
     // the netns; the rest goes over the view's socket.
@@ -51,7 +63,7 @@ pub fn attach(
     let indexes: Vec<u32> = view.ifaces.iter().map(|i| i.index).collect();
     routes::install_over(&view.nl, &indexes, view.lo, view.ipv6)?;
     crash_point("enroll:routes");
-    attach_links(dp, netns, view, options)
+    Ok((attach_links(dp, netns, view, options)?, published))
 }
 
 /// The pod's links, each pinned as soon as attached. Returns the host-side

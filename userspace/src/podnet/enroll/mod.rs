@@ -26,7 +26,7 @@ use crate::{
     dataplane::{
         loader::{Dataplane, Pins},
         migrate,
-        state::Maps,
+        state::{Maps, Published},
     },
     options::PodOptions,
     podnet::{hostside, netns::Netns, podview::PodView},
@@ -34,7 +34,7 @@ use crate::{
     workload::Workload,
 };
 
-pub use addrs::refresh_addrs;
+pub use addrs::{refresh_addrs, PodAddrs};
 pub use error::EnrollError;
 pub use register::{register, register_keeping, Enrolled};
 pub use reopen::open_pod_netns;
@@ -63,7 +63,19 @@ pub fn enroll_with(
     workload: &Workload,
     options: &PodOptions,
 ) -> Result<Enrolled, EnrollError> {
-    let a = attach_pod(dp, netns_path, uid, workload, options)?;
+    enroll_with_addrs(dp, netns_path, uid, workload, options, &PodAddrs::Netns)
+}
+
+/// [`enroll_with`], with the addresses the runtime gave the pod.
+pub fn enroll_with_addrs(
+    dp: &mut Dataplane,
+    netns_path: &Path,
+    uid: &PodUid,
+    workload: &Workload,
+    options: &PodOptions,
+    addrs: &PodAddrs,
+) -> Result<Enrolled, EnrollError> {
+    let a = attach_pod(dp, netns_path, uid, workload, options, addrs)?;
     if let Err(e) = take_over(&a.netns) {
         back_out(dp, &a.netns, a.cookie);
         return Err(e);
@@ -79,18 +91,23 @@ pub struct Attached {
     /// tool's qdisc holds their hook ("IFACE (KIND)"): the node's own
     /// connections to the pod are captured.
     pub host_hooks_held: Vec<String>,
+    /// What publishing its addresses left out (past the cap, another
+    /// pod's) or took from another pod.
+    pub addrs: Published,
 }
 
 /// Attaches capture to a pod netns and records the pod as `Pending`: from its
 /// first link on, its new connections fail closed until listeners are
 /// registered. Returns the open netns and its cookie. The pod may still
-/// carry istio-cni's rules: [`take_over`] comes next.
+/// carry istio-cni's rules: [`take_over`] comes next. `addrs`: which
+/// addresses are the pod's.
 pub fn attach_pod(
     dp: &mut Dataplane,
     netns_path: &Path,
     uid: &PodUid,
     workload: &Workload,
     options: &PodOptions,
+    addrs: &PodAddrs,
 ) -> Result<Attached, EnrollError> {
     let path = netns_path
         .to_str()
@@ -125,8 +142,9 @@ pub fn attach_pod(
     if dp.pins().pod(cookie).exists() {
         teardown_in(dp, &netns, cookie)?;
     }
-    let host_hooks_held = match attach::attach(dp, &netns, &view, uid, &path, workload, options) {
-        Ok(held) => held,
+    let attached = attach::attach(dp, &netns, &view, uid, &path, workload, options, addrs);
+    let (host_hooks_held, addrs) = match attached {
+        Ok(a) => a,
         Err(e) => {
             let _ = teardown_in(dp, &netns, cookie);
             return Err(e);
@@ -136,6 +154,7 @@ pub fn attach_pod(
         netns,
         cookie,
         host_hooks_held,
+        addrs,
     })
 }
 
