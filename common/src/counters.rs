@@ -18,7 +18,7 @@ pub enum DropReason {
     /// or a rerouted interface's SYN there.
     UnknownSource = 1,
     /// A TCP segment that reached a listener lookup in an enrolled pod with
-    /// no fresh hint from a tc program (or a `Deny` one), which sk_lookup
+    /// no fresh hint from a tc program, which sk_lookup
     /// refused: a SYN on a path sluice does not know (an interface added
     /// after enrollment, a spoofed source over `lo`), a SYN-cookie ACK that
     /// came after its hint expired, a stray segment of a closed connection.

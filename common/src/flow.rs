@@ -31,11 +31,11 @@ pub enum HintVerdict {
     /// A DNS query (UDP to port 53) redirected by the egress program: steer
     /// to the DNS proxy's UDP socket. One hint per datagram.
     DnsUdp = 8,
-    /// The SYN took a path that exempts and steers nothing (over `lo` from
-    /// a source that is neither the pod's nor ztunnel's; to an address no
-    /// pod has): sk_lookup treats it as no hint. Written, rather than
-    /// nothing, so that an older hint of the same tuple (kept for SYN
-    /// cookies) cannot speak for this connection.
+    /// Written by earlier builds where a SYN took a path that exempts and
+    /// steers nothing (over `lo` from a source that is neither the pod's nor
+    /// ztunnel's; to an address no pod has), over any older hint of its
+    /// tuple. The programs now remove that hint instead (no entry for a
+    /// refused SYN); sk_lookup still reads a `Deny` as no hint.
     Deny = 9,
 }
 

@@ -10,34 +10,34 @@
 //! how a SYN-cookie handshake's ACK is recognised).
 //!
 //! Every SYN that passes a tc program on its way to a listener lookup
-//! leaves its own hint (a `Deny` where nothing is exempt or steered), so a
-//! hint kept from an earlier connection of the same tuple never speaks for
-//! it.
+//! leaves its own hint, or, where nothing is exempt or steered, removes
+//! any hint of its tuple: a hint kept from an earlier connection of the
+//! same tuple never speaks for it, and a SYN that is refused holds no
+//! entry of the node-wide map (a pod connecting in a loop to a closed port
+//! or a spoofed source must not fill it: issue 38, case 4).
 
 use aya_ebpf::{
-    bindings::bpf_sock_tuple,
-    bindings::{tcx_action_base::TCX_NEXT, BPF_F_CURRENT_NETNS, TC_ACT_SHOT},
-    helpers::{
-        bpf_ktime_get_ns, bpf_sk_assign, bpf_sk_fullsock, bpf_sk_lookup_udp, bpf_sk_release,
-        bpf_skc_lookup_tcp,
-    },
+    bindings::{tcx_action_base::TCX_NEXT, TC_ACT_SHOT},
+    helpers::{bpf_ktime_get_ns, bpf_sk_assign, bpf_sk_fullsock, bpf_sk_release},
     programs::TcContext,
     EbpfContext,
 };
 use core::ffi::c_void;
 use sluice_common::{
-    Counters, DropReason, FlowKey, HintVerdict, Role, FAMILY_V4, FLOW_HINT_TTL_NS, HINT_HOST_TAKEN,
-    HINT_USED, MARK_MASK, MARK_REDIRECT, MARK_ZTUNNEL, POD_FLAG_BYPASS_INBOUND, PORT_DNS,
-    PORT_HBONE, PORT_OUTBOUND,
+    Counters, DropReason, FlowKey, HintVerdict, Role, FLOW_HINT_TTL_NS, HINT_HOST_TAKEN, HINT_USED,
+    MARK_MASK, MARK_REDIRECT, MARK_ZTUNNEL, POD_FLAG_BYPASS_INBOUND, PORT_DNS, PORT_HBONE,
+    PORT_OUTBOUND,
 };
 
 use crate::{
     addr::{is_loopback, is_probe},
     dns,
-    maps::{count, count_drop, FLOW_HINTS, NODE_NETNS, POD_STATE, TC_LOOKUP},
+    lookup::{loopback, skc_lookup},
+    maps::{count, count_drop, FLOW_HINTS, NODE_NETNS, POD_STATE},
+    origin::from_its_pod,
     packet::{parse, parse_tcp, Parsed, Tcp, L2_ETH},
     tc::{
-        listener, listener_present, mark, mark_redirect, netns_cookie, pod_flags, pod_of, put_hint,
+        listener_present, mark, mark_redirect, netns_cookie, pod_flags, pod_of, put_hint,
         put_hint_flags, redirect_to_self,
     },
 };
@@ -154,80 +154,6 @@ pub fn egress<const L2: usize>(ctx: &TcContext) -> i32 {
     TC_OK
 }
 
-/// Whether a packet leaving an enrolled pod's interface that names pod
-/// `cookie` (by its socket's netns, else by `owner`, its source address's
-/// pod) came from that pod. When its socket's netns is the pod's, that pod
-/// sent it: its source must not be another pod's address (`owner`).
-/// Otherwise (a kernel without netns cookies in tc, or a packet without a
-/// socket: forwarded by the pod) the address named the pod, and a pod with
-/// `NET_RAW` may have written a neighbour's: `cookie`'s `role` listener must
-/// then be the one this interface's netns holds (a socket lookup at
-/// loopback, where ztunnel's listeners answer). A pod without that listener
-/// fails closed later on.
-#[inline(always)]
-pub fn from_its_pod(
-    ctx: &TcContext,
-    cookie: u64,
-    owner: Option<u64>,
-    role: Role,
-    family: u8,
-    saddr: &[u32; 4],
-    sport: u16,
-) -> bool {
-    if netns_cookie(ctx) == Some(cookie) {
-        return owner.is_none_or(|o| o == cookie);
-    }
-    let Some(registered) = listener(cookie, role, family) else {
-        return true;
-    };
-    let port = role.port();
-    let here = if role == Role::DnsUdp {
-        sk_lookup_udp(ctx, family, saddr, &loopback(family), sport, port)
-    } else {
-        skc_lookup(ctx, family, saddr, &loopback(family), sport, port).map(|s| s as *mut c_void)
-    };
-    let same = here.is_some_and(|h| core::ptr::eq(h, registered));
-    unsafe { bpf_sk_release(registered) };
-    if let Some(h) = here {
-        unsafe { bpf_sk_release(h) };
-    }
-    same
-}
-
-/// The loopback address of `family`, as raw network-order words.
-#[inline(always)]
-fn loopback(family: u8) -> [u32; 4] {
-    if family == FAMILY_V4 {
-        [u32::from_ne_bytes([127, 0, 0, 1]), 0, 0, 0]
-    } else {
-        [0, 0, 0, u32::from_ne_bytes([0, 0, 0, 1])]
-    }
-}
-
-/// The UDP socket of this netns a datagram from `saddr:sport` to
-/// `daddr:dport` would reach, referenced (the caller releases it).
-#[inline(always)]
-fn sk_lookup_udp(
-    ctx: &TcContext,
-    family: u8,
-    saddr: &[u32; 4],
-    daddr: &[u32; 4],
-    sport: u16,
-    dport: u16,
-) -> Option<*mut c_void> {
-    let (mut tuple, size) = sock_tuple(family, saddr, daddr, sport, dport);
-    let sk = unsafe {
-        bpf_sk_lookup_udp(
-            ctx.as_ptr(),
-            &mut tuple,
-            size as u32,
-            BPF_F_CURRENT_NETNS as u64,
-            0,
-        )
-    };
-    (!sk.is_null()).then_some(sk as *mut c_void)
-}
-
 /// Ingress on the pod's interface: drop inbound SYNs that ztunnel cannot take
 /// (row F1), so the client retries instead of reaching the app or being reset;
 /// hint the others to sk_lookup (rows I1/I2).
@@ -245,7 +171,7 @@ pub fn ingress<const L2: usize>(ctx: &TcContext) -> i32 {
     // there unhinted, as below.)
     let Some(cookie) = pod_of(t.family, &t.daddr) else {
         if !is_probe(t.family, &t.saddr) {
-            put_hint(0, &flow_key(&t), HintVerdict::Deny);
+            forget_hint(&flow_key(&t));
         }
         return TC_OK;
     };
@@ -268,7 +194,7 @@ pub fn ingress<const L2: usize>(ctx: &TcContext) -> i32 {
     }
     let Some(pod) = (unsafe { POD_STATE.get(cookie) }) else {
         // Being removed: sk_lookup refuses it.
-        put_hint(cookie, &flow_key(&t), HintVerdict::Deny);
+        forget_hint(&flow_key(&t));
         return TC_OK;
     };
     if !pod.steers() {
@@ -360,66 +286,6 @@ fn outbound_listener(ctx: &TcContext, t: &Tcp) -> Option<*mut c_void> {
     Some(sk as *mut c_void)
 }
 
-/// The socket of this netns a packet from `saddr:sport` to `daddr:dport`
-/// would be delivered to, referenced (the caller releases it).
-#[inline(always)]
-fn skc_lookup(
-    ctx: &TcContext,
-    family: u8,
-    saddr: &[u32; 4],
-    daddr: &[u32; 4],
-    sport: u16,
-    dport: u16,
-) -> Option<*mut aya_ebpf::bindings::bpf_sock> {
-    // sk_lookup runs inside this lookup: it is told who asks (TC_LOOKUP).
-    let asking = TC_LOOKUP.get_ptr_mut(0);
-    let (mut tuple, size) = sock_tuple(family, saddr, daddr, sport, dport);
-    if let Some(a) = asking {
-        unsafe { *a = 1 };
-    }
-    let sk = unsafe {
-        bpf_skc_lookup_tcp(
-            ctx.as_ptr(),
-            &mut tuple,
-            size as u32,
-            BPF_F_CURRENT_NETNS as u64,
-            0,
-        )
-    };
-    if let Some(a) = asking {
-        unsafe { *a = 0 };
-    }
-    (!sk.is_null()).then_some(sk)
-}
-
-/// A socket-lookup tuple and its size for `family`.
-#[inline(always)]
-fn sock_tuple(
-    family: u8,
-    saddr: &[u32; 4],
-    daddr: &[u32; 4],
-    sport: u16,
-    dport: u16,
-) -> (bpf_sock_tuple, usize) {
-    let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
-    let size = if family == FAMILY_V4 {
-        let v4 = unsafe { &mut tuple.__bindgen_anon_1.ipv4 };
-        v4.saddr = saddr[0];
-        v4.daddr = daddr[0];
-        v4.sport = sport.to_be();
-        v4.dport = dport.to_be();
-        core::mem::size_of_val(v4)
-    } else {
-        let v6 = unsafe { &mut tuple.__bindgen_anon_1.ipv6 };
-        v6.saddr = *saddr;
-        v6.daddr = *daddr;
-        v6.sport = sport.to_be();
-        v6.dport = dport.to_be();
-        core::mem::size_of_val(v6)
-    };
-    (tuple, size)
-}
-
 /// Ingress on the pod's `lo`: Istio exempts `-i lo` traffic (the app to its own
 /// pod IP, ztunnel's spoofed-source connections to the app). sk_lookup cannot
 /// see the input device for these, so tell it with a hint (rows O2, I4).
@@ -441,6 +307,12 @@ pub fn lo_ingress(ctx: &TcContext) -> i32 {
         if t.is_syn_ack() && !is_loopback(t.family, &t.saddr) && answers_local_hint(&t) {
             release_hint_of_request(ctx, &t);
         }
+        // The answer of a closed port to an exempt SYN: the connection is
+        // over, and so is its hint's use.
+        if t.is_rst() && !is_loopback(t.family, &t.saddr) && answers_local_hint(&t) {
+            let syn = crate::tc::flow_key(t.family, t.daddr, t.saddr, t.dport, t.sport);
+            forget_hint(&syn);
+        }
         if t.is_syn() && !is_loopback(t.family, &t.daddr) {
             // The cookie only serves the counters: 0 (unknown) is fine here.
             let cookie = pod_of(t.family, &t.daddr).unwrap_or(0);
@@ -454,12 +326,11 @@ pub fn lo_ingress(ctx: &TcContext) -> i32 {
                 || (cookie != 0 && pod_of(t.family, &t.saddr) == Some(cookie));
             // A SYN that is not exempt is steered nowhere either: sk_lookup
             // refuses it (row X3), whatever an older hint of its tuple said.
-            let verdict = if exempt {
-                HintVerdict::Local
+            if exempt {
+                put_hint(cookie, &flow_key(&t), HintVerdict::Local);
             } else {
-                HintVerdict::Deny
-            };
-            put_hint(cookie, &flow_key(&t), verdict);
+                forget_hint(&flow_key(&t));
+            }
         }
     }
     TC_OK
@@ -516,6 +387,13 @@ fn host_hinted(cookie: u64, t: &Tcp) -> bool {
     }
     unsafe { (*h).flags = hint.flags | HINT_HOST_TAKEN };
     true
+}
+
+/// Removes any hint of this tuple: sk_lookup finds none and refuses the
+/// lookup, as for a `Deny` (which older builds wrote).
+#[inline(always)]
+fn forget_hint(key: &FlowKey) {
+    let _ = FLOW_HINTS.remove(key);
 }
 
 #[inline(always)]

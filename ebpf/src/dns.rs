@@ -7,7 +7,8 @@
 //!   resolver) in `dns_flows`, hints sk_lookup and delivers the datagram
 //!   locally, where sk_lookup hands it to the proxy's UDP socket. The
 //!   proxy answers from 127.0.0.1:15053 (::1) over `lo`; the `lo` program
-//!   finds the query and rewrites the answer's source to the resolver's.
+//!   finds the query, rewrites the answer's source to the resolver's and
+//!   forgets the query.
 //! - TCP: the SYN is steered to the proxy's TCP listener like an outbound
 //!   connection to 15001; the accepted socket already has the resolver's
 //!   address as its own, so nothing is rewritten.
@@ -28,8 +29,8 @@ use sluice_common::{
 
 use crate::{
     addr::is_loopback,
-    capture::from_its_pod,
     maps::{count_dns, count_drop, DNS_FLOWS, POD_STATE},
+    origin::from_its_pod,
     packet::{Tcp, Udp, IPV4_CHECK, IPV4_SADDR, IPV6_SADDR},
     tc::{
         flow_key, listener_present, mark, netns_cookie, pod_flags, pod_of, put_hint,
@@ -147,6 +148,10 @@ pub fn restore_answer(ctx: &TcContext, u: &Udp) -> i32 {
         count_dns(flow.netns_cookie, |c: &mut DnsCounters| {
             &mut c.replies_restored
         });
+        // Answered: the entry has served (a query sent again is recorded
+        // again), so the node-wide map holds only queries in flight, not
+        // every recent one of a pod that asks fast (issue 38, case 3).
+        let _ = DNS_FLOWS.remove(key);
     }
     PASS
 }

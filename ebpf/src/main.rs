@@ -21,7 +21,9 @@
 mod addr;
 mod capture;
 mod dns;
+mod lookup;
 mod maps;
+mod origin;
 mod packet;
 mod steer;
 mod tc;

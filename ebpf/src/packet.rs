@@ -57,6 +57,12 @@ impl Tcp {
         self.flags & (TCP_SYN | TCP_ACK | TCP_RST | TCP_FIN) == TCP_SYN
     }
 
+    /// A reset (a closed port's answer to a SYN, among others).
+    #[inline(always)]
+    pub fn is_rst(&self) -> bool {
+        self.flags & TCP_RST != 0
+    }
+
     /// A listener's answer to a connection request: SYN and ACK.
     #[inline(always)]
     pub fn is_syn_ack(&self) -> bool {

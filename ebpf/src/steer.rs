@@ -84,8 +84,9 @@ pub fn steer(ctx: &SkLookupContext) -> u32 {
         Some(HintVerdict::Inbound) => Role::Inbound,
         Some(HintVerdict::Hbone) => Role::Hbone,
         Some(HintVerdict::DnsTcp) => Role::DnsTcp,
-        // Row X3 and unknown destinations: as if there were no hint; the
-        // Deny only overwrote an older hint of the tuple.
+        // As if there were no hint: a `Deny` (written by builds before the
+        // programs removed a refused SYN's hint instead) only overwrote an
+        // older hint of the tuple.
         Some(HintVerdict::Deny | HintVerdict::DnsUdp) | None => {
             return unhinted(family, &remote, asked_by_tc)
         }

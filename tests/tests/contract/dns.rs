@@ -201,6 +201,15 @@ fn captured(fam: Family) -> TestResult {
         d.captured_udp >= 4 && d.captured_tcp >= 2 && d.replies_restored >= 4,
         "{d:?}"
     );
+    // Every query was answered: the node-wide map of queries in flight
+    // holds none of them (an answered query's entry is released).
+    let flows: aya::maps::HashMap<_, sluice_common::DnsFlowKey, sluice_common::DnsFlow> =
+        aya::maps::Map::from_map_data(aya::maps::MapData::from_pin(
+            p.f.topo.pins.maps().join("dns_flows"),
+        )?)?
+        .try_into()?;
+    let held = flows.keys().count();
+    ensure!(held == 0, "{held} answered queries still held in dns_flows");
     Ok(())
 }
 

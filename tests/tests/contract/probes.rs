@@ -183,8 +183,8 @@ fn host_link_lifecycle(tcx: bool) -> TestResult {
     let id = |name: &str| ids.get(name).map(|(id, _)| *id).context(name.to_owned());
     let host_id = id(Program::Host.name())?;
     // The stand-in "CNI" program: one that passes (ends the chain) and
-    // writes no hint (each of sluice's own programs hints a SYN it sees: a
-    // `Deny`, if nothing else). Pinned beside sluice's programs, so it goes
+    // writes no hint (each of sluice's own programs hints a SYN it sees, or
+    // removes its tuple's hint). Pinned beside sluice's programs, so it goes
     // with them. Attached as the kernel allows: a tcx link, or a cls_bpf
     // filter at a later priority than sluice's.
     let cni_prog = pins.progs().join("cni_standin");
