@@ -311,7 +311,14 @@ pub fn upstream(ns: &str, addrs: &[IpAddr]) -> Server {
 /// answered with PROXY_V4/_V6 ([`BIG_NAME`] with 60 records), the rest
 /// forwarded over UDP to `forward_to` from a marked socket.
 pub fn proxy(ns: &str, forward_to: SocketAddr) -> Server {
+    proxy_answering_after(ns, forward_to, Duration::ZERO)
+}
+
+/// [`proxy`], each answer sent `delay` after its query came (a proxy busy
+/// with other pods' queries, or waiting on its upstream).
+pub fn proxy_answering_after(ns: &str, forward_to: SocketAddr, delay: Duration) -> Server {
     let respond: Responder = Arc::new(move |q: &[u8]| {
+        std::thread::sleep(delay);
         let (name, qtype, _) = question(q)?;
         if name == BIG_NAME {
             let many: Vec<IpAddr> = (0..60u8)

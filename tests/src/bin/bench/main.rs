@@ -9,7 +9,8 @@
 //! (bulk through capture, and uncaptured), `enroll` (per-pod enrollment
 //! cold and warm, concurrent, RTNL hold time), `churn` (enroll/unenroll
 //! while steady pods carry traffic), `scale` (500 vs 1 pods), `memory`
-//! (agent RSS and map memory at 1,000 pods), `dns`, `served`.
+//! (agent RSS and map memory at 1,000 pods), `dns`, `served`, `isolation`
+//! (a neighbour's hints and DNS answers while one pod floods).
 //!
 //! `SLUICE_BENCH_SMOKE=1` shrinks every count (a quick check that the bench
 //! works, not figures); `SLUICE_BENCH_SEED=<u64>` fixes the seed of the
@@ -19,6 +20,7 @@
 //! depend on the machine and what else it is doing.
 
 mod dns;
+mod isolation;
 mod pods;
 mod served;
 mod traffic;
@@ -74,6 +76,11 @@ pub struct Config {
     /// `served`.
     pub mesh_workloads: usize,
     pub served_checks: usize,
+    /// `isolation`: the flood's length, the neighbour's kept-hint
+    /// connections and DNS queries.
+    pub flood_window: Duration,
+    pub isolation_conns: usize,
+    pub isolation_queries: usize,
 }
 
 impl Config {
@@ -107,6 +114,9 @@ impl Config {
             rate_window: Duration::from_millis(1500),
             mesh_workloads: 10_000,
             served_checks: 20,
+            flood_window: Duration::from_secs(1),
+            isolation_conns: 200,
+            isolation_queries: 10,
         }
     }
 
@@ -137,6 +147,9 @@ impl Config {
             rate_window: Duration::from_millis(300),
             mesh_workloads: 1_000,
             served_checks: 3,
+            flood_window: Duration::from_millis(300),
+            isolation_conns: 20,
+            isolation_queries: 3,
             ..Self::full(seed)
         }
     }
@@ -322,7 +335,7 @@ fn main() -> anyhow::Result<()> {
     let mut report = Report {
         results: BTreeMap::new(),
     };
-    let scenarios: [(&str, Scenario); 10] = [
+    let scenarios: [(&str, Scenario); 11] = [
         ("cpu", traffic::cpu),
         ("latency", traffic::latency),
         ("rr", traffic::request_response),
@@ -333,6 +346,7 @@ fn main() -> anyhow::Result<()> {
         ("memory", pods::memory),
         ("dns", dns::dns_queries),
         ("served", served::served),
+        ("isolation", isolation::isolation),
     ];
     let only = std::env::var("SLUICE_BENCH").ok().filter(|o| !o.is_empty());
     if let Some(o) = &only {
