@@ -24,13 +24,18 @@ pub enum DropReason {
     /// came after its hint expired, a stray segment of a closed connection.
     /// Counted here because the pod is not always known.
     Unhinted = 2,
+    /// A DNS query of a pod past its budget
+    /// ([`crate::DNS_QUERIES_PER_POD_PER_S`]): not captured, so that one
+    /// pod's flood cannot evict the node's other queries in flight.
+    DnsOverBudget = 3,
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 3] = [
+    pub const ALL: [DropReason; 4] = [
         DropReason::Malformed,
         DropReason::UnknownSource,
         DropReason::Unhinted,
+        DropReason::DnsOverBudget,
     ];
 
     /// The metric label.
@@ -39,6 +44,7 @@ impl DropReason {
             DropReason::Malformed => "malformed",
             DropReason::UnknownSource => "unknown_source",
             DropReason::Unhinted => "unhinted",
+            DropReason::DnsOverBudget => "dns_over_budget",
         }
     }
 }

@@ -128,6 +128,26 @@ impl DnsFlowKey {
     }
 }
 
+/// How many DNS queries one pod may have captured per second (a fixed
+/// window): `dns_flows` is node-wide, and a pod asking faster than its
+/// proxy answers would otherwise evict every other pod's queries in flight.
+/// Past it, the pod's queries are dropped (counted `dns_over_budget`) until
+/// the next window. Far above what a pod's resolver asks.
+pub const DNS_QUERIES_PER_POD_PER_S: u32 = 4096;
+/// The window of [`DNS_QUERIES_PER_POD_PER_S`].
+pub const DNS_BUDGET_WINDOW_NS: u64 = 1_000_000_000;
+
+/// Value of the DNS budget map (key: the pod's netns cookie): the queries
+/// the pod had captured in the window that began at `window_ns`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DnsBudget {
+    /// CLOCK_MONOTONIC (`bpf_ktime_get_ns`) when the window began.
+    pub window_ns: u64,
+    pub used: u32,
+    pub _pad: u32,
+}
+
 /// Value of the DNS flow map: where the query was addressed, so that the
 /// proxy's answer can be given that address as its source.
 #[repr(C)]

@@ -34,7 +34,7 @@ use crate::{
     dns,
     lookup::{loopback, skc_lookup},
     maps::{count, count_drop, FLOW_HINTS, NODE_NETNS, POD_STATE},
-    origin::from_its_pod,
+    origin::{from_its_pod, Sent},
     packet::{parse, parse_tcp, Parsed, Tcp, L2_ETH},
     tc::{
         listener_present, mark, mark_redirect, netns_cookie, pod_flags, pod_of, put_hint,
@@ -96,15 +96,16 @@ pub fn egress<const L2: usize>(ctx: &TcContext) -> i32 {
         // The pod is the socket's netns; a SYN without a socket (crafted, odd
         // paths) reads as the host netns, and a kernel that cannot tell has
         // none: then the source address names the pod.
+        // (Plain cookies, 0 for none, rather than options: the verifier
+        // must never see a read of an unset payload.)
         let by_socket = netns_cookie(ctx);
-        let owner = pod_of(t.family, &t.saddr);
-        let found = by_socket
-            .and_then(|c| unsafe { POD_STATE.get(c) }.map(|p| (c, p)))
-            .or_else(|| {
-                let c = owner?;
-                unsafe { POD_STATE.get(c) }.map(|p| (c, p))
-            });
-        let Some((cookie, pod)) = found else {
+        let owner = pod_of(t.family, &t.saddr).unwrap_or(0);
+        let socket_pod = match by_socket {
+            Some(c) if unsafe { POD_STATE.get(c) }.is_some() => c,
+            _ => 0,
+        };
+        let cookie = if socket_pod != 0 { socket_pod } else { owner };
+        let Some(pod) = (unsafe { POD_STATE.get(cookie) }) else {
             if by_socket.is_some() {
                 return TC_OK;
             }
@@ -123,7 +124,14 @@ pub fn egress<const L2: usize>(ctx: &TcContext) -> i32 {
         } else {
             Role::Outbound
         };
-        if !from_its_pod(ctx, cookie, owner, role, t.family, &t.saddr, t.sport) {
+        let sent = Sent {
+            by_its_socket: socket_pod != 0,
+            owner,
+            family: t.family,
+            saddr: t.saddr,
+            sport: t.sport,
+        };
+        if !from_its_pod(ctx, cookie, role, &sent) {
             count_drop(DropReason::UnknownSource);
             return TC_SHOT;
         }

@@ -19,18 +19,19 @@
 
 use aya_ebpf::{
     bindings::{tcx_action_base::TCX_NEXT, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_SHOT},
-    helpers::bpf_csum_diff,
+    helpers::{bpf_csum_diff, bpf_ktime_get_ns},
     programs::TcContext,
 };
 use sluice_common::{
-    DnsCounters, DnsFlow, DnsFlowKey, DropReason, HintVerdict, Role, FAMILY_V4, MARK_MASK,
-    MARK_ZTUNNEL, POD_FLAG_DNS_CAPTURE, PORT_DNS, PORT_DNS_PROXY,
+    DnsBudget, DnsCounters, DnsFlow, DnsFlowKey, DropReason, HintVerdict, Role,
+    DNS_BUDGET_WINDOW_NS, DNS_QUERIES_PER_POD_PER_S, FAMILY_V4, MARK_MASK, MARK_ZTUNNEL,
+    POD_FLAG_DNS_CAPTURE, PORT_DNS, PORT_DNS_PROXY,
 };
 
 use crate::{
     addr::is_loopback,
-    maps::{count_dns, count_drop, DNS_FLOWS, POD_STATE},
-    origin::from_its_pod,
+    maps::{count_dns, count_drop, DNS_BUDGET, DNS_FLOWS, POD_STATE},
+    origin::{from_its_pod, Sent},
     packet::{Tcp, Udp, IPV4_CHECK, IPV4_SADDR, IPV6_SADDR},
     tc::{
         flow_key, listener_present, mark, netns_cookie, pod_flags, pod_of, put_hint,
@@ -61,27 +62,28 @@ pub fn egress_udp<const L2: usize>(ctx: &TcContext, u: &Udp) -> i32 {
     if u.dport != PORT_DNS || mark(ctx) & MARK_MASK == MARK_ZTUNNEL {
         return PASS;
     }
-    let owner = pod_of(u.family, &u.saddr);
-    let Some(cookie) = netns_cookie(ctx).or(owner) else {
+    let owner = pod_of(u.family, &u.saddr).unwrap_or(0);
+    let by_socket = netns_cookie(ctx);
+    let cookie = by_socket.unwrap_or(owner);
+    if cookie == 0 {
         // A captured interface, a source no pod has, no socket's netns to
         // tell the pod: as for a SYN, it does not leave around ztunnel.
         count_drop(DropReason::UnknownSource);
         return DROP;
-    };
+    }
     if !dns_on(cookie) {
         return PASS;
     }
     // Another pod's source address: never that pod's query (its proxy
     // socket would take it, and its answer go to that pod's app).
-    if !from_its_pod(
-        ctx,
-        cookie,
+    let sent = Sent {
+        by_its_socket: by_socket.is_some(),
         owner,
-        Role::DnsUdp,
-        u.family,
-        &u.saddr,
-        u.sport,
-    ) {
+        family: u.family,
+        saddr: u.saddr,
+        sport: u.sport,
+    };
+    if !from_its_pod(ctx, cookie, Role::DnsUdp, &sent) {
         count_drop(DropReason::UnknownSource);
         return DROP;
     }
@@ -94,6 +96,10 @@ pub fn egress_udp<const L2: usize>(ctx: &TcContext, u: &Udp) -> i32 {
     let Some(id) = dns_id(ctx, u) else {
         return PASS;
     };
+    if !within_budget(cookie) {
+        count_drop(DropReason::DnsOverBudget);
+        return DROP;
+    }
     let key = DnsFlowKey::new(u.family, u.saddr, u.sport, id);
     let flow = DnsFlow {
         resolver_addr: u.daddr,
@@ -108,6 +114,35 @@ pub fn egress_udp<const L2: usize>(ctx: &TcContext, u: &Udp) -> i32 {
     let hint = flow_key(u.family, u.saddr, u.daddr, u.sport, u.dport);
     put_hint(cookie, &hint, HintVerdict::DnsUdp);
     redirect_to_self::<L2>(ctx)
+}
+
+/// Whether the pod may have one more query captured in this window
+/// ([`DNS_QUERIES_PER_POD_PER_S`]), counting it. Racy across CPUs (a plain
+/// add, no atomics): a few queries more than the budget may pass, never a
+/// flood.
+#[inline(always)]
+fn within_budget(cookie: u64) -> bool {
+    let now = unsafe { bpf_ktime_get_ns() };
+    let Some(b) = DNS_BUDGET.get_ptr_mut(cookie) else {
+        let fresh = DnsBudget {
+            window_ns: now,
+            used: 1,
+            _pad: 0,
+        };
+        let _ = DNS_BUDGET.insert(cookie, fresh, 0);
+        return true;
+    };
+    let b = unsafe { &mut *b };
+    if now.wrapping_sub(b.window_ns) >= DNS_BUDGET_WINDOW_NS {
+        b.window_ns = now;
+        b.used = 1;
+        return true;
+    }
+    if b.used >= DNS_QUERIES_PER_POD_PER_S {
+        return false;
+    }
+    b.used += 1;
+    true
 }
 
 /// Egress SYN of a steering pod: does it go to the DNS proxy (row D2)? A

@@ -7,7 +7,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, SockHash},
 };
 use sluice_common::{
-    AddrKey, Counters, DnsCounters, DnsFlow, DnsFlowKey, DropReason, FlowHint, FlowKey,
+    AddrKey, Counters, DnsBudget, DnsCounters, DnsFlow, DnsFlowKey, DropReason, FlowHint, FlowKey,
     ListenerKey, PodEntry, PodMeta, Stamp, DROP_REASONS, REROUTE_LEN,
 };
 
@@ -92,6 +92,12 @@ pub static DNS_LISTENERS: SockHash<ListenerKey> = SockHash::pinned(MAX_PODS * 4,
 /// (`replies_unmapped`). About 1 MiB preallocated.
 #[map(name = "dns_flows")]
 pub static DNS_FLOWS: LruHashMap<DnsFlowKey, DnsFlow> = LruHashMap::pinned(8192, 0);
+
+/// Each pod's DNS queries captured in the current window (key: netns
+/// cookie), against `DNS_QUERIES_PER_POD_PER_S`. LRU: a pod's entry goes
+/// by itself once the pod is gone.
+#[map(name = "dns_budget")]
+pub static DNS_BUDGET: LruHashMap<u64, DnsBudget> = LruHashMap::pinned(MAX_PODS, 0);
 
 /// Per-pod DNS capture counters. Per-CPU like `counters`.
 #[map(name = "dns_counters")]

@@ -8,36 +8,39 @@ use sluice_common::Role;
 
 use crate::{
     lookup::{loopback, sk_lookup_udp, skc_lookup},
-    tc::{listener, netns_cookie},
+    tc::listener,
 };
 
+/// What the program knows of who sent a packet.
+pub struct Sent {
+    /// Its socket's netns is the pod the packet names (the kernel tells
+    /// tc programs the netns: Linux ≥ 6.15).
+    pub by_its_socket: bool,
+    /// The pod (netns cookie) its source address belongs to; 0: none.
+    pub owner: u64,
+    pub family: u8,
+    pub saddr: [u32; 4],
+    pub sport: u16,
+}
+
 /// Whether a packet leaving an enrolled pod's interface that names pod
-/// `cookie` (by its socket's netns, else by `owner`, its source address's
-/// pod) came from that pod. When its socket's netns is the pod's, that pod
-/// sent it: its source must not be another pod's address (`owner`).
-/// Otherwise (a kernel without netns cookies in tc, or a packet without a
-/// socket: forwarded by the pod) the address named the pod, and a pod with
-/// `NET_RAW` may have written a neighbour's: `cookie`'s `role` listener must
-/// then be the one this interface's netns holds (a socket lookup at
-/// loopback, where ztunnel's listeners answer). A pod without that listener
-/// fails closed later on.
+/// `cookie` (by its socket's netns, else by its source address) came from
+/// that pod. Sent by that pod's socket: its source must not be another
+/// pod's address. Otherwise (a kernel without netns cookies in tc, or a
+/// packet without a socket: forwarded by the pod) the address named the
+/// pod, and a pod with `NET_RAW` may have written a neighbour's: `cookie`'s
+/// `role` listener must then be the one this interface's netns holds (a
+/// socket lookup at loopback, where ztunnel's listeners answer). A pod
+/// without that listener fails closed later on.
 #[inline(always)]
-pub fn from_its_pod(
-    ctx: &TcContext,
-    cookie: u64,
-    owner: Option<u64>,
-    role: Role,
-    family: u8,
-    saddr: &[u32; 4],
-    sport: u16,
-) -> bool {
-    if netns_cookie(ctx) == Some(cookie) {
-        return owner.is_none_or(|o| o == cookie);
+pub fn from_its_pod(ctx: &TcContext, cookie: u64, role: Role, sent: &Sent) -> bool {
+    if sent.by_its_socket {
+        return sent.owner == 0 || sent.owner == cookie;
     }
-    let Some(registered) = listener(cookie, role, family) else {
+    let Some(registered) = listener(cookie, role, sent.family) else {
         return true;
     };
-    let port = role.port();
+    let (family, saddr, sport, port) = (sent.family, &sent.saddr, sent.sport, role.port());
     let here = if role == Role::DnsUdp {
         sk_lookup_udp(ctx, family, saddr, &loopback(family), sport, port)
     } else {

@@ -71,6 +71,10 @@ pub fn trials() -> Vec<Trial> {
         ));
     }
     v.push(trial(
+        "dns::d7_a_pods_queries_past_its_budget_are_dropped_its_neighbours_answered",
+        over_budget,
+    ));
+    v.push(trial(
         "dns::d5_annotations_and_the_node_default_choose",
         switches,
     ));
@@ -274,6 +278,58 @@ fn differential(fam: Family) -> TestResult {
         "Istio {:?}\nsluice {:?}",
         rows[0],
         rows[1]
+    );
+    Ok(())
+}
+
+/// Pod A sends more queries in a burst than its budget
+/// (`DNS_QUERIES_PER_POD_PER_S` a second; no privileges needed): those past
+/// it are dropped and counted (`dns_over_budget`), so it cannot evict the
+/// node's other queries in flight from the node-wide `dns_flows`; its
+/// neighbour B, asking meanwhile, is answered from its resolver. (Issue 38,
+/// case 3.)
+fn over_budget() -> TestResult {
+    let a = DnsPod::new("dnsbud", true)?;
+    let b = Fixture::in_subnet("dnsbudb", Some(Bind::DualStack), 1)?;
+    let b_resolver = SocketAddr::new(b.topo.client_ip(Family::V4), 53);
+    let _b_upstream = dns::upstream(&b.topo.client, &[b_resolver.ip()]);
+    let _b_proxy = dns::proxy(&b.topo.pod, b_resolver);
+    a.enroll(PodOptions::default(), true)?;
+    let mut dp = a.f.dataplane()?;
+    let e = enroll::enroll(&mut dp, &b.topo.pod_netns_path(), &b.uid, &b.workload())?;
+    ensure!(e.state == PodState::Enabled, "{e:?}");
+    let over = |dp: &sluice::dataplane::loader::Dataplane| {
+        dp.maps().drops(sluice_common::DropReason::DnsOverBudget)
+    };
+    let before = over(&dp);
+    let budget = sluice_common::DNS_QUERIES_PER_POD_PER_S as usize;
+    let to = SocketAddr::new(Family::V4.client(), 53);
+    // Sends never wait for answers: the burst takes far less than the
+    // budget's one-second window.
+    sluice_tests::ns::run_in(&a.f.topo.pod, move || -> std::io::Result<()> {
+        let s = std::net::UdpSocket::bind("0.0.0.0:0")?;
+        s.connect(to)?;
+        for i in 0..budget * 2 {
+            s.send(&dns::query(i as u16, "burst.proxy.test", qtype(Family::V4)))?;
+        }
+        Ok(())
+    })?;
+    let dropped = over(&dp) - before;
+    ensure!(
+        dropped > 0 && dropped <= budget as u64,
+        "{dropped} of {} queries dropped past a budget of {budget}",
+        budget * 2
+    );
+    let got = dns::ask(
+        &b.topo.pod,
+        Client::UdpConnected,
+        b_resolver,
+        "b.proxy.test",
+        TYPE_A,
+    )?;
+    ensure!(
+        got.from == b_resolver && got.answer.addrs == [proxy_addr(Family::V4)],
+        "the neighbour's query: {got:?}"
     );
     Ok(())
 }

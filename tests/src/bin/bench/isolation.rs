@@ -116,9 +116,11 @@ pub fn isolation(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyhow
 /// The neighbour's listener answers with SYN cookies (as under a SYN flood
 /// of its own): each of its inbound connections keeps its hint, which a
 /// late ACK needs (`FLOW_HINT_TTL_NS`). The flooder then connects to its
-/// own closed port from a few threads for `cfg.flood_window` (shorter
-/// than the hints' TTL): every hint of the neighbour's still there is one a
-/// late ACK would have found.
+/// own address for `cfg.flood_window` (shorter than the hints' TTL), from a
+/// few threads: first to a closed port, then, with its own listener
+/// answering with SYN cookies too (`tcp_syncookies=2` is a safe sysctl),
+/// to an open one. Every hint of the neighbour's still there is one a late
+/// ACK would have found.
 fn hint_flood(
     report: &mut Report,
     cfg: &Config,
@@ -130,8 +132,96 @@ fn hint_flood(
         &neighbour.topo.pod,
         &["sysctl", "-qw", "net.ipv4.tcp_syncookies=2"],
     )?;
-    let dst = SocketAddr::new(neighbour.ip(), APP_PORT);
     let n = cfg.isolation_conns;
+    let closed = SocketAddr::new(flooder.ip(), CLOSED_PORT);
+    let hints = neighbour_hints(dp, neighbour, n)?;
+    let rate = flood(&flooder.topo.pod, cfg.flood_window, move || {
+        connect_once(closed, true)
+    })?;
+    let survived = hints.kept(dp);
+    eprintln!("bench: isolation: {rate:.0} closed-port connects/s; {survived} of {n} neighbour hints kept");
+    report.put("isolation_hint_flood_connects_per_s", rate);
+    report.put(
+        "isolation_neighbour_hints_kept_ratio",
+        survived as f64 / n as f64,
+    );
+    exec(
+        &flooder.topo.pod,
+        &["sysctl", "-qw", "net.ipv4.tcp_syncookies=2"],
+    )?;
+    let open = SocketAddr::new(flooder.ip(), OPEN_PORT);
+    let stop = Arc::new(AtomicBool::new(false));
+    let (bound, is_bound) = std::sync::mpsc::channel();
+    let acceptor = {
+        let stop = stop.clone();
+        // Accepts (and drops) every connection: a full accept queue would
+        // drop SYNs rather than answer them.
+        spawn_in(&flooder.topo.pod, move || -> std::io::Result<()> {
+            let l = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+            l.bind(&open.into())?;
+            l.listen(4096)?;
+            l.set_nonblocking(true)?;
+            let _ = bound.send(());
+            while !stop.load(Ordering::Relaxed) {
+                if l.accept().is_err() {
+                    std::thread::yield_now();
+                }
+            }
+            Ok(())
+        })
+    };
+    is_bound
+        .recv_timeout(Duration::from_secs(5))
+        .context("the flooder's listener")?;
+    let hints = neighbour_hints(dp, neighbour, n)?;
+    let rate = flood(&flooder.topo.pod, cfg.flood_window, move || {
+        connect_once(open, false)
+    });
+    stop.store(true, Ordering::Relaxed);
+    acceptor.join().expect("accept thread")?;
+    let rate = rate?;
+    let survived = hints.kept(dp);
+    eprintln!("bench: isolation: {rate:.0} SYN-cookie connects/s to itself; {survived} of {n} neighbour hints kept");
+    report.put("isolation_cookie_flood_connects_per_s", rate);
+    report.put(
+        "isolation_neighbour_hints_kept_ratio_cookie_flood",
+        survived as f64 / n as f64,
+    );
+    Ok(())
+}
+
+/// A port the flooder listens on (never accepting).
+const OPEN_PORT: u16 = 7000;
+
+/// One connect to `to`: it must succeed, or be refused where `closed`.
+fn connect_once(to: SocketAddr, closed: bool) -> std::io::Result<()> {
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+    match s.connect(&to.into()) {
+        Ok(()) if !closed => Ok(()),
+        Err(e) if closed && e.kind() == std::io::ErrorKind::ConnectionRefused => Ok(()),
+        other => Err(std::io::Error::other(format!("connect to {to}: {other:?}"))),
+    }
+}
+
+/// The neighbour's inbound connections whose hints are kept (SYN cookies).
+struct Hints {
+    dst: SocketAddr,
+    sources: Vec<SocketAddr>,
+}
+
+impl Hints {
+    fn kept(&self, dp: &Dataplane) -> usize {
+        self.sources
+            .iter()
+            .filter(|from| dp.maps().flow_hint(&hint_key(**from, self.dst)).is_some())
+            .count()
+    }
+}
+
+/// `n` inbound connections to the neighbour, answered with SYN cookies:
+/// each keeps its hint.
+fn neighbour_hints(dp: &Dataplane, neighbour: &Pod, n: usize) -> anyhow::Result<Hints> {
+    let dst = SocketAddr::new(neighbour.ip(), APP_PORT);
     let sources = run_in(
         &neighbour.topo.client,
         move || -> std::io::Result<Vec<SocketAddr>> {
@@ -144,35 +234,13 @@ fn hint_flood(
         },
     )
     .context("the neighbour's inbound connections")?;
-    let kept = |dp: &Dataplane| {
-        sources
-            .iter()
-            .filter(|from| dp.maps().flow_hint(&hint_key(**from, dst)).is_some())
-            .count()
-    };
+    let hints = Hints { dst, sources };
+    let kept = hints.kept(dp);
     ensure!(
-        kept(dp) == n,
-        "only {} of {n} cookie handshakes kept their hint",
-        kept(dp)
+        kept == n,
+        "only {kept} of {n} cookie handshakes kept their hint"
     );
-    let own = SocketAddr::new(flooder.ip(), CLOSED_PORT);
-    let rate = flood(&flooder.topo.pod, cfg.flood_window, move || {
-        let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
-        match s.connect(&own.into()) {
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => Ok(()),
-            other => Err(std::io::Error::other(format!(
-                "connect to {own}: {other:?}"
-            ))),
-        }
-    })?;
-    let survived = kept(dp);
-    eprintln!("bench: isolation: {rate:.0} closed-port connects/s; {survived} of {n} neighbour hints kept");
-    report.put("isolation_hint_flood_connects_per_s", rate);
-    report.put(
-        "isolation_neighbour_hints_kept_ratio",
-        survived as f64 / n as f64,
-    );
-    Ok(())
+    Ok(hints)
 }
 
 /// The flooder asks its resolver from new connected UDP sockets (as glibc

@@ -38,6 +38,7 @@ fn map_entries_keep_their_layout() {
         .collect();
     let want = std::collections::BTreeMap::from([
         ("counters", (5, 8, 48)),
+        ("dns_budget", (9, 8, 16)),
         ("dns_counters", (5, 8, 40)),
         ("dns_flows", (9, 24, 32)),
         ("dns_listeners", (18, 16, 4)),
