@@ -216,3 +216,20 @@ impl Held {
         }
     }
 }
+
+/// The flow-hint key sk_lookup uses for a connection from `from` to `to`
+/// (remote = source, local = destination).
+pub fn hint_key(from: SocketAddr, to: SocketAddr) -> sluice_common::FlowKey {
+    let (r, l) = (
+        sluice::dataplane::state::addr_key(&from.ip()),
+        sluice::dataplane::state::addr_key(&to.ip()),
+    );
+    sluice_common::FlowKey {
+        remote_addr: r.addr,
+        local_addr: l.addr,
+        remote_port: from.port(),
+        local_port: to.port(),
+        family: r.family,
+        _pad: [0; 3],
+    }
+}

@@ -171,6 +171,30 @@ fn api(
     kube::Client::new(svc, "default")
 }
 
+/// Waits for a Warning Event with `reason` on the pod `name` whose note
+/// holds each of `notes`.
+async fn warning(events: &Events, reason: &str, name: &str, notes: &[&str]) -> TestResult {
+    let what = format!("a {reason} warning on {name}");
+    wait::until_async(&what, wait::DEADLINE, || {
+        let seen = events.lock().unwrap().clone();
+        let found = seen.iter().any(|e| {
+            e["reason"] == reason
+                && e["type"] == "Warning"
+                && e["regarding"]["name"] == name
+                && e["note"]
+                    .as_str()
+                    .is_some_and(|n| notes.iter().all(|want| n.contains(want)))
+        });
+        if found {
+            Ok(())
+        } else {
+            Err(seen)
+        }
+    })
+    .await?;
+    Ok(())
+}
+
 /// Another tool's `ingress` qdisc on the pod's host-side veth (the
 /// bandwidth plugin's egress limit): the pod is captured without the
 /// host-side program, and a Warning on the pod names the veth and says that
@@ -205,27 +229,7 @@ fn host_hook_event() -> TestResult {
             matches!(&r, control::Response::Enrolled { uid, .. } if uid == "u-cart"),
             "{r:?}"
         );
-        wait::until_async(
-            "a HostProbesCaptured warning on shop/cart",
-            wait::DEADLINE,
-            || {
-                let seen = events.lock().unwrap().clone();
-                let found = seen.iter().any(|e| {
-                    e["reason"] == "HostProbesCaptured"
-                        && e["type"] == "Warning"
-                        && e["regarding"]["name"] == "cart"
-                        && e["note"]
-                            .as_str()
-                            .is_some_and(|n| n.contains("veth-c (ingress)"))
-                });
-                if found {
-                    Ok(())
-                } else {
-                    Err(seen)
-                }
-            },
-        )
-        .await?;
+        warning(&events, "HostProbesCaptured", "cart", &["veth-c (ingress)"]).await?;
         Ok(())
     })
 }
@@ -281,25 +285,13 @@ fn claim_evicted_event() -> TestResult {
         let cart_record = pods.iter().find(|p| p.uid == "u-cart").context("cart")?;
         ensure!(cart_record.addresses == [cart_ip], "{cart_record:?}");
         ensure!(!claimer.pod_record()?.addresses.contains(&cart_ip));
-        wait::until_async(
-            "an AddressClaimEvicted warning on the claimer",
-            wait::DEADLINE,
-            || {
-                let seen = events.lock().unwrap().clone();
-                let found = seen.iter().any(|e| {
-                    e["reason"] == "AddressClaimEvicted"
-                        && e["type"] == "Warning"
-                        && e["regarding"]["name"] == claimer.uid.as_str()
-                        && e["note"].as_str().is_some_and(|n| {
-                            n.contains(&cart_ip.to_string()) && n.contains("shop/cart")
-                        })
-                });
-                if found {
-                    Ok(())
-                } else {
-                    Err(seen)
-                }
-            },
+        let claimer_name = claimer.uid.as_str();
+        let cart_ip = cart_ip.to_string();
+        warning(
+            &events,
+            "AddressClaimEvicted",
+            claimer_name,
+            &[&cart_ip, "shop/cart"],
         )
         .await?;
         Ok(())

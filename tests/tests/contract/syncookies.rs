@@ -10,7 +10,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use anyhow::{ensure, Context as _};
 use libtest_mimic::Trial;
-use sluice_common::{DropReason, FlowKey, HintVerdict, PodState, Role};
+use sluice_common::{DropReason, HintVerdict, PodState, Role};
 use sluice_tests::{
     flow::{self, connect, Opts, Reached},
     harness::{
@@ -381,23 +381,6 @@ fn rerouted(fam: Family) -> TestResult {
     Ok(())
 }
 
-/// The flow-hint key of a connection from `from` to `to`, as sk_lookup
-/// sees it (remote = the SYN's source).
-fn hint_key(from: SocketAddr, to: SocketAddr) -> FlowKey {
-    let (r, l) = (
-        sluice::dataplane::state::addr_key(&from.ip()),
-        sluice::dataplane::state::addr_key(&to.ip()),
-    );
-    FlowKey {
-        remote_addr: r.addr,
-        local_addr: l.addr,
-        remote_port: from.port(),
-        local_port: to.port(),
-        family: r.family,
-        _pad: [0; 3],
-    }
-}
-
 /// Without SYN cookies a handshake answered from a request socket has no
 /// more use for its SYNs' hints: the pod's programs release them (the
 /// SYN-ACK leaving eth0 carries the request socket; the app's ACK of an
@@ -421,7 +404,7 @@ fn hints_released(fam: Family) -> TestResult {
     ensure!(acc.len() == 2, "ztunnel accepted {acc:?}");
     let maps = sluice::dataplane::state::Maps::open_pinned(&f.topo.pins.maps())?;
     for a in &acc {
-        let kept = maps.flow_hint(&hint_key(a.peer, a.local));
+        let kept = maps.flow_hint(&flow::hint_key(a.peer, a.local));
         ensure!(
             kept.is_none(),
             "the {:?} connection from {} to {} left its hint: {kept:?}",
@@ -431,7 +414,7 @@ fn hints_released(fam: Family) -> TestResult {
         );
     }
     let own = flow::Held::open(&f.topo.pod, dst)?;
-    let kept = maps.flow_hint(&hint_key(own.local_addr()?, dst));
+    let kept = maps.flow_hint(&flow::hint_key(own.local_addr()?, dst));
     ensure!(
         kept.is_none(),
         "the pod's connection to its own address left its hint: {kept:?}"
@@ -470,7 +453,7 @@ fn closed_port_loop(fam: Family) -> TestResult {
     let maps = sluice::dataplane::state::Maps::open_pinned(&f.topo.pins.maps())?;
     let kept = sources
         .iter()
-        .filter(|from| maps.flow_hint(&hint_key(**from, dst)).is_some())
+        .filter(|from| maps.flow_hint(&flow::hint_key(**from, dst)).is_some())
         .count();
     ensure!(kept == 0, "{kept} of 200 refused connects left their hint");
     ensure!(
@@ -501,7 +484,7 @@ fn lo_spoof_denied(fam: Family) -> TestResult {
     ensure!(acc.len() == 1 && acc[0].role == Role::Inbound, "{acc:?}");
     let client = acc[0].peer;
     let maps = || sluice::dataplane::state::Maps::open_pinned(&f.topo.pins.maps());
-    let key = hint_key(client, dst);
+    let key = flow::hint_key(client, dst);
     let kept = maps()?.flow_hint(&key);
     ensure!(
         kept.is_some_and(|h| h.verdict == HintVerdict::Inbound as u32),

@@ -17,7 +17,7 @@ use std::{
 use anyhow::{ensure, Context as _};
 use rand::rngs::StdRng;
 use sluice::{dataplane::loader::Dataplane, podnet::enroll, uid::PodUid};
-use sluice_common::{FlowKey, PodState};
+use sluice_common::PodState;
 use sluice_tests::{
     dns,
     ns::{exec, run_in, spawn_in},
@@ -213,7 +213,11 @@ impl Hints {
     fn kept(&self, dp: &Dataplane) -> usize {
         self.sources
             .iter()
-            .filter(|from| dp.maps().flow_hint(&hint_key(**from, self.dst)).is_some())
+            .filter(|from| {
+                dp.maps()
+                    .flow_hint(&sluice_tests::flow::hint_key(**from, self.dst))
+                    .is_some()
+            })
             .count()
     }
 }
@@ -342,20 +346,4 @@ fn flood(
         total += t.join().expect("flood thread")?;
     }
     Ok(total as f64 / start.elapsed().as_secs_f64())
-}
-
-/// The hint key sk_lookup uses for a connection from `from` to `to`.
-fn hint_key(from: SocketAddr, to: SocketAddr) -> FlowKey {
-    let (r, l) = (
-        sluice::dataplane::state::addr_key(&from.ip()),
-        sluice::dataplane::state::addr_key(&to.ip()),
-    );
-    FlowKey {
-        remote_addr: r.addr,
-        local_addr: l.addr,
-        remote_port: from.port(),
-        local_port: to.port(),
-        family: r.family,
-        _pad: [0; 3],
-    }
 }
