@@ -1509,7 +1509,11 @@ fn another_node_agent() -> TestResult {
     let port = free_port()?;
     let metrics = format!("127.0.0.1:{port}");
     let mut agent = AgentProc::start_with(&f.topo.pins, &["--metrics-addr", &metrics])?;
-    ensure!(agent.terminate());
+    ensure!(
+        agent.terminate(),
+        "the agent did not exit cleanly on SIGTERM:\n{}",
+        agent.log()
+    );
     // The other agent: a listener on the socket path (this test process).
     let _ = std::fs::remove_file(&agent.zds);
     let other = std::os::unix::net::UnixListener::bind(&agent.zds)?;

@@ -75,6 +75,10 @@ pub fn trials() -> Vec<Trial> {
         over_budget,
     ));
     v.push(trial(
+        "dns::no_netns_cookie_in_tc::d7_a_pods_queries_past_its_budget_are_dropped_its_neighbours_answered",
+        || as_if_kernel(without_netns_cookie_in_tc(), over_budget),
+    ));
+    v.push(trial(
         "dns::d5_annotations_and_the_node_default_choose",
         switches,
     ));

@@ -24,12 +24,14 @@ impl Source for NoPods {
     }
 }
 
-/// Reports `condition` until SIGTERM or SIGINT (false) or until `until`
-/// completes (true: the agent may start for real).
+/// Reports `condition` until SIGTERM (`term`, registered when the agent
+/// started) or SIGINT (false) or until `until` completes (true: the agent
+/// may start for real).
 pub async fn report_only(
     cfg: &Config,
     condition: Condition,
     until: impl Future<Output = ()>,
+    term: &mut tokio::signal::unix::Signal,
 ) -> anyhow::Result<bool> {
     let report = Arc::new(Report::new(
         Arc::new(Metrics::new(Arc::new(NoPods))),
@@ -52,7 +54,6 @@ pub async fn report_only(
             audience,
         )));
     }
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::pin!(until);
     let cleared = loop {
         tokio::select! {

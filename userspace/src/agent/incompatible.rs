@@ -7,8 +7,12 @@
 use super::{config::Config, hold::report_only};
 use crate::readiness::{Condition, Reason};
 
-/// Reports `why` until SIGTERM or SIGINT.
-pub async fn hold(cfg: Config, why: String) -> anyhow::Result<()> {
+/// Reports `why` until SIGTERM (`term`) or SIGINT.
+pub async fn hold(
+    cfg: Config,
+    why: String,
+    term: &mut tokio::signal::unix::Signal,
+) -> anyhow::Result<()> {
     tracing::error!(%why, "cannot take over the pinned dataplane; reporting only");
     let condition = Condition {
         ready: false,
@@ -17,7 +21,7 @@ pub async fn hold(cfg: Config, why: String) -> anyhow::Result<()> {
             "this sluice build cannot take over the dataplane pinned by another build ({why}); that build's capture stays in place, nothing new is enrolled"
         ),
     };
-    report_only(&cfg, condition, std::future::pending())
+    report_only(&cfg, condition, std::future::pending(), term)
         .await
         .map(drop)
 }

@@ -71,13 +71,17 @@ pub fn run(cfg: Config) -> anyhow::Result<()> {
 }
 
 async fn serve(cfg: Config) -> anyhow::Result<()> {
-    if !cfg.take_over_node_agent && !rival::wait_until_gone(&cfg).await? {
+    // First: a SIGTERM that comes during startup (its sockets already bound,
+    // its tasks not yet running) is kept for `until_stopped` rather than
+    // killing the process midway (the signal's default action).
+    let mut term = signal(SignalKind::terminate())?;
+    if !cfg.take_over_node_agent && !rival::wait_until_gone(&cfg, &mut term).await? {
         return Ok(());
     }
     let node_netns = open_node_netns(&cfg)?;
     let mut dp = match Dataplane::load_adopt_or_upgrade(cfg.pins.clone(), node_netns.as_ref()) {
         Ok(dp) => dp,
-        Err(LoadError::Incompatible(why)) => return incompatible::hold(cfg, why).await,
+        Err(LoadError::Incompatible(why)) => return incompatible::hold(cfg, why, &mut term).await,
         Err(e) => return Err(e).context("loading the dataplane"),
     };
     set_up_dataplane(&mut dp, node_netns, &cfg);
@@ -93,7 +97,6 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     }
     let mut tasks = Tasks::start(&cfg, &node, kube.as_ref(), listeners, &stops);
     info!(pods = node.pod_count(), "sluice agent running");
-    let mut term = signal(SignalKind::terminate())?;
     let signalled = until_stopped(&cfg, &node, client.as_ref(), &mut term).await;
     tasks.stop_serving(&stops).await;
     if let Uninstall::Started(r) = node.uninstall().state() {

@@ -89,7 +89,10 @@ const EVERY: std::time::Duration = std::time::Duration::from_secs(5);
 /// With another node agent on the ZDS socket: reports it (node condition
 /// False `AnotherNodeAgent`, `/readyz` 503) and waits until it is gone. True:
 /// the agent may start (no rival, or it left); false: stopped meanwhile.
-pub async fn wait_until_gone(cfg: &Config) -> anyhow::Result<bool> {
+pub async fn wait_until_gone(
+    cfg: &Config,
+    term: &mut tokio::signal::unix::Signal,
+) -> anyhow::Result<bool> {
     let proc = Path::new("/proc");
     let Some(rival) = listening_on(&cfg.zds_socket, proc) else {
         return Ok(true);
@@ -109,7 +112,7 @@ pub async fn wait_until_gone(cfg: &Config) -> anyhow::Result<bool> {
         }
         tracing::info!("the other node agent is gone: starting");
     };
-    report_only(cfg, condition, gone).await
+    report_only(cfg, condition, gone, term).await
 }
 
 #[cfg(test)]
