@@ -116,13 +116,15 @@ pub fn egress<const L2: usize>(ctx: &TcContext) -> i32 {
         };
         // A source address another pod owns: never steered as that pod's
         // (its listeners, its identity) nor as this one's.
-        let role = if t.dport == PORT_DNS
-            && dns::dns_on(cookie)
-            && listener_present(cookie, Role::DnsTcp, t.family)
-        {
-            Role::DnsTcp
-        } else {
-            Role::Outbound
+        let role = || {
+            if t.dport == PORT_DNS
+                && dns::dns_on(cookie)
+                && listener_present(cookie, Role::DnsTcp, t.family)
+            {
+                Role::DnsTcp
+            } else {
+                Role::Outbound
+            }
         };
         let sent = Sent {
             by_its_socket: socket_pod != 0,

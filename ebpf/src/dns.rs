@@ -62,9 +62,13 @@ pub fn egress_udp<const L2: usize>(ctx: &TcContext, u: &Udp) -> i32 {
     if u.dport != PORT_DNS || mark(ctx) & MARK_MASK == MARK_ZTUNNEL {
         return PASS;
     }
-    let owner = pod_of(u.family, &u.saddr).unwrap_or(0);
+    // The pod: its socket's netns, else (no cookies in tc) its source
+    // address's. (Plain cookies, 0 for none: see capture.rs.)
     let by_socket = netns_cookie(ctx);
-    let cookie = by_socket.unwrap_or(owner);
+    let cookie = match by_socket {
+        Some(c) => c,
+        None => pod_of(u.family, &u.saddr).unwrap_or(0),
+    };
     if cookie == 0 {
         // A captured interface, a source no pod has, no socket's netns to
         // tell the pod: as for a SYN, it does not leave around ztunnel.
@@ -76,6 +80,12 @@ pub fn egress_udp<const L2: usize>(ctx: &TcContext, u: &Udp) -> i32 {
     }
     // Another pod's source address: never that pod's query (its proxy
     // socket would take it, and its answer go to that pod's app).
+    // Whose address the source is, when the socket named the pod; else it
+    // is the pod's by the lookup above.
+    let owner = match by_socket {
+        Some(_) => pod_of(u.family, &u.saddr).unwrap_or(0),
+        None => cookie,
+    };
     let sent = Sent {
         by_its_socket: by_socket.is_some(),
         owner,
@@ -83,7 +93,7 @@ pub fn egress_udp<const L2: usize>(ctx: &TcContext, u: &Udp) -> i32 {
         saddr: u.saddr,
         sport: u.sport,
     };
-    if !from_its_pod(ctx, cookie, Role::DnsUdp, &sent) {
+    if !from_its_pod(ctx, cookie, || Role::DnsUdp, &sent) {
         count_drop(DropReason::UnknownSource);
         return DROP;
     }

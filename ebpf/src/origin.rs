@@ -30,13 +30,21 @@ pub struct Sent {
 /// packet without a socket: forwarded by the pod) the address named the
 /// pod, and a pod with `NET_RAW` may have written a neighbour's: `cookie`'s
 /// `role` listener must then be the one this interface's netns holds (a
-/// socket lookup at loopback, where ztunnel's listeners answer). A pod
-/// without that listener fails closed later on.
+/// socket lookup at loopback, where ztunnel's listeners answer; `role`
+/// names it, asked only then). A pod without that listener fails closed
+/// later on.
 #[inline(always)]
-pub fn from_its_pod(ctx: &TcContext, cookie: u64, role: Role, sent: &Sent) -> bool {
+pub fn from_its_pod(
+    ctx: &TcContext,
+    cookie: u64,
+    role: impl FnOnce() -> Role,
+    sent: &Sent,
+) -> bool {
     if sent.by_its_socket {
         return sent.owner == 0 || sent.owner == cookie;
     }
+    // Only here: which listener steers the packet costs map lookups.
+    let role = role();
     let Some(registered) = listener(cookie, role, sent.family) else {
         return true;
     };

@@ -64,6 +64,15 @@ impl Announcer {
         }
     }
 
+    /// A Warning on a pod with more addresses than its share
+    /// (`--max-pod-addresses`): `over` are not its for the programs.
+    pub(super) fn too_many_addresses(&self, uid: &str, over: &[std::net::IpAddr]) {
+        let note = format!(
+            "the pod has more addresses than this node publishes per pod (--max-pod-addresses); not captured as its: {over:?}"
+        );
+        self.pod_event(uid, Reason::TooManyAddresses, &note);
+    }
+
     /// Publishes a Kubernetes Event on `pod`, held or not (nothing without
     /// the API).
     pub(super) fn event(&self, pod: PodRef, reason: Reason, note: impl Into<String>) {

@@ -7,13 +7,12 @@
 use std::{net::IpAddr, path::PathBuf, sync::Arc, time::Instant};
 
 use sluice_common::PodState;
-
-use crate::dataplane::state::AddrSource;
 use tracing::{info, warn};
 
 use super::{announce::Announcer, book::PodBook, ztunnels::Ztunnels};
 use crate::{
     control::Response,
+    dataplane::state::{AddrSource, Maps},
     kube::events::{PodRef, Reason},
     lifecycle::Event,
     metrics::{Failure, Metrics},
@@ -148,12 +147,7 @@ impl Enroller {
                 ?ips,
                 "the pod's addresses are the runtime's from now on"
             );
-            let evicted: Vec<(IpAddr, PodIdentity)> = out
-                .evicted
-                .iter()
-                .filter_map(|(addr, owner)| Some((*addr, maps.meta(*owner)?)))
-                .collect();
-            (evicted, out.over_cap, meta.workload)
+            (claimers(maps, &out.evicted), out.over_cap, meta.workload)
         };
         self.announce_addresses(uid, &workload, &evicted, &over_cap);
     }
@@ -179,11 +173,7 @@ impl Enroller {
             self.announcer.event(pod, Reason::AddressClaimEvicted, note);
         }
         if !over_cap.is_empty() {
-            let note = format!(
-                "the pod has more addresses than this node publishes per pod (--max-pod-addresses); not captured as its: {over_cap:?}"
-            );
-            self.announcer
-                .pod_event(uid.as_str(), Reason::TooManyAddresses, &note);
+            self.announcer.too_many_addresses(uid.as_str(), over_cap);
         }
     }
 
@@ -217,6 +207,15 @@ impl Enroller {
     }
 }
 
+/// Who held each address the runtime's claim took (`Published::evicted`),
+/// for their Events; a claimer no longer enrolled has none to get.
+fn claimers(maps: &Maps, evicted: &[(IpAddr, u64)]) -> Vec<(IpAddr, PodIdentity)> {
+    evicted
+        .iter()
+        .filter_map(|(addr, owner)| Some((*addr, maps.meta(*owner)?)))
+        .collect()
+}
+
 /// A pod whose capture is attached and istio-cni's rules gone.
 struct Captured {
     cookie: u64,
@@ -243,12 +242,7 @@ fn attach(
     let (cookie, netns, held, evicted, over_cap) = {
         let mut dp = book.dataplane();
         let a = enroll::attach_pod(&mut dp, netns, uid, w, options, addrs)?;
-        let evicted = a
-            .addrs
-            .evicted
-            .iter()
-            .filter_map(|(addr, owner)| Some((*addr, dp.maps().meta(*owner)?)))
-            .collect();
+        let evicted = claimers(dp.maps(), &a.addrs.evicted);
         // The netns stays open from here on: adds and registrations use it.
         if let Some(meta) = dp.maps().meta(a.cookie) {
             let kept = a.netns.try_clone().map_err(|source| EnrollError::Io {

@@ -27,7 +27,7 @@ use tokio::{
 use tracing::warn;
 
 use super::{announce::Announcer, book::PodBook, pace::Pace, repair::Repairer};
-use crate::{kube::events::Reason, podnet::podlinks::LinkSpec};
+use crate::podnet::podlinks::LinkSpec;
 
 /// rtnetlink's multicast groups of link and address events
 /// (`RTMGRP_LINK | RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR`).
@@ -197,11 +197,7 @@ impl LinkWatch {
                 let uid = guard.maps().meta(cookie).map(|m| m.uid);
                 drop(guard);
                 if let Some(uid) = uid {
-                    let note = format!(
-                        "the pod has more addresses than this node publishes per pod (--max-pod-addresses); not captured as its: {over:?}"
-                    );
-                    self.announcer
-                        .pod_event(&uid, Reason::TooManyAddresses, &note);
+                    self.announcer.too_many_addresses(&uid, &over);
                 }
             }
             Ok(_) => {}

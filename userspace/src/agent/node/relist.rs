@@ -204,9 +204,16 @@ impl Relist {
         pods: &[Arc<Pod>],
         records: &[PodRecord],
     ) -> anyhow::Result<()> {
+        let by_uid: HashMap<&str, &Pod> = pods
+            .iter()
+            .filter_map(|p| Some((p.metadata.uid.as_deref()?, p.as_ref())))
+            .collect();
         let known: Vec<(PodUid, Vec<std::net::IpAddr>)> = records
             .iter()
-            .filter_map(|r| Some((PodUid::new(&r.uid).ok()?, ips_of(pods, &r.uid))))
+            .filter_map(|r| {
+                let ips = crate::kube::selection::pod_ips(by_uid.get(r.uid.as_str())?);
+                Some((PodUid::new(&r.uid).ok()?, ips))
+            })
             .filter(|(_, ips)| !ips.is_empty())
             .collect();
         let enroller = self.enroller.clone();
