@@ -82,6 +82,23 @@ pub const HINT_USED: u32 = 1 << 0;
 /// socket sent): a later SYN of the tuple that the host side did not hint
 /// again is captured as any other.
 pub const HINT_HOST_TAKEN: u32 = 1 << 1;
+/// [`FlowHint::flags`]: the hint counts against its pod's share
+/// ([`HINTS_PER_POD_PER_S`]); releasing it gives that back.
+pub const HINT_CHARGED: u32 = 1 << 2;
+
+/// How many flow hints one pod may leave unreleased in `flow_hints` per
+/// window ([`BUDGET_WINDOW_NS`]): hints no answer released (a SYN answered
+/// with a SYN cookie, which keeps its hint for the ACK; a SYN nothing
+/// answered). A handshake answered from a request socket gives its hint
+/// back at once, so a pod's connection rate is not bounded, only what it
+/// leaves behind. Past it, the pod's hints go to `flow_hints_overflow`
+/// (counted `sluice_flow_hints_over_share_total`): they work while that
+/// map holds them, and cannot evict another pod's hints in `flow_hints`.
+/// Within [`FLOW_HINT_TTL_NS`] one pod leaves at most four windows' worth
+/// there, 1/16 of it.
+pub const HINTS_PER_POD_PER_S: u32 = 256;
+/// Entries of `flow_hints` (see the map's comment for the size).
+pub const FLOW_HINTS_ENTRIES: u32 = 16384;
 
 /// Value of the flow-hint map.
 #[repr(C)]
@@ -134,14 +151,17 @@ impl DnsFlowKey {
 /// Past it, the pod's queries are dropped (counted `dns_over_budget`) until
 /// the next window. Far above what a pod's resolver asks.
 pub const DNS_QUERIES_PER_POD_PER_S: u32 = 4096;
-/// The window of [`DNS_QUERIES_PER_POD_PER_S`].
-pub const DNS_BUDGET_WINDOW_NS: u64 = 1_000_000_000;
+/// The window of the per-pod budgets ([`DNS_QUERIES_PER_POD_PER_S`],
+/// [`HINTS_PER_POD_PER_S`]): a fixed window, reset by the first use after
+/// it ends.
+pub const BUDGET_WINDOW_NS: u64 = 1_000_000_000;
 
-/// Value of the DNS budget map (key: the pod's netns cookie): the queries
-/// the pod had captured in the window that began at `window_ns`.
+/// Value of the per-pod budget maps (`dns_budget`, `hint_budget`; key: the
+/// pod's netns cookie): what the pod used in the window that began at
+/// `window_ns`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct DnsBudget {
+pub struct Budget {
     /// CLOCK_MONOTONIC (`bpf_ktime_get_ns`) when the window began.
     pub window_ns: u64,
     pub used: u32,

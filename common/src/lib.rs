@@ -77,7 +77,7 @@ mod user {
     unsafe impl aya::Pod for Stamp {}
     unsafe impl aya::Pod for DnsFlowKey {}
     unsafe impl aya::Pod for DnsFlow {}
-    unsafe impl aya::Pod for DnsBudget {}
+    unsafe impl aya::Pod for Budget {}
     unsafe impl aya::Pod for DnsCounters {}
 }
 

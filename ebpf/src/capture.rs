@@ -32,13 +32,13 @@ use sluice_common::{
 use crate::{
     addr::{is_loopback, is_probe},
     dns,
+    hints::{forget_hint, hint_ptr, put_charged_hint, put_hint, release_hint, unshared_hint_ptr},
     lookup::{loopback, skc_lookup},
-    maps::{count, count_drop, FLOW_HINTS, NODE_NETNS, POD_STATE},
+    maps::{count, count_drop, NODE_NETNS, POD_STATE},
     origin::{from_its_pod, Sent},
     packet::{parse, parse_tcp, Parsed, Tcp, L2_ETH},
     tc::{
-        listener_present, mark, mark_redirect, netns_cookie, pod_flags, pod_of, put_hint,
-        put_hint_flags, redirect_to_self,
+        listener_present, mark, mark_redirect, netns_cookie, pod_flags, pod_of, redirect_to_self,
     },
 };
 
@@ -142,15 +142,15 @@ pub fn egress<const L2: usize>(ctx: &TcContext) -> i32 {
             return TC_SHOT;
         }
         // Row D2: TCP to port 53 goes to the DNS proxy when the pod has one.
-        if dns::captures_tcp(cookie, &t) {
-            put_hint(cookie, &flow_key(&t), HintVerdict::DnsTcp);
-            return redirect_to_self::<L2>(ctx);
-        }
-        if !listener_present(cookie, Role::Outbound, t.family) {
+        let verdict = if dns::captures_tcp(cookie, &t) {
+            HintVerdict::DnsTcp
+        } else if listener_present(cookie, Role::Outbound, t.family) {
+            HintVerdict::Outbound
+        } else {
             count(cookie, |c: &mut Counters| &mut c.missing_socket);
             return TC_SHOT;
-        }
-        put_hint(cookie, &flow_key(&t), HintVerdict::Outbound);
+        };
+        put_charged_hint(cookie, &flow_key(&t), verdict, 0);
         return redirect_to_self::<L2>(ctx);
     }
     // Not a SYN: deliver locally only packets of flows a local socket terminates
@@ -199,7 +199,7 @@ pub fn ingress<const L2: usize>(ctx: &TcContext) -> i32 {
     // Row I6: the pod asked for no inbound capture (Istio's "ingress mode"):
     // its SYNs go where they are addressed; HBONE still reaches ztunnel.
     if t.dport != PORT_HBONE && pod_flags(cookie) & POD_FLAG_BYPASS_INBOUND != 0 {
-        put_hint(cookie, &flow_key(&t), HintVerdict::Bypass);
+        put_charged_hint(cookie, &flow_key(&t), HintVerdict::Bypass, 0);
         return TC_OK;
     }
     let Some(pod) = (unsafe { POD_STATE.get(cookie) }) else {
@@ -220,7 +220,7 @@ pub fn ingress<const L2: usize>(ctx: &TcContext) -> i32 {
         count(cookie, |c: &mut Counters| &mut c.missing_socket);
         return TC_SHOT;
     }
-    put_hint(cookie, &flow_key(&t), verdict);
+    put_charged_hint(cookie, &flow_key(&t), verdict, 0);
     TC_OK
 }
 
@@ -271,7 +271,7 @@ pub fn reroute_ingress(ctx: &TcContext) -> i32 {
     }
     // For the cookie ACK's lookup (the SYN itself skips it): counted here,
     // so marked used.
-    put_hint_flags(cookie, &flow_key(&t), HintVerdict::Outbound, HINT_USED);
+    put_charged_hint(cookie, &flow_key(&t), HintVerdict::Outbound, HINT_USED);
     count(cookie, |c: &mut Counters| &mut c.captured_outbound);
     mark_redirect(ctx);
     TC_OK
@@ -320,8 +320,8 @@ pub fn lo_ingress(ctx: &TcContext) -> i32 {
         // The answer of a closed port to an exempt SYN: the connection is
         // over, and so is its hint's use.
         if t.is_rst() && !is_loopback(t.family, &t.saddr) && answers_local_hint(&t) {
-            let syn = crate::tc::flow_key(t.family, t.daddr, t.saddr, t.dport, t.sport);
-            forget_hint(&syn);
+            let syn = crate::hints::flow_key(t.family, t.daddr, t.saddr, t.dport, t.sport);
+            release_hint(&syn);
         }
         if t.is_syn() && !is_loopback(t.family, &t.daddr) {
             // The cookie only serves the counters: 0 (unknown) is fine here.
@@ -336,8 +336,10 @@ pub fn lo_ingress(ctx: &TcContext) -> i32 {
                 || (cookie != 0 && pod_of(t.family, &t.saddr) == Some(cookie));
             // A SYN that is not exempt is steered nowhere either: sk_lookup
             // refuses it (row X3), whatever an older hint of its tuple said.
+            // (A cookie of 0, an address of no pod, is one share for all
+            // such SYNs.)
             if exempt {
-                put_hint(cookie, &flow_key(&t), HintVerdict::Local);
+                put_charged_hint(cookie, &flow_key(&t), HintVerdict::Local, 0);
             } else {
                 forget_hint(&flow_key(&t));
             }
@@ -383,7 +385,7 @@ pub fn host_egress(ctx: &TcContext) -> i32 {
 #[inline(always)]
 fn host_hinted(cookie: u64, t: &Tcp) -> bool {
     let key = flow_key(t);
-    let Some(h) = FLOW_HINTS.get_ptr_mut(key) else {
+    let Some(h) = unshared_hint_ptr(&key) else {
         return false;
     };
     let hint = unsafe { *h };
@@ -399,16 +401,9 @@ fn host_hinted(cookie: u64, t: &Tcp) -> bool {
     true
 }
 
-/// Removes any hint of this tuple: sk_lookup finds none and refuses the
-/// lookup, as for a `Deny` (which older builds wrote).
-#[inline(always)]
-fn forget_hint(key: &FlowKey) {
-    let _ = FLOW_HINTS.remove(key);
-}
-
 #[inline(always)]
 fn flow_key(t: &Tcp) -> FlowKey {
-    crate::tc::flow_key(t.family, t.saddr, t.daddr, t.sport, t.dport)
+    crate::hints::flow_key(t.family, t.saddr, t.daddr, t.sport, t.dport)
 }
 
 /// Forgets the hint of the SYN this SYN-ACK answers when a request socket
@@ -420,8 +415,8 @@ fn flow_key(t: &Tcp) -> FlowKey {
 fn release_answered_hint(ctx: &TcContext, t: &Tcp) {
     let sk = unsafe { (*ctx.skb.skb).__bindgen_anon_2.sk };
     if !sk.is_null() {
-        let syn = crate::tc::flow_key(t.family, t.daddr, t.saddr, t.dport, t.sport);
-        let _ = FLOW_HINTS.remove(syn);
+        let syn = crate::hints::flow_key(t.family, t.daddr, t.saddr, t.dport, t.sport);
+        release_hint(&syn);
     }
 }
 
@@ -429,10 +424,8 @@ fn release_answered_hint(ctx: &TcContext, t: &Tcp) {
 /// lo, exempt).
 #[inline(always)]
 fn answers_local_hint(t: &Tcp) -> bool {
-    let syn = crate::tc::flow_key(t.family, t.daddr, t.saddr, t.dport, t.sport);
-    FLOW_HINTS
-        .get_ptr(syn)
-        .is_some_and(|h| unsafe { (*h).verdict } == HintVerdict::Local as u32)
+    let syn = crate::hints::flow_key(t.family, t.daddr, t.saddr, t.dport, t.sport);
+    hint_ptr(&syn).is_some_and(|h| unsafe { (*h).verdict } == HintVerdict::Local as u32)
 }
 
 /// Forgets the hint of the SYN this SYN-ACK answers when the listener keeps
@@ -444,8 +437,8 @@ fn release_hint_of_request(ctx: &TcContext, t: &Tcp) {
         return;
     };
     if unsafe { (*sk).state } == BPF_TCP_NEW_SYN_RECV {
-        let syn = crate::tc::flow_key(t.family, t.daddr, t.saddr, t.dport, t.sport);
-        let _ = FLOW_HINTS.remove(syn);
+        let syn = crate::hints::flow_key(t.family, t.daddr, t.saddr, t.dport, t.sport);
+        release_hint(&syn);
     }
     unsafe { bpf_sk_release(sk as *mut c_void) };
 }
@@ -467,7 +460,7 @@ fn terminated_locally(ctx: &TcContext, t: &Tcp) -> bool {
     // The app's ACK of an outbound handshake 15001 answered from a request
     // socket (not a SYN cookie): the SYN's hint has served.
     if state == BPF_TCP_NEW_SYN_RECV {
-        let _ = FLOW_HINTS.remove(flow_key(t));
+        release_hint(&flow_key(t));
     }
     let ours = state != BPF_TCP_LISTEN || {
         // A listener is a full socket: its mark can be read.

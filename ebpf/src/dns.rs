@@ -19,24 +19,22 @@
 
 use aya_ebpf::{
     bindings::{tcx_action_base::TCX_NEXT, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_SHOT},
-    helpers::{bpf_csum_diff, bpf_ktime_get_ns},
+    helpers::bpf_csum_diff,
     programs::TcContext,
 };
 use sluice_common::{
-    DnsBudget, DnsCounters, DnsFlow, DnsFlowKey, DropReason, HintVerdict, Role,
-    DNS_BUDGET_WINDOW_NS, DNS_QUERIES_PER_POD_PER_S, FAMILY_V4, MARK_MASK, MARK_ZTUNNEL,
-    POD_FLAG_DNS_CAPTURE, PORT_DNS, PORT_DNS_PROXY,
+    DnsCounters, DnsFlow, DnsFlowKey, DropReason, HintVerdict, Role, DNS_QUERIES_PER_POD_PER_S,
+    FAMILY_V4, MARK_MASK, MARK_ZTUNNEL, POD_FLAG_DNS_CAPTURE, PORT_DNS, PORT_DNS_PROXY,
 };
 
 use crate::{
     addr::is_loopback,
+    budget,
+    hints::{flow_key, put_hint},
     maps::{count_dns, count_drop, DNS_BUDGET, DNS_FLOWS, POD_STATE},
     origin::{from_its_pod, Sent},
     packet::{Tcp, Udp, IPV4_CHECK, IPV4_SADDR, IPV6_SADDR},
-    tc::{
-        flow_key, listener_present, mark, netns_cookie, pod_flags, pod_of, put_hint,
-        redirect_to_self,
-    },
+    tc::{listener_present, mark, netns_cookie, pod_flags, pod_of, redirect_to_self},
 };
 
 /// Passed on to the next program on the hook (see capture.rs `TC_OK`).
@@ -106,7 +104,7 @@ pub fn egress_udp<const L2: usize>(ctx: &TcContext, u: &Udp) -> i32 {
     let Some(id) = dns_id(ctx, u) else {
         return PASS;
     };
-    if !within_budget(cookie) {
+    if !budget::take(&DNS_BUDGET, cookie, DNS_QUERIES_PER_POD_PER_S) {
         count_drop(DropReason::DnsOverBudget);
         return DROP;
     }
@@ -124,35 +122,6 @@ pub fn egress_udp<const L2: usize>(ctx: &TcContext, u: &Udp) -> i32 {
     let hint = flow_key(u.family, u.saddr, u.daddr, u.sport, u.dport);
     put_hint(cookie, &hint, HintVerdict::DnsUdp);
     redirect_to_self::<L2>(ctx)
-}
-
-/// Whether the pod may have one more query captured in this window
-/// ([`DNS_QUERIES_PER_POD_PER_S`]), counting it. Racy across CPUs (a plain
-/// add, no atomics): a few queries more than the budget may pass, never a
-/// flood.
-#[inline(always)]
-fn within_budget(cookie: u64) -> bool {
-    let now = unsafe { bpf_ktime_get_ns() };
-    let Some(b) = DNS_BUDGET.get_ptr_mut(cookie) else {
-        let fresh = DnsBudget {
-            window_ns: now,
-            used: 1,
-            _pad: 0,
-        };
-        let _ = DNS_BUDGET.insert(cookie, fresh, 0);
-        return true;
-    };
-    let b = unsafe { &mut *b };
-    if now.wrapping_sub(b.window_ns) >= DNS_BUDGET_WINDOW_NS {
-        b.window_ns = now;
-        b.used = 1;
-        return true;
-    }
-    if b.used >= DNS_QUERIES_PER_POD_PER_S {
-        return false;
-    }
-    b.used += 1;
-    true
 }
 
 /// Egress SYN of a steering pod: does it go to the DNS proxy (row D2)? A

@@ -19,8 +19,10 @@
 #![no_main]
 
 mod addr;
+mod budget;
 mod capture;
 mod dns;
+mod hints;
 mod lookup;
 mod maps;
 mod origin;

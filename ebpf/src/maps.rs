@@ -7,8 +7,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, SockHash},
 };
 use sluice_common::{
-    AddrKey, Counters, DnsBudget, DnsCounters, DnsFlow, DnsFlowKey, DropReason, FlowHint, FlowKey,
-    ListenerKey, PodEntry, PodMeta, Stamp, DROP_REASONS, REROUTE_LEN,
+    AddrKey, Budget, Counters, DnsCounters, DnsFlow, DnsFlowKey, DropReason, FlowHint, FlowKey,
+    ListenerKey, PodEntry, PodMeta, Stamp, DROP_REASONS, FLOW_HINTS_ENTRIES, REROUTE_LEN,
 };
 
 /// Upper bound on pods per node (Kubernetes' default max-pods is 110).
@@ -47,13 +47,32 @@ pub static COUNTERS: PerCpuHashMap<u64, Counters> = PerCpuHashMap::pinned(MAX_PO
 /// LRU: a TCP hint is needed from its SYN until the handshake's last ACK
 /// (one round trip; with SYN cookies that ACK runs the lookup again) and
 /// honoured for `FLOW_HINT_TTL_NS`; older ones are left for the LRU to
-/// evict (the next SYN of a tuple overwrites its hint). 8192 entries, ~1 MiB
-/// preallocated (65536 cost 8 MiB: `cargo xtask bench`, memory), cover over
-/// 2500 new connections a second per node before a hint younger than its
-/// TTL is evicted; an evicted hint only costs a late cookie ACK its
-/// connection (refused, counted `unhinted`).
+/// evict (the next SYN of a tuple overwrites its hint). A handshake
+/// answered from a request socket releases its hint; what a pod leaves
+/// unreleased is bounded by its share (`hint_budget`, see `hints`).
+/// `FLOW_HINTS_ENTRIES` (16384) entries, about 2 MiB preallocated (8192
+/// measured ~1 MiB, 65536 8 MiB: `cargo xtask bench`, memory): 16 pods
+/// each leaving their whole share behind within a hint's TTL fill it,
+/// before a hint younger than its TTL is evicted; an evicted hint only
+/// costs a late cookie ACK its connection (refused, counted `unhinted`).
 #[map(name = "flow_hints")]
-pub static FLOW_HINTS: LruHashMap<FlowKey, FlowHint> = LruHashMap::pinned(8192, 0);
+pub static FLOW_HINTS: LruHashMap<FlowKey, FlowHint> = LruHashMap::pinned(FLOW_HINTS_ENTRIES, 0);
+
+/// The hints of pods past their share of `flow_hints` (see `hints`): only
+/// those pods evict one another here. 8192 entries, ~1 MiB.
+#[map(name = "flow_hints_overflow")]
+pub static FLOW_HINTS_OVERFLOW: LruHashMap<FlowKey, FlowHint> = LruHashMap::pinned(8192, 0);
+
+/// Each pod's flow hints left unreleased in the current window (key:
+/// netns cookie), against `HINTS_PER_POD_PER_S`. LRU: a pod's entry goes
+/// by itself once the pod is gone.
+#[map(name = "hint_budget")]
+pub static HINT_BUDGET: LruHashMap<u64, Budget> = LruHashMap::pinned(MAX_PODS, 0);
+
+/// Entry 0: hints written to `flow_hints_overflow` (their pod was past its
+/// share), node-wide. Per-CPU like `counters`.
+#[map(name = "hints_over_share")]
+pub static HINTS_OVER_SHARE: PerCpuArray<u64> = PerCpuArray::pinned(1, 0);
 
 /// Who each pod is (uid, netns path, workload identity). User space only;
 /// kept beside the state so that everything about enrollment lives in bpffs.
@@ -97,7 +116,7 @@ pub static DNS_FLOWS: LruHashMap<DnsFlowKey, DnsFlow> = LruHashMap::pinned(8192,
 /// cookie), against `DNS_QUERIES_PER_POD_PER_S`. LRU: a pod's entry goes
 /// by itself once the pod is gone.
 #[map(name = "dns_budget")]
-pub static DNS_BUDGET: LruHashMap<u64, DnsBudget> = LruHashMap::pinned(MAX_PODS, 0);
+pub static DNS_BUDGET: LruHashMap<u64, Budget> = LruHashMap::pinned(MAX_PODS, 0);
 
 /// Per-pod DNS capture counters. Per-CPU like `counters`.
 #[map(name = "dns_counters")]

@@ -11,7 +11,7 @@
 //! flags, and a cookie ACK needs the same answer as its SYN.
 //!
 //! Maps touched per TCP lookup: flow_hints (1 lookup, a flag write on first
-//! use), tc_lookup (1 lookup), pod_state (1 lookup), listeners (1 lookup
+//! use; on a miss, 1 in flow_hints_overflow), tc_lookup (1 lookup), pod_state (1 lookup), listeners (1 lookup
 //! when steering), counters (1 update on first use).
 
 use aya_ebpf::{
@@ -26,6 +26,7 @@ use sluice_common::{
 
 use crate::{
     addr::{is_loopback, is_probe},
+    hints::hint_ptr,
     maps::{
         count, count_dns, count_drop, DNS_LISTENERS, FLOW_HINTS, LISTENERS, POD_STATE, TC_LOOKUP,
     },
@@ -52,7 +53,7 @@ pub fn steer(ctx: &SkLookupContext) -> u32 {
     // A tc program asking which socket a segment would reach: answer as for
     // the segment itself, but count nothing and mark nothing (see TC_LOOKUP).
     let asked_by_tc = TC_LOOKUP.get(0).is_some_and(|v| *v != 0);
-    let Some(hint) = FLOW_HINTS.get_ptr_mut(key) else {
+    let Some(hint) = hint_ptr(&key) else {
         return unhinted(family, &remote, asked_by_tc);
     };
     let h = unsafe { *hint };

@@ -1,20 +1,17 @@
 //! What every tc program asks of a packet or does with one: its mark and
-//! netns, the pod it belongs to, hints for sk_lookup, local delivery.
+//! netns, the pod it belongs to, local delivery. (Hints for sk_lookup:
+//! `hints`.)
 
 use aya_ebpf::{
     bindings::{BPF_F_INGRESS, TC_ACT_SHOT},
-    helpers::{
-        bpf_get_netns_cookie, bpf_ktime_get_ns, bpf_map_lookup_elem, bpf_redirect, bpf_sk_release,
-    },
+    helpers::{bpf_get_netns_cookie, bpf_map_lookup_elem, bpf_redirect, bpf_sk_release},
     programs::TcContext,
     EbpfContext,
 };
 use core::ffi::c_void;
-use sluice_common::{
-    AddrKey, FlowHint, FlowKey, HintVerdict, ListenerKey, Role, MARK_MASK, MARK_REDIRECT,
-};
+use sluice_common::{AddrKey, ListenerKey, Role, MARK_MASK, MARK_REDIRECT};
 
-use crate::maps::{DNS_LISTENERS, FLOW_HINTS, LISTENERS, POD_ADDRS, POD_FLAGS};
+use crate::maps::{DNS_LISTENERS, LISTENERS, POD_ADDRS, POD_FLAGS};
 
 #[inline(always)]
 pub fn mark(ctx: &TcContext) -> u32 {
@@ -55,39 +52,6 @@ pub fn pod_of(family: u8, daddr: &[u32; 4]) -> Option<u64> {
 #[inline(always)]
 pub fn pod_flags(cookie: u64) -> u32 {
     unsafe { POD_FLAGS.get(cookie) }.copied().unwrap_or(0)
-}
-
-/// The flow-hint key of a packet from `saddr:sport` to `daddr:dport`, as
-/// sk_lookup will see its lookup (remote = source, local = destination).
-#[inline(always)]
-pub fn flow_key(family: u8, saddr: [u32; 4], daddr: [u32; 4], sport: u16, dport: u16) -> FlowKey {
-    FlowKey {
-        remote_addr: saddr,
-        local_addr: daddr,
-        remote_port: sport,
-        local_port: dport,
-        family,
-        _pad: [0; 3],
-    }
-}
-
-/// Writes this SYN's (or datagram's) verdict for sk_lookup, over any older
-/// hint of the same tuple.
-#[inline(always)]
-pub fn put_hint(cookie: u64, key: &FlowKey, verdict: HintVerdict) {
-    put_hint_flags(cookie, key, verdict, 0)
-}
-
-/// [`put_hint`] with `HINT_*` flags already set.
-#[inline(always)]
-pub fn put_hint_flags(cookie: u64, key: &FlowKey, verdict: HintVerdict, flags: u32) {
-    let hint = FlowHint {
-        verdict: verdict as u32,
-        flags,
-        netns_cookie: cookie,
-        at_ns: unsafe { bpf_ktime_get_ns() },
-    };
-    let _ = FLOW_HINTS.insert(key, hint, 0);
 }
 
 /// Re-injects the packet at the pod interface's ingress with the "deliver

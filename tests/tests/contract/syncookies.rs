@@ -10,6 +10,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use anyhow::{ensure, Context as _};
 use libtest_mimic::Trial;
+use sluice::podnet::enroll;
 use sluice_common::{DropReason, HintVerdict, PodState, Role};
 use sluice_tests::{
     flow::{self, connect, Opts, Reached},
@@ -28,7 +29,11 @@ use crate::{trial, TestResult};
 type Row = (&'static str, fn(Family) -> TestResult);
 
 pub fn trials() -> Vec<Trial> {
-    let rows: [Row; 4] = [
+    let rows: [Row; 5] = [
+        (
+            "a_pods_syn_cookie_flood_keeps_its_neighbours_hints",
+            cookie_flood,
+        ),
         (
             "a_handshake_without_a_cookie_releases_its_hints",
             hints_released,
@@ -462,6 +467,123 @@ fn closed_port_loop(fam: Family) -> TestResult {
         f.standin().accepted()
     );
     Ok(())
+}
+
+/// Issue 38, case 4, the SYN-cookie flood. The neighbour B answers with
+/// SYN cookies: each of its inbound connections keeps its hint, which a
+/// late ACK would need. Pod A, with nothing but a safe sysctl
+/// (`tcp_syncookies=2`), then sends SYNs to its own listeners: three times as
+/// many tuples as `flow_hints` holds, each answered with a cookie, so none
+/// releases its hint. A's hints past its share go to the overflow map
+/// (counted), and every hint of B's is still in `flow_hints`. Before the
+/// shares, the flood evicted them all.
+fn cookie_flood(fam: Family) -> TestResult {
+    use socket2::{Domain, Socket, Type};
+    let a = Fixture::new("hflood", Some(Bind::DualStack))?;
+    let b = Fixture::in_subnet("hfloodb", Some(Bind::DualStack), 1)?;
+    ensure!(a.enroll()?.state == PodState::Enabled);
+    let mut dp = a.dataplane()?;
+    let e = enroll::enroll(&mut dp, &b.topo.pod_netns_path(), &b.uid, &b.workload())?;
+    ensure!(e.state == PodState::Enabled, "{e:?}");
+    always_cookies(&a.topo.pod)?;
+    always_cookies(&b.topo.pod)?;
+    let to_b = sa(b.topo.pod_ip(fam), APP_PORT);
+    let sources = run_in(
+        &b.topo.client,
+        move || -> std::io::Result<Vec<SocketAddr>> {
+            (0..20)
+                .map(|_| std::net::TcpStream::connect(to_b)?.local_addr())
+                .collect()
+        },
+    )?;
+    let kept = |dp: &sluice::dataplane::loader::Dataplane| {
+        sources
+            .iter()
+            .filter(|from| dp.maps().flow_hint(&flow::hint_key(**from, to_b)).is_some())
+            .count()
+    };
+    ensure!(
+        kept(&dp) == sources.len(),
+        "B's cookie handshakes kept no hint"
+    );
+    let before = dp.maps().hints_over_share();
+    let own = a.topo.pod_ip(fam);
+    const PORTS: [u16; 3] = [7000, 7001, 7002];
+    let per_port = (sluice_common::FLOW_HINTS_ENTRIES * 3 / PORTS.len() as u32 + 1) as u16;
+    run_in(&a.topo.pod, move || -> std::io::Result<()> {
+        let domain = Domain::for_address(sa(own, 0));
+        let _listeners = PORTS
+            .iter()
+            .map(|p| {
+                let l = Socket::new(domain, Type::STREAM, None)?;
+                l.bind(&sa(own, *p).into())?;
+                l.listen(128)?;
+                Ok(l)
+            })
+            .collect::<std::io::Result<Vec<_>>>()?;
+        // Each SYN is sent by `connect`; nothing waits for its answer.
+        for dport in PORTS {
+            for sport in 20_000..20_000 + per_port {
+                let s = Socket::new(domain, Type::STREAM, None)?;
+                s.set_reuse_address(true)?;
+                s.set_nonblocking(true)?;
+                s.bind(&sa(own, sport).into())?;
+                match s.connect(&sa(own, dport).into()) {
+                    Ok(()) => {}
+                    Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        Ok(())
+    })?;
+    let over = dp.maps().hints_over_share() - before;
+    let left = kept(&dp);
+    ensure!(
+        left == sources.len(),
+        "A's flood ({over} hints past its share) evicted {} of B's {} hints",
+        sources.len() - left,
+        sources.len()
+    );
+    ensure!(over > 0, "none of A's hints was past its share");
+    // Past its share, A still serves: a client's cookie handshakes hinted
+    // in the overflow map (no `HINT_CHARGED`) complete and are answered
+    // by ztunnel, as a pod under a SYN flood keeps serving. The share may
+    // renew between two connections, so a round is one share and more.
+    let to_a = sa(own, APP_PORT);
+    let round = sluice_common::HINTS_PER_POD_PER_S as usize + 64;
+    for _ in 0..5 {
+        let sources = run_in(
+            &a.topo.client,
+            move || -> std::io::Result<Vec<SocketAddr>> {
+                (0..round).map(|_| exchange_once(to_a)).collect()
+            },
+        )?;
+        let over_share = sources.iter().any(|from| {
+            dp.maps()
+                .flow_hint(&flow::hint_key(*from, to_a))
+                .is_some_and(|h| h.flags & sluice_common::HINT_CHARGED == 0)
+        });
+        if over_share {
+            return Ok(());
+        }
+    }
+    anyhow::bail!("no connection to A was hinted past its share")
+}
+
+/// Connects to `to`, exchanges one line, and says from where.
+fn exchange_once(to: SocketAddr) -> std::io::Result<SocketAddr> {
+    use std::io::{BufRead, BufReader, Write};
+    let mut s = std::net::TcpStream::connect(to)?;
+    writeln!(s, "hello")?;
+    let mut line = String::new();
+    BufReader::new(&s).read_line(&mut line)?;
+    if line.is_empty() {
+        return Err(std::io::Error::other(format!(
+            "{to} closed without an answer"
+        )));
+    }
+    s.local_addr()
 }
 
 /// Row X3 with a kept hint in the way. A real inbound connection from the

@@ -23,6 +23,8 @@ pub struct Sample {
     pub dns_modes: Vec<(&'static str, u64)>,
     /// Node-wide drops by reason (`DropReason`).
     pub drops: Vec<(&'static str, u64)>,
+    /// Node-wide flow hints written past their pod's share.
+    pub hints_over_share: u64,
     /// Enrolled pods whose capture the last repair could not complete.
     pub capture_incomplete: u64,
 }
@@ -85,6 +87,14 @@ impl Collector for MapCollector {
             failures.metric_type(),
         )?;
         failures.encode(m)?;
+        let over = ConstCounter::new(s.hints_over_share);
+        let m = enc.encode_descriptor(
+            "flow_hints_over_share",
+            "Flow hints written to the overflow map because their pod had left more than its share (256 a second) unreleased: SYN-cookie handshakes or unanswered SYNs, its own or a flood against it (node-wide)",
+            None,
+            over.metric_type(),
+        )?;
+        over.encode(m)?;
         let d = &s.dns;
         counters(
             &mut enc,

@@ -20,6 +20,7 @@ impl Source for Fixed {
             },
             dns_modes: vec![("captured", 2), ("off", 1)],
             drops: vec![("malformed", 4), ("unhinted", 2)],
+            hints_over_share: 6,
             capture_incomplete: 1,
         }
     }
@@ -50,6 +51,7 @@ fn renders_prefixed_names_with_units_and_labels() {
         "sluice_dropped_syns_total{reason=\"not_enabled\"} 3",
         "sluice_dropped_packets_total{reason=\"malformed\"} 4",
         "sluice_dropped_packets_total{reason=\"unhinted\"} 2",
+        "sluice_flow_hints_over_share_total 6",
         "sluice_dns_queries_total{result=\"captured_udp\"} 5",
         "sluice_dns_answers_total{result=\"unmapped\"} 1",
         "sluice_dns_pods{mode=\"captured\"} 2",

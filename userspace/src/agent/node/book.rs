@@ -241,6 +241,7 @@ impl metrics::Source for MapSource {
                 .iter()
                 .map(|r| (r.as_str(), dp.maps().drops(*r)))
                 .collect(),
+            hints_over_share: dp.maps().hints_over_share(),
             capture_incomplete: book.pods.incomplete().len() as u64,
         }
     }

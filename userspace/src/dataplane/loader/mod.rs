@@ -9,6 +9,7 @@
 //! ```text
 //! progs/<program name>              one pin per program (programs::Program)
 //! maps/{pod_state,pod_meta,pod_addrs,pod_flags,pod_reroute,listeners,counters,flow_hints,node_netns,stamp,
+//!      flow_hints_overflow,hint_budget,hints_over_share,
 //!      dns_listeners,dns_flows,dns_budget,dns_counters,drops,tc_lookup}
 //! maps_next/                        only during a migration
 //! pods/<netns cookie>/{steer,egress_<if>,ingress_<if> or reroute_<if>,lo,host_<if>}   a pod's links

@@ -10,6 +10,8 @@ pub struct CounterMaps {
     dns: Option<PerCpuHashMap<MapData, u64, DnsCounters>>,
     /// Node-wide drops by `DropReason`.
     drops: Option<PerCpuArray<MapData, u64>>,
+    /// Node-wide hints written past their pod's share (entry 0).
+    over_share: Option<PerCpuArray<MapData, u64>>,
 }
 
 impl CounterMaps {
@@ -17,11 +19,13 @@ impl CounterMaps {
         counters: PerCpuHashMap<MapData, u64, Counters>,
         dns: Option<PerCpuHashMap<MapData, u64, DnsCounters>>,
         drops: Option<PerCpuArray<MapData, u64>>,
+        over_share: Option<PerCpuArray<MapData, u64>>,
     ) -> Self {
         Self {
             counters,
             dns,
             drops,
+            over_share,
         }
     }
 
@@ -50,6 +54,15 @@ impl CounterMaps {
         self.drops
             .as_ref()
             .and_then(|m| m.get(&(reason as u32), 0).ok())
+            .map_or(0, |per_cpu| per_cpu.iter().sum())
+    }
+
+    /// Flow hints the programs wrote to the overflow map because their pod
+    /// was past its share, node-wide, summed over CPUs.
+    pub fn hints_over_share(&self) -> u64 {
+        self.over_share
+            .as_ref()
+            .and_then(|m| m.get(&0, 0).ok())
             .map_or(0, |per_cpu| per_cpu.iter().sum())
     }
 

@@ -50,6 +50,8 @@ pub struct Maps {
     listeners: ListenerMaps,
     counters: CounterMaps,
     flow_hints: HashMap<MapData, FlowKey, FlowHint>,
+    /// `None` on pins of a build before it.
+    flow_hints_overflow: Option<HashMap<MapData, FlowKey, FlowHint>>,
     options: OptionMaps,
     /// Told of every state change (the agent; none for the CLI).
     observer: Option<Observer>,
@@ -93,8 +95,10 @@ impl Maps {
                 take("counters")?.try_into().map_err(merr("counters"))?,
                 optional(take("dns_counters")),
                 optional(take("drops")),
+                optional(take("hints_over_share")),
             ),
             flow_hints: take("flow_hints")?.try_into().map_err(merr("flow_hints"))?,
+            flow_hints_overflow: optional(take("flow_hints_overflow")),
             options: OptionMaps::new(optional(take("pod_flags")), optional(take("pod_reroute"))),
             observer: None,
             uids: Default::default(),
@@ -370,9 +374,20 @@ impl Maps {
         self.listeners.of(cookie)
     }
 
-    /// The flow hint the tc programs left for `key`, if any (expired or not).
+    /// The flow hint the tc programs left for `key`, if any (expired or
+    /// not), where the programs look: `flow_hints`, then the overflow map.
     pub fn flow_hint(&self, key: &FlowKey) -> Option<FlowHint> {
-        self.flow_hints.get(key, 0).ok()
+        self.flow_hints.get(key, 0).ok().or_else(|| {
+            self.flow_hints_overflow
+                .as_ref()
+                .and_then(|m| m.get(key, 0).ok())
+        })
+    }
+
+    /// Flow hints written past their pod's share, node-wide (see
+    /// `sluice_common::HINTS_PER_POD_PER_S`).
+    pub fn hints_over_share(&self) -> u64 {
+        self.counters.hints_over_share()
     }
 
     /// Packets the programs dropped node-wide for `reason`, summed over CPUs.
