@@ -3,7 +3,8 @@
 //! hints for sk_lookup, and drop SYNs that would otherwise bypass ztunnel.
 //!
 //! Per-packet cost: every TCP packet is parsed; only SYNs touch pod_state,
-//! pod_addrs (ingress), listeners and flow_hints. Non-SYN egress packets cost one socket lookup
+//! pod_addrs (ingress), listeners, flow_hints and hint_budget (SYN-ACKs:
+//! flow_hints and hint_budget, to release). Non-SYN egress packets cost one socket lookup
 //! (bpf_skc_lookup_tcp), which is how a flow that ztunnel terminates inside the
 //! pod is recognised without any per-flow state of our own (a lookup that
 //! misses the established table runs sk_lookup, which reads the flow's hint:
