@@ -9,7 +9,7 @@ use std::net::IpAddr;
 
 use netlink_packet_route::{
     address::{AddressAttribute, AddressMessage},
-    link::{AfSpecInet6, AfSpecUnspec, LinkAttribute, LinkLayerType, LinkMessage},
+    link::{AfSpecInet, AfSpecInet6, AfSpecUnspec, LinkAttribute, LinkLayerType, LinkMessage},
     RouteNetlinkMessage,
 };
 
@@ -25,6 +25,8 @@ pub struct Iface {
     pub index: u32,
     /// No Ethernet header (netkit in L3 mode, WireGuard, tun, IP tunnels).
     pub l3: bool,
+    /// `net.ipv4.conf.<iface>.accept_local` is on (the pod's routes need it).
+    pub accept_local: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -93,6 +95,7 @@ impl PodView {
                 name,
                 index: m.header.index,
                 l3: kind != LinkLayerType::Ether && kind != LinkLayerType::Loopback,
+                accept_local: accept_local_on(&m),
             });
             others.push(m);
         }
@@ -157,6 +160,20 @@ fn address_of(m: &AddressMessage) -> Option<IpAddr> {
             AddressAttribute::Address(a) => Some(*a),
             _ => None,
         })
+    })
+}
+
+/// Whether a link accepts packets from its own addresses, from its IPv4
+/// device settings.
+fn accept_local_on(m: &LinkMessage) -> bool {
+    m.attributes.iter().any(|a| match a {
+        LinkAttribute::AfSpecUnspec(specs) => specs.iter().any(|s| match s {
+            AfSpecUnspec::Inet(v4) => v4
+                .iter()
+                .any(|o| matches!(o, AfSpecInet::DevConf(c) if c.accept_local != 0)),
+            _ => false,
+        }),
+        _ => false,
     })
 }
 

@@ -2,6 +2,7 @@
 //! interrupted enrollment (or anything else) left out; finishing interrupted
 //! teardowns; removing pins no pod owns. At start (before ZDS and the control
 //! socket serve), every `VERIFY_EVERY`, and for one pod when its links change.
+//! Each pod's survey runs without the node-wide lock, one pod at a time.
 
 use std::{sync::Arc, time::Duration};
 
@@ -29,11 +30,11 @@ impl Repairer {
     /// Verifies and completes every pod's capture; removes pins no pod owns.
     /// Blocking: run it off the async workers.
     pub fn verify_all(&self, at_start: bool) {
-        let mut guard = self.book.dataplane();
-        let dp = &mut *guard;
-        for cookie in dp.maps().cookies() {
-            self.verify_pod(dp, cookie, at_start);
+        let cookies = self.book.dataplane().maps().cookies();
+        for cookie in cookies {
+            self.verify(cookie, at_start);
         }
+        let dp = self.book.dataplane();
         match enroll::remove_orphan_pins(dp.pins(), dp.maps(), dp.node()) {
             Ok(0) => {}
             Ok(n) => info!(pods = n, "removed pins of pods without state"),
@@ -44,15 +45,33 @@ impl Repairer {
     /// [`Self::verify_all`] for one pod, if it is still enrolled: what the
     /// link watch runs when the pod's interfaces change. Blocking.
     pub(super) fn verify_one(&self, cookie: u64) {
+        self.verify(cookie, false);
+    }
+
+    /// Verifies one pod, if it is still enrolled. What is linear in its
+    /// interfaces (reading them, looking at each pod-side link) runs
+    /// without the node-wide lock, so that a pod with many interfaces, or
+    /// flapping ones, holds no other pod's enrollment; the lock is taken
+    /// for the rest, which writes.
+    fn verify(&self, cookie: u64, at_start: bool) {
+        let plan = enroll::survey_plan(&self.book.dataplane(), cookie);
+        // A survey that fails is made again under the lock, which reports.
+        let survey = plan.and_then(|p| enroll::survey(&p).ok());
         let mut guard = self.book.dataplane();
         if guard.maps().entry(cookie).is_some() {
-            self.verify_pod(&mut guard, cookie, false);
+            self.verify_pod(&mut guard, cookie, at_start, survey);
         }
     }
 
     /// Verifies and completes one pod's capture (see [`enroll::repair`]),
     /// with an Event and a count when something was missing.
-    fn verify_pod(&self, dp: &mut Dataplane, cookie: u64, at_start: bool) {
+    fn verify_pod(
+        &self,
+        dp: &mut Dataplane,
+        cookie: u64,
+        at_start: bool,
+        survey: Option<enroll::Survey>,
+    ) {
         let (uid, pod) = dp
             .maps()
             .meta(cookie)
@@ -65,7 +84,7 @@ impl Repairer {
             .unwrap_or_default();
         let span = info_span!("pod", %uid, %pod, cookie);
         let _e = span.enter();
-        let outcome = enroll::repair(dp, cookie, at_start);
+        let outcome = enroll::repair_surveyed(dp, cookie, at_start, survey);
         match &outcome {
             Ok(enroll::Repair::Complete) => {}
             Ok(enroll::Repair::Repaired {

@@ -168,6 +168,18 @@ impl<'a> Tc<'a> {
 /// only while the kernel still runs that program in sluice's filter on the
 /// hook (a filter can be deleted behind the record's back).
 pub fn attached(dp: &Dataplane, netns: &Netns, spec: &LinkSpec, path: &Path) -> bool {
+    attached_seen_from(netns, dp.node().map(|n| &n.netns), spec, path)
+}
+
+/// [`attached`] with the node's netns given (`None`: a node-side filter
+/// counts as not attached). Needs no dataplane: what a repair's survey
+/// asks without the node-wide lock.
+pub fn attached_seen_from(
+    netns: &Netns,
+    node: Option<&Netns>,
+    spec: &LinkSpec,
+    path: &Path,
+) -> bool {
     match tcfilter::pinned(path) {
         None => false,
         Some(tcfilter::Pinned::Link) => true,
@@ -177,8 +189,8 @@ pub fn attached(dp: &Dataplane, netns: &Netns, spec: &LinkSpec, path: &Path) -> 
             };
             let ns = match hook.side {
                 Side::Pod => netns,
-                Side::Node => match dp.node() {
-                    Some(node) => &node.netns,
+                Side::Node => match node {
+                    Some(node) => node,
                     None => return false,
                 },
             };

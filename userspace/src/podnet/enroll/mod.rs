@@ -38,7 +38,10 @@ pub use addrs::{refresh_addrs, PodAddrs};
 pub use error::EnrollError;
 pub use register::{register, register_keeping, Enrolled};
 pub use reopen::open_pod_netns;
-pub use repair::{missing_links, remove_orphan_pins, repair, Repair};
+pub use repair::{
+    missing_links, remove_orphan_pins, repair, repair_surveyed, survey, survey_plan, Repair,
+    Survey, SurveyPlan,
+};
 pub use uninstall::{uninstall, UNINSTALL_DRAIN};
 
 use teardown::{teardown, teardown_in};

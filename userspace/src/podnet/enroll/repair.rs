@@ -1,7 +1,7 @@
 //! Verifying an enrolled pod and completing what is missing: what an
 //! agent's start does for every pod, and what a CNI CHECK asks (read only).
 
-use std::fs;
+use std::{collections::HashSet, fs, path::PathBuf};
 
 use sluice_common::PodState;
 
@@ -15,6 +15,7 @@ use crate::{
         hostside,
         netns::Netns,
         podlinks::{self, expected_links, LinkSpec},
+        podview::PodView,
         routes,
     },
 };
@@ -23,7 +24,7 @@ use super::{
     addrs::refresh_addrs,
     error::EnrollError,
     hostpeers::host_peers,
-    links::{attach_link, attached},
+    links::{attach_link, attached, attached_seen_from},
     reopen::{open_pod_netns, pod_interfaces},
     teardown::{remove_stateless, teardown},
 };
@@ -45,6 +46,79 @@ pub enum Repair {
     TornDown,
 }
 
+/// What a repair's survey needs to know of a pod, copied under the
+/// node-wide lock.
+pub struct SurveyPlan {
+    cookie: u64,
+    path: String,
+    dir: PathBuf,
+    reroute: Vec<String>,
+}
+
+/// What a repair reads of a pod without the node-wide lock: its link dump
+/// (interfaces, their kinds and `accept_local`, over a socket left in its
+/// netns) and which of its pod-side links were attached when read. That is
+/// the part of a repair linear in the pod's interfaces (a pin and a filter
+/// query per link, about ten syscalls each); held under the lock, one pod's
+/// many interfaces held every other pod's enrollment (issue 38, case 5).
+pub struct Survey {
+    cookie: u64,
+    path: String,
+    netns: Netns,
+    view: PodView,
+    /// Pin names of the pod-side links found attached.
+    attached: HashSet<String>,
+}
+
+/// The plan of a pod's survey; `None` for a pod not enrolled or being torn
+/// down (its repair surveys nothing).
+pub fn survey_plan(dp: &Dataplane, cookie: u64) -> Option<SurveyPlan> {
+    if dp.maps().entry(cookie)?.state()? == PodState::Draining {
+        return None;
+    }
+    Some(SurveyPlan {
+        cookie,
+        path: dp.maps().meta(cookie)?.netns,
+        dir: dp.pins().pod(cookie),
+        reroute: dp.maps().options(cookie).reroute,
+    })
+}
+
+/// Reads what [`repair_surveyed`] needs of the pod's netns (no dataplane,
+/// no writes): run it without the node-wide lock.
+pub fn survey(plan: &SurveyPlan) -> Result<Survey, EnrollError> {
+    crate::fault::pause_point("repair:survey");
+    let (netns, view) = read_pod(plan.cookie, &plan.path)?;
+    // Pod-side links only (no peers asked): the node's netns is not needed.
+    let (names, l3) = (view.names(), view.l3_names());
+    let attached = expected_links(&names, &l3, &[], &plan.reroute)
+        .into_iter()
+        .filter(|spec| attached_seen_from(&netns, None, spec, &plan.dir.join(spec.pin_name())))
+        .map(|spec| spec.pin_name())
+        .collect();
+    Ok(Survey {
+        cookie: plan.cookie,
+        path: plan.path.clone(),
+        netns,
+        view,
+        attached,
+    })
+}
+
+/// The pod's netns at `path`, checked to be the one of `cookie`, and its
+/// link and address dumps.
+fn read_pod(cookie: u64, path: &str) -> Result<(Netns, PodView), EnrollError> {
+    let netns = Netns::open(std::path::Path::new(path))?;
+    if netns.cookie()? != cookie {
+        return Err(EnrollError::NetnsReplaced(path.to_owned()));
+    }
+    let view = PodView::open(&netns)?;
+    if view.ifaces.is_empty() {
+        return Err(EnrollError::NoInterface(path.to_owned()));
+    }
+    Ok((netns, view))
+}
+
 /// Verifies an enrolled pod link by link and completes what is missing:
 /// routes and sysctls (idempotent), its addresses, and every link its
 /// current interfaces call for; with `takeover`, also istio-cni's in-pod
@@ -53,6 +127,19 @@ pub enum Repair {
 /// in its teardown (`Draining`) is torn down completely instead: it never
 /// comes back to life.
 pub fn repair(dp: &mut Dataplane, cookie: u64, takeover: bool) -> Result<Repair, EnrollError> {
+    repair_surveyed(dp, cookie, takeover, None)
+}
+
+/// [`repair`] with what a [`survey`] of the pod read without the lock: the
+/// interfaces it found, and no second look at the pod-side links it found
+/// attached (those it found missing are looked at again). A survey of
+/// another netns than the pod's now is ignored.
+pub fn repair_surveyed(
+    dp: &mut Dataplane,
+    cookie: u64,
+    takeover: bool,
+    survey: Option<Survey>,
+) -> Result<Repair, EnrollError> {
     let draining = dp.maps().entry(cookie).and_then(|e| e.state()) == Some(PodState::Draining);
     if draining {
         let netns = open_pod_netns(dp.maps(), cookie).ok();
@@ -60,17 +147,37 @@ pub fn repair(dp: &mut Dataplane, cookie: u64, takeover: bool) -> Result<Repair,
         teardown(pins, maps, netns.as_ref(), node, cookie)?;
         return Ok(Repair::TornDown);
     }
-    let netns = open_pod_netns(dp.maps(), cookie)?;
     let path = dp.maps().meta(cookie).map(|m| m.netns).unwrap_or_default();
-    refresh_addrs(dp.maps_mut(), &netns, cookie)?;
-    let ifaces = pod_interfaces(&netns, &path)?;
-    netns.run(|| routes::install(&ifaces))??;
-    let relinked = relink(dp, &netns, cookie, &ifaces)?;
+    let survey = match survey.filter(|s| s.cookie == cookie && s.path == path) {
+        Some(s) => s,
+        None => {
+            let (netns, view) = read_pod(cookie, &path)?;
+            Survey {
+                cookie,
+                path,
+                netns,
+                view,
+                attached: HashSet::new(),
+            }
+        }
+    };
+    let (netns, view) = (&survey.netns, &survey.view);
+    refresh_addrs(dp.maps_mut(), netns, cookie)?;
+    // Routes and sysctls: `accept_local` only where the dump found it off.
+    let lacking: Vec<u32> = view
+        .ifaces
+        .iter()
+        .filter(|i| !i.accept_local)
+        .map(|i| i.index)
+        .collect();
+    netns.run(|| routes::set_migrate_req(true))??;
+    routes::install_over(&view.nl, &lacking, view.lo, view.ipv6)?;
+    let relinked = relink(dp, &survey)?;
     let mut istio_rules = Vec::new();
     if takeover {
-        istio_rules = migrate::istio_rules(&netns)?;
+        istio_rules = migrate::istio_rules(netns)?;
         if !istio_rules.is_empty() {
-            migrate::remove_istio_rules(&netns, &istio_rules)?;
+            migrate::remove_istio_rules(netns, &istio_rules)?;
         }
     }
     Ok(if relinked.is_empty() && istio_rules.is_empty() {
@@ -85,21 +192,25 @@ pub fn repair(dp: &mut Dataplane, cookie: u64, takeover: bool) -> Result<Repair,
 
 /// Attaches every link the pod's interfaces call for that is not attached;
 /// returns their pin names.
-fn relink(
-    dp: &mut Dataplane,
-    netns: &Netns,
-    cookie: u64,
-    ifaces: &[String],
-) -> Result<Vec<String>, EnrollError> {
+fn relink(dp: &mut Dataplane, survey: &Survey) -> Result<Vec<String>, EnrollError> {
+    let (netns, cookie) = (&survey.netns, survey.cookie);
     let dir = dp.pins().pod(cookie);
     fs::create_dir_all(&dir).map_err(|source| EnrollError::Io {
         what: format!("creating {}", dir.display()),
         source,
     })?;
     let mut relinked = Vec::new();
-    for spec in links_called_for(dp, netns, cookie, ifaces) {
+    let view = &survey.view;
+    for spec in links_called_for(
+        dp,
+        netns,
+        cookie,
+        Some(view),
+        &view.names(),
+        &view.l3_names(),
+    ) {
         let pin_path = dir.join(spec.pin_name());
-        if attached(dp, netns, &spec, &pin_path) {
+        if survey.attached.contains(&spec.pin_name()) || attached(dp, netns, &spec, &pin_path) {
             continue;
         }
         // A pin that does not open as a link is debris.
@@ -115,12 +226,13 @@ fn links_called_for(
     dp: &Dataplane,
     netns: &Netns,
     cookie: u64,
+    view: Option<&PodView>,
     ifaces: &[String],
+    l3: &[String],
 ) -> Vec<LinkSpec> {
-    let (peers, _) = host_peers(dp, netns, None, ifaces);
+    let (peers, _) = host_peers(dp, netns, view, ifaces);
     let reroute = dp.maps().options(cookie).reroute;
-    let l3 = podlinks::l3_of(netns, ifaces);
-    expected_links(ifaces, &l3, &peers, &reroute)
+    expected_links(ifaces, l3, &peers, &reroute)
 }
 
 /// The links a pod should have and has not (read only: nothing attached):
@@ -130,7 +242,8 @@ pub fn missing_links(dp: &Dataplane, cookie: u64) -> Result<Vec<String>, EnrollE
     let path = dp.maps().meta(cookie).map(|m| m.netns).unwrap_or_default();
     let dir = dp.pins().pod(cookie);
     let ifaces = pod_interfaces(&netns, &path)?;
-    Ok(links_called_for(dp, &netns, cookie, &ifaces)
+    let l3 = podlinks::l3_of(&netns, &ifaces);
+    Ok(links_called_for(dp, &netns, cookie, None, &ifaces, &l3)
         .into_iter()
         .filter(|spec| !attached(dp, &netns, spec, &dir.join(spec.pin_name())))
         .map(|spec| spec.pin_name())
