@@ -84,7 +84,7 @@ impl Repairer {
             .unwrap_or_default();
         let span = info_span!("pod", %uid, %pod, cookie);
         let _e = span.enter();
-        let outcome = enroll::repair_surveyed(dp, cookie, at_start, survey);
+        let outcome = enroll::repair_surveyed(dp, cookie, at_start, survey.as_ref());
         match &outcome {
             Ok(enroll::Repair::Complete) => {}
             Ok(enroll::Repair::Repaired {
@@ -115,7 +115,8 @@ impl Repairer {
                 pods.insert(cookie, meta, ns);
             }
         }
-        self.note_completeness(dp, cookie, &uid, &pod, outcome.err());
+        let survey = survey.filter(|s| s.is_of(dp, cookie));
+        self.note_completeness(dp, cookie, &uid, &pod, outcome.err(), survey.as_ref());
     }
 
     /// After a repair of the pod (`failed`: its error, if it failed):
@@ -123,6 +124,8 @@ impl Repairer {
     /// and, when that changes, told to Kubernetes (its readiness gate, an
     /// Event). A repair that failed for another reason (the netns being
     /// torn down, a map error) with every link in place changes nothing.
+    /// With the repair's `survey`, only what it did not find attached is
+    /// looked at (under the lock) again.
     fn note_completeness(
         &self,
         dp: &Dataplane,
@@ -130,9 +133,13 @@ impl Repairer {
         uid: &str,
         pod: &str,
         failed: Option<EnrollError>,
+        survey: Option<&enroll::Survey>,
     ) {
         let lacks = failed.and_then(|e| {
-            let missing = enroll::missing_links(dp, cookie).ok()?;
+            let missing = match survey {
+                Some(s) => enroll::missing_after(dp, s),
+                None => enroll::missing_links(dp, cookie).ok()?,
+            };
             (!missing.is_empty()).then(|| Incomplete {
                 missing,
                 reason: crate::error_line(&e),

@@ -19,12 +19,14 @@ use crate::{
 /// node netns, and those left out because another tool's qdisc holds their
 /// hook ("IFACE (KIND)"). A failure to find them costs only the host-side
 /// probe exemption (the pod is captured as before): it is logged, not
-/// fatal. With the pod's `view` (an enrollment), from its link dump.
+/// fatal. With the pod's `view`, from its link dump. `say_held`: log a held
+/// hook (an enrollment does; repairs and CHECK ask again, and stay quiet).
 pub fn host_peers(
     dp: &Dataplane,
     netns: &Netns,
     view: Option<&PodView>,
     ifaces: &[String],
+    say_held: bool,
 ) -> (Vec<HostPeer>, Vec<String>) {
     let Some(node) = dp.node().filter(|_| dp.has_program(Program::Host)) else {
         return (Vec::new(), Vec::new());
@@ -52,7 +54,7 @@ pub fn host_peers(
             Ok(Some(kind)) => {
                 held.push(format!("{} ({kind})", p.host_iface));
                 // Said once, at enrollment; repair and CHECK ask again.
-                if view.is_some() {
+                if say_held {
                     tracing::warn!(
                         netns = %netns.path().display(),
                         host_iface = %p.host_iface,

@@ -39,8 +39,8 @@ pub use error::EnrollError;
 pub use register::{register, register_keeping, Enrolled};
 pub use reopen::open_pod_netns;
 pub use repair::{
-    missing_links, remove_orphan_pins, repair, repair_surveyed, survey, survey_plan, Repair,
-    Survey, SurveyPlan,
+    missing_after, missing_links, remove_orphan_pins, repair, repair_surveyed, survey, survey_plan,
+    Repair, Survey, SurveyPlan,
 };
 pub use uninstall::{uninstall, UNINSTALL_DRAIN};
 

@@ -70,6 +70,13 @@ pub struct Survey {
     attached: HashSet<String>,
 }
 
+impl Survey {
+    /// Whether this survey read the netns `cookie`'s pod has now.
+    pub fn is_of(&self, dp: &Dataplane, cookie: u64) -> bool {
+        self.cookie == cookie && dp.maps().meta(cookie).is_some_and(|m| m.netns == self.path)
+    }
+}
+
 /// The plan of a pod's survey; `None` for a pod not enrolled or being torn
 /// down (its repair surveys nothing).
 pub fn survey_plan(dp: &Dataplane, cookie: u64) -> Option<SurveyPlan> {
@@ -138,7 +145,7 @@ pub fn repair_surveyed(
     dp: &mut Dataplane,
     cookie: u64,
     takeover: bool,
-    survey: Option<Survey>,
+    survey: Option<&Survey>,
 ) -> Result<Repair, EnrollError> {
     let draining = dp.maps().entry(cookie).and_then(|e| e.state()) == Some(PodState::Draining);
     if draining {
@@ -147,18 +154,20 @@ pub fn repair_surveyed(
         teardown(pins, maps, netns.as_ref(), node, cookie)?;
         return Ok(Repair::TornDown);
     }
-    let path = dp.maps().meta(cookie).map(|m| m.netns).unwrap_or_default();
-    let survey = match survey.filter(|s| s.cookie == cookie && s.path == path) {
+    let read_now;
+    let survey = match survey.filter(|s| s.is_of(dp, cookie)) {
         Some(s) => s,
         None => {
+            let path = dp.maps().meta(cookie).map(|m| m.netns).unwrap_or_default();
             let (netns, view) = read_pod(cookie, &path)?;
-            Survey {
+            read_now = Survey {
                 cookie,
                 path,
                 netns,
                 view,
                 attached: HashSet::new(),
-            }
+            };
+            &read_now
         }
     };
     let (netns, view) = (&survey.netns, &survey.view);
@@ -172,7 +181,7 @@ pub fn repair_surveyed(
         .collect();
     netns.run(|| routes::set_migrate_req(true))??;
     routes::install_over(&view.nl, &lacking, view.lo, view.ipv6)?;
-    let relinked = relink(dp, &survey)?;
+    let relinked = relink(dp, survey)?;
     let mut istio_rules = Vec::new();
     if takeover {
         istio_rules = migrate::istio_rules(netns)?;
@@ -230,9 +239,27 @@ fn links_called_for(
     ifaces: &[String],
     l3: &[String],
 ) -> Vec<LinkSpec> {
-    let (peers, _) = host_peers(dp, netns, view, ifaces);
+    let (peers, _) = host_peers(dp, netns, view, ifaces, false);
     let reroute = dp.maps().options(cookie).reroute;
     expected_links(ifaces, l3, &peers, &reroute)
+}
+
+/// [`missing_links`] after a repair that used `survey` (of this pod: see
+/// [`Survey::is_of`]): the pod-side links it found attached are not looked
+/// at again, so what is left for the node-wide lock is in proportion to
+/// what is missing.
+pub fn missing_after(dp: &Dataplane, survey: &Survey) -> Vec<String> {
+    let (netns, view) = (&survey.netns, &survey.view);
+    let dir = dp.pins().pod(survey.cookie);
+    let (names, l3) = (view.names(), view.l3_names());
+    links_called_for(dp, netns, survey.cookie, Some(view), &names, &l3)
+        .into_iter()
+        .map(|spec| (spec.pin_name(), spec))
+        .filter(|(pin, spec)| {
+            !survey.attached.contains(pin) && !attached(dp, netns, spec, &dir.join(pin))
+        })
+        .map(|(pin, _)| pin)
+        .collect()
 }
 
 /// The links a pod should have and has not (read only: nothing attached):
