@@ -2249,7 +2249,7 @@ fn slow_takeover_check() -> TestResult {
 /// links.
 fn held_repair() -> TestResult {
     use sluice_tests::topology::ip;
-    const STEP: &str = "repair:survey";
+    const STEP: &str = "survey";
     let a = Fixture::in_subnet("hra", None, 1)?;
     let b = Fixture::in_subnet("hrb", None, 2)?;
     let dir = std::path::PathBuf::from(format!("/tmp/sluice-pause-{}", std::process::id()));

@@ -58,6 +58,15 @@ impl PodBook {
         self.dp.lock().unwrap()
     }
 
+    /// Reads a pod's netns for a repair or a CHECK (see [`enroll::survey`]):
+    /// the lock only to copy what the survey needs, the reads without it.
+    /// `None` for a pod not enrolled or being torn down, or a survey that
+    /// failed (the caller reads again under the lock, which reports).
+    pub(super) fn survey(&self, cookie: u64) -> Option<enroll::Survey> {
+        let plan = enroll::survey_plan(&self.dataplane(), cookie)?;
+        enroll::survey(&plan).ok()
+    }
+
     pub(super) fn pods(&self) -> &PodTable {
         &self.pods
     }

@@ -54,9 +54,7 @@ impl Repairer {
     /// flapping ones, holds no other pod's enrollment; the lock is taken
     /// for the rest, which writes.
     fn verify(&self, cookie: u64, at_start: bool) {
-        let plan = enroll::survey_plan(&self.book.dataplane(), cookie);
-        // A survey that fails is made again under the lock, which reports.
-        let survey = plan.and_then(|p| enroll::survey(&p).ok());
+        let survey = self.book.survey(cookie);
         let mut guard = self.book.dataplane();
         if guard.maps().entry(cookie).is_some() {
             self.verify_pod(&mut guard, cookie, at_start, survey);

@@ -318,9 +318,15 @@ impl Requests {
             });
         };
         let book = self.book.clone();
-        let missing =
-            tokio::task::spawn_blocking(move || enroll::missing_links(&book.dataplane(), cookie))
-                .await??;
+        let missing = tokio::task::spawn_blocking(move || {
+            let survey = book.survey(cookie);
+            let dp = book.dataplane();
+            match survey.filter(|s| s.is_of(&dp, cookie)) {
+                Some(s) => Ok(enroll::missing_after(&dp, &s)),
+                None => enroll::missing_links(&dp, cookie),
+            }
+        })
+        .await??;
         if !missing.is_empty() {
             anyhow::bail!(
                 "pod {}/{}: capture incomplete, missing links {}; the agent re-attaches them at its next verification (every {}s)",

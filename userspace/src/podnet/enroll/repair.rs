@@ -94,7 +94,7 @@ pub fn survey_plan(dp: &Dataplane, cookie: u64) -> Option<SurveyPlan> {
 /// Reads what [`repair_surveyed`] needs of the pod's netns (no dataplane,
 /// no writes): run it without the node-wide lock.
 pub fn survey(plan: &SurveyPlan) -> Result<Survey, EnrollError> {
-    crate::fault::pause_point("repair:survey");
+    crate::fault::pause_point("survey");
     let (netns, view) = read_pod(plan.cookie, &plan.path)?;
     // Pod-side links only (no peers asked): the node's netns is not needed.
     let (names, l3) = (view.names(), view.l3_names());
