@@ -2153,7 +2153,7 @@ fn json_logs() -> TestResult {
 /// stand-in tool blocks on a FIFO until the test releases it (the agent
 /// would kill it after 5 s: by then b's enrollment is long done).
 fn slow_takeover_check() -> TestResult {
-    use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+    use std::os::unix::fs::PermissionsExt as _;
     let a = Fixture::in_subnet("ta", None, 1)?;
     let b = Fixture::in_subnet("tb", None, 2)?;
     let dir = std::path::PathBuf::from(format!("/tmp/sluice-slowipt-{}", std::process::id()));
@@ -2216,20 +2216,8 @@ fn slow_takeover_check() -> TestResult {
             );
             // Released (a writer opens the FIFO): a's check finds no Istio
             // chains and its enrollment completes.
-            drop(
-                std::fs::OpenOptions::new()
-                    .write(true)
-                    .custom_flags(libc::O_NONBLOCK)
-                    .open(&fifo)?,
-            );
-            let out = first.join().expect("enroll thread panicked")?;
-            ensure!(
-                out.ok && steering(&out.stdout),
-                "a: {} {}\n{}",
-                out.stdout,
-                out.stderr,
-                agent.log()
-            );
+            drop(open_fifo_writer(&fifo)?);
+            ensure_steering("a", &first.join().expect("enroll thread panicked")?, &agent)?;
             Ok(())
         })?;
         ensure!(sluice::status::read(&a.topo.pins)?.len() == 2);
@@ -2285,15 +2273,11 @@ fn held_repair() -> TestResult {
             );
             release(&fifo)?;
             waited.with_context(|| agent.log())?;
-            let out = second.join().expect("enroll thread panicked")?;
-            ensure!(
-                out.ok && steering(&out.stdout),
-                "b: {} {}\n{}",
-                out.stdout,
-                out.stderr,
-                agent.log()
-            );
-            Ok(())
+            ensure_steering(
+                "b",
+                &second.join().expect("enroll thread panicked")?,
+                &agent,
+            )
         })?;
         wait::until("d0's links pinned once released", wait::DEADLINE, || {
             let have = |n: &str| pins.join(n).exists();
@@ -2313,13 +2297,7 @@ fn held_repair() -> TestResult {
     })();
     // Never leave the agent held (a failure before the release above): a
     // reader still there takes this one open.
-    {
-        use std::os::unix::fs::OpenOptionsExt as _;
-        let _ = std::fs::OpenOptions::new()
-            .write(true)
-            .custom_flags(libc::O_NONBLOCK)
-            .open(&fifo);
-    }
+    let _ = open_fifo_writer(&fifo);
     let _ = std::fs::remove_dir_all(&dir);
     result
 }
@@ -2327,13 +2305,30 @@ fn held_repair() -> TestResult {
 /// Opens `fifo` for writing once its reader (a held pause point) has it
 /// open, which releases the reader.
 fn release(fifo: &Path) -> TestResult {
-    use std::os::unix::fs::OpenOptionsExt as _;
     wait::until("the pause point's reader", wait::DEADLINE, || {
-        std::fs::OpenOptions::new()
-            .write(true)
-            .custom_flags(libc::O_NONBLOCK)
-            .open(fifo)
-            .map(drop)
+        open_fifo_writer(fifo).map(drop)
     })?;
+    Ok(())
+}
+
+/// Opens `fifo` for writing without waiting: that releases a reader
+/// blocked in its own open; with none there it fails (ENXIO).
+fn open_fifo_writer(fifo: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(fifo)
+}
+
+/// `who`'s enrollment said it steers; else its output and the agent's log.
+fn ensure_steering(who: &str, out: &Out, agent: &AgentProc) -> TestResult {
+    ensure!(
+        out.ok && steering(&out.stdout),
+        "{who}: {} {}\n{}",
+        out.stdout,
+        out.stderr,
+        agent.log()
+    );
     Ok(())
 }
