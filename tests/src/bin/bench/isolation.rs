@@ -138,12 +138,15 @@ fn hint_flood(
     let rate = flood(&flooder.topo.pod, cfg.flood_window, move || {
         connect_once(closed, true)
     })?;
-    let survived = hints.kept(dp);
-    eprintln!("bench: isolation: {rate:.0} closed-port connects/s; {survived} of {n} neighbour hints kept");
-    report.put("isolation_hint_flood_connects_per_s", rate);
-    report.put(
-        "isolation_neighbour_hints_kept_ratio",
-        survived as f64 / n as f64,
+    let kept = hints.kept(dp);
+    report_hints(
+        report,
+        "hint_flood",
+        "",
+        "closed-port connects/s",
+        rate,
+        kept,
+        n,
     );
     exec(
         &flooder.topo.pod,
@@ -180,14 +183,30 @@ fn hint_flood(
     stop.store(true, Ordering::Relaxed);
     acceptor.join().expect("accept thread")?;
     let rate = rate?;
-    let survived = hints.kept(dp);
-    eprintln!("bench: isolation: {rate:.0} SYN-cookie connects/s to itself; {survived} of {n} neighbour hints kept");
-    report.put("isolation_cookie_flood_connects_per_s", rate);
-    report.put(
-        "isolation_neighbour_hints_kept_ratio_cookie_flood",
-        survived as f64 / n as f64,
-    );
+    let kept = hints.kept(dp);
+    let what = "SYN-cookie connects/s to itself";
+    report_hints(report, "cookie_flood", "_cookie_flood", what, rate, kept, n);
     Ok(())
+}
+
+/// One hint flood's keys: `isolation_{flood}_connects_per_s` and
+/// `isolation_neighbour_hints_kept_ratio{suffix}` (the neighbour's `kept`
+/// of `n` hints).
+fn report_hints(
+    report: &mut Report,
+    flood: &str,
+    suffix: &str,
+    what: &str,
+    rate: f64,
+    kept: usize,
+    n: usize,
+) {
+    eprintln!("bench: isolation: {rate:.0} {what}; {kept} of {n} neighbour hints kept");
+    report.put(&format!("isolation_{flood}_connects_per_s"), rate);
+    report.put(
+        &format!("isolation_neighbour_hints_kept_ratio{suffix}"),
+        kept as f64 / n as f64,
+    );
 }
 
 /// A port the flooder listens on (never accepting).
