@@ -190,6 +190,7 @@ FULL = {
     "zdsSocket": "/var/run/ztunnel-test/ztunnel.sock",
     "tcAttach": "tcx",
     "cni": {"install": True, "confDir": "/etc/cni/net.d.test", "binDir": "/home/kubernetes/bin",
+            "ownedCNIConfig": False, "ownedCNIConfigFilename": "01-mesh.conflist",
             "excludeNamespaces": ["kube-system", "monitoring"],
             "ambient": {"dnsCapture": False}},
     "probes": {"hostSide": False},
@@ -263,6 +264,9 @@ BAD = {
     "logFormat not auto, text or json": {"logFormat": "yaml"},
     "takeOverNodeAgent not a boolean": {"takeOverNodeAgent": "yes please"},
     "a bad cni.recheck": {"cni": {"recheck": "often"}},
+    "cni.ownedCNIConfig not a boolean": {"cni": {"ownedCNIConfig": "yes"}},
+    "cni.ownedCNIConfigFilename with a path": {"cni": {"ownedCNIConfigFilename": "a/b.conflist"}},
+    "cni.ownedCNIConfigFilename not a .conflist": {"cni": {"ownedCNIConfigFilename": "02-sluice.conf"}},
     "metrics.address off (Prometheus scrapes the listener)": {"metrics": {"address": "off"}},
 }
 
@@ -347,6 +351,8 @@ def check_full(objs):
         f"--control-socket={v['controlSocket']}",
         f"--zds-socket={v['zdsSocket']}",
         "--install-cni",
+        "--owned-cni-config=false",
+        "--owned-cni-config-filename=01-mesh.conflist",
         f"--cni-conf-dir={v['cni']['confDir']}",
         f"--cni-bin-dir={v['cni']['binDir']}",
         f"--condition-type={v['readiness']['conditionType']}",

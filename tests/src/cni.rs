@@ -85,3 +85,31 @@ impl Exec<'_> {
 pub fn plugin(name: &str) -> PathBuf {
     Path::new(REFERENCE_PLUGINS).join(name)
 }
+
+/// The config a runtime would use from `conf_dir` (the first `.conf`,
+/// `.conflist` or `.json` by name), with its content.
+pub fn in_force(conf_dir: &Path) -> Option<(PathBuf, serde_json::Value)> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(conf_dir)
+        .ok()?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            matches!(
+                p.extension().and_then(|e| e.to_str()),
+                Some("conf" | "conflist" | "json")
+            )
+        })
+        .collect();
+    files.sort();
+    let first = files.into_iter().next()?;
+    let v = serde_json::from_slice(&std::fs::read(&first).ok()?).unwrap_or_default();
+    Some((first, v))
+}
+
+/// Whether a parsed conflist ends with sluice-cni.
+pub fn ends_with_sluice(v: &serde_json::Value) -> bool {
+    v["plugins"]
+        .as_array()
+        .and_then(|p| p.last())
+        .is_some_and(|p| p["type"] == "sluice-cni")
+}

@@ -20,7 +20,7 @@ use k8s_cri::v1::{
     runtime_service_client::RuntimeServiceClient, LinuxPodSandboxConfig,
     LinuxSandboxSecurityContext, ListPodSandboxRequest, NamespaceOption, PodSandboxConfig,
     PodSandboxMetadata, PodSandboxStatusRequest, RemovePodSandboxRequest, RunPodSandboxRequest,
-    StopPodSandboxRequest, VersionRequest,
+    StatusRequest, StopPodSandboxRequest, VersionRequest,
 };
 use sha2::{Digest as _, Sha256};
 use tonic::transport::Channel;
@@ -358,6 +358,31 @@ required_plugins = ["io.containerd.grpc.v1.cri"]
                 Ok::<_, tonic::Status>(())
             })
             .map_err(|s| anyhow::anyhow!("removing sandbox {id}: {}", s.message()))
+    }
+
+    /// The CNI networks containerd has loaded, as its CRI status reports
+    /// them (`crictl info`'s `cniconfig`: each network's config source).
+    pub fn cni_networks(&self) -> anyhow::Result<String> {
+        let mut c = self.client()?;
+        let info = self
+            .rt
+            .block_on(c.status(StatusRequest { verbose: true }))?
+            .into_inner()
+            .info;
+        let conf = info
+            .get("cniconfig")
+            .context("no cniconfig in the CRI status")?;
+        // The sources are JSON strings inside JSON: compare them unescaped
+        // and without whitespace.
+        let v: serde_json::Value = serde_json::from_str(conf)?;
+        let sources: Vec<String> = v["Networks"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|n| n["Config"]["Source"].as_str())
+            .map(|s| s.split_whitespace().collect())
+            .collect();
+        Ok(sources.join("\n"))
     }
 
     /// The ids of the sandboxes the runtime has.

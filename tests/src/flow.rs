@@ -18,6 +18,8 @@ pub struct Opts {
     /// Source address to bind (IP_TRANSPARENT when `transparent`).
     pub bind: Option<IpAddr>,
     pub transparent: bool,
+    /// Source port to bind (with `bind`'s address, or any).
+    pub src_port: Option<u16>,
     /// Connect timeout (default 3 s: enough for two SYN retransmits' worth
     /// of a dropped first SYN to be visible, see `Reached::TimedOut`).
     pub timeout: Option<Duration>,
@@ -85,8 +87,14 @@ pub fn try_connect(dst: SocketAddr, opts: &Opts) -> std::io::Result<TcpStream> {
             set_ipv6_transparent(&s)?;
         }
     }
-    if let Some(b) = opts.bind {
-        s.bind(&SocketAddr::new(b, 0).into())?;
+    if opts.bind.is_some() || opts.src_port.is_some() {
+        let any: IpAddr = if dst.is_ipv4() {
+            std::net::Ipv4Addr::UNSPECIFIED.into()
+        } else {
+            std::net::Ipv6Addr::UNSPECIFIED.into()
+        };
+        let src = SocketAddr::new(opts.bind.unwrap_or(any), opts.src_port.unwrap_or(0));
+        s.bind(&src.into())?;
     }
     if let Some(ext) = opts.ipv6_ext {
         set_ipv6_ext(&s, ext)?;

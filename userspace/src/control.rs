@@ -109,6 +109,10 @@ pub struct NodeStatus {
     /// How kubelet's probes reach pods uncaptured (see `Dataplane::probes`).
     #[serde(default)]
     pub probes: String,
+    /// The node's CNI config: the file in force, the mode, and trouble
+    /// keeping it in step; `None`: the agent does not manage it.
+    #[serde(default)]
+    pub cni: Option<String>,
     /// How the agent decides a pod is served (`--served-check`).
     #[serde(default = "auto")]
     pub served_check: crate::served::Mode,

@@ -32,7 +32,8 @@ pub struct PodView {
 #[derive(Debug, Clone)]
 pub struct Inputs {
     pub programs_loaded: bool,
-    pub cni_installed: bool,
+    /// Why new pods would start without sluice-cni; `None`: they would not.
+    pub cni_missing: Option<String>,
     /// ztunnel connected and acked its snapshot.
     pub ztunnel_connected: bool,
     pub pods: Vec<PodView>,
@@ -186,12 +187,8 @@ fn node_not_ready(i: &Inputs) -> Option<Condition> {
             Reason::ProgramsNotLoaded,
             "sluice's eBPF programs are not loaded and pinned on this node".into(),
         )
-    } else if !i.cni_installed {
-        (
-            Reason::CniPluginMissing,
-            "sluice-cni is not in the node's primary CNI config: new pods would start uncaptured"
-                .into(),
-        )
+    } else if let Some(why) = &i.cni_missing {
+        (Reason::CniPluginMissing, why.clone())
     } else if !i.ztunnel_connected {
         (
             Reason::ZtunnelDisconnected,
@@ -342,7 +339,7 @@ mod tests {
     fn inputs(pods: Vec<PodView>) -> Inputs {
         Inputs {
             programs_loaded: true,
-            cni_installed: true,
+            cni_missing: None,
             ztunnel_connected: true,
             pods,
             now_ns: 100 * S,
@@ -376,7 +373,7 @@ mod tests {
         assert_eq!(compute(&i).reason, Reason::PodsPendingEnrollment);
         i.ztunnel_connected = false;
         assert_eq!(compute(&i).reason, Reason::ZtunnelDisconnected);
-        i.cni_installed = false;
+        i.cni_missing = Some("02-x.conflist does not chain sluice-cni".into());
         assert_eq!(compute(&i).reason, Reason::CniPluginMissing);
         i.programs_loaded = false;
         let c = compute(&i);

@@ -1084,7 +1084,8 @@ fn incomplete_capture() -> TestResult {
 }
 
 /// `sluice uninstall` with an agent running, while connections flow both
-/// ways: sluice-cni leaves the conflist (restored byte for byte) and the bin
+/// ways: sluice-cni's owned conflist goes (the primary's, never written, is
+/// byte for byte as it was) and the plugin leaves the bin
 /// dir, every pod's capture and every pin goes, no connection fails (the pod
 /// is never blackholed: it keeps working, uncaptured), and the agent stays up
 /// answering `uninstalled` without installing anything again.
@@ -1108,8 +1109,9 @@ fn uninstall() -> TestResult {
     let mut flags = vec!["--install-cni", "--metrics-addr", &metrics];
     flags.extend(cni_flags);
     let mut agent = AgentProc::start_with(&f.topo.pins, &flags)?;
+    let owned = conf_dir.join("02-sluice.conflist");
     wait::until("sluice-cni installed", wait::DEADLINE, || {
-        let conf = std::fs::read_to_string(&primary).unwrap_or_default();
+        let conf = std::fs::read_to_string(&owned).unwrap_or_default();
         (conf.contains("sluice-cni") && bin_dir.join("sluice-cni").exists())
             .then_some(())
             .ok_or(conf)
@@ -1136,17 +1138,10 @@ fn uninstall() -> TestResult {
         !sluice_tests::topology::has_redirect_rule(&f.topo.pod)?,
         "the pod's policy rule is still there"
     );
-    // Same plugins, same settings, keys in the same order (only whitespace
-    // may differ: the file is rewritten pretty-printed).
-    let as_json = |t: &str| {
-        serde_json::to_string(&serde_json::from_str::<serde_json::Value>(t).unwrap_or_default())
-            .unwrap_or_default()
-    };
+    // The primary's file was never written; the owned one is gone.
     let now = std::fs::read_to_string(&primary)?;
-    ensure!(
-        as_json(&now) == as_json(original),
-        "conflist not restored: {now}"
-    );
+    ensure!(now == original, "the primary conflist changed: {now}");
+    ensure!(!owned.exists(), "the owned conflist is left");
     ensure!(!bin_dir.join("sluice-cni").exists(), "plugin binary left");
     let left: Vec<_> = walk(f.topo.pins.root());
     ensure!(left.is_empty(), "pins left: {left:?}");
@@ -1167,7 +1162,7 @@ fn uninstall() -> TestResult {
         again.stderr
     );
     ensure!(agent.terminate(), "agent did not exit cleanly");
-    ensure!(as_json(&std::fs::read_to_string(&primary)?) == as_json(original));
+    ensure!(std::fs::read_to_string(&primary)? == original && !owned.exists());
     ensure!(walk(f.topo.pins.root()).is_empty());
     Ok(())
 }
@@ -1263,7 +1258,8 @@ fn discovery_skips_host() -> TestResult {
         for p in [shim.id(), app.id()] {
             std::fs::write(cg.join("cgroup.procs"), p.to_string())?;
         }
-        let found = sluice::podnet::podns::find(uid).context("no netns found")?;
+        let ips = [f.topo.pod_ip(Family::V4)];
+        let found = sluice::podnet::podns::find(uid, &ips).context("no netns found")?;
         let want = f.topo.pod_netns_path();
         ensure!(
             found == want,

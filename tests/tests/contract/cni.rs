@@ -48,7 +48,14 @@ pub fn trials() -> Vec<Trial> {
             "cni::with_the_agent_down_only_ambient_pods_wait",
             agent_down,
         ),
-        trial("cni::agent_keeps_the_plugin_in_the_conflist", conflist),
+        trial(
+            "cni::agent_keeps_the_plugin_in_the_conflist",
+            conflist_in_place,
+        ),
+        trial(
+            "cni::agent_keeps_its_owned_conflist_in_step",
+            conflist_owned,
+        ),
         trial(
             "cni::neither_an_old_sandboxs_del_nor_unenroll_removes_the_live_capture",
             sandbox_swap,
@@ -366,7 +373,10 @@ fn wait(what: &str, f: impl Fn() -> bool) -> TestResult {
     })
 }
 
-fn conflist() -> TestResult {
+/// In-place mode (`--owned-cni-config=false`): the entry is appended to the
+/// primary's own file, put back after the primary rewrites it, and removed
+/// exactly on uninstall.
+fn conflist_in_place() -> TestResult {
     let n = Node::new("conf")?;
     let (conf_dir, bin_dir) = (n.dir.join("net.d"), n.dir.join("bin"));
     std::fs::create_dir_all(&conf_dir)?;
@@ -376,23 +386,13 @@ fn conflist() -> TestResult {
     let read = || -> serde_json::Value {
         serde_json::from_slice(&std::fs::read(&primary).unwrap_or_default()).unwrap_or_default()
     };
-    let ours = |v: &serde_json::Value| {
-        v["plugins"]
-            .as_array()
-            .and_then(|p| p.last())
-            .is_some_and(|p| p["type"] == "sluice-cni")
-    };
-    let flags = [
-        "--install-cni",
-        "--cni-conf-dir",
-        conf_dir.to_str().unwrap(),
-        "--cni-bin-dir",
-        bin_dir.to_str().unwrap(),
-        // No periodic check within the test: only the inotify watch can put
-        // the entry back after the rewrite below.
-        "--cni-recheck",
-        "600m",
-    ];
+    let ours = sluice_tests::cni::ends_with_sluice;
+    let dirs = cni_dirs(&conf_dir, &bin_dir);
+    let mut flags = vec!["--install-cni", "--owned-cni-config=false"];
+    flags.extend(dirs.iter().map(String::as_str));
+    // No periodic check within the test: only the inotify watch can put the
+    // entry back after the rewrite below.
+    flags.extend(["--cni-recheck", "600m"]);
     let mut agent = AgentProc::start_with(&n.pins, &flags)?;
     wait("the plugin in the conflist", || ours(&read()))?;
     // Its entry carries the excluded namespaces (the default, plus the
@@ -418,23 +418,94 @@ fn conflist() -> TestResult {
     // An agent restart leaves the plugin in place (pods keep going through it).
     ensure!(agent.terminate());
     ensure!(ours(&read()) && bin_dir.join("sluice-cni").exists());
-    // Uninstall removes exactly what was added.
+    uninstall_cni(&dirs)?;
+    ensure!(read() == original, "conflist not restored: {}", read());
+    ensure!(!bin_dir.join("sluice-cni").exists());
+    Ok(())
+}
+
+/// Owned mode (the default): the agent writes `02-sluice.conflist`, which
+/// the runtime reads first, follows every rewrite of the primary's file at
+/// once (inotify alone), never writes the primary's file, and removes only
+/// its own file on uninstall.
+fn conflist_owned() -> TestResult {
+    let n = Node::new("own")?;
+    let (conf_dir, bin_dir) = (n.dir.join("net.d"), n.dir.join("bin"));
+    std::fs::create_dir_all(&conf_dir)?;
+    let primary = conf_dir.join("10-ptp.conflist");
+    let original = json!({"cniVersion": "1.0.0", "name": "k8s", "plugins": [n.ptp_conf()]});
+    std::fs::write(&primary, original.to_string())?;
+    let owned = conf_dir.join("02-sluice.conflist");
+    let dirs = cni_dirs(&conf_dir, &bin_dir);
+    let mut flags = vec!["--install-cni"];
+    flags.extend(dirs.iter().map(String::as_str));
+    flags.extend(["--cni-recheck", "600m"]);
+    let mut agent = AgentProc::start_with(&n.pins, &flags)?;
+    let in_force = || sluice_tests::cni::in_force(&conf_dir).unwrap_or_default();
+    wait("the owned conflist in force", || {
+        let (p, v) = in_force();
+        p == owned && sluice_tests::cni::ends_with_sluice(&v)
+    })?;
+    let (_, v) = in_force();
+    ensure!(
+        v["name"] == "k8s" && v["plugins"][0] == original["plugins"][0],
+        "{v}"
+    );
+    // The primary CNI rewrites its file at boot, with another setting.
+    let mut rewritten = original.clone();
+    rewritten["plugins"][0]["mtu"] = json!(1400);
+    let tmp = conf_dir.join(".10-ptp.tmp");
+    let rewritten_text = rewritten.to_string();
+    std::fs::write(&tmp, &rewritten_text)?;
+    std::fs::rename(&tmp, &primary)?;
+    wait("the owned conflist in step with the rewrite", || {
+        let (p, v) = in_force();
+        p == owned && v["plugins"][0]["mtu"] == 1400 && sluice_tests::cni::ends_with_sluice(&v)
+    })?;
+    let primary_now = std::fs::read_to_string(&primary)?;
+    ensure!(
+        primary_now == rewritten_text,
+        "the primary's file was written: {primary_now}"
+    );
+    // The agent's status names the config in force.
+    wait("status names the owned conflist", || {
+        agent.node_status().is_ok_and(|st| {
+            st["cni"]
+                .as_str()
+                .is_some_and(|c| c.contains("02-sluice.conflist chains sluice-cni"))
+        })
+    })?;
+    ensure!(agent.terminate());
+    ensure!(
+        owned.exists(),
+        "an agent stop must leave the owned conflist"
+    );
+    uninstall_cni(&dirs)?;
+    ensure!(!owned.exists(), "the owned conflist is left");
+    ensure!(std::fs::read_to_string(&primary)? == primary_now);
+    ensure!(!bin_dir.join("sluice-cni").exists());
+    Ok(())
+}
+
+fn cni_dirs(conf_dir: &Path, bin_dir: &Path) -> Vec<String> {
+    vec![
+        "--cni-conf-dir".into(),
+        conf_dir.display().to_string(),
+        "--cni-bin-dir".into(),
+        bin_dir.display().to_string(),
+    ]
+}
+
+fn uninstall_cni(dirs: &[String]) -> TestResult {
     let out = std::process::Command::new(sluice_bin())
-        .args([
-            "uninstall-cni",
-            "--cni-conf-dir",
-            conf_dir.to_str().unwrap(),
-            "--cni-bin-dir",
-            bin_dir.to_str().unwrap(),
-        ])
+        .arg("uninstall-cni")
+        .args(dirs)
         .output_bounded()?;
     ensure!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    ensure!(read() == original, "conflist not restored: {}", read());
-    ensure!(!bin_dir.join("sluice-cni").exists());
     Ok(())
 }
 

@@ -566,11 +566,6 @@ struct PodProcess {
 impl PodProcess {
     fn spawn(netns: &std::path::Path, uid: &str) -> anyhow::Result<Self> {
         use std::os::{fd::AsRawFd, unix::process::CommandExt};
-        let root =
-            cgroup2_mount().ok_or_else(|| anyhow::anyhow!("no cgroup2 mount on this host"))?;
-        let base = root.join(format!("sluice-test-{}-{uid}", std::process::id()));
-        let pod_cg = base.join(format!("kubepods-pod{}.slice", uid.replace('-', "_")));
-        std::fs::create_dir_all(&pod_cg)?;
         let ns = std::fs::File::open(netns)?;
         let fd = ns.as_raw_fd();
         let mut cmd = std::process::Command::new("sleep");
@@ -584,6 +579,37 @@ impl PodProcess {
                 Ok(())
             });
         }
+        Self::in_cgroup(cmd, uid, "app")
+    }
+
+    /// A process of pod `uid`'s cgroup in a fresh netns of its own (only
+    /// `lo`), as `unshare -n` in a privileged container makes.
+    fn spawn_unshared(uid: &str) -> anyhow::Result<Self> {
+        let mut cmd = std::process::Command::new("unshare");
+        cmd.args(["-n", "sleep", "60"]);
+        let p = Self::in_cgroup(cmd, uid, "decoy")?;
+        // unshare enters its netns before it execs sleep: wait until it has.
+        let own = |pid: u32| std::fs::read_link(format!("/proc/{pid}/ns/net")).ok();
+        let me = own(std::process::id());
+        let pid = p.child.id();
+        sluice_tests::wait::until(
+            "the decoy in a netns of its own",
+            sluice_tests::wait::DEADLINE,
+            || {
+                let now = own(pid);
+                (now.is_some() && now != me).then_some(()).ok_or(now)
+            },
+        )?;
+        Ok(p)
+    }
+
+    /// Spawns `cmd` and moves it into a cgroup of pod `uid` (one per `tag`).
+    fn in_cgroup(mut cmd: std::process::Command, uid: &str, tag: &str) -> anyhow::Result<Self> {
+        let root =
+            cgroup2_mount().ok_or_else(|| anyhow::anyhow!("no cgroup2 mount on this host"))?;
+        let base = root.join(format!("sluice-test-{}-{uid}-{tag}", std::process::id()));
+        let pod_cg = base.join(format!("kubepods-pod{}.slice", uid.replace('-', "_")));
+        std::fs::create_dir_all(&pod_cg)?;
         let child = cmd.spawn()?;
         let p = Self {
             child,
@@ -610,14 +636,32 @@ fn existing_pod_netns_found_by_cgroup() -> TestResult {
         "7e57{:04x}-0000-4000-8000-000000000001",
         std::process::id() & 0xffff
     );
+    let ips = [f.topo.pod_ip(Family::V4), f.topo.pod_ip(Family::V6)];
+    // A process of the pod's cgroup in a netns of its own (a privileged
+    // container after `unshare -n`), started first so that /proc lists it
+    // first: not the pod's, though it is in the pod's cgroup.
+    let _decoy = PodProcess::spawn_unshared(&uid)?;
     let _p = PodProcess::spawn(&f.topo.pod_netns_path(), &uid)?;
-    let found = sluice::podnet::podns::find(&uid);
+    let found = sluice::podnet::podns::find(&uid, &ips);
     ensure!(
         found.as_deref() == Some(f.topo.pod_netns_path().as_path()),
         "found {found:?}"
     );
-    ensure!(sluice::podnet::podns::find("00000000-0000-4000-8000-00000000dead").is_none());
+    // The pod's IPs decide: a netns without them is never the pod's.
+    let elsewhere = ["10.255.255.1".parse()?];
+    let found = sluice::podnet::podns::find(&uid, &elsewhere);
+    ensure!(found.is_none(), "found {found:?} for IPs no netns holds");
+    ensure!(
+        sluice::podnet::podns::find(&uid, &[]).is_none(),
+        "found a netns for a pod without IPs"
+    );
+    ensure!(sluice::podnet::podns::find("00000000-0000-4000-8000-00000000dead", &ips).is_none());
     Ok(())
+}
+
+/// A fixture pod's `status.podIPs`, as the API lists them.
+fn pod_ips_json(f: &Fixture) -> Value {
+    json!([{"ip": f.topo.pod_ip(Family::V4).to_string()}, {"ip": f.topo.pod_ip(Family::V6).to_string()}])
 }
 
 fn relist() -> TestResult {
@@ -647,6 +691,7 @@ fn relist() -> TestResult {
         let patches = Arc::new(Mutex::new(Vec::new()));
         let events: Events = Arc::default();
         let (p2, u2, e2) = (patches.clone(), uid.clone(), events.clone());
+        let ips2 = pod_ips_json(&f);
         tokio::spawn(async move {
             while let Some((req, send)) = handle.next_request().await {
                 let (method, path, query) = (req.method().clone(), req.uri().path().to_owned(), req.uri().query().unwrap_or("").to_owned());
@@ -663,7 +708,7 @@ fn relist() -> TestResult {
                         json!({"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": [{
                             "metadata": {"name": "web", "namespace": "mesh", "uid": u2},
                             "spec": {"nodeName": "node-a", "serviceAccountName": "web-sa", "containers": [{"name": "app"}]},
-                            "status": {"phase": "Running"}}, {
+                            "status": {"phase": "Running", "podIPs": ips2}}, {
                             // Labelled ambient, but its namespace is excluded: never captured.
                             "metadata": {"name": "dns", "namespace": "kube-system", "uid": "u-dns", "labels": {"istio.io/dataplane-mode": "ambient"}},
                             "spec": {"nodeName": "node-a", "containers": [{"name": "app"}]},
@@ -771,6 +816,7 @@ fn watch_triggers_capture() -> TestResult {
         let pod_watch = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (svc, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
         let (l2, u2) = (labelled.clone(), uid.clone());
+        let ips2 = pod_ips_json(&f);
         let (lists2, watch2) = (pod_lists.clone(), pod_watch.clone());
         tokio::spawn(async move {
             while let Some((req, send)) = handle.next_request().await {
@@ -782,12 +828,12 @@ fn watch_triggers_capture() -> TestResult {
                         lists2.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                     }
                 }
-                let u3 = u2.clone();
+                let (u3, ips3) = (u2.clone(), ips2.clone());
                 let pod = move |ambient: bool| {
                     let labels = if ambient { json!({"istio.io/dataplane-mode": "ambient"}) } else { json!({}) };
                     json!({"apiVersion": "v1", "kind": "Pod",
                         "metadata": {"name": "web", "namespace": "plain", "uid": u3, "labels": labels, "resourceVersion": "2"},
-                        "spec": {"nodeName": "node-a", "containers": [{"name": "app"}]}, "status": {"phase": "Running"}})
+                        "spec": {"nodeName": "node-a", "containers": [{"name": "app"}]}, "status": {"phase": "Running", "podIPs": ips3}})
                 };
                 let l3 = l2.clone();
                 tokio::spawn(async move {

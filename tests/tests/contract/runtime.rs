@@ -15,8 +15,9 @@ use sluice_common::PodState;
 use sluice_tests::{
     agent::{AgentProc, PeerProc},
     app::App,
-    containerd::{self, Containerd},
+    containerd::{self, Containerd, Sandbox},
     flow::{connect, Opts},
+    sniff::{L4Sniffer, Segment},
     topology::ip,
     wait,
 };
@@ -30,11 +31,23 @@ pub fn trials() -> Vec<Trial> {
     if let Some(why) = &why {
         eprintln!("skipping runtime::: {why}");
     }
-    vec![trial(
-        "runtime::containerd_pods_are_captured_through_the_chain_and_wait_only_when_ambient",
-        containerd_pods,
-    )
-    .with_ignored_flag(why.is_some())]
+    [
+        trial(
+            "runtime::containerd_pods_are_captured_through_the_chain_and_wait_only_when_ambient",
+            containerd_pods,
+        ),
+        trial(
+            "runtime::a_reboot_never_starts_an_ambient_pod_uncaptured",
+            reboot_owned,
+        ),
+        trial(
+            "runtime::without_the_owned_conflist_a_reboot_shows_the_bypass",
+            reboot_in_place,
+        ),
+    ]
+    .into_iter()
+    .map(|t| t.with_ignored_flag(why.is_some()))
+    .collect()
 }
 
 /// The node: its netns (where containerd and the CNI plugins run), the
@@ -51,12 +64,13 @@ const REMOTE_IP: &str = "10.252.0.2";
 const NODE_IP: &str = "10.252.0.1";
 
 impl Node {
-    fn new() -> anyhow::Result<Self> {
+    /// `tag` tells apart the nodes of trials that run at once.
+    fn new(tag: &str) -> anyhow::Result<Self> {
         let id = std::process::id();
         let n = Self {
-            netns: format!("slrn-{id}"),
-            pins: Pins::new(format!("/sys/fs/bpf/sluice-test-runtime-{id}")),
-            remote: format!("slrr-{id}"),
+            netns: format!("slrn-{id}-{tag}"),
+            pins: Pins::new(format!("/sys/fs/bpf/sluice-test-runtime-{id}-{tag}")),
+            remote: format!("slrr-{id}-{tag}"),
         };
         ip(&["netns", "add", &n.netns])?;
         // From here on, Drop removes what was made.
@@ -110,7 +124,7 @@ impl Drop for Node {
 }
 
 fn containerd_pods() -> TestResult {
-    let node = Node::new()?;
+    let node = Node::new("rt")?;
     let mut rt = Containerd::new("rt")?;
     let result = with_runtime(&node, &mut rt);
     // The runtime goes first (its sandboxes' DELs reach the agent if it
@@ -154,16 +168,12 @@ fn with_runtime(node: &Node, rt: &mut Containerd) -> TestResult {
         "the agent to report the peer connected",
         |z| z["connected"] == true,
     )?;
-    // The agent chains sluice-cni into the primary conflist; containerd
+    // The agent writes its owned conflist, which sorts first; containerd
     // reads the conf dir as it is when it starts.
-    wait::until("sluice-cni in the conflist", wait::DEADLINE, || {
-        let v: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(&primary).unwrap_or_default())
-                .unwrap_or_default();
-        let last = v["plugins"].as_array().and_then(|p| p.last().cloned());
-        match last {
-            Some(p) if p["type"] == "sluice-cni" => Ok(()),
-            _ => Err(v),
+    wait::until("sluice-cni in the config in force", wait::DEADLINE, || {
+        match sluice_tests::cni::in_force(&rt.conf_dir) {
+            Some((p, v)) if p != primary && sluice_tests::cni::ends_with_sluice(&v) => Ok(()),
+            other => Err(format!("{other:?}")),
         }
     })?;
     rt.start(&node.netns)?;
@@ -271,4 +281,242 @@ fn with_runtime(node: &Node, rt: &mut Containerd) -> TestResult {
         "pins left after the last sandbox was removed"
     );
     Ok(())
+}
+
+/// The app's source port in the reboot rows: outside the ephemeral range
+/// the ztunnel peer's onward sockets use, so a SYN from (pod IP, APP_PORT)
+/// on the node side is the app's own, sent around ztunnel.
+const APP_PORT: u16 = 20001;
+
+/// A node reboot while the primary CNI rewrites its config (istio/istio
+/// #55968): with the owned conflist, no ambient pod's app ever sends a SYN
+/// around ztunnel.
+fn reboot_owned() -> TestResult {
+    let bypass = reboot(true)?;
+    ensure!(
+        bypass.is_empty(),
+        "an ambient pod's app sent SYNs around ztunnel: {bypass:?}"
+    );
+    Ok(())
+}
+
+/// The same reboot with sluice-cni in the primary's own file: the rewrite
+/// drops it and the ambient pod starts uncaptured. The sniffer must see it,
+/// or the row above could not fail.
+fn reboot_in_place() -> TestResult {
+    let bypass = reboot(false)?;
+    ensure!(
+        !bypass.is_empty(),
+        "without the owned conflist the sniffer saw no bypass: the reboot row could not fail"
+    );
+    Ok(())
+}
+
+/// Runs the reboot; the SYNs of the ambient pod's app that reached the node
+/// side (each one bypassed ztunnel).
+fn reboot(owned: bool) -> anyhow::Result<Vec<Segment>> {
+    let tag = if owned { "rbo" } else { "rbi" };
+    let node = Node::new(tag)?;
+    let mut rt = Containerd::new(tag)?;
+    let result = rebooted(&node, &mut rt, owned);
+    drop(rt);
+    result
+}
+
+fn rebooted(node: &Node, rt: &mut Containerd, owned: bool) -> anyhow::Result<Vec<Segment>> {
+    let primary = rt.conf_dir.join("10-ptp.conflist");
+    let ipam_dir = rt.dir.join("ipam");
+    let conflist = |mtu: Option<u32>| {
+        let mut ptp = json!({
+            "type": "ptp", "ipMasq": false,
+            "ipam": {
+                "type": "host-local", "subnet": "10.251.0.0/24", "dataDir": ipam_dir,
+                "routes": [{"dst": "0.0.0.0/0"}],
+            },
+        });
+        if let Some(m) = mtu {
+            ptp["mtu"] = json!(m);
+        }
+        json!({"cniVersion": "1.0.0", "name": "k8s-pod-network", "plugins": [ptp]}).to_string()
+    };
+    std::fs::write(&primary, conflist(None))?;
+    let node_netns = sluice_tests::ns::netns_path(&node.netns);
+    let owned_flag = format!("--owned-cni-config={owned}");
+    let flags = [
+        "--install-cni",
+        owned_flag.as_str(),
+        "--cni-conf-dir",
+        rt.conf_dir.to_str().unwrap(),
+        "--cni-bin-dir",
+        rt.bin_dir.to_str().unwrap(),
+        "--node-netns",
+        node_netns.to_str().unwrap(),
+    ];
+    let mut agent = AgentProc::start_with(&node.pins, &flags)?;
+    let mut peer = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    let conf_dir = rt.conf_dir.clone();
+    let chained = |want_mtu: bool| {
+        let conf_dir = conf_dir.clone();
+        move || match sluice_tests::cni::in_force(&conf_dir) {
+            Some((_, v))
+                if sluice_tests::cni::ends_with_sluice(&v)
+                    && (v["plugins"][0]["mtu"] == 1400) == want_mtu =>
+            {
+                Ok(())
+            }
+            other => Err(format!("{other:?}")),
+        }
+    };
+    wait::until(
+        "sluice-cni in the config in force",
+        wait::DEADLINE,
+        chained(false),
+    )?;
+    rt.start(&node.netns)?;
+    let _server = App::start(&node.remote, 8080);
+    let sniff = L4Sniffer::start(&node.netns)?;
+    let server: SocketAddr = format!("{REMOTE_IP}:8080").parse()?;
+    let app = |sb: &Sandbox| {
+        connect(
+            sb.netns_name(),
+            server,
+            Opts {
+                src_port: Some(APP_PORT),
+                ..Default::default()
+            },
+        )
+    };
+    let uid = format!("u-cart-{}", std::process::id());
+    let cart = rt.run_pod("shop", "cart", &uid)?;
+    ensure!(
+        app(&cart)
+            .reply()
+            .is_some_and(|l| l.starts_with("app:8080")),
+        "the captured pod's connection before the reboot"
+    );
+
+    // The reboot: every process and all kernel state gone (the pods' netns,
+    // the pins, the tmpfs with the selection snapshot); files on disk kept.
+    agent.kill()?;
+    peer.kill();
+    rt.remove_pod(&cart.id)?;
+    std::fs::remove_dir_all(node.pins.root())?;
+    let _ = std::fs::remove_file(agent.dir.join(sluice::cni::snapshot::FILE_NAME));
+    let _ = std::fs::remove_dir_all(agent.dir.join("cni-pods"));
+    // The primary CNI's DaemonSet rewrites its file at boot: only its own
+    // plugins, one setting changed.
+    let tmp = rt.conf_dir.join(".10-ptp.conflist.new");
+    std::fs::write(&tmp, conflist(Some(1400)))?;
+    std::fs::rename(&tmp, &primary)?;
+    // containerd reloads the conf dir on the rename.
+    let reloaded = |rt: &Containerd, want_mtu: bool| {
+        wait::until("containerd to load the CNI config", wait::DEADLINE, || {
+            let loaded = rt.cni_networks().map_err(|e| e.to_string())?;
+            let ok = loaded.contains("\"mtu\":1400") == want_mtu;
+            ok.then_some(()).ok_or(loaded)
+        })
+    };
+    if !owned {
+        reloaded(rt, true)?;
+    }
+
+    // kubelet recreates the node's pods; the agent is not back yet.
+    let coredns = rt.run_pod("kube-system", "coredns", "u-coredns");
+    let coredns = coredns.context("an excluded namespace's pod must start without the agent")?;
+    let plain = rt.run_pod("other", "plain", "u-plain");
+    let cart = rt.run_pod("shop", "cart", &uid);
+    match &cart {
+        Ok(sb) => {
+            // Uncaptured: the app's connection leaves the pod as it is.
+            let _ = app(sb);
+        }
+        Err(e) if owned => {
+            let e = format!("{e:#}");
+            ensure!(
+                e.contains("sluice-cni")
+                    && e.contains("no selection snapshot")
+                    && e.contains("not started uncaptured"),
+                "the refusal does not say why: {e}"
+            );
+        }
+        Err(e) => anyhow::bail!("in place, the rewrite dropped sluice-cni, yet: {e:#}"),
+    }
+    if owned {
+        ensure!(cart.is_err(), "the ambient pod started without the agent");
+        // No snapshot: a pod outside the excluded namespaces waits too.
+        let e = plain
+            .as_ref()
+            .err()
+            .map(|e| format!("{e:#}"))
+            .unwrap_or_default();
+        ensure!(
+            e.contains("no selection snapshot"),
+            "a pod of another namespace must wait for the agent after a reboot: {e}"
+        );
+    }
+    ensure!(
+        sluice::status::read(&node.pins)?.is_empty(),
+        "captured without an agent"
+    );
+
+    // The agent and ztunnel come back.
+    agent.restart()?;
+    let peer = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    if owned {
+        wait::until(
+            "the owned conflist in step with the rewrite",
+            wait::DEADLINE,
+            chained(true),
+        )?;
+        ensure!(
+            std::fs::read_to_string(&primary)? == conflist(Some(1400)),
+            "the primary's file was written"
+        );
+        reloaded(rt, true)?;
+        // kubelet's retry: the ambient pod starts, captured.
+        let cart = rt.run_pod("shop", "cart", &uid).map_err(|e| {
+            anyhow::anyhow!("{e:#}\nagent:\n{}\ncontainerd:\n{}", agent.log(), rt.log())
+        })?;
+        wait::until("the ambient pod Served", wait::DEADLINE, || {
+            let pods = sluice::status::read(&node.pins).map_err(|e| e.to_string())?;
+            match pods.iter().find(|p| p.uid == uid) {
+                Some(p) if p.state == Some(PodState::Served) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        })?;
+        ensure!(
+            app(&cart)
+                .reply()
+                .is_some_and(|l| l.starts_with("app:8080")),
+            "the captured pod's connection after the reboot"
+        );
+        peer.wait_for("the app's connection accepted by the peer", |_| {
+            peer.accepted_roles(&["outbound"])
+        })?;
+        rt.remove_pod(&cart.id)?;
+    }
+    // The excluded pod was never touched.
+    ensure!(
+        sluice::status::read(&node.pins)?
+            .iter()
+            .all(|p| p.uid != "u-coredns"),
+        "the excluded pod was captured"
+    );
+    rt.remove_pod(&coredns.id)?;
+    if let Ok(sb) = &plain {
+        rt.remove_pod(&sb.id)?;
+    }
+    if let Ok(sb) = &cart {
+        rt.remove_pod(&sb.id)?;
+    }
+    // Every SYN an app sent from the marker port that reached the node side
+    // (only ambient pods' apps send from it).
+    let bypass = sniff
+        .drain()
+        .into_iter()
+        .filter(|s| {
+            s.proto == 6 && s.flags & 0x12 == 0x02 && s.src.port() == APP_PORT && s.dst == server
+        })
+        .collect();
+    Ok(bypass)
 }

@@ -53,6 +53,8 @@ pub struct Report {
     pub metrics: Arc<Metrics>,
     pub condition_type: String,
     current: Mutex<Option<(Condition, Instant)>>,
+    /// The CNI config's line for `sluice status` (`None`: not managed).
+    cni: Mutex<Option<String>>,
     /// sluice was removed from this node: nothing is reported any more.
     uninstalled: std::sync::atomic::AtomicBool,
 }
@@ -63,6 +65,7 @@ impl Report {
             metrics,
             condition_type: condition_type.to_owned(),
             current: Mutex::new(None),
+            cni: Mutex::new(None),
             uninstalled: Default::default(),
         }
     }
@@ -92,6 +95,11 @@ impl Report {
             .unwrap()
             .as_ref()
             .map(|(c, _)| c.clone())
+    }
+
+    /// The CNI config as the last pass found it (see `CniInstall::describe`).
+    pub fn cni(&self) -> Option<String> {
+        self.cni.lock().unwrap().clone()
     }
 
     /// How long ago the condition was last computed.
@@ -158,10 +166,14 @@ pub async fn run<N: Inputs>(
         last_pass = Instant::now();
         // The map walk takes the dataplane lock, which an enrollment may hold.
         let (n, c, grace) = (node.clone(), cni.clone(), cfg.pending_grace);
-        let inputs = tokio::task::spawn_blocking(move || n.readiness_inputs(c.as_ref(), grace))
-            .await
-            // A panic there is a bug: let it end the task (then /healthz fails).
-            .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+        let (inputs, cni_line) = tokio::task::spawn_blocking(move || {
+            let line = c.as_ref().map(CniInstall::describe);
+            (n.readiness_inputs(c.as_ref(), grace), line)
+        })
+        .await
+        // A panic there is a bug: let it end the task (then /healthz fails).
+        .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+        *report.cni.lock().unwrap() = cni_line;
         let cond = readiness::compute(&inputs);
         let before = report.condition();
         if before.as_ref().map(|b| (b.ready, b.reason)) != Some((cond.ready, cond.reason)) {

@@ -30,19 +30,30 @@ pub struct CniDirs {
     /// The node's CNI plugin directory.
     #[arg(long, default_value = install::DEFAULT_BIN_DIR, env = "SLUICE_CNI_BIN_DIR")]
     cni_bin_dir: PathBuf,
+    /// Write sluice's own conflist, sorting before the primary's, instead of
+    /// editing the primary's file (istio-cni's `istioOwnedCNIConfig`). On by
+    /// default: a primary CNI that rewrites its file at boot cannot drop
+    /// sluice-cni from the chain the runtime reads.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, env = "SLUICE_OWNED_CNI_CONFIG")]
+    owned_cni_config: bool,
+    /// The owned conflist's file name; it must sort before the primary's.
+    #[arg(long, default_value = install::owned_default(), env = "SLUICE_OWNED_CNI_CONFIG_FILENAME")]
+    owned_cni_config_filename: install::FileName,
 }
 
 impl CniDirs {
     pub fn install(self, agent_socket: &Path) -> anyhow::Result<install::CniInstall> {
         let exe = std::env::current_exe().context("locating the sluice binary")?;
-        Ok(install::CniInstall {
-            conf_dir: self.cni_conf_dir,
-            bin_dir: self.cni_bin_dir,
-            plugin: exe.with_file_name(install::PLUGIN_TYPE),
-            agent_socket: agent_socket.to_owned(),
-            exclude_namespaces: Vec::new(),
-            recheck: install::RECHECK,
-        })
+        let mut i = install::CniInstall::new(
+            self.cni_conf_dir,
+            self.cni_bin_dir,
+            exe.with_file_name(install::PLUGIN_TYPE),
+            agent_socket.to_owned(),
+        );
+        i.owned = self
+            .owned_cni_config
+            .then_some(self.owned_cni_config_filename);
+        Ok(i)
     }
 }
 

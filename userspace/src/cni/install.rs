@@ -1,22 +1,40 @@
-//! Keeping `sluice-cni` in the node's CNI configuration: appended to the
-//! primary network's conflist (a `.conf` becomes a `.conflist`), the binary
-//! copied into the CNI bin dir, re-inserted whenever the primary CNI rewrites
-//! its file, and removed again — exactly what was added — on uninstall.
+//! Keeping `sluice-cni` in the node's CNI configuration, and the binary in
+//! the CNI bin dir, until uninstall removes exactly what was added. Two
+//! modes: an owned conflist that sorts first ([`owned`], the default), or
+//! an entry appended to the primary network's own file ([`inplace`]). Either
+//! is brought back in step whenever the primary CNI rewrites its file.
 //!
-//! Files are replaced by write-to-temp + rename, so the runtime never reads a
-//! half-written config and a running `sluice-cni` is never overwritten.
+//! Files are replaced by write-to-temp + flush + rename, so the runtime
+//! never reads a half-written config and a running `sluice-cni` is never
+//! overwritten.
 
 use std::{
     fs,
-    path::{Path, PathBuf},
+    path::PathBuf,
+    sync::{Arc, Mutex},
     time::Duration,
 };
 
-use serde_json::{json, Map, Value};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
-pub const PLUGIN_TYPE: &str = "sluice-cni";
+pub use super::entry::PLUGIN_TYPE;
+pub use super::error::InstallError;
+pub use super::owned::FileName;
+use super::{
+    conf_dir,
+    entry::{is_ours, Entry},
+    error::io,
+    inplace,
+    layout::Layout,
+    owned::{self, SyncError},
+};
+
+/// The owned conflist's default name, for clap.
+pub fn owned_default() -> &'static str {
+    owned::DEFAULT_NAME
+}
+
 pub const DEFAULT_CONF_DIR: &str = "/etc/cni/net.d";
 pub const DEFAULT_BIN_DIR: &str = "/opt/cni/bin";
 /// How often the conf dir is checked when no change was seen: a safety net
@@ -25,24 +43,6 @@ pub const RECHECK: Duration = Duration::from_secs(5);
 /// How often a conf dir that cannot be watched yet (not created yet) is
 /// checked.
 pub const POLL: Duration = Duration::from_secs(1);
-
-#[derive(Debug, thiserror::Error)]
-pub enum InstallError {
-    #[error("no CNI network config in {0} yet (the primary CNI writes it)")]
-    NoPrimary(PathBuf),
-    #[error("{path}: {msg}")]
-    Config { path: PathBuf, msg: String },
-    #[error("{what}: {source}")]
-    Io {
-        what: String,
-        source: std::io::Error,
-    },
-}
-
-fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> InstallError {
-    let what = what.into();
-    move |source| InstallError::Io { what, source }
-}
 
 #[derive(Debug, Clone)]
 pub struct CniInstall {
@@ -56,129 +56,142 @@ pub struct CniInstall {
     pub exclude_namespaces: Vec<String>,
     /// The safety-net check interval behind the watch ([`RECHECK`]).
     pub recheck: Duration,
+    /// The owned conflist's name; `None`: in-place mode.
+    pub owned: Option<FileName>,
+    /// The last pass's result, for `sluice status` (shared by clones).
+    last: Arc<Mutex<Option<String>>>,
 }
 
 /// What one pass changed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
     AlreadyInstalled(PathBuf),
+    /// Our entry was put into (or moved to the end of) this file in place.
     Inserted(PathBuf),
+    /// The owned conflist was written.
+    Written(PathBuf),
+    /// Owned mode, but the owned name sorts after the primary: chained into
+    /// the primary in place instead, for the reason given.
+    InPlaceInstead {
+        config: PathBuf,
+        why: String,
+    },
 }
 
 impl CniInstall {
-    /// The primary network config: the lexicographically first `.conflist`,
-    /// `.conf` or `.json` file, as container runtimes pick it.
-    pub fn primary(&self) -> Result<PathBuf, InstallError> {
-        let mut files: Vec<PathBuf> = fs::read_dir(&self.conf_dir)
-            .map_err(io(format!("reading {}", self.conf_dir.display())))?
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| {
-                p.is_file()
-                    && matches!(
-                        p.extension().and_then(|e| e.to_str()),
-                        Some("conflist" | "conf" | "json")
-                    )
-            })
-            .collect();
-        files.sort();
-        files
-            .into_iter()
-            .next()
-            .ok_or_else(|| InstallError::NoPrimary(self.conf_dir.clone()))
+    pub fn new(
+        conf_dir: PathBuf,
+        bin_dir: PathBuf,
+        plugin: PathBuf,
+        agent_socket: PathBuf,
+    ) -> Self {
+        Self {
+            conf_dir,
+            bin_dir,
+            plugin,
+            agent_socket,
+            exclude_namespaces: Vec::new(),
+            recheck: RECHECK,
+            owned: Some(FileName::default()),
+            last: Arc::default(),
+        }
     }
 
-    /// Whether our entry is in the primary conflist (readiness reports this).
+    fn entry(&self) -> Entry<'_> {
+        Entry {
+            agent_socket: &self.agent_socket,
+            exclude_namespaces: &self.exclude_namespaces,
+        }
+    }
+
+    /// The config the runtime uses (the first in the conf dir) if it chains
+    /// sluice-cni; otherwise why new pods would start without it.
+    pub fn in_force(&self) -> Result<PathBuf, String> {
+        let files = conf_dir::list(&self.conf_dir).map_err(|e| e.to_string())?;
+        let Some(first) = files.first() else {
+            return Err(format!(
+                "no CNI config in {}: the runtime cannot start pods",
+                self.conf_dir.display()
+            ));
+        };
+        if first.plugins().into_iter().any(is_ours) {
+            Ok(first.path.clone())
+        } else {
+            Err(format!(
+                "{}, the CNI config the runtime uses, does not chain sluice-cni: new pods would start uncaptured",
+                first.path.display()
+            ))
+        }
+    }
+
+    /// Whether new pods go through sluice-cni (readiness reports this).
     pub fn is_installed(&self) -> bool {
-        self.primary()
-            .ok()
-            .and_then(|p| read_json(&p).ok())
-            .is_some_and(|v| our_index(&v).is_some())
+        self.in_force().is_ok()
     }
 
-    /// Copies the binary and makes sure our entry ends the primary conflist.
+    /// One line for `sluice status`: the config in force, the mode, and the
+    /// last pass's trouble, if any.
+    pub fn describe(&self) -> String {
+        let mode = match &self.owned {
+            Some(n) => format!("owned {n}"),
+            None => "in place".into(),
+        };
+        let now = match self.in_force() {
+            Ok(p) => format!("{} chains sluice-cni ({mode})", p.display()),
+            Err(e) => format!("MISSING: {e} ({mode})"),
+        };
+        match self.last.lock().unwrap().as_deref() {
+            Some(trouble) => format!("{now}; last pass: {trouble}"),
+            None => now,
+        }
+    }
+
+    /// Copies the binary and brings the chain in step (see the module doc).
     pub fn install(&self) -> Result<Outcome, InstallError> {
         self.copy_binary()?;
-        let primary = self.primary()?;
-        let conf = read_json(&primary)?;
-        let is_list = conf.get("plugins").is_some();
-        if is_list {
-            let mut conf = conf;
-            let plugins = plugins_mut(&mut conf, &primary)?;
-            match plugins.iter().position(is_ours) {
-                Some(i) => {
-                    // Ours, but maybe no longer last, or written with other
-                    // settings: rewritten at the end (keeping its origin).
-                    let ours = plugins.remove(i);
-                    let converted = ours
-                        .pointer("/sluice/convertedFrom")
-                        .and_then(Value::as_str)
-                        .map(str::to_owned);
-                    let want = self.entry(converted.as_deref());
-                    let unchanged = ours == want && i == plugins.len();
-                    plugins.push(want);
-                    if unchanged {
-                        return Ok(Outcome::AlreadyInstalled(primary));
-                    }
-                }
-                None => plugins.push(self.entry(None)),
-            }
-            write_json(&primary, &conf)?;
-            return Ok(Outcome::Inserted(primary));
+        let files = conf_dir::list(&self.conf_dir)?;
+        if let Some(name) = &self.owned {
+            return match owned::sync(&self.conf_dir, name, &files, &self.entry()) {
+                Ok(s) if s.written => Ok(Outcome::Written(s.config)),
+                Ok(s) => Ok(Outcome::AlreadyInstalled(s.config)),
+                Err(SyncError::Install(e)) => Err(e),
+                Err(e @ SyncError::SortsAfter { .. }) => Ok(Outcome::InPlaceInstead {
+                    config: self.in_place(&files)?.0,
+                    why: e.to_string(),
+                }),
+            };
         }
-        // A single-plugin .conf: becomes a .conflist holding it and us.
-        let Value::Object(mut single) = conf else {
-            return Err(InstallError::Config {
-                path: primary,
-                msg: "not a JSON object".into(),
-            });
-        };
-        let version = single.remove("cniVersion").unwrap_or(json!("1.0.0"));
-        let name = single.remove("name").unwrap_or(json!("k8s-pod-network"));
-        let file_name = primary
-            .file_name()
-            .and_then(|n| n.to_str())
-            .unwrap_or_default()
-            .to_owned();
-        let list = json!({
-            "cniVersion": version,
-            "name": name,
-            "plugins": [Value::Object(single), self.entry(Some(&file_name))],
-        });
-        let target = primary.with_extension("conflist");
-        write_json(&target, &list)?;
-        fs::remove_file(&primary).map_err(io(format!("removing {}", primary.display())))?;
-        Ok(Outcome::Inserted(target))
+        Ok(match self.in_place(&files)? {
+            (p, true) => Outcome::Inserted(p),
+            (p, false) => Outcome::AlreadyInstalled(p),
+        })
     }
 
-    /// Removes exactly what `install` added: our entry (restoring a converted
-    /// `.conf`) and the binary.
+    /// In-place insertion, then owned and istio-cni owned files (which the
+    /// runtime would read first) removed.
+    fn in_place(&self, files: &[conf_dir::ConfFile]) -> Result<(PathBuf, bool), InstallError> {
+        let layout = Layout::of(files);
+        let (config, mut written) =
+            inplace::insert(layout.primary(&self.conf_dir)?, &self.entry())?;
+        for f in layout.owned.iter().chain(&layout.istio_owned) {
+            conf_dir::remove(&f.path)?;
+            written = true;
+        }
+        Ok((config, written))
+    }
+
+    /// Removes exactly what `install` added: owned conflists (whatever their
+    /// name), an in-place entry (restoring a converted `.conf`), the binary.
+    /// istio-cni's files are not sluice's to restore.
     pub fn uninstall(&self) -> Result<(), InstallError> {
-        if let Ok(primary) = self.primary() {
-            let mut conf = read_json(&primary)?;
-            if let Some(i) = our_index(&conf) {
-                let plugins = plugins_mut(&mut conf, &primary)?;
-                let ours = plugins.remove(i);
-                let converted = ours
-                    .get("sluice")
-                    .and_then(|s| s.get("convertedFrom"))
-                    .and_then(Value::as_str)
-                    .map(str::to_owned);
-                match converted {
-                    Some(orig) if plugins.len() == 1 => {
-                        let mut single = plugins.remove(0);
-                        if let Value::Object(m) = &mut single {
-                            let mut restored = Map::new();
-                            restored.insert("cniVersion".into(), conf["cniVersion"].clone());
-                            restored.insert("name".into(), conf["name"].clone());
-                            restored.extend(std::mem::take(m));
-                            single = Value::Object(restored);
-                        }
-                        write_json(&self.conf_dir.join(&orig), &single)?;
-                        fs::remove_file(&primary)
-                            .map_err(io(format!("removing {}", primary.display())))?;
-                    }
-                    _ => write_json(&primary, &conf)?,
+        if let Ok(files) = conf_dir::list(&self.conf_dir) {
+            let layout = Layout::of(&files);
+            for f in &layout.owned {
+                conf_dir::remove(&f.path)?;
+            }
+            if let Some(p) = layout.primary.filter(|p| p.json.is_ok()) {
+                if let Some(r) = inplace::without_ours(p)? {
+                    r.apply()?;
                 }
             }
         }
@@ -190,32 +203,45 @@ impl CniInstall {
         }
     }
 
-    /// Keeps the plugin installed until `stop`: re-inserts it whenever the
-    /// primary CNI rewrites (or first writes) its config — at once, from an
-    /// inotify watch on the conf dir (kindnet, Calico and others rewrite
-    /// theirs on restart; a sandbox created in between would miss the
-    /// plugin), with a check every `recheck` behind it. A conf dir that does
-    /// not exist yet is polled until it can be watched.
+    /// Keeps the plugin installed until `stop`: brings the chain back in
+    /// step whenever the primary CNI rewrites (or first writes) its config —
+    /// at once, from an inotify watch on the conf dir (kindnet, Calico and
+    /// others rewrite theirs on restart; a sandbox created in between would
+    /// miss the plugin), with a check every `recheck` behind it. A conf dir
+    /// that does not exist yet is polled until it can be watched.
     pub async fn keep_installed(self, mut stop: watch::Receiver<bool>) {
         let (tx, mut changed) = tokio::sync::mpsc::channel::<()>(1);
         let mut watcher: Option<notify::RecommendedWatcher> = None;
-        let mut warned = false;
         loop {
             if watcher.is_none() {
                 watcher = self.watch(tx.clone());
             }
             let this = self.clone();
-            match tokio::task::spawn_blocking(move || this.install()).await {
+            let pass = tokio::task::spawn_blocking(move || this.install()).await;
+            let trouble = match pass {
+                Ok(Ok(Outcome::AlreadyInstalled(_))) => None,
                 Ok(Ok(Outcome::Inserted(p))) => {
-                    info!(config = %p.display(), "sluice-cni inserted into the CNI config");
-                    warned = false;
+                    info!(config = %p.display(), "sluice-cni chained into the primary CNI config");
+                    None
                 }
-                Ok(Ok(Outcome::AlreadyInstalled(_))) => warned = false,
-                Ok(Err(e)) if !warned => {
-                    warn!(error = %e, "cannot install sluice-cni yet; will retry");
-                    warned = true;
+                Ok(Ok(Outcome::Written(p))) => {
+                    info!(config = %p.display(), "owned CNI config written");
+                    None
                 }
-                _ => {}
+                Ok(Ok(Outcome::InPlaceInstead { why, .. })) => Some(why),
+                Ok(Err(e)) => Some(match &self.owned {
+                    Some(n) => format!("{e}; {n} kept as it was; will retry"),
+                    None => format!("{e}; will retry"),
+                }),
+                Err(e) => Some(format!("the install pass failed: {e}")),
+            };
+            {
+                let mut last = self.last.lock().unwrap();
+                // Said once per distinct trouble, not on every pass.
+                if let Some(t) = trouble.as_ref().filter(|t| last.as_ref() != Some(*t)) {
+                    warn!(trouble = %t, "cannot keep sluice-cni in the CNI config as configured");
+                }
+                *last = trouble;
             }
             let wait = if watcher.is_some() {
                 self.recheck
@@ -246,20 +272,6 @@ impl CniInstall {
         Some(w)
     }
 
-    fn entry(&self, converted_from: Option<&str>) -> Value {
-        let mut e = json!({
-            "type": PLUGIN_TYPE,
-            "agentSocket": self.agent_socket,
-        });
-        if !self.exclude_namespaces.is_empty() {
-            e["excludeNamespaces"] = json!(self.exclude_namespaces);
-        }
-        if let Some(orig) = converted_from {
-            e["sluice"] = json!({ "convertedFrom": orig });
-        }
-        e
-    }
-
     /// Copies the plugin into the bin dir unless the copy there has the
     /// source's size and modification time (the copy is given the source's,
     /// so the once-a-second check reads two inodes, not two binaries).
@@ -288,200 +300,5 @@ impl CniInstall {
         };
         write().map_err(io(format!("writing {}", tmp.display())))?;
         fs::rename(&tmp, &dst).map_err(io(format!("installing {}", dst.display())))
-    }
-}
-
-fn is_ours(v: &Value) -> bool {
-    v.get("type").and_then(Value::as_str) == Some(PLUGIN_TYPE)
-}
-
-fn our_index(conf: &Value) -> Option<usize> {
-    conf.get("plugins")?.as_array()?.iter().position(is_ours)
-}
-
-fn plugins_mut<'a>(conf: &'a mut Value, path: &Path) -> Result<&'a mut Vec<Value>, InstallError> {
-    conf.get_mut("plugins")
-        .and_then(Value::as_array_mut)
-        .ok_or_else(|| InstallError::Config {
-            path: path.to_owned(),
-            msg: "\"plugins\" is not a list".into(),
-        })
-}
-
-fn read_json(p: &Path) -> Result<Value, InstallError> {
-    let b = fs::read(p).map_err(io(format!("reading {}", p.display())))?;
-    serde_json::from_slice(&b).map_err(|e| InstallError::Config {
-        path: p.to_owned(),
-        msg: e.to_string(),
-    })
-}
-
-fn write_json(p: &Path, v: &Value) -> Result<(), InstallError> {
-    let tmp = p.with_extension("sluice-tmp");
-    let body = serde_json::to_vec_pretty(v).expect("JSON values serialise");
-    fs::write(&tmp, body).map_err(io(format!("writing {}", tmp.display())))?;
-    fs::rename(&tmp, p).map_err(io(format!("replacing {}", p.display())))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    struct Dirs(PathBuf);
-    impl Drop for Dirs {
-        fn drop(&mut self) {
-            let _ = fs::remove_dir_all(&self.0);
-        }
-    }
-
-    fn setup(name: &str) -> (Dirs, CniInstall) {
-        let root =
-            std::env::temp_dir().join(format!("sluice-install-{}-{name}", std::process::id()));
-        let _ = fs::remove_dir_all(&root);
-        fs::create_dir_all(root.join("net.d")).unwrap();
-        fs::write(root.join("sluice-cni-src"), b"#!/bin/sh\n").unwrap();
-        let i = CniInstall {
-            conf_dir: root.join("net.d"),
-            bin_dir: root.join("bin"),
-            plugin: root.join("sluice-cni-src"),
-            agent_socket: "/run/sluice/agent.sock".into(),
-            exclude_namespaces: vec!["kube-system".into()],
-            recheck: RECHECK,
-        };
-        (Dirs(root), i)
-    }
-
-    const LIST: &str = r#"{"cniVersion":"1.0.0","name":"kindnet","plugins":[
-        {"type":"ptp","ipam":{"type":"host-local"}},{"type":"portmap","capabilities":{"portMappings":true}}]}"#;
-
-    #[test]
-    fn appends_to_the_primary_conflist_once_and_uninstalls_exactly() {
-        let (_d, i) = setup("list");
-        let p = i.conf_dir.join("10-kindnet.conflist");
-        fs::write(&p, LIST).unwrap();
-        fs::write(i.conf_dir.join("99-other.conflist"), LIST).unwrap();
-        assert_eq!(i.install().unwrap(), Outcome::Inserted(p.clone()));
-        assert_eq!(i.install().unwrap(), Outcome::AlreadyInstalled(p.clone()));
-        let v = read_json(&p).unwrap();
-        let plugins = v["plugins"].as_array().unwrap();
-        assert_eq!(plugins.len(), 3);
-        assert_eq!(plugins[2]["type"], PLUGIN_TYPE);
-        assert_eq!(plugins[2]["agentSocket"], "/run/sluice/agent.sock");
-        assert_eq!(plugins[2]["excludeNamespaces"], json!(["kube-system"]));
-        assert!(i.is_installed());
-        // Other settings (an agent started with other flags): rewritten in place.
-        let other = CniInstall {
-            exclude_namespaces: vec!["kube-system".into(), "istio-system".into()],
-            ..i.clone()
-        };
-        assert_eq!(other.install().unwrap(), Outcome::Inserted(p.clone()));
-        let v = read_json(&p).unwrap();
-        assert_eq!(v["plugins"].as_array().unwrap().len(), 3);
-        assert_eq!(
-            v["plugins"][2]["excludeNamespaces"],
-            json!(["kube-system", "istio-system"])
-        );
-        assert_eq!(i.install().unwrap(), Outcome::Inserted(p.clone()));
-        // Only the primary is touched.
-        assert_eq!(
-            read_json(&i.conf_dir.join("99-other.conflist")).unwrap(),
-            serde_json::from_str::<Value>(LIST).unwrap()
-        );
-        assert!(i.bin_dir.join(PLUGIN_TYPE).exists());
-        i.uninstall().unwrap();
-        assert_eq!(
-            read_json(&p).unwrap(),
-            serde_json::from_str::<Value>(LIST).unwrap()
-        );
-        assert!(!i.bin_dir.join(PLUGIN_TYPE).exists());
-        assert!(!i.is_installed());
-    }
-
-    #[test]
-    fn the_plugin_binary_is_replaced_when_the_agent_brings_a_new_one() {
-        let (_d, i) = setup("bin");
-        fs::write(i.conf_dir.join("10-kindnet.conflist"), LIST).unwrap();
-        i.install().unwrap();
-        let dst = i.bin_dir.join(PLUGIN_TYPE);
-        assert_eq!(fs::read(&dst).unwrap(), b"#!/bin/sh\n");
-        // Unchanged source: the copy is left as it is (same inode).
-        use std::os::unix::fs::MetadataExt;
-        let ino = fs::metadata(&dst).unwrap().ino();
-        i.install().unwrap();
-        assert_eq!(fs::metadata(&dst).unwrap().ino(), ino);
-        // A new agent image: same length, other bytes, other mtime.
-        fs::write(&i.plugin, b"#!/bin/xx\n").unwrap();
-        let later = std::time::SystemTime::now() + std::time::Duration::from_secs(5);
-        fs::File::options()
-            .write(true)
-            .open(&i.plugin)
-            .unwrap()
-            .set_modified(later)
-            .unwrap();
-        i.install().unwrap();
-        assert_eq!(fs::read(&dst).unwrap(), b"#!/bin/xx\n");
-    }
-
-    #[test]
-    fn a_conf_becomes_a_conflist_and_comes_back_on_uninstall() {
-        let (_d, i) = setup("conf");
-        let conf = r#"{"cniVersion":"0.4.0","name":"mynet","type":"bridge","bridge":"cni0","ipam":{"type":"host-local"}}"#;
-        let orig = i.conf_dir.join("10-bridge.conf");
-        fs::write(&orig, conf).unwrap();
-        let list = i.conf_dir.join("10-bridge.conflist");
-        assert_eq!(i.install().unwrap(), Outcome::Inserted(list.clone()));
-        assert!(!orig.exists());
-        let v = read_json(&list).unwrap();
-        assert_eq!(v["cniVersion"], "0.4.0");
-        assert_eq!(v["name"], "mynet");
-        assert_eq!(v["plugins"][0]["type"], "bridge");
-        assert_eq!(v["plugins"][1]["type"], PLUGIN_TYPE);
-        i.uninstall().unwrap();
-        assert!(!list.exists());
-        assert_eq!(
-            read_json(&orig).unwrap(),
-            serde_json::from_str::<Value>(conf).unwrap()
-        );
-    }
-
-    #[test]
-    fn reinserts_after_the_primary_cni_rewrites_its_file() {
-        let (_d, i) = setup("rewrite");
-        let p = i.conf_dir.join("10-kindnet.conflist");
-        fs::write(&p, LIST).unwrap();
-        i.install().unwrap();
-        // The primary CNI rewrites its config (without us) …
-        fs::write(&p, LIST).unwrap();
-        assert!(!i.is_installed());
-        // … and the next pass puts us back, last.
-        assert_eq!(i.install().unwrap(), Outcome::Inserted(p.clone()));
-        assert_eq!(read_json(&p).unwrap()["plugins"][2]["type"], PLUGIN_TYPE);
-        // A plugin appended after us: we move back to the end.
-        let mut v = read_json(&p).unwrap();
-        v["plugins"]
-            .as_array_mut()
-            .unwrap()
-            .push(json!({"type": "bandwidth"}));
-        write_json(&p, &v).unwrap();
-        assert_eq!(i.install().unwrap(), Outcome::Inserted(p.clone()));
-        let v = read_json(&p).unwrap();
-        assert_eq!(v["plugins"][3]["type"], PLUGIN_TYPE);
-        assert_eq!(
-            v["plugins"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .filter(|p| is_ours(p))
-                .count(),
-            1
-        );
-    }
-
-    #[test]
-    fn no_primary_config_yet_is_a_clear_error() {
-        let (_d, i) = setup("empty");
-        assert!(matches!(i.install(), Err(InstallError::NoPrimary(_))));
-        fs::write(i.conf_dir.join("10-bad.conflist"), "{oops").unwrap();
-        assert!(matches!(i.install(), Err(InstallError::Config { .. })));
     }
 }

@@ -1,12 +1,14 @@
 //! Finding the netns of a pod that did not come through our CNI plugin (it
 //! existed before the agent, or became ambient later): a process in the pod's
-//! cgroup names it, and the runtime's bind mount under /run/netns (stable,
-//! unlike /proc/PID) is preferred when there is one. Runtimes without an infra
-//! process still have the pod's containers in that cgroup.
+//! cgroup whose netns holds one of the pod's IPs names it, and the runtime's
+//! bind mount under /run/netns (stable, unlike /proc/PID) is preferred when
+//! there is one. Runtimes without an infra process still have the pod's
+//! containers in that cgroup.
 
 use std::{
     collections::HashSet,
     fs,
+    net::IpAddr,
     os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
 };
@@ -25,20 +27,58 @@ pub fn in_pod_cgroup(cgroup: &str, uid: &str) -> bool {
         .any(|l| l.contains(&format!("pod{uid}")) || l.contains(&format!("pod{systemd}")))
 }
 
-/// The netns path of pod `uid`, if one of its processes runs here. A
-/// process of the pod's cgroup in the host's network namespace (a runtime
-/// shim such as conmon) or in sluice's own is never taken for the pod's.
-pub fn find(uid: &str) -> Option<PathBuf> {
-    let pid = fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
-        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
-        let cg = fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
-        let ns = PathBuf::from(format!("/proc/{pid}/ns/net"));
-        (in_pod_cgroup(&cg, uid) && crate::podnet::netns::path_is_host_like(&ns).is_none())
-            .then_some(pid)
-    })?;
-    let proc_path = PathBuf::from(format!("/proc/{pid}/ns/net"));
-    let ino = fs::metadata(&proc_path).ok()?.ino();
-    Some(bind_mount_of(ino).unwrap_or(proc_path))
+/// The netns path of pod `uid`: that of a process in the pod's cgroup whose
+/// netns holds one of `ips`, the pod's `status.podIPs` (istio-cni 1.31 does
+/// the same). A process of the pod's cgroup can live in another netns: a
+/// runtime shim in the host's (never taken), or a privileged container's
+/// process after `unshare -n`, whichever comes first in /proc. Without the
+/// address check that netns would be captured and handed to ztunnel as the
+/// pod's, and the pod itself left uncaptured. Among netns that hold an
+/// address, the one the runtime bind-mounted under /run/netns is preferred.
+/// No `ips` (none reported yet): nothing is found. Blocking: it enters each
+/// candidate netns once.
+pub fn find(uid: &str, ips: &[IpAddr]) -> Option<PathBuf> {
+    if ips.is_empty() {
+        return None;
+    }
+    let mut seen = HashSet::new();
+    let mut holding = None;
+    for e in fs::read_dir("/proc").ok()?.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let in_pod = fs::read_to_string(format!("/proc/{pid}/cgroup"))
+            .is_ok_and(|cg| in_pod_cgroup(&cg, uid));
+        if !in_pod {
+            continue;
+        }
+        let path = PathBuf::from(format!("/proc/{pid}/ns/net"));
+        let Ok(md) = fs::metadata(&path) else {
+            continue;
+        };
+        if !seen.insert((md.dev(), md.ino())) {
+            continue;
+        }
+        let Ok(ns) = Netns::open(&path) else { continue };
+        if ns.host_like().is_some() || !holds_any(&ns, ips) {
+            continue;
+        }
+        match bind_mount_of(md.ino()) {
+            Some(mount) => return Some(mount),
+            None => {
+                holding.get_or_insert(path);
+            }
+        }
+    }
+    holding
+}
+
+/// Whether `ns` has one of `ips` on an interface.
+fn holds_any(ns: &Netns, ips: &[IpAddr]) -> bool {
+    ns.run(crate::podnet::netns::addresses)
+        .ok()
+        .and_then(Result::ok)
+        .is_some_and(|have| have.iter().any(|a| ips.contains(a)))
 }
 
 /// The netns whose cookie is `cookie`, if it still exists: looked for among

@@ -108,6 +108,9 @@ pub fn node_lines(n: &NodeView) -> String {
                 crate::served::Mode::Off => "off (--served-check=off: ztunnel's ack counts)",
             };
             let _ = writeln!(out, "served:     {check}");
+            if let Some(cni) = &a.cni {
+                let _ = writeln!(out, "cni:        {cni}");
+            }
             for w in &a.waiting {
                 let _ = writeln!(out, "retrying:   {}: {}", w.uid, w.last_error);
             }

@@ -199,7 +199,7 @@ impl PodBook {
             programs_loaded: dp.pins().is_loaded(),
             // Not managing the CNI config (a dev or hand-run agent): whoever
             // runs it vouches for it.
-            cni_installed: cni.is_none_or(CniInstall::is_installed),
+            cni_missing: cni.and_then(|c| c.in_force().err()),
             ztunnel_connected: hub.is_connected(),
             pods,
             now_ns: boottime_ns(),

@@ -270,13 +270,20 @@ impl Relist {
             uid: uid.clone(),
         };
         let event = |reason, note: String| self.announcer.event(pod.clone(), reason, note);
-        let found = PodUid::new(&uid)
-            .ok()
-            .and_then(|u| k.recorded_netns(&u))
-            .or_else(|| crate::podnet::podns::find(&uid));
+        let recorded = PodUid::new(&uid).ok().and_then(|u| k.recorded_netns(&u));
+        let found = match recorded {
+            Some(n) => Some(n),
+            None => {
+                let (uid, ips) = (uid.clone(), ips.clone());
+                tokio::task::spawn_blocking(move || crate::podnet::podns::find(&uid, &ips))
+                    .await
+                    .ok()
+                    .flatten()
+            }
+        };
         let Some(netns) = found else {
             self.metrics.reconcile_error(ReconcileError::NoProcess);
-            warn!("ambient pod without capture, but none of its processes runs here yet");
+            warn!(ips = ?ips, "ambient pod without capture, but no process of its cgroup runs here yet in a netns that holds its IPs");
             return;
         };
         info!(netns = %netns.display(), "capturing a running ambient pod");

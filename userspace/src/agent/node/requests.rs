@@ -182,6 +182,7 @@ impl Requests {
             waiting: pods.waiting(),
             incomplete: pods.incomplete(),
             served_check: self.served.mode(),
+            cni: self.report.cni(),
             dataplane,
             probes,
             uninstall: self.uninstall.state().to_string(),
