@@ -192,7 +192,8 @@ FULL = {
     "cni": {"install": True, "confDir": "/etc/cni/net.d.test", "binDir": "/home/kubernetes/bin",
             "ownedCNIConfig": False, "ownedCNIConfigFilename": "01-mesh.conflist",
             "excludeNamespaces": ["kube-system", "monitoring"],
-            "ambient": {"dnsCapture": False}},
+            "ambient": {"dnsCapture": False,
+                        "enablementSelectors": [{"namespaceSelector": {"matchLabels": {"team": "shop"}}}]}},
     "probes": {"hostSide": False},
     "readiness": {
         "conditionType": "example.com/Redirection",
@@ -265,6 +266,7 @@ BAD = {
     "takeOverNodeAgent not a boolean": {"takeOverNodeAgent": "yes please"},
     "a bad cni.recheck": {"cni": {"recheck": "often"}},
     "cni.ownedCNIConfig not a boolean": {"cni": {"ownedCNIConfig": "yes"}},
+    "cni.ambient.enablementSelectors not a list": {"cni": {"ambient": {"enablementSelectors": "ambient"}}},
     "cni.ownedCNIConfigFilename with a path": {"cni": {"ownedCNIConfigFilename": "a/b.conflist"}},
     "cni.ownedCNIConfigFilename not a .conflist": {"cni": {"ownedCNIConfigFilename": "02-sluice.conf"}},
     "metrics.address off (Prometheus scrapes the listener)": {"metrics": {"address": "off"}},
@@ -369,6 +371,7 @@ def check_full(objs):
         "--node-netns=off",
         "--exclude-namespaces=kube-system,monitoring",
         "--dns-capture=false",
+        '--enablement-selectors=[{"namespaceSelector":{"matchLabels":{"team":"shop"}}}]',
         "--tc-attach=tcx",
     ]:
         expect("full", flag in a, f"agent args lack {flag}: {a}")

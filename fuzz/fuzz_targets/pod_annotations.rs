@@ -3,8 +3,6 @@
 //! survive the trip through their pinned-map form.
 #![no_main]
 
-use std::collections::BTreeSet;
-
 use k8s_openapi::api::core::v1::Pod;
 use libfuzzer_sys::fuzz_target;
 use sluice::{
@@ -12,7 +10,8 @@ use sluice::{
     options::{
         PodOptions, BYPASS_DNS_CAPTURE, BYPASS_INBOUND_CAPTURE, DNS_CAPTURE,
         REROUTE_VIRTUAL_INTERFACES,
-    },};
+    },
+};
 
 fuzz_target!(|data: &[u8]| {
     let text = String::from_utf8_lossy(data);
@@ -39,7 +38,12 @@ fuzz_target!(|data: &[u8]| {
     }))
     .expect("a well-formed pod");
     let ns_labels = [(selection::DATAPLANE_MODE.to_string(), mode.to_string())].into();
-    let _ = selection::select(&pod, Some(&ns_labels), "node-a", &BTreeSet::new());
+    let _ = selection::select(
+        &pod,
+        Some(&ns_labels),
+        "node-a",
+        &selection::Selection::default(),
+    );
     if let Ok(o) = selection::options(&pod) {
         for node_dns in [true, false] {
             let flags = o.flags(node_dns);

@@ -230,7 +230,7 @@ async fn rbac_grants_exactly_what_the_agent_and_watchdog_use() {
         client: client.clone(),
         node: "node-a".into(),
         cni_records: None,
-        excluded: Default::default(),
+        selection: Default::default(),
         selection_file: None,
     };
     let pod = PodRef {

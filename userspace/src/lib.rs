@@ -18,6 +18,7 @@ pub mod lifecycle;
 pub mod metrics;
 pub mod options;
 pub mod podnet;
+pub mod preflight;
 pub mod readiness;
 pub mod served;
 pub mod status;

@@ -1138,6 +1138,11 @@ fn uninstall() -> TestResult {
         !sluice_tests::topology::has_redirect_rule(&f.topo.pod)?,
         "the pod's policy rule is still there"
     );
+    // What istio-cni's agent starts from: no program left at the pod's hooks.
+    for dir in ["ingress", "egress"] {
+        let left = sluice_tests::inspect::filter_programs(&f.topo.pod, "eth0", dir)?;
+        ensure!(left.is_empty(), "{dir} filters left on the pod: {left:?}");
+    }
     // The primary's file was never written; the owned one is gone.
     let now = std::fs::read_to_string(&primary)?;
     ensure!(now == original, "the primary conflist changed: {now}");

@@ -57,6 +57,10 @@ pub fn trials() -> Vec<Trial> {
             conflist_owned,
         ),
         trial(
+            "cni::check_node_says_what_would_stop_or_weaken_sluice",
+            check_node,
+        ),
+        trial(
             "cni::neither_an_old_sandboxs_del_nor_unenroll_removes_the_live_capture",
             sandbox_swap,
         ),
@@ -484,6 +488,90 @@ fn conflist_owned() -> TestResult {
     ensure!(!owned.exists(), "the owned conflist is left");
     ensure!(std::fs::read_to_string(&primary)? == primary_now);
     ensure!(!bin_dir.join("sluice-cni").exists());
+    Ok(())
+}
+
+/// `sluice check-node` on a node (a netns of the test's) and its CNI dirs:
+/// no primary config is a failure (exit 1); a node sluice runs on passes
+/// (exit 0); another tool's qdisc on a veth and istio-cni chained in the
+/// primary are warnings (exit 2); a CNI that renamed other configs away
+/// (Cilium's exclusive mode) is a failure again.
+fn check_node() -> TestResult {
+    let n = Node::new("chk")?;
+    let (conf_dir, bin_dir) = (n.dir.join("net.d"), n.dir.join("bin"));
+    std::fs::create_dir_all(&conf_dir)?;
+    std::fs::create_dir_all(&bin_dir)?;
+    let netns = format!("/run/netns/{}", n.node);
+    let zds = n.dir.join("zds.sock");
+    let mut args = vec![
+        "--bpf-root".to_string(),
+        n.pins.root().display().to_string(),
+        "check-node".into(),
+        "--node-netns".into(),
+        netns,
+        "--zds-socket".into(),
+        zds.display().to_string(),
+        "-o".into(),
+        "json".into(),
+    ];
+    args.extend(cni_dirs(&conf_dir, &bin_dir));
+    let check = || -> anyhow::Result<(i32, serde_json::Value)> {
+        let out = std::process::Command::new(sluice_bin())
+            .args(&args)
+            .output_bounded()?;
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+            .with_context(|| String::from_utf8_lossy(&out.stderr).into_owned())?;
+        Ok((out.status.code().unwrap_or(-1), v))
+    };
+    let said = |v: &serde_json::Value, check: &str, level: &str| -> Vec<String> {
+        v["findings"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|f| f["check"] == check && f["level"] == level)
+            .filter_map(|f| f["detail"].as_str().map(str::to_owned))
+            .collect()
+    };
+    let (code, v) = check()?;
+    ensure!(
+        code == 1 && !said(&v, "cni config", "fail").is_empty(),
+        "no primary config: {code} {v}"
+    );
+    let primary = conf_dir.join("10-ptp.conflist");
+    let plain = json!({"cniVersion": "1.0.0", "name": "k8s", "plugins": [n.ptp_conf()]});
+    std::fs::write(&primary, plain.to_string())?;
+    let (code, v) = check()?;
+    ensure!(code == 0, "a node sluice runs on: {code} {v}");
+    // Another tool's ingress qdisc on a veth; istio-cni chained in place.
+    ip(&[
+        "-n", &n.node, "link", "add", "v0", "type", "veth", "peer", "name", "v1",
+    ])?;
+    sluice_tests::ns::exec(&n.node, &["tc", "qdisc", "add", "dev", "v0", "ingress"])?;
+    let mut istio = plain.clone();
+    istio["plugins"]
+        .as_array_mut()
+        .context("plugins")?
+        .push(json!({"type": "istio-cni"}));
+    std::fs::write(&primary, istio.to_string())?;
+    let (code, v) = check()?;
+    let veths = said(&v, "host veths", "warn");
+    let istio_said = said(&v, "istio-cni", "warn");
+    ensure!(
+        code == 2
+            && veths.iter().any(|d| d.contains("v0 (ingress)"))
+            && istio_said.iter().any(|d| d.contains("10-ptp.conflist")),
+        "warnings: {code} {v}"
+    );
+    // Cilium with cni.exclusive=true renamed a config away.
+    std::fs::write(conf_dir.join("05-other.conflist.cilium_bak"), "{}")?;
+    let (code, v) = check()?;
+    ensure!(
+        code == 1
+            && said(&v, "cni config", "fail")
+                .iter()
+                .any(|d| d.contains("05-other.conflist.cilium_bak")),
+        "a renamed config: {code} {v}"
+    );
     Ok(())
 }
 

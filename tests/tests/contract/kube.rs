@@ -35,6 +35,10 @@ pub fn trials() -> Vec<Trial> {
             relist,
         ),
         trial(
+            "kube::enablement_selectors_decide_capture_and_the_plugins_snapshot",
+            enablement_selectors,
+        ),
+        trial(
             "kube::pod_watch_event_triggers_capture",
             watch_triggers_capture,
         ),
@@ -85,11 +89,25 @@ fn cluster_node_over(
     served: ServedConfig,
     selection_file: Option<std::path::PathBuf>,
 ) -> anyhow::Result<(Arc<NodeAgent>, tokio::sync::watch::Sender<bool>)> {
+    let selection =
+        sluice::kube::selection::Selection::excluding(["kube-system".to_string()].into());
+    cluster_node_selecting(dp, client, cni_records, served, selection, selection_file)
+}
+
+/// [`cluster_node_over`] with the caller's selection.
+fn cluster_node_selecting(
+    dp: sluice::dataplane::loader::Dataplane,
+    client: kube::Client,
+    cni_records: Option<std::path::PathBuf>,
+    served: ServedConfig,
+    selection: sluice::kube::selection::Selection,
+    selection_file: Option<std::path::PathBuf>,
+) -> anyhow::Result<(Arc<NodeAgent>, tokio::sync::watch::Sender<bool>)> {
     let k = KubeCtx {
         client,
         node: "node-a".into(),
         cni_records,
-        excluded: ["kube-system".to_string()].into(),
+        selection,
         selection_file,
     };
     let node = NodeAgent::new(
@@ -795,6 +813,126 @@ fn relist() -> TestResult {
         // A second pass has nothing to do.
         node.relist().reconcile_once(std::time::Duration::ZERO).await?;
         ensure!(sluice::status::read(&f.topo.pins)?.len() == 1);
+        Ok(())
+    })
+}
+
+/// Custom enablement selectors (istio-cni's `ambient.enablementSelectors`)
+/// replace Istio's default: a pod of a namespace they select is captured
+/// though nothing is labelled `istio.io/dataplane-mode`; a pod labelled
+/// ambient that they do not select is not, and says why; the plugin's
+/// snapshot holds the namespaces they select. A captured pod of a namespace
+/// that is now excluded is released (istio-cni 1.30).
+fn enablement_selectors() -> TestResult {
+    let f = Fixture::new("ensel", None)?;
+    let legacy = Fixture::in_subnet("enleg", None, 1)?;
+    let uid = format!(
+        "7e57{:04x}-0000-4000-8000-000000000004",
+        std::process::id() & 0xffff
+    );
+    let _p = PodProcess::spawn(&f.topo.pod_netns_path(), &uid)?;
+    // Captured before `legacy` became an excluded namespace.
+    let legacy_uid = "u-legacy";
+    {
+        let mut dp = f.dataplane()?;
+        let w = sluice::workload::Workload::new("old", "legacy", "default")?;
+        sluice::podnet::enroll::attach_pod(
+            &mut dp,
+            &legacy.topo.pod_netns_path(),
+            &sluice::uid::PodUid::new(legacy_uid)?,
+            &w,
+            &Default::default(),
+            &sluice::podnet::enroll::PodAddrs::Netns,
+        )?;
+    }
+    ensure!(sluice::status::read(&f.topo.pins)?.len() == 1);
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async {
+        let (svc, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let (u2, ips2) = (uid.clone(), pod_ips_json(&f));
+        let events: Events = Arc::default();
+        let e2 = events.clone();
+        tokio::spawn(async move {
+            while let Some((req, send)) = handle.next_request().await {
+                let (method, path) = (req.method().clone(), req.uri().path().to_owned());
+                let body = req.into_body().collect_bytes().await.unwrap_or_default();
+                let ambient = json!({"istio.io/dataplane-mode": "ambient"});
+                let reply = match (method, path.as_str()) {
+                    (Method::GET, "/api/v1/pods") => json!({"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": [{
+                            "metadata": {"name": "web", "namespace": "shop", "uid": u2},
+                            "spec": {"nodeName": "node-a", "containers": [{"name": "app"}]},
+                            "status": {"phase": "Running", "podIPs": ips2}}, {
+                            // Labelled ambient, but the selectors do not say so.
+                            "metadata": {"name": "labelled", "namespace": "mesh", "uid": "u-labelled", "labels": ambient},
+                            "spec": {"nodeName": "node-a", "containers": [{"name": "app"}]},
+                            "status": {"phase": "Running"}}, {
+                            "metadata": {"name": "old", "namespace": "legacy", "uid": legacy_uid},
+                            "spec": {"nodeName": "node-a", "containers": [{"name": "app"}]},
+                            "status": {"phase": "Running"}}]}),
+                    (Method::GET, "/api/v1/namespaces") => json!({"apiVersion": "v1", "kind": "NamespaceList", "metadata": {}, "items": [
+                        {"metadata": {"name": "shop", "labels": {"team": "shop"}}},
+                        {"metadata": {"name": "mesh", "labels": ambient}},
+                        {"metadata": {"name": "legacy", "labels": {"team": "shop"}}}]}),
+                    (Method::POST | Method::PATCH, p) if p.contains("/events") => {
+                        let ev: Value = serde_json::from_slice(&body).unwrap_or_default();
+                        e2.lock().unwrap().push(ev.clone());
+                        ev
+                    }
+                    (Method::PATCH, _) => json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"}}),
+                    (Method::GET, p) if p.starts_with("/api/v1/namespaces/") => {
+                        // Single-pod reads (announcing): as listed, without gates.
+                        json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"}, "spec": {"containers": []}})
+                    }
+                    (m, p) => panic!("unexpected request {m} {p}"),
+                };
+                mockapi::reply(send, 200, &reply);
+            }
+        });
+        let dir = std::env::temp_dir().join(format!("sluice-ensel-{}", std::process::id()));
+        let snapshot = dir.join(sluice::cni::snapshot::FILE_NAME);
+        let selection = sluice::kube::selection::Selection {
+            excluded: ["kube-system".to_string(), "legacy".to_string()].into(),
+            enablement: r#"[{"namespaceSelector":{"matchLabels":{"team":"shop"}}}]"#.parse().map_err(anyhow::Error::msg)?,
+        };
+        let (node, _announcing) = cluster_node_selecting(
+            f.dataplane()?,
+            kube::Client::new(svc, "default"),
+            None,
+            Default::default(),
+            selection,
+            Some(snapshot.clone()),
+        )?;
+        node.relist().reconcile_once(std::time::Duration::ZERO).await?;
+        let pods = sluice::status::read(&f.topo.pins)?;
+        let snap = sluice::cni::snapshot::read(&snapshot);
+        let _ = std::fs::remove_dir_all(&dir);
+        ensure!(
+            pods.len() == 1 && pods[0].uid == uid,
+            "only shop/web is captured (legacy/old released): {pods:?}"
+        );
+        let snap = snap?;
+        ensure!(
+            snap.ambient_namespaces == ["shop".to_string()].into(),
+            "the plugin's snapshot follows the selectors, excluded namespaces left out: {snap:?}"
+        );
+        let control::Response::More(control::NodeAnswer::Node(n)) = node.requests().handle(control::Request::Status).await else {
+            anyhow::bail!("no node status");
+        };
+        let why = |pod: &str| sluice::status::explain::explain(pod, &[], Some(&n)).map(|e| e.verdict);
+        ensure!(
+            why("mesh/labelled") == Some(sluice::status::explain::Verdict::NotCaptured {
+                reason: "no enablement selector (--enablement-selectors) matches the pod and its namespace".into()
+            }),
+            "{:?}",
+            n.skipped
+        );
+        ensure!(
+            why("legacy/old") == Some(sluice::status::explain::Verdict::NotCaptured {
+                reason: "the pod's namespace is excluded (--exclude-namespaces)".into()
+            }),
+            "{:?}",
+            n.skipped
+        );
         Ok(())
     })
 }

@@ -32,8 +32,9 @@ pub struct KubeCtx {
     /// captured later — also after an agent restart, and for runtimes with no
     /// process left in the pod. `None`: not recorded.
     pub cni_records: Option<std::path::PathBuf>,
-    /// Namespaces whose pods are never captured (`--exclude-namespaces`).
-    pub excluded: std::collections::BTreeSet<String>,
+    /// Which pods are in the mesh (`--exclude-namespaces`,
+    /// `--enablement-selectors`).
+    pub selection: selection::Selection,
     /// Where the namespaces' selection is kept for the CNI plugin to decide
     /// while the agent is down (see `cni::snapshot`). `None`: not written.
     pub selection_file: Option<std::path::PathBuf>,
@@ -90,6 +91,17 @@ impl KubeCtx {
         crate::podnet::netns::Netns::open(&path)
             .is_ok()
             .then_some(path)
+    }
+
+    /// Removes the files the CNI plugin read (the selection snapshot, the
+    /// recorded netns paths): sluice is leaving the node.
+    pub fn forget_plugin_files(&self) {
+        if let Some(f) = &self.selection_file {
+            let _ = std::fs::remove_file(f);
+        }
+        if let Some(d) = &self.cni_records {
+            let _ = std::fs::remove_dir_all(d);
+        }
     }
 
     /// Forgets the records of pods that are not on this node any more.
@@ -217,20 +229,13 @@ impl KubeCtx {
     }
 
     /// Keeps the CNI plugin's selection snapshot in step with the
-    /// namespaces' labels (excluded namespaces are never ambient).
+    /// namespaces' labels: the namespaces whose pods wait for the agent
+    /// (excluded namespaces never do).
     pub fn write_selection(&self, namespaces: &NamespaceLabels) {
         let Some(path) = &self.selection_file else {
             return;
         };
-        let ambient = namespaces
-            .iter()
-            .filter(|(name, labels)| {
-                !self.excluded.contains(*name)
-                    && labels.get(selection::DATAPLANE_MODE).map(String::as_str)
-                        == Some(selection::AMBIENT)
-            })
-            .map(|(name, _)| name.clone())
-            .collect();
+        let ambient = self.selection.waiting_namespaces(namespaces);
         match crate::cni::snapshot::write_if_changed(path, &ambient) {
             Ok(true) => {
                 tracing::info!(path = %path.display(), namespaces = ?ambient, "ambient namespaces written for the CNI plugin")
@@ -267,7 +272,7 @@ impl KubeCtx {
             &found,
             ns.metadata.labels.as_ref(),
             &self.node,
-            &self.excluded,
+            &self.selection,
         ) {
             Verdict::Skip(s) => Ok(Admission::Skip(s.reason().into())),
             Verdict::Enroll => {

@@ -41,6 +41,8 @@ pub struct Config {
     pub node_netns: Option<PathBuf>,
     /// Namespaces whose pods are never captured.
     pub excluded: std::collections::BTreeSet<String>,
+    /// Which pods are in the mesh (`--enablement-selectors`).
+    pub enablement: crate::kube::enablement::Enablement,
     /// The node's DNS capture default (`--dns-capture`).
     pub dns_capture: bool,
     /// How tc programs are attached (`--tc-attach`).

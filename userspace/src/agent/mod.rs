@@ -181,7 +181,10 @@ async fn cluster_context(cfg: &Config) -> anyhow::Result<Option<KubeCtx>> {
         node: node.clone(),
         // Beside the control socket: host tmpfs, survives agent restarts.
         cni_records: cfg.control_socket.parent().map(|d| d.join("cni-pods")),
-        excluded: cfg.excluded.clone(),
+        selection: crate::kube::selection::Selection {
+            excluded: cfg.excluded.clone(),
+            enablement: cfg.enablement.clone(),
+        },
         selection_file: Some(crate::cni::snapshot::path_for(&cfg.control_socket)),
     }))
 }

@@ -98,6 +98,13 @@ pub struct Args {
         env = "SLUICE_EXCLUDE_NAMESPACES"
     )]
     exclude_namespaces: Vec<String>,
+    /// Which pods are in the mesh (istio-cni's `ambient.enablementSelectors`):
+    /// a JSON list of `{"podSelector": …, "namespaceSelector": …}` label
+    /// selectors; a pod is captured when any entry matches both it and its
+    /// namespace. The default is Istio's: the pod or its namespace labelled
+    /// `istio.io/dataplane-mode=ambient`, and the pod not `none`.
+    #[arg(long, default_value = crate::kube::enablement::DEFAULT, env = "SLUICE_ENABLEMENT_SELECTORS")]
+    enablement_selectors: crate::kube::enablement::Enablement,
     /// Capture pods' DNS (UDP and TCP to port 53) to ztunnel's DNS proxy
     /// on the pod's localhost:15053, as istio-cni's `ambient.dnsCapture`
     /// (default on). A pod's `ambient.istio.io/dns-capture` annotation
@@ -181,6 +188,7 @@ pub fn run(g: Globals, args: Args) -> anyhow::Result<()> {
         daemonset: args.daemonset.map(|d| (args.namespace, d)),
         node_netns: (node_netns != "off").then(|| PathBuf::from(node_netns)),
         excluded,
+        enablement: args.enablement_selectors,
         dns_capture: args.dns_capture,
         tc_attach: args.tc_attach,
         take_over_node_agent: args.take_over_node_agent,

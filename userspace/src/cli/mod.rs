@@ -2,6 +2,7 @@
 //! per subcommand (its flags and what it does). `main.rs` only calls [`main`].
 
 mod agent;
+mod check_node;
 mod common;
 mod enroll;
 mod features;
@@ -91,6 +92,11 @@ pub enum Command {
     /// line (the probe the agent runs; no pins, no agent). With --require,
     /// exit 1 when one sluice cannot run without is missing.
     Features(features::Args),
+    /// Say what would stop or weaken sluice on this node before installing
+    /// it (kernel, bpffs, the CNI config, other tools' qdiscs on host veths,
+    /// istio-cni, Cilium's settings). Exit 0: nothing; 2: warnings; 1: a
+    /// failure. Changes nothing.
+    CheckNode(check_node::Args),
 }
 
 /// The whole command: parses the command line and runs it; an error is one
@@ -128,6 +134,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Watchdog(args) => watchdog::run(g, args)?,
         Command::UninstallCni(args) => uninstall_cni::run(g, args)?,
         Command::Features(args) => return Ok(features::run(args)),
+        Command::CheckNode(args) => return check_node::run(g, args),
     }
     Ok(ExitCode::SUCCESS)
 }

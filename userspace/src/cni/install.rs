@@ -62,6 +62,23 @@ pub struct CniInstall {
     last: Arc<Mutex<Option<String>>>,
 }
 
+/// The conf dir as `sluice check-node` reports it.
+#[derive(Debug, Clone, Default)]
+pub struct Survey {
+    /// The primary network's config file, if there is one.
+    pub primary: Option<String>,
+    /// Why it does not parse.
+    pub primary_error: Option<String>,
+    pub primary_plugins: Vec<String>,
+    /// The owned name sorts after the primary (the agent would chain in
+    /// place): why.
+    pub owned_sorts_after: Option<String>,
+    /// Files another CNI renamed away (`*.cilium_bak`).
+    pub backed_up: Vec<String>,
+    /// Config files chaining istio-cni.
+    pub istio: Vec<String>,
+}
+
 /// What one pass changed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
@@ -144,6 +161,49 @@ impl CniInstall {
             Some(trouble) => format!("{now}; last pass: {trouble}"),
             None => now,
         }
+    }
+
+    /// What the conf dir holds, for `sluice check-node` (reads only).
+    pub fn survey(&self) -> Result<Survey, InstallError> {
+        let files = conf_dir::list(&self.conf_dir)?;
+        let layout = Layout::of(&files);
+        let primary = layout.primary;
+        let owned_sorts_after = match (&self.owned, primary) {
+            (Some(name), Some(p)) if name.as_str() >= p.name() => Some(
+                SyncError::SortsAfter {
+                    owned: name.clone(),
+                    primary: p.name().to_owned(),
+                }
+                .to_string(),
+            ),
+            _ => None,
+        };
+        let backed_up = std::fs::read_dir(&self.conf_dir)
+            .map_err(io(format!("reading {}", self.conf_dir.display())))?
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".cilium_bak"))
+            .collect();
+        Ok(Survey {
+            primary: primary.map(|p| p.name().to_owned()),
+            primary_error: primary.and_then(|p| p.json.as_ref().err().cloned()),
+            primary_plugins: primary
+                .and_then(|p| p.json.as_ref().ok())
+                .map(|v| {
+                    conf_dir::plugin_types(v)
+                        .into_iter()
+                        .map(str::to_owned)
+                        .collect()
+                })
+                .unwrap_or_default(),
+            owned_sorts_after,
+            backed_up,
+            istio: files
+                .iter()
+                .filter(|f| f.plugins().into_iter().any(super::entry::is_istio))
+                .map(|f| f.name().to_owned())
+                .collect(),
+        })
     }
 
     /// Copies the binary and brings the chain in step (see the module doc).

@@ -9,6 +9,7 @@
 
 pub mod annotate;
 pub mod condition;
+pub mod enablement;
 pub mod events;
 pub mod gate;
 pub mod node_identity;

@@ -9,7 +9,7 @@ use std::{
 
 use k8s_openapi::api::core::v1::Pod;
 
-use super::selection::{select, Verdict};
+use super::selection::{select, Selection, Verdict};
 
 /// An enrolled pod, as the maps know it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,7 +37,7 @@ pub fn plan<P: Borrow<Pod>>(
     pods: &[P],
     namespaces: &BTreeMap<String, BTreeMap<String, String>>,
     node: &str,
-    excluded: &BTreeSet<String>,
+    sel: &Selection,
     enrolled: &[Enrolled],
 ) -> Vec<Action> {
     let have: BTreeSet<&str> = enrolled.iter().map(|e| e.uid.as_str()).collect();
@@ -50,7 +50,7 @@ pub fn plan<P: Borrow<Pod>>(
         };
         seen.insert(uid);
         let ns = pod.metadata.namespace.clone().unwrap_or_default();
-        let verdict = select(pod, namespaces.get(&ns), node, excluded);
+        let verdict = select(pod, namespaces.get(&ns), node, sel);
         match (verdict, have.contains(uid)) {
             (Verdict::Enroll, false) => actions.push(Action::Enroll {
                 options: super::selection::options(pod),
@@ -87,13 +87,13 @@ pub fn skipped<P: Borrow<Pod>>(
     pods: &[P],
     namespaces: &BTreeMap<String, BTreeMap<String, String>>,
     node: &str,
-    excluded: &BTreeSet<String>,
+    sel: &Selection,
 ) -> Vec<crate::control::SkippedPod> {
     pods.iter()
         .map(Borrow::borrow)
         .filter_map(|pod: &Pod| {
             let ns = pod.metadata.namespace.clone().unwrap_or_default();
-            match select(pod, namespaces.get(&ns), node, excluded) {
+            match select(pod, namespaces.get(&ns), node, sel) {
                 Verdict::Skip(s) => Some(crate::control::SkippedPod {
                     namespace: ns,
                     name: pod.metadata.name.clone().unwrap_or_default(),
@@ -141,7 +141,7 @@ mod tests {
             .iter()
             .map(|u| Enrolled { uid: u.to_string() })
             .collect();
-        let actions = plan(&pods, &namespaces, "a", &BTreeSet::new(), &enrolled);
+        let actions = plan(&pods, &namespaces, "a", &Selection::default(), &enrolled);
         assert_eq!(
             actions,
             vec![
@@ -167,9 +167,9 @@ mod tests {
             .iter()
             .map(|u| Enrolled { uid: u.to_string() })
             .collect();
-        assert!(plan(&pods, &namespaces, "a", &BTreeSet::new(), &enrolled).is_empty());
+        assert!(plan(&pods, &namespaces, "a", &Selection::default(), &enrolled).is_empty());
         // What is left uncaptured, with why.
-        let left: Vec<(String, String)> = skipped(&pods, &namespaces, "a", &BTreeSet::new())
+        let left: Vec<(String, String)> = skipped(&pods, &namespaces, "a", &Selection::default())
             .into_iter()
             .map(|s| (s.name, s.reason))
             .collect();

@@ -1,8 +1,10 @@
-//! Istio ambient's pod selection, exactly: a pod is in the mesh when the pod or
-//! its namespace is labelled `istio.io/dataplane-mode=ambient`, unless the pod
-//! says `istio.io/dataplane-mode=none`; host-network pods and pods with an
-//! Istio sidecar never are, nor pods of an excluded namespace (istio-cni's
-//! `excludeNamespaces`). Only pods on this node are ours.
+//! Istio ambient's pod selection, exactly: a pod is in the mesh when an
+//! enablement selector matches it and its namespace (by default: the pod or
+//! its namespace labelled `istio.io/dataplane-mode=ambient`, unless the pod
+//! says `istio.io/dataplane-mode=none`; see `enablement`); host-network pods
+//! and pods with an Istio sidecar never are, nor pods of an excluded
+//! namespace (istio-cni's `excludeNamespaces`). Only pods on this node are
+//! ours.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -32,6 +34,8 @@ pub enum Skip {
     OptedOut,
     /// Neither the pod nor its namespace asks for ambient.
     NotAmbient,
+    /// No enablement selector matches (custom selectors).
+    NotSelected,
     /// The namespace is excluded on this node (`--exclude-namespaces`).
     Excluded,
 }
@@ -46,6 +50,9 @@ impl Skip {
             Skip::OptedOut => "pod is labelled istio.io/dataplane-mode=none",
             Skip::NotAmbient => {
                 "neither the pod nor its namespace is labelled istio.io/dataplane-mode=ambient"
+            }
+            Skip::NotSelected => {
+                "no enablement selector (--enablement-selectors) matches the pod and its namespace"
             }
             Skip::Excluded => "the pod's namespace is excluded (--exclude-namespaces)",
         }
@@ -76,12 +83,46 @@ pub fn pod_ips(pod: &Pod) -> Vec<std::net::IpAddr> {
         .collect()
 }
 
+/// What decides which pods of this node are in the mesh.
+#[derive(Debug, Clone, Default)]
+pub struct Selection {
+    /// Namespaces whose pods are never captured (`--exclude-namespaces`).
+    pub excluded: BTreeSet<String>,
+    /// `--enablement-selectors`.
+    pub enablement: super::enablement::Enablement,
+}
+
+impl Selection {
+    pub fn excluding(excluded: BTreeSet<String>) -> Self {
+        Self {
+            excluded,
+            ..Default::default()
+        }
+    }
+
+    /// The namespaces whose pods the CNI plugin makes wait while the agent
+    /// is down (see `Enablement::namespace_may_select`).
+    pub fn waiting_namespaces<'a>(
+        &self,
+        namespaces: impl IntoIterator<Item = (&'a String, &'a BTreeMap<String, String>)>,
+    ) -> BTreeSet<String> {
+        namespaces
+            .into_iter()
+            .filter(|(name, labels)| {
+                !self.excluded.contains(*name) && self.enablement.namespace_may_select(labels)
+            })
+            .map(|(name, _)| name.clone())
+            .collect()
+    }
+}
+
 pub fn select(
     pod: &Pod,
     namespace_labels: Option<&BTreeMap<String, String>>,
     node: &str,
-    excluded: &BTreeSet<String>,
+    sel: &Selection,
 ) -> Verdict {
+    let excluded = &sel.excluded;
     let spec = pod.spec.as_ref();
     if spec
         .and_then(|s| s.node_name.as_deref())
@@ -118,15 +159,19 @@ pub fn select(
     if matches!(phase, Some("Succeeded" | "Failed")) {
         return Verdict::Skip(Skip::Terminated);
     }
-    fn label(labels: Option<&BTreeMap<String, String>>) -> Option<&str> {
-        labels
-            .and_then(|l| l.get(DATAPLANE_MODE))
-            .map(String::as_str)
+    let none = BTreeMap::new();
+    let pod_labels = pod.metadata.labels.as_ref().unwrap_or(&none);
+    if sel
+        .enablement
+        .selects(pod_labels, namespace_labels.unwrap_or(&none))
+    {
+        return Verdict::Enroll;
     }
-    match label(pod.metadata.labels.as_ref()) {
+    if !sel.enablement.is_default() {
+        return Verdict::Skip(Skip::NotSelected);
+    }
+    match pod_labels.get(DATAPLANE_MODE).map(String::as_str) {
         Some(NONE) => Verdict::Skip(Skip::OptedOut),
-        Some(AMBIENT) => Verdict::Enroll,
-        _ if label(namespace_labels) == Some(AMBIENT) => Verdict::Enroll,
         _ => Verdict::Skip(Skip::NotAmbient),
     }
 }
@@ -262,7 +307,7 @@ mod tests {
                 Verdict::Skip(Excluded),
             ),
         ];
-        let excluded: BTreeSet<String> = ["kube-system".to_string()].into();
+        let excluded = Selection::excluding(["kube-system".to_string()].into());
         for (name, patch, ns_mode, want) in rows {
             let p = pod(patch);
             let labels = ns(ns_mode);

@@ -159,9 +159,9 @@ impl Relist {
             .map(|r| Enrolled { uid: r.uid.clone() })
             .collect();
         *self.skipped.lock().unwrap() =
-            crate::kube::reconcile::skipped(pods, namespaces, &k.node, &k.excluded);
+            crate::kube::reconcile::skipped(pods, namespaces, &k.node, &k.selection);
         self.claim_runtime_addrs(pods, &records).await?;
-        for action in plan(pods, namespaces, &k.node, &k.excluded, &enrolled) {
+        for action in plan(pods, namespaces, &k.node, &k.selection, &enrolled) {
             match action {
                 Action::Enroll {
                     uid,

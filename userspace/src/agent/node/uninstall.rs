@@ -105,6 +105,10 @@ impl Uninstaller {
                 Err(e) => errors.push(format!("removing sluice-cni: {e}")),
             }
         }
+        // What only the plugin read: stale once it is gone.
+        if let Some(k) = &self.kube {
+            k.forget_plugin_files();
+        }
         let (book, custody) = (self.book.clone(), self.custody.clone());
         let kernel = tokio::task::spawn_blocking(move || {
             let dp = book.dataplane();
