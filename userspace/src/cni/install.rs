@@ -166,7 +166,7 @@ impl CniInstall {
     /// What the conf dir holds, for `sluice check-node` (reads only).
     pub fn survey(&self) -> Result<Survey, InstallError> {
         let files = conf_dir::list(&self.conf_dir)?;
-        let layout = Layout::of(&files);
+        let layout = Layout::of(&files, self.owned.as_ref().map(FileName::as_str));
         let primary = layout.primary;
         let owned_sorts_after = match (&self.owned, primary) {
             (Some(name), Some(p)) if name.as_str() >= p.name() => Some(
@@ -230,7 +230,7 @@ impl CniInstall {
     /// In-place insertion, then owned and istio-cni owned files (which the
     /// runtime would read first) removed.
     fn in_place(&self, files: &[conf_dir::ConfFile]) -> Result<(PathBuf, bool), InstallError> {
-        let layout = Layout::of(files);
+        let layout = Layout::of(files, self.owned.as_ref().map(FileName::as_str));
         let (config, mut written) =
             inplace::insert(layout.primary(&self.conf_dir)?, &self.entry())?;
         for f in layout.owned.iter().chain(&layout.istio_owned) {
@@ -245,7 +245,7 @@ impl CniInstall {
     /// istio-cni's files are not sluice's to restore.
     pub fn uninstall(&self) -> Result<(), InstallError> {
         if let Ok(files) = conf_dir::list(&self.conf_dir) {
-            let layout = Layout::of(&files);
+            let layout = Layout::of(&files, self.owned.as_ref().map(FileName::as_str));
             for f in &layout.owned {
                 conf_dir::remove(&f.path)?;
             }

@@ -19,12 +19,16 @@ pub struct Layout<'a> {
 }
 
 impl<'a> Layout<'a> {
-    pub fn of(files: &'a [ConfFile]) -> Self {
+    /// `owned_name`: the owned conflist's configured name. A file of that
+    /// name is sluice's even when it does not parse (a torn write, a hand
+    /// edit), so that it is rewritten rather than taken for the primary.
+    pub fn of(files: &'a [ConfFile], owned_name: Option<&str>) -> Self {
         let mut owned = Vec::new();
         let mut istio_owned = Vec::new();
         let mut primary = None;
         for (i, f) in files.iter().enumerate() {
             match &f.json {
+                _ if owned_name == Some(f.name()) => owned.push(f),
                 Ok(v) if is_owned_conflist(v) => owned.push(f),
                 Ok(v) if is_istio_owned(f, v, &files[i + 1..]) => istio_owned.push(f),
                 _ if primary.is_none() => primary = Some(f),

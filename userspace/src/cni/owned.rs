@@ -140,7 +140,7 @@ pub fn sync(
     files: &[ConfFile],
     entry: &Entry,
 ) -> Result<Synced, SyncError> {
-    let layout = Layout::of(files);
+    let layout = Layout::of(files, Some(name.as_str()));
     let primary = layout.primary(dir)?;
     let legacy = inplace::without_ours(primary)?;
     let base = legacy.as_ref().map(Restored::as_file);

@@ -365,6 +365,25 @@ fn a_bad_primary_leaves_the_owned_conflist_as_it_was() {
 }
 
 #[test]
+fn a_torn_owned_conflist_is_rewritten_not_taken_for_the_primary() {
+    let (_d, i) = setup("torn");
+    let p = i.conf_dir.join("10-kindnet.conflist");
+    fs::write(&p, LIST).unwrap();
+    let owned = i.conf_dir.join("02-sluice.conflist");
+    fs::write(&owned, "").unwrap();
+    assert!(i.in_force().is_err());
+    assert_eq!(i.install().unwrap(), Outcome::Written(owned.clone()));
+    assert_eq!(i.in_force(), Ok(owned.clone()));
+    assert_eq!(
+        types(&read_json(&owned).unwrap()),
+        ["ptp", "portmap", PLUGIN_TYPE]
+    );
+    fs::write(&owned, "{torn").unwrap();
+    i.uninstall().unwrap();
+    assert_eq!(names(&i), ["10-kindnet.conflist"]);
+}
+
+#[test]
 fn uninstall_removes_owned_files_under_any_name_and_an_old_in_place_entry() {
     let (_d, i) = setup("owned-uninstall");
     let p = i.conf_dir.join("10-kindnet.conflist");
