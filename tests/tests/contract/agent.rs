@@ -202,6 +202,10 @@ pub fn trials() -> Vec<Trial> {
             interface_added,
         ),
         trial(
+            "agent::a_filter_whose_program_another_tool_swapped_is_repaired_at_once",
+            filter_swapped,
+        ),
+        trial(
             "agent::no_netns_cookie_in_tc::an_interface_added_after_enrollment_is_captured_at_once",
             || {
                 sluice_tests::harness::as_if_kernel(
@@ -307,8 +311,15 @@ fn happy_path() -> TestResult {
     peer.wait_for("inbound and outbound accepted by the peer", |_| {
         peer.accepted_roles(&["inbound", "outbound"])
     })?;
-    let status = agent.sluice(&["status"])?;
-    ensure!(status.stdout.contains("Served"), "{}", status.stdout);
+    // The served check asks ztunnel on its own schedule: waited for.
+    wait::until("the pod shown Served", wait::DEADLINE, || {
+        let status = agent.sluice(&["status"]).map_err(|e| e.to_string())?;
+        if status.stdout.contains("Served") {
+            Ok(())
+        } else {
+            Err(status.stdout)
+        }
+    })?;
     Ok(())
 }
 
@@ -1732,6 +1743,88 @@ fn programs_replaced() -> TestResult {
     Ok(())
 }
 
+/// Another tool replaces the program of sluice's egress filter in a
+/// captured pod with sluice's own ingress program, in place (`tc filter
+/// replace … handle 0x51150001 bpf object-pinned …`): the pod's outbound
+/// connections would go around ztunnel. The tc event has the pod repaired
+/// at once, not at the next verification a minute later (the wait's
+/// deadline is a third of that): the filter runs sluice's egress program
+/// again, and an outbound connection reaches ztunnel's listener.
+fn filter_swapped() -> TestResult {
+    let f = Fixture::new("fsw", None)?;
+    let agent = AgentProc::start(&f.topo.pins)?;
+    let p = peer(&agent)?;
+    enroll_enabled(&agent, &f)?;
+    let dir = f.topo.pins.pod(f.pod_record()?.netns_cookie);
+    let egress = || sluice_tests::inspect::filter_program(&f.topo.pod, "eth0", "egress");
+    let ours = egress()?;
+    let ingress = dir.join("ingress_eth0");
+    // Not `ip netns exec`: it mounts a sysfs of its own, without bpffs.
+    let netns = format!("--net={}", f.topo.pod_netns_path().display());
+    let swap = || -> TestResult {
+        let how = "filter replace dev eth0 egress prio 1 handle 0x51150001 protocol all bpf";
+        let out = std::process::Command::new("nsenter")
+            .arg(&netns)
+            .arg("tc")
+            .args(how.split(' '))
+            .arg("object-pinned")
+            .arg(&ingress)
+            .arg("da")
+            .output_bounded()?;
+        ensure!(
+            out.status.success(),
+            "swapping the program: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(())
+    };
+    let put_back = || {
+        wait::until(
+            "the egress filter's program put back",
+            wait::DEADLINE,
+            || match egress() {
+                Ok(id) if id == ours => Ok(()),
+                other => Err(format!("{other:?}")),
+            },
+        )
+        .with_context(|| agent.log())
+    };
+    // Right after the enrollment (the pod may not be watched yet: it is
+    // verified once when it is), then again while it is watched: only the
+    // tc event can put it back within the deadline.
+    swap()?;
+    put_back()?;
+    swap()?;
+    put_back()?;
+    outbound_through_peer(
+        &f.topo.pod,
+        f.topo.client_ip(Family::V4),
+        &p,
+        "after the repair",
+    )
+}
+
+/// A connection from netns `pod` to the remote app at `to` gets the app's
+/// answer and is one more outbound connection the peer accepted.
+fn outbound_through_peer(pod: &str, to: std::net::IpAddr, p: &PeerProc, what: &str) -> TestResult {
+    let outbound = |p: &PeerProc| {
+        p.events()
+            .iter()
+            .filter(|e| e["event"] == "accepted" && e["role"] == "outbound")
+            .count()
+    };
+    let before = outbound(p);
+    let r = tcp(pod, SocketAddr::new(to, REMOTE_PORT), Opts::default());
+    ensure!(
+        r.reply().is_some_and(|l| l.starts_with("app:9090")),
+        "outbound {what}: {r:?}"
+    );
+    p.wait_for(
+        &format!("the outbound connection {what} accepted by the peer"),
+        |_| outbound(p) > before,
+    )
+}
+
 /// A second interface (a Multus network, say) added to an enrolled pod is
 /// captured when the kernel announces it, not at the next verification a
 /// minute later (the wait's deadline is a third of that): its links are
@@ -1802,26 +1895,7 @@ fn interface_added() -> TestResult {
             Err(addrs)
         }
     })?;
-    let outbound = |p: &PeerProc| {
-        p.events()
-            .iter()
-            .filter(|e| e["event"] == "accepted" && e["role"] == "outbound")
-            .count()
-    };
-    let before = outbound(&p);
-    let r = tcp(
-        pod,
-        SocketAddr::new([10, 199, 0, 2].into(), REMOTE_PORT),
-        Opts::default(),
-    );
-    ensure!(
-        r.reply().is_some_and(|l| l.starts_with("app:9090")),
-        "over net1: {r:?}"
-    );
-    p.wait_for("the connection over net1 accepted as outbound", |_| {
-        outbound(&p) > before
-    })?;
-    Ok(())
+    outbound_through_peer(pod, [10, 199, 0, 2].into(), &p, "over net1")
 }
 
 fn unenroll() -> TestResult {

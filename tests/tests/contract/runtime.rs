@@ -123,6 +123,41 @@ impl Drop for Node {
     }
 }
 
+/// The primary CNI's conflist: the reference `ptp` plugin with host-local
+/// addresses from 10.251.0.0/24 (their state in `ipam`), and an `mtu` when
+/// given (a primary rewriting its file with another setting).
+fn ptp_conflist(ipam: &Path, mtu: Option<u32>) -> String {
+    let mut ptp = json!({
+        "type": "ptp", "ipMasq": false,
+        "ipam": {
+            "type": "host-local", "subnet": "10.251.0.0/24", "dataDir": ipam,
+            "routes": [{"dst": "0.0.0.0/0"}],
+        },
+    });
+    if let Some(m) = mtu {
+        ptp["mtu"] = json!(m);
+    }
+    json!({"cniVersion": "1.0.0", "name": "k8s-pod-network", "plugins": [ptp]}).to_string()
+}
+
+/// The agent on `node`, keeping sluice-cni in `rt`'s CNI dirs (an owned
+/// conflist, or in place), with kubelet's probes from the node netns.
+fn start_agent(node: &Node, rt: &Containerd, owned: bool) -> anyhow::Result<AgentProc> {
+    let node_netns = sluice_tests::ns::netns_path(&node.netns);
+    let owned_flag = format!("--owned-cni-config={owned}");
+    let flags = [
+        "--install-cni",
+        owned_flag.as_str(),
+        "--cni-conf-dir",
+        rt.conf_dir.to_str().context("path")?,
+        "--cni-bin-dir",
+        rt.bin_dir.to_str().context("path")?,
+        "--node-netns",
+        node_netns.to_str().context("path")?,
+    ];
+    AgentProc::start_with(&node.pins, &flags)
+}
+
 fn containerd_pods() -> TestResult {
     let node = Node::new("rt")?;
     let mut rt = Containerd::new("rt")?;
@@ -136,32 +171,8 @@ fn containerd_pods() -> TestResult {
 fn with_runtime(node: &Node, rt: &mut Containerd) -> TestResult {
     // The primary CNI's conflist, as the node had it before sluice.
     let primary = rt.conf_dir.join("10-ptp.conflist");
-    let ipam_dir = rt.dir.join("ipam");
-    std::fs::write(
-        &primary,
-        json!({
-            "cniVersion": "1.0.0", "name": "k8s-pod-network",
-            "plugins": [{
-                "type": "ptp", "ipMasq": false,
-                "ipam": {
-                    "type": "host-local", "subnet": "10.251.0.0/24", "dataDir": ipam_dir,
-                    "routes": [{"dst": "0.0.0.0/0"}],
-                },
-            }],
-        })
-        .to_string(),
-    )?;
-    let node_netns = sluice_tests::ns::netns_path(&node.netns);
-    let flags = [
-        "--install-cni",
-        "--cni-conf-dir",
-        rt.conf_dir.to_str().unwrap(),
-        "--cni-bin-dir",
-        rt.bin_dir.to_str().unwrap(),
-        "--node-netns",
-        node_netns.to_str().unwrap(),
-    ];
-    let mut agent = AgentProc::start_with(&node.pins, &flags)?;
+    std::fs::write(&primary, ptp_conflist(&rt.dir.join("ipam"), None))?;
+    let mut agent = start_agent(node, rt, true)?;
     let peer = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
     agent.wait_ztunnel(
         peer.pid().context("peer has no pid")?,
@@ -325,34 +336,10 @@ fn reboot(owned: bool) -> anyhow::Result<Vec<Segment>> {
 
 fn rebooted(node: &Node, rt: &mut Containerd, owned: bool) -> anyhow::Result<Vec<Segment>> {
     let primary = rt.conf_dir.join("10-ptp.conflist");
-    let ipam_dir = rt.dir.join("ipam");
-    let conflist = |mtu: Option<u32>| {
-        let mut ptp = json!({
-            "type": "ptp", "ipMasq": false,
-            "ipam": {
-                "type": "host-local", "subnet": "10.251.0.0/24", "dataDir": ipam_dir,
-                "routes": [{"dst": "0.0.0.0/0"}],
-            },
-        });
-        if let Some(m) = mtu {
-            ptp["mtu"] = json!(m);
-        }
-        json!({"cniVersion": "1.0.0", "name": "k8s-pod-network", "plugins": [ptp]}).to_string()
-    };
+    let ipam = rt.dir.join("ipam");
+    let conflist = |mtu: Option<u32>| ptp_conflist(&ipam, mtu);
     std::fs::write(&primary, conflist(None))?;
-    let node_netns = sluice_tests::ns::netns_path(&node.netns);
-    let owned_flag = format!("--owned-cni-config={owned}");
-    let flags = [
-        "--install-cni",
-        owned_flag.as_str(),
-        "--cni-conf-dir",
-        rt.conf_dir.to_str().unwrap(),
-        "--cni-bin-dir",
-        rt.bin_dir.to_str().unwrap(),
-        "--node-netns",
-        node_netns.to_str().unwrap(),
-    ];
-    let mut agent = AgentProc::start_with(&node.pins, &flags)?;
+    let mut agent = start_agent(node, rt, owned)?;
     let mut peer = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
     let conf_dir = rt.conf_dir.clone();
     let chained = |want_mtu: bool| {

@@ -1,15 +1,20 @@
 //! Interfaces a pod gains after its enrollment (a Multus network, a device
 //! the app creates) are captured as soon as the kernel announces them, not
-//! at the next verification: one rtnetlink socket per held pod, opened in the
-//! pod's netns and subscribed to its link and address events. An event there
-//! runs that pod's repair (`Repairer::verify_one`), which is idempotent and
-//! attaches what the pod's interfaces now call for, when an interface lacks
-//! its links; otherwise it publishes the pod's addresses as they are now. A socket that overflowed (events
-//! lost) counts as an event. The verification every `VERIFY_EVERY` stays
-//! behind it, for a pod whose netns could not be opened.
+//! at the next verification, and a change at the pod's tc hooks is repaired
+//! as soon as it is made: one rtnetlink socket per held pod, opened in the
+//! pod's netns and subscribed to its link, address and tc events. A tc event
+//! (a filter, qdisc or chain added, replaced or deleted: another tool
+//! swapping the program of sluice's filter in place, or deleting it) runs
+//! that pod's repair (`Repairer::verify_one`), which reads what the kernel
+//! runs at each hook and puts back what differs. A link or address event
+//! runs the repair when an interface lacks its links; otherwise it publishes
+//! the pod's addresses as they are now. A socket that overflowed (events
+//! lost) counts as both. tcx attachments send no netlink event: a foreign
+//! tcx program is found by the verification every `VERIFY_EVERY`, which
+//! also covers a pod whose netns could not be opened.
 
 use std::{
-    collections::{BTreeSet, HashMap},
+    collections::{BTreeMap, BTreeSet, HashMap},
     os::fd::{AsRawFd, RawFd},
     sync::{
         atomic::{AtomicUsize, Ordering},
@@ -29,9 +34,38 @@ use tracing::warn;
 use super::{announce::Announcer, book::PodBook, pace::Pace, repair::Repairer};
 use crate::podnet::podlinks::LinkSpec;
 
-/// rtnetlink's multicast groups of link and address events
-/// (`RTMGRP_LINK | RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR`).
-const RTMGRP_LINK_AND_ADDRS: u32 = 0x1 | 0x10 | 0x100;
+/// rtnetlink's multicast groups of link, tc and address events
+/// (`RTMGRP_LINK | RTMGRP_TC | RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR`).
+const RTMGRP_LINK_TC_AND_ADDRS: u32 = 0x1 | 0x8 | 0x10 | 0x100;
+
+/// What a batch of a pod's events was about.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Changed {
+    /// A link or an address.
+    links: bool,
+    /// A qdisc, filter or chain (`RTM_*QDISC`, `RTM_*TFILTER`, `RTM_*CHAIN`).
+    tc: bool,
+}
+
+impl Changed {
+    const ALL: Changed = Changed {
+        links: true,
+        tc: true,
+    };
+
+    fn of_message_type(t: u16) -> Changed {
+        // RTM_NEWQDISC..RTM_GETTFILTER is 36..=47; RTM_NEWCHAIN..RTM_GETCHAIN 100..=102.
+        let tc = (36..=47).contains(&t) || (100..=102).contains(&t);
+        Changed { links: !tc, tc }
+    }
+
+    fn or(self, o: Changed) -> Changed {
+        Changed {
+            links: self.links || o.links,
+            tc: self.tc || o.tc,
+        }
+    }
+}
 /// How often pods held since the last look get their socket.
 const SUBSCRIBE_EVERY: Duration = Duration::from_millis(200);
 
@@ -65,7 +99,7 @@ impl LinkWatch {
     /// Keeps a link-event socket for every held pod with an open netns and
     /// repairs the pods whose links changed, until `stop`.
     pub(super) async fn run(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
-        let (tx, mut rx) = mpsc::unbounded_channel::<u64>();
+        let (tx, mut rx) = mpsc::unbounded_channel::<(u64, Changed)>();
         let mut watched: HashMap<u64, JoinHandle<()>> = HashMap::new();
         let mut tick = tokio::time::interval(SUBSCRIBE_EVERY);
         // A flapping pod's events are handled at growing gaps.
@@ -84,25 +118,27 @@ impl LinkWatch {
                     pace.keep_only(|c| watched.contains_key(&c));
                     deferred.retain(|c| watched.contains_key(c));
                 }
-                Some(cookie) = rx.recv() => {
+                Some((cookie, what)) = rx.recv() => {
                     // Coalesce: a burst of events looks at each pod once.
-                    let mut due = BTreeSet::from([cookie]);
-                    while let Ok(c) = rx.try_recv() {
-                        due.insert(c);
+                    let mut due = BTreeMap::from([(cookie, what)]);
+                    while let Ok((c, w)) = rx.try_recv() {
+                        let e = due.entry(c).or_default();
+                        *e = e.or(w);
                     }
                     let now = std::time::Instant::now();
-                    due.retain(|&c| match pace.admit(c, now) {
+                    due.retain(|&c, _| match pace.admit(c, now) {
                         Ok(()) => {
                             deferred.remove(&c);
                             true
                         }
                         Err(wait) => {
-                            // Looked at again once its gap has passed.
+                            // Looked at again once its gap has passed (as if
+                            // for every kind: what came meanwhile is folded).
                             if deferred.insert(c) {
                                 let tx = tx.clone();
                                 tokio::spawn(async move {
                                     tokio::time::sleep(wait).await;
-                                    let _ = tx.send(c);
+                                    let _ = tx.send((c, Changed::ALL));
                                 });
                             }
                             false
@@ -113,8 +149,8 @@ impl LinkWatch {
                     }
                     let this = self.clone();
                     let _ = tokio::task::spawn_blocking(move || {
-                        for cookie in due {
-                            if this.has_unlinked_interface(cookie) {
+                        for (cookie, what) in due {
+                            if what.tc || this.has_unlinked_interface(cookie) {
                                 this.repair.verify_one(cookie);
                             } else {
                                 this.publish_addrs_of(cookie);
@@ -209,7 +245,7 @@ impl LinkWatch {
         &self,
         watched: &mut HashMap<u64, JoinHandle<()>>,
         subs: Subscriptions,
-        tx: &mpsc::UnboundedSender<u64>,
+        tx: &mpsc::UnboundedSender<(u64, Changed)>,
     ) {
         for cookie in subs.gone {
             if let Some(task) = watched.remove(&cookie) {
@@ -229,9 +265,16 @@ impl LinkWatch {
                     continue;
                 }
             };
-            if unlinked {
-                let _ = tx.send(cookie);
-            }
+            // Verified once now that it is watched: a change at its hooks
+            // between its enrollment and this subscription sent no event
+            // to anyone.
+            let _ = tx.send((
+                cookie,
+                Changed {
+                    links: unlinked,
+                    tc: true,
+                },
+            ));
             watched.insert(cookie, tokio::spawn(relay(fd, cookie, tx.clone())));
         }
     }
@@ -275,7 +318,7 @@ impl Watch {
             })?,
             open: open.clone(),
         };
-        w.sock.bind(&SocketAddr::new(0, RTMGRP_LINK_AND_ADDRS))?;
+        w.sock.bind(&SocketAddr::new(0, RTMGRP_LINK_TC_AND_ADDRS))?;
         w.sock.set_non_blocking(true)?;
         Ok(w)
     }
@@ -293,35 +336,71 @@ impl AsRawFd for Watch {
     }
 }
 
-/// Sends `cookie` once per batch of link events the socket delivers. Only
-/// that an event came matters, not what it says: each is read into a small
-/// buffer, truncated (a netlink datagram is consumed whole whatever the
-/// buffer), so a thousand watched pods do not hold a thousand 64 KiB buffers.
-async fn relay(fd: AsyncFd<Watch>, cookie: u64, tx: mpsc::UnboundedSender<u64>) {
+/// Sends `cookie` once per batch of events the socket delivers, with what
+/// they were about. Only the kind of an event matters, not what it says:
+/// each is read into a small buffer, truncated (a netlink datagram is
+/// consumed whole whatever the buffer) to its first message's header, so a
+/// thousand watched pods do not hold a thousand 64 KiB buffers.
+async fn relay(fd: AsyncFd<Watch>, cookie: u64, tx: mpsc::UnboundedSender<(u64, Changed)>) {
     let mut buf: Vec<u8> = Vec::with_capacity(64);
     loop {
         let Ok(mut ready) = fd.readable().await else {
             return;
         };
-        let mut changed = false;
+        let mut changed: Option<Changed> = None;
         loop {
             buf.clear();
             match fd.get_ref().sock.recv(&mut buf, 0) {
-                Ok(_) => changed = true,
+                // nlmsghdr: length (4 bytes), then the message type.
+                Ok(_) => {
+                    let kind = match buf.get(4..6) {
+                        Some(t) => Changed::of_message_type(u16::from_ne_bytes([t[0], t[1]])),
+                        None => Changed::ALL,
+                    };
+                    changed = Some(changed.unwrap_or_default().or(kind));
+                }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     ready.clear_ready();
                     break;
                 }
-                // Events were dropped for want of buffer: one was a change.
-                Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => changed = true,
+                // Events were dropped for want of buffer: any kind.
+                Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => changed = Some(Changed::ALL),
                 Err(e) => {
                     warn!(cookie, error = %e, "the pod's link-event socket failed; verification every minute remains");
                     return;
                 }
             }
         }
-        if changed && tx.send(cookie).is_err() {
-            return;
+        if let Some(what) = changed {
+            if tx.send((cookie, what)).is_err() {
+                return;
+            }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tc_messages_are_told_from_link_and_address_ones() {
+        let tc = Changed {
+            links: false,
+            tc: true,
+        };
+        let links = Changed {
+            links: true,
+            tc: false,
+        };
+        // RTM_NEWQDISC, RTM_DELTFILTER, RTM_NEWCHAIN.
+        for t in [36, 45, 100] {
+            assert_eq!(Changed::of_message_type(t), tc, "{t}");
+        }
+        // RTM_NEWLINK, RTM_DELLINK, RTM_NEWADDR.
+        for t in [16, 17, 20] {
+            assert_eq!(Changed::of_message_type(t), links, "{t}");
+        }
+        assert_eq!(tc.or(links), Changed::ALL);
     }
 }
