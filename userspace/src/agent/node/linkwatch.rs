@@ -3,8 +3,8 @@
 //! at the next verification, and a change at the pod's tc hooks is repaired
 //! as soon as it is made: one rtnetlink socket per held pod, opened in the
 //! pod's netns and subscribed to its link, address and tc events. A tc event
-//! (a filter, qdisc or chain added, replaced or deleted: another tool
-//! swapping the program of sluice's filter in place, or deleting it) runs
+//! (a filter or chain added, replaced or deleted, a qdisc deleted: another
+//! tool swapping the program of sluice's filter in place, or deleting it) runs
 //! that pod's repair (`Repairer::verify_one`), which reads what the kernel
 //! runs at each hook and puts back what differs. A link or address event
 //! runs the repair when an interface lacks its links; otherwise it publishes
@@ -53,10 +53,17 @@ impl Changed {
         tc: true,
     };
 
-    fn of_message_type(t: u16) -> Changed {
-        // RTM_NEWQDISC..RTM_GETTFILTER is 36..=47; RTM_NEWCHAIN..RTM_GETCHAIN 100..=102.
-        let tc = (36..=47).contains(&t) || (100..=102).contains(&t);
-        Changed { links: !tc, tc }
+    /// What an event of message type `t` is about; `None`: nothing to
+    /// look at. `RTM_NEWQDISC` is left out: the kernel broadcasts one for
+    /// every qdisc GET (a repair asks which qdisc holds a hook it cannot
+    /// attach to), so heeding it would have a pod verify itself in a loop;
+    /// and a qdisc added or changed takes nothing from sluice's filters
+    /// (taking the hook from them starts with `RTM_DELQDISC`).
+    fn of_message_type(t: u16) -> Option<Changed> {
+        const RTM_NEWQDISC: u16 = 36;
+        // RTM_DELQDISC..RTM_GETTFILTER is 37..=47; RTM_NEWCHAIN..RTM_GETCHAIN 100..=102.
+        let tc = (37..=47).contains(&t) || (100..=102).contains(&t);
+        (t != RTM_NEWQDISC).then_some(Changed { links: !tc, tc })
     }
 
     fn or(self, o: Changed) -> Changed {
@@ -355,9 +362,11 @@ async fn relay(fd: AsyncFd<Watch>, cookie: u64, tx: mpsc::UnboundedSender<(u64, 
                 Ok(_) => {
                     let kind = match buf.get(4..6) {
                         Some(t) => Changed::of_message_type(u16::from_ne_bytes([t[0], t[1]])),
-                        None => Changed::ALL,
+                        None => Some(Changed::ALL),
                     };
-                    changed = Some(changed.unwrap_or_default().or(kind));
+                    if let Some(kind) = kind {
+                        changed = Some(changed.unwrap_or_default().or(kind));
+                    }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     ready.clear_ready();
@@ -393,14 +402,16 @@ mod tests {
             links: true,
             tc: false,
         };
-        // RTM_NEWQDISC, RTM_DELTFILTER, RTM_NEWCHAIN.
-        for t in [36, 45, 100] {
-            assert_eq!(Changed::of_message_type(t), tc, "{t}");
+        // RTM_DELQDISC, RTM_NEWTFILTER, RTM_DELTFILTER, RTM_NEWCHAIN.
+        for t in [37, 44, 45, 100] {
+            assert_eq!(Changed::of_message_type(t), Some(tc), "{t}");
         }
         // RTM_NEWLINK, RTM_DELLINK, RTM_NEWADDR.
         for t in [16, 17, 20] {
-            assert_eq!(Changed::of_message_type(t), links, "{t}");
+            assert_eq!(Changed::of_message_type(t), Some(links), "{t}");
         }
+        // What every qdisc GET broadcasts: not a change.
+        assert_eq!(Changed::of_message_type(36), None);
         assert_eq!(tc.or(links), Changed::ALL);
     }
 }
