@@ -170,9 +170,12 @@ fn candidate_pids(only: Option<i32>) -> Vec<i32> {
         .unwrap_or_default()
 }
 
-/// Maps socket inodes to (pid, fd) holders.
-fn find_holders(inodes: &[u32], only_pid: Option<i32>) -> BTreeMap<u32, (i32, i32)> {
-    let mut found = BTreeMap::new();
+/// Maps socket inodes to every (pid, fd) that holds them, in /proc's order.
+/// Every one, not the first: a child the holder is forking has copies of
+/// its descriptors until it execs, and after pids wrap it comes first in
+/// /proc; by the time its descriptor is duplicated it may be gone.
+fn find_holders(inodes: &[u32], only_pid: Option<i32>) -> BTreeMap<u32, Vec<(i32, i32)>> {
+    let mut found: BTreeMap<u32, Vec<(i32, i32)>> = BTreeMap::new();
     for pid in candidate_pids(only_pid) {
         let Ok(rd) = fs::read_dir(format!("/proc/{pid}/fd")) else {
             continue;
@@ -189,14 +192,11 @@ fn find_holders(inodes: &[u32], only_pid: Option<i32>) -> BTreeMap<u32, (i32, i3
             else {
                 continue;
             };
-            if inodes.contains(&ino) && !found.contains_key(&ino) {
+            if inodes.contains(&ino) {
                 if let Some(fd) = e.file_name().to_str().and_then(|s| s.parse().ok()) {
-                    found.insert(ino, (pid, fd));
+                    found.entry(ino).or_default().push((pid, fd));
                 }
             }
-        }
-        if found.len() == inodes.len() {
-            break;
         }
     }
     found
@@ -357,16 +357,17 @@ pub fn take_listeners(
         if done {
             continue;
         }
-        let Some(&(pid, fd)) = holders.get(&s.inode) else {
+        // The first holder whose descriptor can still be duplicated; the
+        // duplicate is checked, not the listing.
+        let held = holders
+            .get(&s.inode)
+            .into_iter()
+            .flatten()
+            .find_map(|&(pid, fd)| pidfd_getfd(pid, fd).ok().map(|dup| (pid, fd, dup)))
+            .filter(|(_, _, dup)| verified(dup, s.role, cookie));
+        let Some((pid, fd, dup)) = held else {
             continue;
         };
-        let Ok(dup) = pidfd_getfd(pid, fd) else {
-            continue;
-        };
-        // The duplicate is checked, not the listing.
-        if !verified(&dup, s.role, cookie) {
-            continue;
-        }
         if s.role == Role::DnsTcp {
             if let Err(e) = answer_as_resolver(&dup, s.family) {
                 // Unregistered, the pod's TCP DNS goes on to 15001 as
