@@ -39,9 +39,9 @@ pub struct Enablement {
     entries: Vec<Entry>,
     /// As given (for messages).
     text: String,
-    /// As parsed: compared with the default's regardless of key order
-    /// (Helm's `toJson` sorts keys).
-    json: serde_json::Value,
+    /// Whether these are Istio's default selectors, whatever the key order
+    /// (Helm's `toJson` sorts keys). Decided once: selection asks per pod.
+    default: bool,
 }
 
 impl Enablement {
@@ -72,7 +72,7 @@ impl Enablement {
 
     /// Whether these are Istio's default selectors.
     pub fn is_default(&self) -> bool {
-        serde_json::from_str::<serde_json::Value>(DEFAULT).is_ok_and(|d| d == self.json)
+        self.default
     }
 }
 
@@ -132,7 +132,7 @@ impl FromStr for Enablement {
         Ok(Self {
             entries,
             text: s.to_owned(),
-            json,
+            default: serde_json::from_str::<serde_json::Value>(DEFAULT).is_ok_and(|d| d == json),
         })
     }
 }
