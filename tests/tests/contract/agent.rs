@@ -206,6 +206,10 @@ pub fn trials() -> Vec<Trial> {
             filter_swapped,
         ),
         trial(
+            "agent::a_host_side_filter_deleted_or_swapped_is_put_back_at_once",
+            host_filter_put_back,
+        ),
+        trial(
             "agent::no_netns_cookie_in_tc::an_interface_added_after_enrollment_is_captured_at_once",
             || {
                 sluice_tests::harness::as_if_kernel(
@@ -1756,52 +1760,105 @@ fn filter_swapped() -> TestResult {
     let p = peer(&agent)?;
     enroll_enabled(&agent, &f)?;
     let dir = f.topo.pins.pod(f.pod_record()?.netns_cookie);
-    let egress = || sluice_tests::inspect::filter_program(&f.topo.pod, "eth0", "egress");
-    let ours = egress()?;
-    let ingress = dir.join("ingress_eth0");
-    // Not `ip netns exec`: it mounts a sysfs of its own, without bpffs.
-    let netns = format!("--net={}", f.topo.pod_netns_path().display());
-    let swap = || -> TestResult {
-        let how = "filter replace dev eth0 egress prio 1 handle 0x51150001 protocol all bpf";
-        let out = std::process::Command::new("nsenter")
-            .arg(&netns)
-            .arg("tc")
-            .args(how.split(' '))
-            .arg("object-pinned")
-            .arg(&ingress)
-            .arg("da")
-            .output_bounded()?;
-        ensure!(
-            out.status.success(),
-            "swapping the program: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Ok(())
+    let hook = Hook {
+        ns: &f.topo.pod,
+        dev: "eth0",
+        dir: "egress",
     };
-    let put_back = || {
-        wait::until(
-            "the egress filter's program put back",
-            wait::DEADLINE,
-            || match egress() {
-                Ok(id) if id == ours => Ok(()),
-                other => Err(format!("{other:?}")),
-            },
-        )
-        .with_context(|| agent.log())
-    };
+    let ours = hook.program()?;
+    let swap = || hook.tc("replace", Some(&dir.join("ingress_eth0")));
     // Right after the enrollment (the pod may not be watched yet: it is
     // verified once when it is), then again while it is watched: only the
     // tc event can put it back within the deadline.
     swap()?;
-    put_back()?;
+    hook.put_back(ours, &agent)?;
     swap()?;
-    put_back()?;
+    hook.put_back(ours, &agent)?;
     outbound_through_peer(
         &f.topo.pod,
         f.topo.client_ip(Family::V4),
         &p,
         "after the repair",
     )
+}
+
+/// The host side is watched as the pod's is: sluice's filter on the pod's
+/// node-side veth, deleted or its program swapped by another tool, is put
+/// back at once (the periodic verification comes only after the deadline).
+fn host_filter_put_back() -> TestResult {
+    let f = Fixture::new("hfp", None)?;
+    let node = sluice_tests::ns::netns_path(&f.topo.client);
+    let node_arg = node.to_str().context("netns path")?;
+    let agent = AgentProc::start_with(&f.topo.pins, &["--node-netns", node_arg])?;
+    let _p = peer(&agent)?;
+    enroll_enabled(&agent, &f)?;
+    let dir = f.topo.pins.pod(f.pod_record()?.netns_cookie);
+    let hook = Hook {
+        ns: &f.topo.client,
+        dev: "veth-c",
+        dir: "egress",
+    };
+    let ours = hook.program()?;
+    // The first put-back may be the pod's verification when its watch
+    // opens; the others can only come from the node's tc watch.
+    hook.tc("del", None)?;
+    hook.put_back(ours, &agent)?;
+    hook.tc("replace", Some(&dir.join("ingress_eth0")))?;
+    hook.put_back(ours, &agent)?;
+    hook.tc("del", None)?;
+    hook.put_back(ours, &agent)
+}
+
+/// A tc hook (netns, device, direction) another tool changes behind the
+/// agent's back.
+struct Hook<'a> {
+    ns: &'a str,
+    dev: &'a str,
+    dir: &'a str,
+}
+
+impl Hook<'_> {
+    /// The program of the bpf filter at priority 1.
+    fn program(&self) -> anyhow::Result<u32> {
+        sluice_tests::inspect::filter_program(self.ns, self.dev, self.dir)
+    }
+
+    /// `tc filter <verb>` of sluice's filter (its priority and handle), with
+    /// the program pinned at `pin`.
+    fn tc(&self, verb: &str, pin: Option<&Path>) -> TestResult {
+        // Not `ip netns exec`: it mounts a sysfs of its own, without bpffs.
+        let netns = format!("--net={}", sluice_tests::ns::netns_path(self.ns).display());
+        let mut cmd = std::process::Command::new("nsenter");
+        cmd.arg(&netns)
+            .args(["tc", "filter", verb, "dev", self.dev, self.dir]);
+        cmd.args("prio 1 handle 0x51150001 protocol all bpf".split(' '));
+        if let Some(pin) = pin {
+            cmd.arg("object-pinned").arg(pin).arg("da");
+        }
+        let out = cmd.output_bounded()?;
+        ensure!(
+            out.status.success(),
+            "tc filter {verb} on {} {} in {}: {}",
+            self.dev,
+            self.dir,
+            self.ns,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(())
+    }
+
+    /// Waits until the filter runs program `ours` again.
+    fn put_back(&self, ours: u32, agent: &AgentProc) -> TestResult {
+        wait::until(
+            &format!("sluice's filter on {} {} put back", self.dev, self.dir),
+            wait::DEADLINE,
+            || match self.program() {
+                Ok(id) if id == ours => Ok(()),
+                other => Err(format!("{other:?}")),
+            },
+        )
+        .with_context(|| agent.log())
+    }
 }
 
 /// A connection from netns `pod` to the remote app at `to` gets the app's

@@ -9,7 +9,12 @@
 //! another netns) gets no host-side link; its pod keeps the address-only
 //! probe exemption (169.254.7.127).
 
-use std::{os::fd::AsRawFd, path::Path};
+use std::{
+    collections::HashMap,
+    os::fd::AsRawFd,
+    path::Path,
+    sync::{Arc, Mutex},
+};
 
 use crate::{
     podnet::netns::{Netns, NetnsError},
@@ -51,6 +56,8 @@ pub struct Node {
     /// An rtnetlink socket in the node netns, made once: host-side lookups
     /// and filters go over it without entering the netns.
     pub nl: Rtnl,
+    /// Which pod each host-side veth belongs to, for the node's tc watch.
+    pub peers: HostIndex,
 }
 
 impl Node {
@@ -60,7 +67,12 @@ impl Node {
         let netns = Netns::open(path)?;
         let cookie = netns.cookie()?;
         let nl = netns.run(open)??;
-        Ok(Self { netns, cookie, nl })
+        Ok(Self {
+            netns,
+            cookie,
+            nl,
+            peers: HostIndex::default(),
+        })
     }
 
     /// Tells the host-side program which netns is the node's.
@@ -84,6 +96,41 @@ pub struct HostPeer {
     /// The peer's name and index in the node netns.
     pub host_iface: String,
     pub host_index: u32,
+}
+
+/// The pod (netns cookie) each host-side veth (node ifindex) belongs to, as
+/// the last enrollment or repair of that pod found it: what turns a tc event
+/// in the node netns into the pod to verify. Shared (cloned) with the watch,
+/// so that reading it never waits for the dataplane's lock. An index
+/// reused by another pod is overwritten by that pod's enrollment; entries of
+/// pods gone are pruned by the periodic verification (until then an event
+/// on their index verifies a pod that is not enrolled: nothing).
+#[derive(Debug, Clone, Default)]
+pub struct HostIndex(Arc<Mutex<HashMap<u32, u64>>>);
+
+impl HostIndex {
+    /// Records that `peers` are pod `cookie`'s.
+    pub fn record(&self, cookie: u64, peers: &[HostPeer]) {
+        let mut m = self.0.lock().unwrap();
+        for p in peers {
+            m.insert(p.host_index, cookie);
+        }
+    }
+
+    /// The pod whose host-side veth has index `index`.
+    pub fn pod_of(&self, index: u32) -> Option<u64> {
+        self.0.lock().unwrap().get(&index).copied()
+    }
+
+    /// Every pod with a recorded host-side veth.
+    pub fn pods(&self) -> std::collections::BTreeSet<u64> {
+        self.0.lock().unwrap().values().copied().collect()
+    }
+
+    /// Keeps only the entries of pods for which `keep` holds.
+    pub fn retain(&self, keep: impl Fn(u64) -> bool) {
+        self.0.lock().unwrap().retain(|_, c| keep(*c));
+    }
 }
 
 /// One interface as rtnetlink describes it.

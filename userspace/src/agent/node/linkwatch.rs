@@ -9,13 +9,14 @@
 //! runs at each hook and puts back what differs. A link or address event
 //! runs the repair when an interface lacks its links; otherwise it publishes
 //! the pod's addresses as they are now. A socket that overflowed (events
-//! lost) counts as both. tcx attachments send no netlink event: a foreign
-//! tcx program is found by the verification every `VERIFY_EVERY`, which
-//! also covers a pod whose netns could not be opened.
+//! lost) counts as both. The host side of each pod's veths is watched the
+//! same way from one socket in the node's netns (`hostwatch`). tcx
+//! attachments send no netlink event: a foreign tcx program is found by the
+//! verification every `VERIFY_EVERY`, which also covers a pod whose netns
+//! could not be opened.
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
-    os::fd::{AsRawFd, RawFd},
     sync::{
         atomic::{AtomicUsize, Ordering},
         Arc,
@@ -23,7 +24,6 @@ use std::{
     time::Duration,
 };
 
-use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr};
 use tokio::{
     io::{unix::AsyncFd, Interest},
     sync::{mpsc, watch},
@@ -31,48 +31,20 @@ use tokio::{
 };
 use tracing::warn;
 
-use super::{announce::Announcer, book::PodBook, pace::Pace, repair::Repairer};
+use super::{
+    announce::Announcer,
+    book::PodBook,
+    hostwatch::{self, HostSide},
+    pace::Pace,
+    repair::Repairer,
+    rtevents::{Changed, Watch},
+};
 use crate::podnet::podlinks::LinkSpec;
 
 /// rtnetlink's multicast groups of link, tc and address events
 /// (`RTMGRP_LINK | RTMGRP_TC | RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR`).
 const RTMGRP_LINK_TC_AND_ADDRS: u32 = 0x1 | 0x8 | 0x10 | 0x100;
 
-/// What a batch of a pod's events was about.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct Changed {
-    /// A link or an address.
-    links: bool,
-    /// A qdisc, filter or chain (`RTM_*QDISC`, `RTM_*TFILTER`, `RTM_*CHAIN`).
-    tc: bool,
-}
-
-impl Changed {
-    const ALL: Changed = Changed {
-        links: true,
-        tc: true,
-    };
-
-    /// What an event of message type `t` is about; `None`: nothing to
-    /// look at. `RTM_NEWQDISC` is left out: the kernel broadcasts one for
-    /// every qdisc GET (a repair asks which qdisc holds a hook it cannot
-    /// attach to), so heeding it would have a pod verify itself in a loop;
-    /// and a qdisc added or changed takes nothing from sluice's filters
-    /// (taking the hook from them starts with `RTM_DELQDISC`).
-    fn of_message_type(t: u16) -> Option<Changed> {
-        const RTM_NEWQDISC: u16 = 36;
-        // RTM_DELQDISC..RTM_GETTFILTER is 37..=47; RTM_NEWCHAIN..RTM_GETCHAIN 100..=102.
-        let tc = (37..=47).contains(&t) || (100..=102).contains(&t);
-        (t != RTM_NEWQDISC).then_some(Changed { links: !tc, tc })
-    }
-
-    fn or(self, o: Changed) -> Changed {
-        Changed {
-            links: self.links || o.links,
-            tc: self.tc || o.tc,
-        }
-    }
-}
 /// How often pods held since the last look get their socket.
 const SUBSCRIBE_EVERY: Duration = Duration::from_millis(200);
 
@@ -82,6 +54,8 @@ pub(super) struct LinkWatch {
     announcer: Arc<Announcer>,
     /// Link-event sockets open: one per watched pod.
     open: Arc<AtomicUsize>,
+    /// The node's netns, watched from `run` on (when the agent knows it).
+    host: std::sync::Mutex<Option<HostSide>>,
 }
 
 impl LinkWatch {
@@ -90,11 +64,18 @@ impl LinkWatch {
         repair: Arc<Repairer>,
         announcer: Arc<Announcer>,
     ) -> Self {
+        let host = book.dataplane().node().and_then(|n| {
+            Some(HostSide {
+                netns: n.netns.try_clone().ok()?,
+                peers: n.peers.clone(),
+            })
+        });
         Self {
             book,
             announcer,
             repair,
             open: Arc::default(),
+            host: std::sync::Mutex::new(host),
         }
     }
 
@@ -112,6 +93,8 @@ impl LinkWatch {
         // A flapping pod's events are handled at growing gaps.
         let mut pace = Pace::default();
         let mut deferred: BTreeSet<u64> = BTreeSet::new();
+        let host = self.host.lock().unwrap().take();
+        let host_watch = host.and_then(|h| hostwatch::spawn(h, tx.clone()));
         loop {
             tokio::select! {
                 _ = stop.changed() => break,
@@ -132,6 +115,10 @@ impl LinkWatch {
                         let e = due.entry(c).or_default();
                         *e = e.or(w);
                     }
+                    // Only watched pods: one not watched yet is verified
+                    // when it is (the node's events of an enrollment come
+                    // before that and would verify it twice).
+                    due.retain(|c, _| watched.contains_key(c));
                     let now = std::time::Instant::now();
                     due.retain(|&c, _| match pace.admit(c, now) {
                         Ok(()) => {
@@ -168,7 +155,7 @@ impl LinkWatch {
                 }
             }
         }
-        for (_, task) in watched {
+        for (_, task) in watched.into_iter().chain(host_watch.map(|t| (0, t))) {
             task.abort();
         }
     }
@@ -193,7 +180,7 @@ impl LinkWatch {
             }
             let dir = self.book.dataplane().pins().pod(cookie);
             let opened = netns.run(|| -> std::io::Result<(Watch, bool)> {
-                let sock = Watch::open(&self.open)?;
+                let sock = Watch::open(&self.open, RTMGRP_LINK_TC_AND_ADDRS)?;
                 // After subscribing: nothing added from here on is missed.
                 Ok((sock, unlinked_here(&dir)?))
             });
@@ -306,43 +293,6 @@ struct Subscriptions {
     new: Vec<(u64, Watch, bool)>,
 }
 
-/// A link-event socket, counted in `open` for as long as it exists (the
-/// count is what `sluice status` shows: 0 means no socket is open).
-struct Watch {
-    sock: Socket,
-    open: Arc<AtomicUsize>,
-}
-
-impl Watch {
-    /// A non-blocking rtnetlink socket in the calling thread's netns,
-    /// subscribed to its link events.
-    fn open(open: &Arc<AtomicUsize>) -> std::io::Result<Self> {
-        // Counted first: the count is never below the sockets open.
-        open.fetch_add(1, Ordering::Relaxed);
-        let mut w = Self {
-            sock: Socket::new(NETLINK_ROUTE).inspect_err(|_| {
-                open.fetch_sub(1, Ordering::Relaxed);
-            })?,
-            open: open.clone(),
-        };
-        w.sock.bind(&SocketAddr::new(0, RTMGRP_LINK_TC_AND_ADDRS))?;
-        w.sock.set_non_blocking(true)?;
-        Ok(w)
-    }
-}
-
-impl Drop for Watch {
-    fn drop(&mut self) {
-        self.open.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-impl AsRawFd for Watch {
-    fn as_raw_fd(&self) -> RawFd {
-        self.sock.as_raw_fd()
-    }
-}
-
 /// Sends `cookie` once per batch of events the socket delivers, with what
 /// they were about. Only the kind of an event matters, not what it says:
 /// each is read into a small buffer, truncated (a netlink datagram is
@@ -357,7 +307,7 @@ async fn relay(fd: AsyncFd<Watch>, cookie: u64, tx: mpsc::UnboundedSender<(u64, 
         let mut changed: Option<Changed> = None;
         loop {
             buf.clear();
-            match fd.get_ref().sock.recv(&mut buf, 0) {
+            match fd.get_ref().recv(&mut buf) {
                 // nlmsghdr: length (4 bytes), then the message type.
                 Ok(_) => {
                     let kind = match buf.get(4..6) {
@@ -385,33 +335,5 @@ async fn relay(fd: AsyncFd<Watch>, cookie: u64, tx: mpsc::UnboundedSender<(u64, 
                 return;
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn tc_messages_are_told_from_link_and_address_ones() {
-        let tc = Changed {
-            links: false,
-            tc: true,
-        };
-        let links = Changed {
-            links: true,
-            tc: false,
-        };
-        // RTM_DELQDISC, RTM_NEWTFILTER, RTM_DELTFILTER, RTM_NEWCHAIN.
-        for t in [37, 44, 45, 100] {
-            assert_eq!(Changed::of_message_type(t), Some(tc), "{t}");
-        }
-        // RTM_NEWLINK, RTM_DELLINK, RTM_NEWADDR.
-        for t in [16, 17, 20] {
-            assert_eq!(Changed::of_message_type(t), Some(links), "{t}");
-        }
-        // What every qdisc GET broadcasts: not a change.
-        assert_eq!(Changed::of_message_type(36), None);
-        assert_eq!(tc.or(links), Changed::ALL);
     }
 }

@@ -13,7 +13,10 @@
 //!   and custody, the ZDS server's `Handler`;
 //! - `repair`: verifying and completing every pod's capture;
 //! - `supervise`: listeners gone → Pending, retries with backoff;
-//! - `linkwatch`: interfaces a pod gains, captured as the kernel announces them;
+//! - `linkwatch`: interfaces a pod gains, captured as the kernel announces
+//!   them, and changes at a pod's hooks, repaired at once (`hostwatch`: the
+//!   host side's);
+//! - `rtevents`: the rtnetlink event sockets both watches open;
 //! - `enroller`: taking a pod in and letting it go, whoever asks;
 //! - `relist`: reconciling with the Kubernetes API;
 //! - `uninstall`: removing sluice from the node;
@@ -40,12 +43,14 @@ mod announce;
 mod book;
 mod effects;
 mod enroller;
+mod hostwatch;
 mod linkwatch;
 mod pace;
 mod pods;
 mod relist;
 mod repair;
 mod requests;
+mod rtevents;
 mod served_check;
 mod supervise;
 mod uninstall;

@@ -31,10 +31,13 @@ impl Repairer {
     /// Blocking: run it off the async workers.
     pub fn verify_all(&self, at_start: bool) {
         let cookies = self.book.dataplane().maps().cookies();
-        for cookie in cookies {
+        for &cookie in &cookies {
             self.verify(cookie, at_start);
         }
         let dp = self.book.dataplane();
+        if let Some(node) = dp.node() {
+            node.peers.retain(|c| cookies.contains(&c));
+        }
         match enroll::remove_orphan_pins(dp.pins(), dp.maps(), dp.node()) {
             Ok(0) => {}
             Ok(n) => info!(pods = n, "removed pins of pods without state"),

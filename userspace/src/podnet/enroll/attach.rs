@@ -83,7 +83,7 @@ fn attach_links(
     // With tcx (`--tc-attach tcx`) each attach swaps the device's program
     // array and waits for an RCU grace period under RTNL (≈ 10–20 ms here);
     // cls_bpf filters (the default) need none.
-    let (peers, mut held) = host_peers(dp, netns, Some(view), ifaces, true);
+    let (peers, mut held) = host_peers(dp, view.cookie, netns, Some(view), ifaces, true);
     let l3 = &view.l3_names();
     if let Some(i) = podlinks::reroute_on_l3(l3, &options.reroute) {
         return Err(EnrollError::RerouteOnL3(i.clone()));

@@ -21,8 +21,10 @@ use crate::{
 /// probe exemption (the pod is captured as before): it is logged, not
 /// fatal. With the pod's `view`, from its link dump. `say_held`: log a held
 /// hook (an enrollment does; repairs and CHECK ask again, and stay quiet).
+/// The peers found are recorded as pod `cookie`'s, for the node's tc watch.
 pub fn host_peers(
     dp: &Dataplane,
+    cookie: u64,
     netns: &Netns,
     view: Option<&PodView>,
     ifaces: &[String],
@@ -72,5 +74,6 @@ pub fn host_peers(
             }
         });
     }
+    node.peers.record(cookie, &peers);
     (peers, held)
 }

@@ -239,7 +239,7 @@ fn links_called_for(
     ifaces: &[String],
     l3: &[String],
 ) -> Vec<LinkSpec> {
-    let (peers, _) = host_peers(dp, netns, view, ifaces, false);
+    let (peers, _) = host_peers(dp, cookie, netns, view, ifaces, false);
     let reroute = dp.maps().options(cookie).reroute;
     expected_links(ifaces, l3, &peers, &reroute)
 }

@@ -1,0 +1,125 @@
+//! rtnetlink event sockets, as the pod and node watches open them, and what
+//! an event is about, told from its message type alone.
+
+use std::{
+    os::fd::{AsRawFd, RawFd},
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    },
+};
+
+use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr};
+
+/// What a batch of a pod's events was about.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct Changed {
+    /// A link or an address.
+    pub(super) links: bool,
+    /// A qdisc, filter or chain (`RTM_*QDISC`, `RTM_*TFILTER`, `RTM_*CHAIN`).
+    pub(super) tc: bool,
+}
+
+impl Changed {
+    pub(super) const ALL: Changed = Changed {
+        links: true,
+        tc: true,
+    };
+    pub(super) const TC: Changed = Changed {
+        links: false,
+        tc: true,
+    };
+
+    /// What an event of message type `t` is about; `None`: nothing to
+    /// look at. `RTM_NEWQDISC` is left out: the kernel broadcasts one for
+    /// every qdisc GET (a repair asks which qdisc holds a hook it cannot
+    /// attach to), so heeding it would have a pod verify itself in a loop;
+    /// and a qdisc added or changed takes nothing from sluice's filters
+    /// (taking the hook from them starts with `RTM_DELQDISC`).
+    pub(super) fn of_message_type(t: u16) -> Option<Changed> {
+        const RTM_NEWQDISC: u16 = 36;
+        // RTM_DELQDISC..RTM_GETTFILTER is 37..=47; RTM_NEWCHAIN..RTM_GETCHAIN 100..=102.
+        let tc = (37..=47).contains(&t) || (100..=102).contains(&t);
+        (t != RTM_NEWQDISC).then_some(Changed { links: !tc, tc })
+    }
+
+    pub(super) fn or(self, o: Changed) -> Changed {
+        Changed {
+            links: self.links || o.links,
+            tc: self.tc || o.tc,
+        }
+    }
+}
+
+/// A link-event socket, counted in `open` for as long as it exists (the
+/// count is what `sluice status` shows: 0 means no socket is open).
+pub(super) struct Watch {
+    sock: Socket,
+    open: Arc<AtomicUsize>,
+}
+
+impl Watch {
+    /// A non-blocking rtnetlink socket in the calling thread's netns,
+    /// subscribed to its events of `groups`.
+    pub(super) fn open(open: &Arc<AtomicUsize>, groups: u32) -> std::io::Result<Self> {
+        // Counted first: the count is never below the sockets open.
+        open.fetch_add(1, Ordering::Relaxed);
+        let mut w = Self {
+            sock: Socket::new(NETLINK_ROUTE).inspect_err(|_| {
+                open.fetch_sub(1, Ordering::Relaxed);
+            })?,
+            open: open.clone(),
+        };
+        w.sock.bind(&SocketAddr::new(0, groups))?;
+        w.sock.set_non_blocking(true)?;
+        Ok(w)
+    }
+}
+
+impl Watch {
+    /// Reads one datagram into `buf`, truncated to its capacity (a netlink
+    /// datagram is consumed whole whatever the buffer).
+    pub(super) fn recv(&self, buf: &mut Vec<u8>) -> std::io::Result<()> {
+        self.sock.recv(buf, 0).map(drop)
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        self.open.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl AsRawFd for Watch {
+    fn as_raw_fd(&self) -> RawFd {
+        self.sock.as_raw_fd()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tc_messages_are_told_from_link_and_address_ones() {
+        let tc = Changed {
+            links: false,
+            tc: true,
+        };
+        let links = Changed {
+            links: true,
+            tc: false,
+        };
+        // RTM_DELQDISC, RTM_NEWTFILTER, RTM_DELTFILTER, RTM_NEWCHAIN.
+        for t in [37, 44, 45, 100] {
+            assert_eq!(Changed::of_message_type(t), Some(tc), "{t}");
+        }
+        // RTM_NEWLINK, RTM_DELLINK, RTM_NEWADDR.
+        for t in [16, 17, 20] {
+            assert_eq!(Changed::of_message_type(t), Some(links), "{t}");
+        }
+        // What every qdisc GET broadcasts: not a change.
+        assert_eq!(Changed::of_message_type(36), None);
+        assert_eq!(tc.or(links), Changed::ALL);
+    }
+}
