@@ -210,6 +210,10 @@ pub fn trials() -> Vec<Trial> {
             host_filter_put_back,
         ),
         trial(
+            "agent::another_tools_filter_ahead_of_sluices_is_found_and_sluice_put_first",
+            foreign_filter_ahead,
+        ),
+        trial(
             "agent::no_netns_cookie_in_tc::an_interface_added_after_enrollment_is_captured_at_once",
             || {
                 sluice_tests::harness::as_if_kernel(
@@ -1809,6 +1813,50 @@ fn host_filter_put_back() -> TestResult {
     hook.put_back(ours, &agent)
 }
 
+/// Another tool's filter added at sluice's priority runs ahead of sluice's
+/// (the kernel puts a new filter at the head of its priority) and, passing
+/// every packet, would end the walk before sluice's program: the pod's
+/// outbound would bypass ztunnel while every record says attached. The
+/// repair finds sluice's filter behind and puts it first again.
+fn foreign_filter_ahead() -> TestResult {
+    let f = Fixture::new("ffa", None)?;
+    let agent = AgentProc::start(&f.topo.pins)?;
+    let p = peer(&agent)?;
+    enroll_enabled(&agent, &f)?;
+    let hook = Hook {
+        ns: &f.topo.pod,
+        dev: "eth0",
+        dir: "egress",
+    };
+    let ours = hook.program()?;
+    let pass = f.topo.pins.progs().join("foreign_pass");
+    sluice_tests::inspect::pin_pass_program(&pass)?;
+    let first = || {
+        sluice_tests::inspect::filter_programs(&f.topo.pod, "eth0", "egress")
+            .map(|all| all.first().map(|(_, id)| *id))
+    };
+    for round in ["right after enrollment", "while watched"] {
+        hook.tc_handle("add", "0x2", Some(&pass))?;
+        wait::until(
+            &format!("sluice's filter first again ({round})"),
+            wait::DEADLINE,
+            || match first() {
+                Ok(Some(id)) if id == ours => Ok(()),
+                other => Err(format!("{other:?}")),
+            },
+        )
+        .with_context(|| agent.log())?;
+        outbound_through_peer(
+            &f.topo.pod,
+            f.topo.client_ip(Family::V4),
+            &p,
+            &format!("with the foreign filter behind sluice's ({round})"),
+        )?;
+        hook.tc_handle("del", "0x2", None)?;
+    }
+    Ok(())
+}
+
 /// A tc hook (netns, device, direction) another tool changes behind the
 /// agent's back.
 struct Hook<'a> {
@@ -1826,12 +1874,17 @@ impl Hook<'_> {
     /// `tc filter <verb>` of sluice's filter (its priority and handle), with
     /// the program pinned at `pin`.
     fn tc(&self, verb: &str, pin: Option<&Path>) -> TestResult {
+        self.tc_handle(verb, "0x51150001", pin)
+    }
+
+    /// `tc filter <verb>` of the bpf filter at priority 1 and `handle`.
+    fn tc_handle(&self, verb: &str, handle: &str, pin: Option<&Path>) -> TestResult {
         // Not `ip netns exec`: it mounts a sysfs of its own, without bpffs.
         let netns = format!("--net={}", sluice_tests::ns::netns_path(self.ns).display());
         let mut cmd = std::process::Command::new("nsenter");
         cmd.arg(&netns)
             .args(["tc", "filter", verb, "dev", self.dev, self.dir]);
-        cmd.args("prio 1 handle 0x51150001 protocol all bpf".split(' '));
+        cmd.args(["prio", "1", "handle", handle, "protocol", "all", "bpf"]);
         if let Some(pin) = pin {
             cmd.arg("object-pinned").arg(pin).arg("da");
         }

@@ -5,6 +5,7 @@
 //! ([`migrate`], [`mapcopy`]).
 
 pub mod features;
+pub mod hookview;
 pub mod loader;
 pub mod mapcopy;
 pub mod migrate;

@@ -218,8 +218,9 @@ pub enum Pinned {
     Link,
     /// A program (its kernel id): the record of a cls_bpf filter. Unlike a
     /// link, the record does not keep the filter attached: anyone with
-    /// CAP_NET_ADMIN in the netns can delete the filter; [`filter_program`]
-    /// says whether it is still there.
+    /// CAP_NET_ADMIN in the netns can delete the filter;
+    /// [`hookview::standing_at`](super::hookview::standing_at) says whether
+    /// it is still there, and runs first.
     Program(u32),
 }
 
@@ -271,38 +272,6 @@ fn prog_id(fd: &std::os::fd::OwnedFd) -> Option<u32> {
         )
     };
     (r == 0).then_some(info[1])
-}
-
-/// The id of the program sluice's filter on `iface`'s `kind` hook runs, in
-/// the calling thread's netns; `None` when there is no such filter (deleted,
-/// or its qdisc or interface gone).
-pub fn filter_program(iface: &str, kind: TcAttachType) -> io::Result<Option<u32>> {
-    use netlink_packet_route::{
-        tc::{TcAttribute, TcFilterBpfOption, TcOption},
-        RouteNetlinkMessage,
-    };
-    let Ok(index) = nix::net::if_::if_nametoindex(iface) else {
-        return Ok(None);
-    };
-    let msg = our_filter(index, kind);
-    let answer = match crate::podnet::rtnl::Rtnl::open()?
-        .request(RouteNetlinkMessage::GetTrafficFilter(msg))
-    {
-        Ok(a) => a,
-        // No clsact qdisc on the device (any more).
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => return Ok(None),
-        Err(e) => return Err(e),
-    };
-    let Some(RouteNetlinkMessage::NewTrafficFilter(m)) = answer else {
-        return Ok(None);
-    };
-    Ok(m.attributes.iter().find_map(|a| match a {
-        TcAttribute::Options(opts) => opts.iter().find_map(|o| match o {
-            TcOption::Bpf(TcFilterBpfOption::ProgId(id)) => Some(*id),
-            _ => None,
-        }),
-        _ => None,
-    }))
 }
 
 /// The OS error at the bottom of `e`'s causes, if any.

@@ -8,6 +8,7 @@ use aya::programs::{links::FdLink, tc::TcAttachOptions, LinkOrder, SchedClassifi
 use crate::{
     dataplane::{
         features::TcAttach,
+        hookview::{self, Standing},
         loader::{Dataplane, Program},
         tcfilter,
     },
@@ -194,10 +195,37 @@ pub fn attached_seen_from(
                     None => return false,
                 },
             };
-            let running = ns.run(|| tcfilter::filter_program(hook.iface, hook.kind));
-            matches!(running, Ok(Ok(Some(running))) if running == id)
+            let standing = ns.run(|| hookview::standing_at(hook.iface, hook.kind));
+            matches!(standing, Ok(Ok(Standing::First(running))) if running == id)
         }
     }
+}
+
+/// Before `spec`'s filter is attached again: when another tool's filter
+/// runs ahead of sluice's, sluice's is deleted, so that the attach adds it
+/// back at the head of its priority (an attach over it would replace its
+/// program in place, behind the other). Traffic through the hook bypassed
+/// sluice's program already; the moment without it changes nothing. Links
+/// (tcx, sk_lookup) are left alone.
+pub fn unseat_if_behind(dp: &Dataplane, netns: &Netns, spec: &LinkSpec) {
+    let Some(hook) = spec.tc_hook().filter(|_| dp.tc_attach() != TcAttach::Tcx) else {
+        return;
+    };
+    let ns = match hook.side {
+        Side::Pod => netns,
+        Side::Node => match dp.node() {
+            Some(node) => &node.netns,
+            None => return,
+        },
+    };
+    let _ = ns.run(|| {
+        if let Ok(Standing::Behind { ahead, .. }) = hookview::standing_at(hook.iface, hook.kind) {
+            tracing::warn!(iface = hook.iface, hook = ?hook.kind, %ahead, "another tool's filter ran ahead of sluice's: putting sluice's first again");
+            if let Err(e) = tcfilter::detach(hook.iface, hook.kind) {
+                tracing::warn!(iface = hook.iface, error = %e, "removing sluice's filter to put it first");
+            }
+        }
+    });
 }
 
 fn pin(link: FdLink, path: &Path) -> Result<(), EnrollError> {

@@ -24,7 +24,7 @@ use super::{
     addrs::refresh_addrs,
     error::EnrollError,
     hostpeers::host_peers,
-    links::{attach_link, attached, attached_seen_from},
+    links::{attach_link, attached, attached_seen_from, unseat_if_behind},
     reopen::{open_pod_netns, pod_interfaces},
     teardown::{remove_stateless, teardown},
 };
@@ -224,6 +224,7 @@ fn relink(dp: &mut Dataplane, survey: &Survey) -> Result<Vec<String>, EnrollErro
         }
         // A pin that does not open as a link is debris.
         let _ = fs::remove_file(&pin_path);
+        unseat_if_behind(dp, netns, &spec);
         attach_link(dp, netns, None, &dir, &spec)?;
         relinked.push(spec.pin_name());
     }

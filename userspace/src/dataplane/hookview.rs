@@ -1,0 +1,186 @@
+//! What the kernel runs at a cls_bpf hook, in the order it runs it, and where
+//! sluice's filter stands there. A filter that is in place but runs after
+//! another tool's is no capture: the other filter's verdict (`TC_ACT_OK`,
+//! a redirect, a drop) ends the packet's walk before sluice's program sees
+//! it. Whether a foreign program would end the walk cannot be known without
+//! running it (and touching its maps), so any filter ahead of sluice's
+//! counts as taking the hook.
+//!
+//! A dump lists chain 0's filters by priority, and within a priority in the
+//! order `cls_bpf` runs them; a filter added at a priority goes to the head
+//! of its list, so another tool's filter added at sluice's priority runs
+//! before sluice's, and deleting and adding sluice's again puts it back in
+//! front. (Other chains run only when a filter jumps to them.)
+
+use std::io;
+
+use aya::programs::TcAttachType;
+
+use super::tcfilter::{HANDLE, PRIORITY};
+
+/// One filter on a hook, as the kernel dumps it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HookFilter {
+    pub prio: u16,
+    pub handle: u32,
+    /// The classifier (`bpf`, `u32`, `flower`, …).
+    pub kind: String,
+    /// The program a `bpf` filter runs.
+    pub prog: Option<u32>,
+}
+
+impl HookFilter {
+    fn is_ours(&self) -> bool {
+        self.kind == "bpf" && self.prio == PRIORITY && self.handle == u32::from(HANDLE)
+    }
+}
+
+impl std::fmt::Display for HookFilter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} filter pref {} handle {:#x}",
+            self.kind, self.prio, self.handle
+        )?;
+        match self.prog {
+            Some(id) => write!(f, " (program id {id})"),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Where sluice's filter stands on a hook.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Standing {
+    /// No filter of sluice's (deleted, or its qdisc or device gone).
+    Missing,
+    /// Sluice's filter runs first, running the program of this id.
+    First(u32),
+    /// Sluice's filter is there (running `ours`), but `ahead` runs first.
+    Behind { ours: u32, ahead: HookFilter },
+}
+
+/// Where sluice's filter stands among `filters` (in run order).
+pub fn standing(filters: &[HookFilter]) -> Standing {
+    let Some(pos) = filters.iter().position(HookFilter::is_ours) else {
+        return Standing::Missing;
+    };
+    let ours = filters[pos].prog.unwrap_or(0);
+    match pos {
+        0 => Standing::First(ours),
+        _ => Standing::Behind {
+            ours,
+            ahead: filters[0].clone(),
+        },
+    }
+}
+
+/// The filters of chain 0 on `iface`'s `kind` hook in the calling thread's
+/// netns, in run order; empty without a clsact qdisc (or device).
+pub fn hook_filters(iface: &str, kind: TcAttachType) -> io::Result<Vec<HookFilter>> {
+    use netlink_packet_route::{
+        tc::{TcAttribute, TcFilterBpfOption, TcHandle as NlHandle, TcMessage, TcOption},
+        RouteNetlinkMessage,
+    };
+    let Ok(index) = nix::net::if_::if_nametoindex(iface) else {
+        return Ok(Vec::new());
+    };
+    let mut msg = TcMessage::default();
+    msg.header.index = index as i32;
+    msg.header.parent = NlHandle {
+        major: NlHandle::CLSACT.major,
+        minor: match kind {
+            TcAttachType::Egress => NlHandle::MIN_EGRESS,
+            _ => NlHandle::MIN_INGRESS,
+        },
+    };
+    let answer =
+        match crate::podnet::rtnl::Rtnl::open()?.dump(RouteNetlinkMessage::GetTrafficFilter(msg)) {
+            Ok(a) => a,
+            // No clsact qdisc on the device (any more).
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENODEV)) => {
+                return Ok(Vec::new())
+            }
+            Err(e) => return Err(e),
+        };
+    Ok(answer
+        .into_iter()
+        .filter_map(|m| match m {
+            RouteNetlinkMessage::NewTrafficFilter(m) => Some(m),
+            _ => None,
+        })
+        // Each classifier's first message names it, without a filter.
+        .filter(|m| u32::from(m.header.handle) != 0)
+        .filter(|m| {
+            m.attributes
+                .iter()
+                .all(|a| !matches!(a, TcAttribute::Chain(c) if *c != 0))
+        })
+        .map(|m| {
+            let mut f = HookFilter {
+                prio: (m.header.info >> 16) as u16,
+                handle: u32::from(m.header.handle),
+                kind: String::new(),
+                prog: None,
+            };
+            for a in &m.attributes {
+                match a {
+                    TcAttribute::Kind(k) => f.kind = k.clone(),
+                    TcAttribute::Options(opts) => {
+                        f.prog = opts.iter().find_map(|o| match o {
+                            TcOption::Bpf(TcFilterBpfOption::ProgId(id)) => Some(*id),
+                            _ => None,
+                        })
+                    }
+                    _ => {}
+                }
+            }
+            f
+        })
+        .collect())
+}
+
+/// Where sluice's filter stands on `iface`'s `kind` hook in the calling
+/// thread's netns.
+pub fn standing_at(iface: &str, kind: TcAttachType) -> io::Result<Standing> {
+    hook_filters(iface, kind).map(|f| standing(&f))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn filter(prio: u16, handle: u32, prog: u32) -> HookFilter {
+        HookFilter {
+            prio,
+            handle,
+            kind: "bpf".into(),
+            prog: Some(prog),
+        }
+    }
+
+    #[test]
+    fn sluice_counts_only_when_its_filter_runs_first() {
+        let ours = filter(PRIORITY, u32::from(HANDLE), 7);
+        assert_eq!(standing(&[]), Standing::Missing);
+        assert_eq!(standing(&[filter(1, 2, 9)]), Standing::Missing);
+        assert_eq!(standing(std::slice::from_ref(&ours)), Standing::First(7));
+        assert_eq!(
+            standing(&[ours.clone(), filter(2, 1, 9)]),
+            Standing::First(7)
+        );
+        // Another tool's filter at sluice's priority, added after it.
+        let ahead = filter(1, 2, 9);
+        assert_eq!(
+            standing(&[ahead.clone(), ours.clone()]),
+            Standing::Behind { ours: 7, ahead }
+        );
+        // Another classifier than bpf at sluice's handle is not sluice's.
+        let u32_at_ours = HookFilter {
+            kind: "u32".into(),
+            prog: None,
+            ..ours
+        };
+        assert_eq!(standing(&[u32_at_ours]), Standing::Missing);
+    }
+}
