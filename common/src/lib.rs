@@ -55,12 +55,14 @@ mod flow;
 mod keys;
 mod pod;
 mod stamp;
+mod verify;
 
 pub use counters::*;
 pub use flow::*;
 pub use keys::*;
 pub use pod::*;
 pub use stamp::*;
+pub use verify::*;
 
 #[cfg(feature = "user")]
 mod user {

@@ -33,7 +33,7 @@ use sluice_common::{
 use crate::{
     addr::{is_loopback, is_probe},
     dns,
-    hints::{forget_hint, hint_ptr, put_charged_hint, put_hint, release_hint, unshared_hint_ptr},
+    hints::{forget_hint, hint_ptr, put_charged_hint, release_hint, unshared_hint_ptr},
     lookup::{loopback, skc_lookup},
     maps::{count, count_drop, NODE_NETNS, POD_STATE},
     origin::{from_its_pod, Sent},
@@ -41,6 +41,7 @@ use crate::{
     tc::{
         listener_present, mark, mark_redirect, netns_cookie, pod_flags, pod_of, redirect_to_self,
     },
+    verify::Writes,
 };
 
 /// Not ours to decide: the next program on the hook runs (tcx's
@@ -93,6 +94,7 @@ pub fn egress<const L2: usize>(ctx: &TcContext) -> i32 {
         return TC_OK;
     }
     if t.is_syn() {
+        let w = Writes::of(ctx, t.sport);
         // A new outbound connection (row O1): steer it to 15001 or fail closed (F1).
         // The pod is the socket's netns; a SYN without a socket (crafted, odd
         // paths) reads as the host netns, and a kernel that cannot tell has
@@ -112,7 +114,7 @@ pub fn egress<const L2: usize>(ctx: &TcContext) -> i32 {
             }
             // This interface is captured (the program runs nowhere else) and
             // the SYN's source is no pod's: it does not leave around ztunnel.
-            count_drop(DropReason::UnknownSource);
+            w.count_drop(DropReason::UnknownSource);
             return TC_SHOT;
         };
         // A source address another pod owns: never steered as that pod's
@@ -135,23 +137,23 @@ pub fn egress<const L2: usize>(ctx: &TcContext) -> i32 {
             sport: t.sport,
         };
         if !from_its_pod(ctx, cookie, role, &sent) {
-            count_drop(DropReason::UnknownSource);
+            w.count_drop(DropReason::UnknownSource);
             return TC_SHOT;
         }
         if !pod.steers() {
-            count(cookie, |c: &mut Counters| &mut c.dropped_fail_closed);
+            w.count(cookie, |c: &mut Counters| &mut c.dropped_fail_closed);
             return TC_SHOT;
         }
         // Row D2: TCP to port 53 goes to the DNS proxy when the pod has one.
-        let verdict = if dns::captures_tcp(cookie, &t) {
+        let verdict = if dns::captures_tcp(w, cookie, &t) {
             HintVerdict::DnsTcp
         } else if listener_present(cookie, Role::Outbound, t.family) {
             HintVerdict::Outbound
         } else {
-            count(cookie, |c: &mut Counters| &mut c.missing_socket);
+            w.count(cookie, |c: &mut Counters| &mut c.missing_socket);
             return TC_SHOT;
         };
-        put_charged_hint(cookie, &flow_key(&t), verdict, 0);
+        w.put_charged_hint(ctx, cookie, &flow_key(&t), verdict, 0);
         return redirect_to_self::<L2>(ctx);
     }
     // Not a SYN: deliver locally only packets of flows a local socket terminates
@@ -177,39 +179,40 @@ pub fn ingress<const L2: usize>(ctx: &TcContext) -> i32 {
         // Established traffic, or our own egress redirect (already checked there).
         return TC_OK;
     }
+    let w = Writes::of(ctx, t.sport);
     // An address we do not know (added after enrollment?) is steered to
     // nothing, and sk_lookup refuses it: fail closed. (Row I3's probes pass
     // there unhinted, as below.)
     let Some(cookie) = pod_of(t.family, &t.daddr) else {
         if !is_probe(t.family, &t.saddr) {
-            forget_hint(&flow_key(&t));
+            w.forget_hint(&flow_key(&t));
         }
         return TC_OK;
     };
     // Row I3: sk_lookup passes the probe address unhinted (no program writes
     // another verdict for it, so no older hint can be in the way).
     if is_probe(t.family, &t.saddr) {
-        count(cookie, |c: &mut Counters| &mut c.bypassed);
+        w.count(cookie, |c: &mut Counters| &mut c.bypassed);
         return TC_OK;
     }
     // Row I3h: the node's own socket sent it (the host-side program said
     // so): sk_lookup lets it through on that hint, in any pod state.
-    if host_hinted(cookie, &t) {
+    if !w.verifying() && host_hinted(cookie, &t) {
         return TC_OK;
     }
     // Row I6: the pod asked for no inbound capture (Istio's "ingress mode"):
     // its SYNs go where they are addressed; HBONE still reaches ztunnel.
     if t.dport != PORT_HBONE && pod_flags(cookie) & POD_FLAG_BYPASS_INBOUND != 0 {
-        put_charged_hint(cookie, &flow_key(&t), HintVerdict::Bypass, 0);
+        w.put_charged_hint(ctx, cookie, &flow_key(&t), HintVerdict::Bypass, 0);
         return TC_OK;
     }
     let Some(pod) = (unsafe { POD_STATE.get(cookie) }) else {
         // Being removed: sk_lookup refuses it.
-        forget_hint(&flow_key(&t));
+        w.forget_hint(&flow_key(&t));
         return TC_OK;
     };
     if !pod.steers() {
-        count(cookie, |c: &mut Counters| &mut c.dropped_fail_closed);
+        w.count(cookie, |c: &mut Counters| &mut c.dropped_fail_closed);
         return TC_SHOT;
     }
     let (role, verdict) = if t.dport == PORT_HBONE {
@@ -218,10 +221,10 @@ pub fn ingress<const L2: usize>(ctx: &TcContext) -> i32 {
         (Role::Inbound, HintVerdict::Inbound)
     };
     if !listener_present(cookie, role, t.family) {
-        count(cookie, |c: &mut Counters| &mut c.missing_socket);
+        w.count(cookie, |c: &mut Counters| &mut c.missing_socket);
         return TC_SHOT;
     }
-    put_charged_hint(cookie, &flow_key(&t), verdict, 0);
+    w.put_charged_hint(ctx, cookie, &flow_key(&t), verdict, 0);
     TC_OK
 }
 
@@ -374,7 +377,7 @@ pub fn host_egress(ctx: &TcContext) -> i32 {
         return TCX_NEXT;
     }
     if let Some(cookie) = pod_of(t.family, &t.daddr) {
-        put_hint(cookie, &flow_key(&t), HintVerdict::Host);
+        Writes::of(ctx, t.sport).put_hint(ctx, cookie, &flow_key(&t), HintVerdict::Host);
     }
     TCX_NEXT
 }

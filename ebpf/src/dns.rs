@@ -31,10 +31,11 @@ use crate::{
     addr::is_loopback,
     budget,
     hints::{flow_key, put_hint},
-    maps::{count_dns, count_drop, DNS_BUDGET, DNS_FLOWS, POD_STATE},
+    maps::{count_dns, DNS_BUDGET, DNS_FLOWS, POD_STATE},
     origin::{from_its_pod, Sent},
     packet::{Tcp, Udp, IPV4_CHECK, IPV4_SADDR, IPV6_SADDR},
     tc::{listener_present, mark, netns_cookie, pod_flags, pod_of, redirect_to_self},
+    verify::Writes,
 };
 
 /// Passed on to the next program on the hook (see capture.rs `TC_OK`).
@@ -60,6 +61,7 @@ pub fn egress_udp<const L2: usize>(ctx: &TcContext, u: &Udp) -> i32 {
     if u.dport != PORT_DNS || mark(ctx) & MARK_MASK == MARK_ZTUNNEL {
         return PASS;
     }
+    let w = Writes::of(ctx, u.sport);
     // The pod: its socket's netns, else (no cookies in tc) its source
     // address's. (Plain cookies, 0 for none: see capture.rs.)
     let by_socket = netns_cookie(ctx);
@@ -70,7 +72,7 @@ pub fn egress_udp<const L2: usize>(ctx: &TcContext, u: &Udp) -> i32 {
     if cookie == 0 {
         // A captured interface, a source no pod has, no socket's netns to
         // tell the pod: as for a SYN, it does not leave around ztunnel.
-        count_drop(DropReason::UnknownSource);
+        w.count_drop(DropReason::UnknownSource);
         return DROP;
     }
     if !dns_on(cookie) {
@@ -92,20 +94,25 @@ pub fn egress_udp<const L2: usize>(ctx: &TcContext, u: &Udp) -> i32 {
         sport: u.sport,
     };
     if !from_its_pod(ctx, cookie, || Role::DnsUdp, &sent) {
-        count_drop(DropReason::UnknownSource);
+        w.count_drop(DropReason::UnknownSource);
         return DROP;
     }
     let steers = unsafe { POD_STATE.get(cookie) }.is_some_and(|p| p.steers());
     if !steers || !listener_present(cookie, Role::DnsUdp, u.family) {
-        count_dns(cookie, |c: &mut DnsCounters| &mut c.passthrough);
+        w.count_dns(cookie, |c: &mut DnsCounters| &mut c.passthrough);
         return PASS;
     }
     // Shorter than a DNS header: not a query the proxy could answer.
     let Some(id) = dns_id(ctx, u) else {
         return PASS;
     };
+    let hint = flow_key(u.family, u.saddr, u.daddr, u.sport, u.dport);
+    if w.verifying() {
+        w.put_hint(ctx, cookie, &hint, HintVerdict::DnsUdp);
+        return redirect_to_self::<L2>(ctx);
+    }
     if !budget::take(&DNS_BUDGET, cookie, DNS_QUERIES_PER_POD_PER_S) {
-        count_drop(DropReason::DnsOverBudget);
+        w.count_drop(DropReason::DnsOverBudget);
         return DROP;
     }
     let key = DnsFlowKey::new(u.family, u.saddr, u.sport, id);
@@ -116,10 +123,9 @@ pub fn egress_udp<const L2: usize>(ctx: &TcContext, u: &Udp) -> i32 {
         _pad: [0; 6],
     };
     if DNS_FLOWS.insert(key, flow, 0).is_err() {
-        count_dns(cookie, |c: &mut DnsCounters| &mut c.passthrough);
+        w.count_dns(cookie, |c: &mut DnsCounters| &mut c.passthrough);
         return PASS;
     }
-    let hint = flow_key(u.family, u.saddr, u.daddr, u.sport, u.dport);
     put_hint(cookie, &hint, HintVerdict::DnsUdp);
     redirect_to_self::<L2>(ctx)
 }
@@ -128,14 +134,14 @@ pub fn egress_udp<const L2: usize>(ctx: &TcContext, u: &Udp) -> i32 {
 /// pod with DNS capture but no proxy listener is counted and goes on to
 /// 15001, as without DNS capture (row D4).
 #[inline(always)]
-pub fn captures_tcp(cookie: u64, t: &Tcp) -> bool {
+pub fn captures_tcp(w: Writes, cookie: u64, t: &Tcp) -> bool {
     if t.dport != PORT_DNS || !dns_on(cookie) {
         return false;
     }
     if listener_present(cookie, Role::DnsTcp, t.family) {
         return true;
     }
-    count_dns(cookie, |c: &mut DnsCounters| &mut c.passthrough);
+    w.count_dns(cookie, |c: &mut DnsCounters| &mut c.passthrough);
     false
 }
 

@@ -29,6 +29,7 @@ mod origin;
 mod packet;
 mod steer;
 mod tc;
+mod verify;
 
 use aya_ebpf::{
     macros::{classifier, sk_lookup},

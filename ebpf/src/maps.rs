@@ -9,6 +9,7 @@ use aya_ebpf::{
 use sluice_common::{
     AddrKey, Budget, Counters, DnsCounters, DnsFlow, DnsFlowKey, DropReason, FlowHint, FlowKey,
     ListenerKey, PodEntry, PodMeta, Stamp, DROP_REASONS, FLOW_HINTS_ENTRIES, REROUTE_LEN,
+    VERIFY_HINTS_ENTRIES,
 };
 
 /// Upper bound on pods per node (Kubernetes' default max-pods is 110).
@@ -135,6 +136,14 @@ pub static DROPS: PerCpuArray<u64> = PerCpuArray::pinned(DROP_REASONS, 0);
 /// bottom halves off, so no other lookup runs on the CPU meanwhile.
 #[map(name = "tc_lookup")]
 pub static TC_LOOKUP: PerCpuArray<u32> = PerCpuArray::pinned(1, 0);
+
+/// The hints of verification runs of `sluice_steer` (lookups with remote
+/// port 0; see `sluice_common::verify`): the agent writes one right before a
+/// test run and removes it right after. Apart from `flow_hints` so that a
+/// verification never evicts a real connection's hint.
+#[map(name = "verify_hints")]
+pub static VERIFY_HINTS: HashMap<FlowKey, FlowHint> =
+    HashMap::pinned(VERIFY_HINTS_ENTRIES, BPF_F_NO_PREALLOC);
 
 /// Adds one to the node-wide count of drops for `reason`.
 #[inline(always)]

@@ -29,6 +29,7 @@ use crate::{
     hints::hint_ptr,
     maps::{
         count, count_dns, count_drop, DNS_LISTENERS, FLOW_HINTS, LISTENERS, POD_STATE, TC_LOOKUP,
+        VERIFY_HINTS,
     },
 };
 
@@ -49,6 +50,11 @@ pub fn steer(ctx: &SkLookupContext) -> u32 {
     // Row O2: loopback destinations are the app's own business.
     if is_loopback(family, &local) {
         return SK_PASS;
+    }
+    if key.remote_port == 0 {
+        if let Some(h) = unsafe { VERIFY_HINTS.get(key) } {
+            return verify(ctx, h);
+        }
     }
     // A tc program asking which socket a segment would reach: answer as for
     // the segment itself, but count nothing and mark nothing (see TC_LOOKUP).
@@ -133,6 +139,43 @@ pub fn steer(ctx: &SkLookupContext) -> u32 {
     }
 }
 
+/// A verification's test run (see `sluice_common::verify`): the answer a
+/// lookup with hint `h` gets, with nothing counted or marked, and the
+/// listener assigned without reuseport selection (which a test run cannot
+/// make).
+#[inline(always)]
+fn verify(ctx: &SkLookupContext, h: &FlowHint) -> u32 {
+    let role = match HintVerdict::from_u32(h.verdict) {
+        Some(HintVerdict::Outbound) => Role::Outbound,
+        Some(HintVerdict::Inbound) => Role::Inbound,
+        Some(HintVerdict::Hbone) => Role::Hbone,
+        Some(HintVerdict::DnsTcp) => Role::DnsTcp,
+        Some(HintVerdict::DnsUdp) => Role::DnsUdp,
+        Some(HintVerdict::Local | HintVerdict::Host | HintVerdict::Bypass) => return SK_PASS,
+        Some(HintVerdict::Deny) | None => return SK_DROP,
+    };
+    let cookie = h.netns_cookie;
+    if !unsafe { POD_STATE.get(cookie) }.is_some_and(|p| p.steers()) {
+        return SK_DROP;
+    }
+    let l = unsafe { &*ctx.lookup };
+    let lkey = ListenerKey::new(cookie, role, l.family as u8);
+    let assigned = if role.is_dns() {
+        DNS_LISTENERS.redirect_sk_lookup(ctx, lkey, BPF_SK_LOOKUP_F_NO_REUSEPORT)
+    } else {
+        LISTENERS.redirect_sk_lookup(ctx, lkey, BPF_SK_LOOKUP_F_NO_REUSEPORT)
+    };
+    if assigned.is_ok() {
+        SK_PASS
+    } else {
+        SK_DROP
+    }
+}
+
+/// `bpf_sk_assign`'s flag in sk_lookup: take the socket itself, not a
+/// member of its reuseport group chosen by hash.
+const BPF_SK_LOOKUP_F_NO_REUSEPORT: u64 = 1 << 1;
+
 /// A TCP lookup no tc program vouched for.
 #[inline(always)]
 fn unhinted(family: u8, remote: &[u32; 4], asked_by_tc: bool) -> u32 {
@@ -161,7 +204,13 @@ fn steer_udp(ctx: &SkLookupContext) -> u32 {
     if l.local_port != PORT_DNS as u32 {
         return SK_PASS;
     }
-    let Some(hint) = take_udp_hint(&lookup_key(ctx)) else {
+    let key = lookup_key(ctx);
+    if key.remote_port == 0 {
+        if let Some(h) = unsafe { VERIFY_HINTS.get(key) } {
+            return verify(ctx, h);
+        }
+    }
+    let Some(hint) = take_udp_hint(&key) else {
         return SK_PASS;
     };
     let cookie = hint.netns_cookie;

@@ -19,6 +19,7 @@ mod readiness;
 mod runtime;
 mod served;
 mod syncookies;
+mod verify;
 
 use libtest_mimic::{Arguments, Failed, Trial};
 use sluice_tests::harness::{
@@ -83,5 +84,6 @@ fn main() {
     trials.extend(cycles::trials());
     trials.extend(metrics::trials());
     trials.extend(syncookies::trials());
+    trials.extend(verify::trials());
     libtest_mimic::run(&args, trials).exit();
 }

@@ -146,6 +146,35 @@ pub fn standing_at(iface: &str, kind: TcAttachType) -> io::Result<Standing> {
     hook_filters(iface, kind).map(|f| standing(&f))
 }
 
+/// `BPF_PROG_QUERY`'s attach types for the hooks a pod depends on.
+pub const BPF_SK_LOOKUP: u32 = 36;
+pub const BPF_TCX_INGRESS: u32 = 46;
+pub const BPF_TCX_EGRESS: u32 = 47;
+
+/// The ids of the programs attached at `attach_type` to `target` (a netns
+/// fd for sk_lookup, an interface index of the calling thread's netns for
+/// tcx), in the order they run. An sk_lookup query needs Linux ≥ 5.9, a
+/// tcx one ≥ 6.6 (older kernels answer EINVAL).
+pub fn prog_query(target: u32, attach_type: u32) -> io::Result<Vec<u32>> {
+    const BPF_PROG_QUERY: libc::c_long = 16;
+    let mut ids = [0u32; 64];
+    // union bpf_attr, query: target_fd, attach_type, query_flags,
+    // attach_flags, prog_ids, prog_cnt (then fields left zero).
+    let mut attr = [0u8; 48];
+    attr[0..4].copy_from_slice(&target.to_ne_bytes());
+    attr[4..8].copy_from_slice(&attach_type.to_ne_bytes());
+    attr[16..24].copy_from_slice(&(ids.as_mut_ptr() as u64).to_ne_bytes());
+    attr[24..28].copy_from_slice(&(ids.len() as u32).to_ne_bytes());
+    // SAFETY: a zeroed bpf_attr with the query fields set; `ids` outlives
+    // the call and holds `prog_cnt` entries.
+    let r = unsafe { libc::syscall(libc::SYS_bpf, BPF_PROG_QUERY, attr.as_mut_ptr(), attr.len()) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let n = u32::from_ne_bytes([attr[24], attr[25], attr[26], attr[27]]) as usize;
+    Ok(ids[..n.min(ids.len())].to_vec())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -14,3 +14,4 @@ pub mod relink;
 pub mod stamp;
 pub mod state;
 pub mod tcfilter;
+pub mod testrun;

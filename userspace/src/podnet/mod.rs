@@ -14,3 +14,4 @@ pub mod routes;
 pub mod rtnl;
 pub mod sockets;
 pub mod sysctl;
+pub mod verify;

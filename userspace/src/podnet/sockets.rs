@@ -42,6 +42,9 @@ pub struct SeenListener {
     pub role: Role,
     pub inode: u32,
     pub family: u8,
+    /// The socket's cookie (what `SO_COOKIE` and a test run of sk_lookup
+    /// name it by).
+    pub cookie: u64,
 }
 
 /// One of ztunnel's listeners, duplicated into this process.
@@ -136,6 +139,7 @@ fn dump_listeners(
                             out.push(SeenListener {
                                 role,
                                 inode: r.header.inode,
+                                cookie: diag_cookie(r.header.socket_id.cookie),
                                 family: if family == AF_INET {
                                     FAMILY_V4
                                 } else {
@@ -153,6 +157,13 @@ fn dump_listeners(
             off += len;
         }
     }
+}
+
+/// sock_diag's `idiag_cookie`: two native-endian 32-bit halves, low first.
+fn diag_cookie(c: [u8; 8]) -> u64 {
+    let lo = u32::from_ne_bytes([c[0], c[1], c[2], c[3]]);
+    let hi = u32::from_ne_bytes([c[4], c[5], c[6], c[7]]);
+    u64::from(hi) << 32 | u64::from(lo)
 }
 
 /// Where to look for the processes holding the sockets: only `pid` when

@@ -59,6 +59,20 @@ impl Programs {
         p.kind() == Kind::SkLookup || self.tc.contains_key(&p)
     }
 
+    /// The kernel id of every program held.
+    pub fn ids(&self) -> BTreeMap<Program, u32> {
+        let mut out = BTreeMap::new();
+        if let Ok(i) = self.steer.info() {
+            out.insert(Program::Steer, i.id());
+        }
+        for (p, prog) in &self.tc {
+            if let Ok(i) = prog.info() {
+                out.insert(*p, i.id());
+            }
+        }
+        out
+    }
+
     /// The tag of the pinned `p`; `None` when the pins lack it.
     pub fn tag(&self, p: Program) -> Result<Option<u64>, LoadError> {
         let perr = |source| LoadError::Program {

@@ -10,7 +10,7 @@
 //! progs/<program name>              one pin per program (programs::Program)
 //! maps/{pod_state,pod_meta,pod_addrs,pod_flags,pod_reroute,listeners,counters,flow_hints,node_netns,stamp,
 //!      flow_hints_overflow,hint_budget,hints_over_share,
-//!      dns_listeners,dns_flows,dns_budget,dns_counters,drops,tc_lookup}
+//!      dns_listeners,dns_flows,dns_budget,dns_counters,drops,tc_lookup,verify_hints}
 //! maps_next/                        only during a migration
 //! pods/<netns cookie>/{steer,egress_<if>,ingress_<if> or reroute_<if>,lo,host_<if>}   a pod's links
 //! ```
@@ -240,6 +240,12 @@ impl Dataplane {
     /// Whether the pins have `p` (pins of an older build may lack some).
     pub fn has_program(&self, p: Program) -> bool {
         self.programs.has(p)
+    }
+
+    /// The kernel id of each of this build's programs (what a verification
+    /// expects at each hook, and the only programs it runs).
+    pub fn program_ids(&self) -> std::collections::BTreeMap<Program, u32> {
+        self.programs.ids()
     }
 
     pub fn steer_mut(&mut self) -> &mut SkLookup {

@@ -56,6 +56,7 @@ fn map_entries_keep_their_layout() {
         ("pod_state", (1, 8, 24)),
         ("stamp", (2, 4, 64)),
         ("tc_lookup", (6, 4, 4)),
+        ("verify_hints", (1, 40, 24)),
     ]);
     assert_eq!(
         seen, want,

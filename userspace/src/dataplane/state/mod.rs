@@ -34,7 +34,7 @@ use crate::{
 };
 
 pub use crate::workload::PodIdentity;
-pub use addrs::{addr_key, addr_of, AddrSource, Published, DEFAULT_MAX_POD_ADDRESSES};
+pub use addrs::{addr_key, addr_of, link_local, AddrSource, Published, DEFAULT_MAX_POD_ADDRESSES};
 pub use error::StateError;
 pub use records::{DnsMode, DnsView, PodRecord};
 

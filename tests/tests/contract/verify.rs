@@ -1,0 +1,267 @@
+//! Verification by running the capture (issue 40): the programs the kernel
+//! holds at a captured pod's hooks, run on synthetic packets, give the
+//! captured verdicts and leave nothing behind; each way capture can break
+//! silently is named by the case it fails.
+
+use std::process::Command;
+
+use anyhow::{ensure, Context as _};
+use aya::maps::{HashMap, Map, MapData};
+use libtest_mimic::Trial;
+use sluice::{
+    dataplane::state::Maps,
+    podnet::{enroll, verify},
+};
+use sluice_common::{Budget, Counters, DropReason, FlowHint, FlowKey, Role};
+use sluice_tests::{
+    child::Bounded as _,
+    harness::{as_if_kernel, without_netns_cookie_in_tc, Fixture},
+    ns::netns_path,
+    standin::Bind,
+};
+
+use crate::{tcx_trial, trial, TestResult};
+
+pub fn trials() -> Vec<Trial> {
+    vec![
+        trial(
+            "verify::a_captured_pod_passes_and_the_test_runs_leave_no_trace",
+            || passes_without_trace("vpt"),
+        ),
+        trial(
+            "verify::no_netns_cookie_in_tc::a_captured_pod_passes_and_the_test_runs_leave_no_trace",
+            || as_if_kernel(without_netns_cookie_in_tc(), || passes_without_trace("vpn")),
+        ),
+        tcx_trial(
+            "verify::tcx::a_captured_pod_passes_and_the_test_runs_leave_no_trace",
+            || passes_without_trace("vpx"),
+        ),
+        trial(
+            "verify::each_silent_break_is_named_by_its_case",
+            breaks_named,
+        ),
+    ]
+}
+
+/// A captured pod: enrolled, the stand-in's listeners registered.
+fn captured(tag: &str) -> anyhow::Result<(Fixture, u64)> {
+    let f = Fixture::new(tag, Some(Bind::DualStack))?;
+    f.enroll()?;
+    let cookie = f.register()?.cookie;
+    Ok((f, cookie))
+}
+
+fn run(f: &Fixture, cookie: u64) -> anyhow::Result<Result<verify::Verified, verify::Failed>> {
+    let dp = f.dataplane()?;
+    let plan = verify::plan(&dp, cookie).context("no verification plan for the pod")?;
+    Ok(verify::verify(&plan))
+}
+
+/// What real traffic could meet of a verification: the pod's counters,
+/// the node's drops, and the entries of the hint maps.
+#[derive(Debug, PartialEq, Eq)]
+struct Trace {
+    counters: Counters,
+    drops: Vec<u64>,
+    over_share: u64,
+    hints: usize,
+    overflow: usize,
+    budget: usize,
+    verify_hints: usize,
+}
+
+fn trace(f: &Fixture, cookie: u64) -> anyhow::Result<Trace> {
+    let dir = f.topo.pins.maps();
+    let maps = Maps::open_pinned(&dir)?;
+    let hints = |name: &str| -> anyhow::Result<usize> {
+        let data = MapData::from_pin(dir.join(name))?;
+        Ok(
+            HashMap::<_, FlowKey, FlowHint>::try_from(Map::LruHashMap(data))?
+                .keys()
+                .count(),
+        )
+    };
+    let budget = HashMap::<_, u64, Budget>::try_from(Map::LruHashMap(MapData::from_pin(
+        dir.join("hint_budget"),
+    )?))?
+    .keys()
+    .count();
+    let verify_hints = HashMap::<_, FlowKey, FlowHint>::try_from(Map::HashMap(MapData::from_pin(
+        dir.join("verify_hints"),
+    )?))?
+    .keys()
+    .count();
+    Ok(Trace {
+        counters: maps.counters(cookie),
+        drops: DropReason::ALL.iter().map(|r| maps.drops(*r)).collect(),
+        over_share: maps.hints_over_share(),
+        hints: hints("flow_hints")?,
+        overflow: hints("flow_hints_overflow")?,
+        budget,
+        verify_hints,
+    })
+}
+
+fn passes_without_trace(tag: &str) -> TestResult {
+    let (f, cookie) = captured(tag)?;
+    let before = trace(&f, cookie)?;
+    let v = run(&f, cookie)?.map_err(|e| anyhow::anyhow!("verification failed: {e}"))?;
+    // Two addresses, each: inbound, HBONE and outbound (tc and sk_lookup)
+    // and ztunnel's mark; plus the hooks.
+    ensure!(v.cases >= 2 * 7, "only {} cases ran: {v:?}", v.cases);
+    ensure!(v.unrun.is_empty(), "left unrun: {:?}", v.unrun);
+    let after = trace(&f, cookie)?;
+    ensure!(
+        before == after,
+        "the verification left a trace:\nbefore {before:?}\nafter  {after:?}"
+    );
+    Ok(())
+}
+
+/// `tc filter <args…>` in the pod's netns (nsenter, not `ip netns exec`:
+/// that mounts a sysfs of its own, without bpffs).
+fn tc(f: &Fixture, args: &[&str]) -> TestResult {
+    let out = Command::new("nsenter")
+        .arg(format!("--net={}", netns_path(&f.topo.pod).display()))
+        .arg("tc")
+        .args(args)
+        .output_bounded()?;
+    ensure!(
+        out.status.success(),
+        "tc {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
+/// Each break fails the case that names it; the repair (or re-registering
+/// the listener) makes the pod pass again.
+fn breaks_named() -> TestResult {
+    let (f, cookie) = captured("vbn")?;
+    let dir = f.topo.pins.pod(cookie);
+    let expect = |what: &str, case: &str| -> TestResult {
+        match run(&f, cookie)? {
+            Err(e) if e.case.starts_with(case) => Ok(()),
+            other => anyhow::bail!("{what}: expected case {case:?} to fail, got {other:?}"),
+        }
+    };
+    let repaired = |what: &str| -> TestResult {
+        let mut dp = f.dataplane()?;
+        enroll::repair(&mut dp, cookie, false)?;
+        drop(dp);
+        run(&f, cookie)?
+            .map_err(|e| anyhow::anyhow!("{what}: still failing after the repair: {e}"))?;
+        Ok(())
+    };
+    run(&f, cookie)?.map_err(|e| anyhow::anyhow!("before any break: {e}"))?;
+
+    let ingress = dir.join("ingress_eth0");
+    let ingress = ingress.to_str().context("pin path")?;
+    let filter = [
+        "filter",
+        "replace",
+        "dev",
+        "eth0",
+        "egress",
+        "prio",
+        "1",
+        "handle",
+        "0x51150001",
+    ];
+    // The egress filter's program swapped for the ingress one, in place.
+    let mut swap = filter.to_vec();
+    swap.extend(["protocol", "all", "bpf", "object-pinned", ingress, "da"]);
+    tc(&f, &swap)?;
+    expect("a swapped program", "egress eth0")?;
+    repaired("a swapped program")?;
+
+    // The egress filter moved to the ingress hook (another tool's idea of
+    // its place): egress has none, ingress runs it ahead of sluice's.
+    let egress = dir.join("egress_eth0");
+    let egress = egress.to_str().context("pin path")?;
+    tc(
+        &f,
+        &[
+            "filter",
+            "del",
+            "dev",
+            "eth0",
+            "egress",
+            "prio",
+            "1",
+            "handle",
+            "0x51150001",
+            "bpf",
+        ],
+    )?;
+    tc(
+        &f,
+        &[
+            "filter",
+            "add",
+            "dev",
+            "eth0",
+            "ingress",
+            "prio",
+            "1",
+            "handle",
+            "0x7",
+            "bpf",
+            "object-pinned",
+            egress,
+            "da",
+        ],
+    )?;
+    expect("a filter moved to the other hook", "egress eth0")?;
+    repaired("a filter moved")?;
+    // The repair put sluice's ingress filter back in front of the moved one.
+    tc(
+        &f,
+        &[
+            "filter", "del", "dev", "eth0", "ingress", "prio", "1", "handle", "0x7", "bpf",
+        ],
+    )?;
+    run(&f, cookie)?.map_err(|e| anyhow::anyhow!("after removing the moved filter: {e}"))?;
+
+    // Another tool's filter that passes everything, ahead of sluice's.
+    let pass = f.topo.pins.progs().join("verify_pass");
+    sluice_tests::inspect::pin_pass_program(&pass)?;
+    let pass = pass.to_str().context("pin path")?.to_owned();
+    tc(
+        &f,
+        &[
+            "filter",
+            "add",
+            "dev",
+            "eth0",
+            "egress",
+            "prio",
+            "1",
+            "handle",
+            "0x2",
+            "bpf",
+            "object-pinned",
+            &pass,
+            "da",
+        ],
+    )?;
+    expect("a foreign filter ahead", "egress eth0")?;
+    repaired("a foreign filter ahead")?;
+    tc(
+        &f,
+        &[
+            "filter", "del", "dev", "eth0", "egress", "prio", "1", "handle", "0x2", "bpf",
+        ],
+    )?;
+
+    // ztunnel's inbound listener gone from the socket map.
+    Maps::open_pinned(&f.topo.pins.maps())?.remove_listener(cookie, Role::Inbound);
+    expect("the inbound listener gone from the map", "inbound")?;
+    f.register()?;
+    run(&f, cookie)?.map_err(|e| anyhow::anyhow!("after re-registering: {e}"))?;
+
+    // The sk_lookup link detached: its pin was what held it.
+    std::fs::remove_file(dir.join("steer"))?;
+    expect("the sk_lookup link detached", "sk_lookup")?;
+    repaired("the sk_lookup link detached")
+}

@@ -1,0 +1,491 @@
+//! Verifying a pod's capture by running it: ask the kernel what runs at
+//! every hook the pod depends on, in the order it runs it, then run the
+//! programs it holds there (by id) on synthetic packets and check the
+//! verdicts a captured pod's traffic must get. Records are not trusted: a
+//! filter swapped, moved or shadowed, a link detached, a listener gone from
+//! the socket map all show here as a failed case.
+//!
+//! Nothing a verification does changes real traffic: the programs tell its
+//! runs apart and write no map (`sluice_common::verify`); the one map it
+//! writes, `verify_hints`, only its own sk_lookup runs read, and the entry
+//! is removed right after each run.
+
+mod packets;
+
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, SocketAddr},
+    os::fd::{AsRawFd, OwnedFd},
+    path::PathBuf,
+};
+
+use aya::{
+    maps::{HashMap, MapData},
+    programs::TcAttachType,
+};
+use sluice_common::{
+    FlowHint, FlowKey, HintVerdict, Role, FAMILY_V4, FAMILY_V6, MARK_MASK, MARK_REDIRECT,
+    MARK_ZTUNNEL, PORT_DNS, PORT_HBONE, VERIFY_CB_COOKIE_HI, VERIFY_CB_COOKIE_LO,
+    VERIFY_CB_VERDICT, VERIFY_MAGIC,
+};
+
+use crate::{
+    dataplane::{
+        features::TcAttach,
+        hookview::{self, Standing},
+        loader::{Dataplane, Program},
+        state::{addr_key, addr_of, link_local},
+        testrun::{self, Lookup, SkbCtx},
+    },
+    podnet::{
+        enroll::open_pod_netns,
+        netns::{self, Netns},
+        podlinks::{expected_links, LinkSpec},
+        sockets,
+    },
+};
+
+/// `TCX_NEXT` (cls_bpf's `TC_ACT_UNSPEC`): the programs' "not mine, go on".
+const TC_NEXT: i32 = -1;
+const TC_ACT_REDIRECT: i32 = 7;
+const SK_PASS: u32 = 1;
+/// The app port the inbound cases connect to (any port but HBONE's).
+const APP_PORT: u16 = 80;
+
+/// What verifying one pod needs, copied under the node-wide lock.
+pub struct Plan {
+    pub cookie: u64,
+    pub netns: Netns,
+    /// The addresses the programs know as the pod's.
+    pub addrs: Vec<IpAddr>,
+    /// DNS capture is on for the pod.
+    pub dns: bool,
+    /// Interfaces whose TCP is rerouted to 15001.
+    pub reroute: Vec<String>,
+    /// This build's programs, by kernel id: what must run at each hook, and
+    /// the only programs a verification runs.
+    pub ours: BTreeMap<Program, u32>,
+    /// tc programs attach as tcx links (else as cls_bpf filters).
+    pub tcx: bool,
+    /// Where `verify_hints` is pinned.
+    pub maps_dir: PathBuf,
+}
+
+/// A verification that passed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verified {
+    /// Cases run (hooks looked at, programs run).
+    pub cases: usize,
+    /// What could not be run and was only looked at, and why (e.g. an
+    /// interface without an Ethernet header).
+    pub unrun: Vec<String>,
+}
+
+/// The first case that failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{case}: {detail}")]
+pub struct Failed {
+    /// Which case (`egress eth0`, `inbound 10.0.0.2:80`, …).
+    pub case: String,
+    /// What the kernel did instead.
+    pub detail: String,
+}
+
+fn failed(case: impl Into<String>, detail: impl Into<String>) -> Failed {
+    Failed {
+        case: case.into(),
+        detail: detail.into(),
+    }
+}
+
+/// The plan of pod `cookie`'s verification; `None` when it is not enrolled
+/// or its netns cannot be opened.
+pub fn plan(dp: &Dataplane, cookie: u64) -> Option<Plan> {
+    let maps = dp.maps();
+    let netns = open_pod_netns(maps, cookie).ok()?;
+    Some(Plan {
+        cookie,
+        netns,
+        addrs: maps
+            .addrs_of(cookie)
+            .iter()
+            .map(addr_of)
+            .filter(|a| !link_local(a))
+            .collect(),
+        dns: maps.dns_on(cookie),
+        reroute: maps.options(cookie).reroute,
+        ours: dp.program_ids(),
+        tcx: dp.tc_attach() == TcAttach::Tcx,
+        maps_dir: dp.pins().maps(),
+    })
+}
+
+/// Verifies one pod. Blocking: enters its netns on the calling thread.
+pub fn verify(plan: &Plan) -> Result<Verified, Failed> {
+    let seen = sockets::seen_listeners(&plan.netns)
+        .map_err(|e| failed("listeners", format!("cannot list ztunnel's sockets: {e}")))?;
+    let listeners: Vec<(Role, u64)> = seen.into_iter().map(|l| (l.role, l.cookie)).collect();
+    let hints = HashMap::<MapData, FlowKey, FlowHint>::try_from(aya::maps::Map::HashMap(
+        MapData::from_pin(plan.maps_dir.join("verify_hints")).map_err(|e| {
+            failed(
+                "verify_hints",
+                format!("the pinned dataplane has no verification map ({e})"),
+            )
+        })?,
+    ))
+    .map_err(|e| failed("verify_hints", e.to_string()))?;
+    let mut run = Run {
+        plan,
+        listeners,
+        hints,
+        cases: 0,
+        unrun: Vec::new(),
+    };
+    plan.netns
+        .run(|| run.all())
+        .map_err(|e| failed("netns", e.to_string()))??;
+    Ok(Verified {
+        cases: run.cases,
+        unrun: run.unrun,
+    })
+}
+
+/// One verification in progress, inside the pod's netns.
+struct Run<'a> {
+    plan: &'a Plan,
+    /// ztunnel's sockets in the netns: their roles and cookies.
+    listeners: Vec<(Role, u64)>,
+    hints: HashMap<MapData, FlowKey, FlowHint>,
+    cases: usize,
+    unrun: Vec<String>,
+}
+
+/// The programs that run first at an Ethernet interface's hooks (ours,
+/// once the hook checks passed).
+struct Runnable {
+    ingress: u32,
+    egress: u32,
+}
+
+impl Run<'_> {
+    fn all(&mut self) -> Result<(), Failed> {
+        let steer = self.steer()?;
+        let runnable = self.hooks()?;
+        let Some(runnable) = runnable else {
+            self.unrun
+                .push("no Ethernet interface: no program was run".into());
+            return Ok(());
+        };
+        let open = |id: u32, what: &str| {
+            testrun::prog_by_id(id)
+                .map_err(|e| failed(what.to_owned(), format!("program id {id}: {e}")))
+        };
+        let (ingress, egress) = (
+            open(runnable.ingress, "ingress")?,
+            open(runnable.egress, "egress")?,
+        );
+        let steer = open(steer, "sk_lookup")?;
+        let addrs = self.plan.addrs.clone();
+        for addr in addrs {
+            self.inbound(&ingress, &steer, addr, APP_PORT, Role::Inbound)?;
+            self.inbound(&ingress, &steer, addr, PORT_HBONE, Role::Hbone)?;
+            self.outbound(&egress, &steer, addr)?;
+            if self.plan.dns && self.listeners.iter().any(|(r, _)| *r == Role::DnsUdp) {
+                self.dns(&egress, &steer, addr)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The netns' sk_lookup programs: only sluice's. Returns its id.
+    fn steer(&mut self) -> Result<u32, Failed> {
+        self.cases += 1;
+        let ours = self.plan.ours.get(&Program::Steer).copied().unwrap_or(0);
+        let ns = std::fs::File::open("/proc/thread-self/ns/net")
+            .map_err(|e| failed("sk_lookup", e.to_string()))?;
+        let ids = hookview::prog_query(ns.as_raw_fd() as u32, hookview::BPF_SK_LOOKUP)
+            .map_err(|e| failed("sk_lookup", format!("cannot ask the kernel: {e}")))?;
+        if ids != [ours] {
+            return Err(failed(
+                "sk_lookup",
+                format!("the netns runs {ids:?}; only sluice's program (id {ours}) must run there"),
+            ));
+        }
+        Ok(ours)
+    }
+
+    /// What runs first at each of the pod's tc hooks is this build's
+    /// program for it. Returns the programs to run, from an Ethernet
+    /// interface (`None`: the pod has none).
+    fn hooks(&mut self) -> Result<Option<Runnable>, Failed> {
+        let ifaces: Vec<String> = netns::interfaces()
+            .map_err(|e| failed("interfaces", e.to_string()))?
+            .into_iter()
+            .filter(|i| i != "lo")
+            .collect();
+        let l3 = netns::l3_interfaces(&ifaces).map_err(|e| failed("interfaces", e.to_string()))?;
+        let mut ingress = None;
+        let mut egress = None;
+        for spec in expected_links(&ifaces, &l3, &[], &self.plan.reroute) {
+            let Some(hook) = spec.tc_hook() else {
+                continue;
+            };
+            self.cases += 1;
+            let want = self.plan.ours.get(&spec.program()).copied().unwrap_or(0);
+            let case = || {
+                let dir = match hook.kind {
+                    TcAttachType::Egress => "egress",
+                    _ => "ingress",
+                };
+                format!("{dir} {}", hook.iface)
+            };
+            let first = self
+                .first_at(hook.iface, hook.kind)
+                .map_err(|d| failed(case(), d))?;
+            if first != want {
+                return Err(failed(
+                    case(),
+                    format!("program id {first} runs first; sluice's (id {want}) must"),
+                ));
+            }
+            match &spec {
+                LinkSpec::Ingress(_) => ingress = ingress.or(Some(want)),
+                LinkSpec::Egress(_) => egress = egress.or(Some(want)),
+                LinkSpec::EgressL3(i) => self.unrun.push(format!(
+                    "{i}: no Ethernet header, its programs were not run"
+                )),
+                _ => {}
+            }
+        }
+        Ok(ingress
+            .zip(egress)
+            .map(|(ingress, egress)| Runnable { ingress, egress }))
+    }
+
+    /// The id of the program that runs first at `iface`'s `kind` hook, or
+    /// why there is none of sluice's to run.
+    fn first_at(&self, iface: &str, kind: TcAttachType) -> Result<u32, String> {
+        let index = nix::net::if_::if_nametoindex(iface).map_err(|e| e.to_string())?;
+        let tcx_type = match kind {
+            TcAttachType::Egress => hookview::BPF_TCX_EGRESS,
+            _ => hookview::BPF_TCX_INGRESS,
+        };
+        // tcx runs before cls_bpf; a kernel without tcx says EINVAL.
+        let tcx = match hookview::prog_query(index, tcx_type) {
+            Ok(ids) => ids,
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Vec::new(),
+            Err(e) => return Err(format!("cannot ask the kernel for its tcx programs: {e}")),
+        };
+        if let Some(&first) = tcx.first() {
+            return Ok(first);
+        }
+        if self.plan.tcx {
+            return Err("no tcx program".into());
+        }
+        match hookview::standing_at(iface, kind) {
+            Ok(Standing::First(id)) => Ok(id),
+            Ok(Standing::Missing) => Err("no filter of sluice's".into()),
+            Ok(Standing::Behind { ahead, .. }) => {
+                Err(format!("{ahead} runs before sluice's filter"))
+            }
+            Err(e) => Err(format!("cannot dump its filters: {e}")),
+        }
+    }
+
+    /// An inbound SYN to `addr:port`: the ingress program hints it for
+    /// `role` and passes it on, and sk_lookup gives it ztunnel's listener.
+    fn inbound(
+        &mut self,
+        ingress: &OwnedFd,
+        steer: &OwnedFd,
+        addr: IpAddr,
+        port: u16,
+        role: Role,
+    ) -> Result<(), Failed> {
+        let (from, to) = (
+            packets::remote(addr.is_ipv6(), 0),
+            SocketAddr::new(addr, port),
+        );
+        let case = format!("{} {to}", role_name(role));
+        let want = match role {
+            Role::Hbone => HintVerdict::Hbone,
+            _ => HintVerdict::Inbound,
+        };
+        self.tc_case(
+            &case,
+            ingress,
+            &packets::tcp_syn(from, to),
+            0,
+            TC_NEXT,
+            Some(want),
+        )?;
+        self.lookup_case(&case, steer, libc::IPPROTO_TCP as u8, from, to, want, role)
+    }
+
+    /// An outbound SYN from `addr`: the egress program redirects it into
+    /// the pod with the outbound verdict, and sk_lookup gives it 15001; with
+    /// ztunnel's mark the same SYN is passed on untouched.
+    fn outbound(&mut self, egress: &OwnedFd, steer: &OwnedFd, addr: IpAddr) -> Result<(), Failed> {
+        let (from, to) = (
+            SocketAddr::new(addr, 0),
+            packets::remote(addr.is_ipv6(), APP_PORT),
+        );
+        let syn = packets::tcp_syn(from, to);
+        let case = format!("outbound from {addr}");
+        let want = HintVerdict::Outbound;
+        self.tc_case(&case, egress, &syn, 0, TC_ACT_REDIRECT, Some(want))?;
+        self.lookup_case(
+            &case,
+            steer,
+            libc::IPPROTO_TCP as u8,
+            from,
+            to,
+            want,
+            Role::Outbound,
+        )?;
+        let case = format!("ztunnel's own SYN from {addr}");
+        self.tc_case(&case, egress, &syn, MARK_ZTUNNEL, TC_NEXT, None)
+    }
+
+    /// A DNS query over UDP from `addr`: redirected to the DNS proxy's
+    /// socket.
+    fn dns(&mut self, egress: &OwnedFd, steer: &OwnedFd, addr: IpAddr) -> Result<(), Failed> {
+        let (from, to) = (
+            SocketAddr::new(addr, 0),
+            packets::remote(addr.is_ipv6(), PORT_DNS),
+        );
+        let case = format!("DNS query from {addr}");
+        let want = HintVerdict::DnsUdp;
+        self.tc_case(
+            &case,
+            egress,
+            &packets::udp_dns(from, to),
+            0,
+            TC_ACT_REDIRECT,
+            Some(want),
+        )?;
+        self.lookup_case(
+            &case,
+            steer,
+            libc::IPPROTO_UDP as u8,
+            from,
+            to,
+            want,
+            Role::DnsUdp,
+        )
+    }
+
+    /// Runs a tc program on `frame` (with `mark`) and checks its verdict
+    /// and the hint it would have left (`None`: none).
+    fn tc_case(
+        &mut self,
+        case: &str,
+        prog: &OwnedFd,
+        frame: &[u8],
+        mark: u32,
+        verdict: i32,
+        hint: Option<HintVerdict>,
+    ) -> Result<(), Failed> {
+        self.cases += 1;
+        let mut cb = [0u32; 5];
+        cb[0] = VERIFY_MAGIC;
+        let (got, out) = testrun::run_tc(prog, frame, SkbCtx { mark, cb })
+            .map_err(|e| failed(case, format!("test run: {e}")))?;
+        let hinted = HintVerdict::from_u32(out.cb[VERIFY_CB_VERDICT]);
+        let cookie =
+            u64::from(out.cb[VERIFY_CB_COOKIE_HI]) << 32 | u64::from(out.cb[VERIFY_CB_COOKIE_LO]);
+        let redirected = verdict != TC_ACT_REDIRECT || out.mark & MARK_MASK == MARK_REDIRECT;
+        if got != verdict || hinted != hint || !redirected {
+            return Err(failed(
+                case,
+                format!(
+                    "verdict {got} with hint {hinted:?} (mark {:#x}); a captured pod's gets {verdict} with {hint:?}",
+                    out.mark
+                ),
+            ));
+        }
+        if hint.is_some() && cookie != self.plan.cookie {
+            return Err(failed(
+                case,
+                format!(
+                    "hinted for netns {cookie}, not the pod's ({})",
+                    self.plan.cookie
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Runs sk_lookup on the lookup of a connection from `from` to `to`
+    /// hinted `verdict`: it must select one of ztunnel's `role` sockets.
+    #[allow(clippy::too_many_arguments)]
+    fn lookup_case(
+        &mut self,
+        case: &str,
+        steer: &OwnedFd,
+        protocol: u8,
+        from: SocketAddr,
+        to: SocketAddr,
+        verdict: HintVerdict,
+        role: Role,
+    ) -> Result<(), Failed> {
+        self.cases += 1;
+        let key = flow_key(from, to);
+        let hint = FlowHint {
+            verdict: verdict as u32,
+            flags: 0,
+            netns_cookie: self.plan.cookie,
+            at_ns: 0,
+        };
+        self.hints
+            .insert(key, hint, 0)
+            .map_err(|e| failed(case, format!("writing its verification hint: {e}")))?;
+        let lookup = Lookup {
+            protocol,
+            remote: from,
+            local: to,
+        };
+        let ran = testrun::run_sk_lookup(steer, &lookup);
+        let _ = self.hints.remove(&key);
+        let (got, cookie) = ran.map_err(|e| failed(case, format!("sk_lookup test run: {e}")))?;
+        let wanted: Vec<u64> = self
+            .listeners
+            .iter()
+            .filter(|(r, _)| *r == role)
+            .map(|(_, c)| *c)
+            .collect();
+        if got != SK_PASS || !wanted.contains(&cookie) {
+            return Err(failed(
+                case,
+                format!(
+                    "sk_lookup answered {got} selecting socket {cookie}; ztunnel's {} sockets are {wanted:?}",
+                    role_name(role)
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn role_name(role: Role) -> &'static str {
+    match role {
+        Role::Outbound => "outbound",
+        Role::Inbound => "inbound",
+        Role::Hbone => "HBONE",
+        Role::DnsTcp => "DNS TCP",
+        Role::DnsUdp => "DNS UDP",
+    }
+}
+
+/// The flow-hint key of a lookup from `from` to `to`.
+fn flow_key(from: SocketAddr, to: SocketAddr) -> FlowKey {
+    let (r, l) = (addr_key(&from.ip()), addr_key(&to.ip()));
+    FlowKey {
+        remote_addr: r.addr,
+        local_addr: l.addr,
+        remote_port: from.port(),
+        local_port: to.port(),
+        family: if from.is_ipv4() { FAMILY_V4 } else { FAMILY_V6 },
+        _pad: [0; 3],
+    }
+}
