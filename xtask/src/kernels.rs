@@ -42,6 +42,10 @@ pub struct Args {
     /// Arguments for the contract test binary, e.g. a test name filter.
     #[arg(trailing_var_arg = true)]
     args: Vec<String>,
+    /// Several runs of the contract test binary, one after the other, each
+    /// with its arguments (in place of `args`; libtest takes one filter).
+    #[arg(skip)]
+    runs: Vec<Vec<String>>,
 }
 
 #[derive(Clone, Copy, PartialEq, ValueEnum)]
@@ -94,14 +98,16 @@ const DEADLINE_FACTOR_ENV: &str = "SLUICE_TEST_DEADLINE_FACTOR";
 
 const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
 
-/// The contract tests whose name contains `filter`, in a VM booting the
-/// oldest supported kernel (6.1): what `cargo xtask test` runs last.
-pub fn oldest(filter: &str) -> Result<()> {
+/// The contract tests whose name contains one of `filters` (comma-separated),
+/// in a VM booting the oldest supported kernel (6.1): what `cargo xtask
+/// test` runs last.
+pub fn oldest(filters: &str) -> Result<()> {
     run(Args {
         kernels: vec![Kernel::V6_1],
         run: None,
         timeout: 1800,
-        args: vec![filter.to_owned()],
+        args: Vec::new(),
+        runs: filters.split(',').map(|f| vec![f.to_owned()]).collect(),
     })
 }
 
@@ -134,7 +140,8 @@ pub fn run(args: Args) -> Result<()> {
     ];
     let command = match &args.run {
         Some(cmd) => command_file(&std::env::current_dir()?, &env, cmd),
-        None => contract_command(&args.args, &env)?,
+        None if args.runs.is_empty() => contract_command(std::slice::from_ref(&args.args), &env)?,
+        None => contract_command(&args.runs, &env)?,
     };
     let timeout = Duration::from_secs(args.timeout);
     let outcomes: Vec<_> = kernels
@@ -343,16 +350,26 @@ fn fetch(package: &str, kver: &str, root: &Path) -> Result<()> {
 
 /// Builds what the contract tests run (as `cargo xtask test` does, without
 /// its lint) and returns the guest's command file running the test binary.
-fn contract_command(args: &[String], env: &[(&str, &OsStr)]) -> Result<String> {
+fn contract_command(runs: &[Vec<String>], env: &[(&str, &OsStr)]) -> Result<String> {
     setup::run(setup::Scope::Everything)?;
     crate::build_ebpf()?;
     crate::build_ebpf_variant()?;
     let static_cni = crate::build_test_bins()?;
-    let mut cmd = format!("exec {}", quote(contract_binary()?));
-    for arg in args {
-        cmd.push(' ');
-        cmd.push_str(&quote(arg));
-    }
+    let binary = quote(contract_binary()?);
+    // Each run after the one before passed; the first failure's status is
+    // the command's.
+    let cmd = runs
+        .iter()
+        .map(|args| {
+            let mut one = binary.clone();
+            for arg in args {
+                one.push(' ');
+                one.push_str(&quote(arg));
+            }
+            one
+        })
+        .collect::<Vec<_>>()
+        .join(" && ");
     // cargo runs a test binary from its package's directory.
     let mut env = env.to_vec();
     env.push((crate::STATIC_CNI_ENV, static_cni.as_os_str()));
@@ -487,7 +504,7 @@ fn run_vm(k: &Prepared, accel: &[&str], initrd: &Path, timeout: Duration) -> Res
             }
         }
     });
-    let (mut booted, mut code, mut counts) = (None, None, None);
+    let (mut booted, mut code, mut counts) = (None, None, None::<Counts>);
     loop {
         // Until the command starts, a boot hang would otherwise wait for the
         // command's whole timeout.
@@ -506,7 +523,15 @@ fn run_vm(k: &Prepared, accel: &[&str], initrd: &Path, timeout: Duration) -> Res
                 } else if let Some(c) = line.strip_prefix(EXIT_MARKER) {
                     code = c.trim().parse().ok();
                 } else if let Some(c) = Counts::parse(line) {
-                    counts = Some(c);
+                    // One closing line per run of the binary: summed.
+                    counts = Some(match counts {
+                        Some(a) => Counts {
+                            passed: a.passed + c.passed,
+                            failed: a.failed + c.failed,
+                            ignored: a.ignored + c.ignored,
+                        },
+                        None => c,
+                    });
                 }
             }
             Err(RecvTimeoutError::Timeout) => {

@@ -57,7 +57,8 @@ enum Cmd {
         #[arg(long, default_value_t = 10)]
         fuzz_time: u64,
         /// The contract tests run last in a VM booting Debian's 6.1 kernel
-        /// (`test-kernels`): those whose name contains this ("": none).
+        /// (`test-kernels`): those whose name contains one of these
+        /// (comma-separated; "": none).
         #[arg(long, default_value = VM_SUBSET)]
         vm_tests: String,
         /// Extra arguments passed to `cargo test` after `--`, e.g. a test
@@ -271,9 +272,9 @@ fn build_test_bins() -> Result<PathBuf> {
 
 /// What `cargo xtask test` runs on the oldest supported kernel: the
 /// behaviour contract's IPv4 rows, on the real cls_bpf and address-keyed
-/// paths (about 3 minutes emulated; the whole suite takes 15 per kernel,
+/// paths, and the verification's test runs (about 3 minutes emulated; the whole suite takes 15 per kernel,
 /// see docs/TESTING.md, Testing on older kernels).
-const VM_SUBSET: &str = "contract::ipv4::";
+const VM_SUBSET: &str = "contract::ipv4::,verify::";
 
 fn test(extra: &[String], repeat: u32, cpu_hog: bool) -> Result<()> {
     setup::run(setup::Scope::Everything)?;
