@@ -119,3 +119,57 @@ pub fn pin_pass_program(path: &std::path::Path) -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// Attaches, in the netns at `netns`, an sk_lookup program that passes every
+/// lookup and selects nothing (another tool's, for tests of what sluice's
+/// verification says of it). Attached while the returned link is open.
+pub fn attach_pass_sk_lookup(netns: &std::path::Path) -> anyhow::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::{AsRawFd as _, FromRawFd as _};
+    const BPF_PROG_LOAD: libc::c_long = 5;
+    const BPF_LINK_CREATE: libc::c_long = 28;
+    const PROG_TYPE_SK_LOOKUP: u32 = 30;
+    const BPF_SK_LOOKUP: u32 = 36;
+    // struct bpf_insn: r0 = 1 (SK_PASS); exit.
+    let insns: [u64; 2] = [0x0000_0001_0000_00b7, 0x95];
+    let license = c"GPL";
+    // union bpf_attr, BPF_PROG_LOAD: prog_type, insn_cnt, insns, license,
+    // …, expected_attach_type at 68.
+    let mut attr = [0u8; 128];
+    attr[0..4].copy_from_slice(&PROG_TYPE_SK_LOOKUP.to_ne_bytes());
+    attr[4..8].copy_from_slice(&(insns.len() as u32).to_ne_bytes());
+    attr[8..16].copy_from_slice(&(insns.as_ptr() as u64).to_ne_bytes());
+    attr[16..24].copy_from_slice(&(license.as_ptr() as u64).to_ne_bytes());
+    attr[68..72].copy_from_slice(&BPF_SK_LOOKUP.to_ne_bytes());
+    // SAFETY: a zeroed bpf_attr with the load fields set; the pointers stay
+    // valid for the call.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_PROG_LOAD, attr.as_mut_ptr(), attr.len()) };
+    anyhow::ensure!(
+        fd >= 0,
+        "loading a pass sk_lookup program: {}",
+        std::io::Error::last_os_error()
+    );
+    // SAFETY: a fresh fd the kernel just returned; closed on drop.
+    let prog = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
+    let ns = std::fs::File::open(netns).with_context(|| format!("opening {}", netns.display()))?;
+    // union bpf_attr, BPF_LINK_CREATE: prog_fd, target_fd, attach_type.
+    let mut attr = [0u8; 64];
+    attr[0..4].copy_from_slice(&(prog.as_raw_fd() as u32).to_ne_bytes());
+    attr[4..8].copy_from_slice(&(ns.as_raw_fd() as u32).to_ne_bytes());
+    attr[8..12].copy_from_slice(&BPF_SK_LOOKUP.to_ne_bytes());
+    // SAFETY: as above.
+    let link = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_LINK_CREATE,
+            attr.as_mut_ptr(),
+            attr.len(),
+        )
+    };
+    anyhow::ensure!(
+        link >= 0,
+        "attaching the pass sk_lookup program: {}",
+        std::io::Error::last_os_error()
+    );
+    // SAFETY: as above.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(link as i32) })
+}

@@ -102,6 +102,10 @@ pub struct NodeStatus {
     /// False). Retried at every repair.
     #[serde(default)]
     pub incomplete: Vec<IncompletePod>,
+    /// What the last verification of each held pod's capture found (run on
+    /// synthetic packets; see `podnet::verify`).
+    #[serde(default)]
+    pub verifications: Vec<PodVerification>,
     /// How the agent came by the pinned programs (loaded, adopted, upgraded
     /// in place, or another build's kept).
     #[serde(default)]
@@ -134,6 +138,31 @@ pub struct NodeStatus {
     /// of a build before the choice.
     #[serde(default)]
     pub tc_attach: Option<crate::dataplane::features::TcAttach>,
+}
+
+/// What the last verification of a pod's capture found.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PodVerification {
+    pub uid: String,
+    pub outcome: VerifyOutcome,
+    /// The failed case (`failed`), or what was only looked at (`partial`).
+    #[serde(default)]
+    pub case: String,
+    /// What the kernel did instead (`failed`).
+    #[serde(default)]
+    pub detail: String,
+    /// Seconds since it ran; `None`: it has not.
+    pub age_s: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum VerifyOutcome {
+    NotYet,
+    Verified,
+    /// Verified, with some hooks only looked at (not run).
+    Partial,
+    Failed,
 }
 
 /// A pod of this node the agent leaves uncaptured, and why.

@@ -26,6 +26,8 @@ pub struct PodView {
     pub ztunnel_refused: bool,
     /// Its capture lacks links the last repair could not attach.
     pub capture_incomplete: bool,
+    /// Its capture failed its last verification (run on synthetic packets).
+    pub capture_unverified: bool,
 }
 
 /// Everything the condition is computed from.
@@ -58,6 +60,11 @@ pub enum Reason {
     /// (another tool holds the hook). That pod's problem, so the condition
     /// stays True with this reason; the pod's gate is False.
     PodsCaptureIncomplete,
+    /// A pod's capture, run on synthetic packets, did not give the captured
+    /// verdicts (a program swapped or shadowed at a hook, a link detached,
+    /// a listener gone from the socket map). That pod's problem: the
+    /// condition stays True with this reason; the pod's gate is False.
+    PodsCaptureUnverified,
     /// Written by the agent itself as it stops (SIGTERM).
     AgentStopped,
     /// Written by the watchdog when the agent stops answering.
@@ -82,6 +89,7 @@ impl Reason {
             Reason::PodsRefusedByZtunnel => "PodsRefusedByZtunnel",
             Reason::PodsNotServed => "PodsNotServed",
             Reason::PodsCaptureIncomplete => "PodsCaptureIncomplete",
+            Reason::PodsCaptureUnverified => "PodsCaptureUnverified",
             Reason::AgentStopped => "AgentStopped",
             Reason::AgentNotRunning => "AgentNotRunning",
             Reason::DataplaneIncompatible => "DataplaneIncompatible",
@@ -92,7 +100,7 @@ impl Reason {
 
 impl Reason {
     /// Every reason, for metrics that show each.
-    pub const ALL: [Reason; 12] = [
+    pub const ALL: [Reason; 13] = [
         Reason::Ready,
         Reason::ProgramsNotLoaded,
         Reason::CniPluginMissing,
@@ -101,6 +109,7 @@ impl Reason {
         Reason::PodsRefusedByZtunnel,
         Reason::PodsNotServed,
         Reason::PodsCaptureIncomplete,
+        Reason::PodsCaptureUnverified,
         Reason::AgentStopped,
         Reason::AgentNotRunning,
         Reason::DataplaneIncompatible,
@@ -207,6 +216,27 @@ fn node_not_ready(i: &Inputs) -> Option<Condition> {
     })
 }
 
+/// How many pods `pick` finds (none: `None`), and up to [`NAMED`] of
+/// their names, sorted.
+fn found(i: &Inputs, pick: fn(&PodView) -> bool) -> Option<(usize, String)> {
+    let mut hit: Vec<&str> = i
+        .pods
+        .iter()
+        .filter(|p| pick(p))
+        .map(|p| p.name.as_str())
+        .collect();
+    if hit.is_empty() {
+        return None;
+    }
+    hit.sort_unstable();
+    let n = hit.len();
+    hit.truncate(NAMED);
+    if n > NAMED {
+        hit.push("…");
+    }
+    Some((n, hit.join(", ")))
+}
+
 /// The node captures: the condition says which pods wait, and for what.
 fn pods_condition(i: &Inputs) -> Condition {
     let not_ready = |reason, message: String| Condition {
@@ -259,24 +289,21 @@ fn pods_condition(i: &Inputs) -> Condition {
     // refuses, or an istiod outage, must not take nodes out), and the
     // message says which pods wait.
     // No grace: a repair found it, and it is a leak, not a wait.
-    let mut incomplete: Vec<&PodView> = i.pods.iter().filter(|p| p.capture_incomplete).collect();
-    if !incomplete.is_empty() {
-        incomplete.sort_unstable_by(|a, b| a.name.cmp(&b.name));
-        let mut names: Vec<&str> = incomplete
-            .iter()
-            .take(NAMED)
-            .map(|p| p.name.as_str())
-            .collect();
-        if incomplete.len() > NAMED {
-            names.push("…");
-        }
+    if let Some((n, names)) = found(i, |p| p.capture_incomplete) {
         return Condition {
             ready: true,
             reason: Reason::PodsCaptureIncomplete,
             message: format!(
-                "{} of {total} ambient pods captured in part (a link their capture needs cannot be attached; part of their traffic bypasses ztunnel): {}",
-                incomplete.len(),
-                names.join(", ")
+                "{n} of {total} ambient pods captured in part (a link their capture needs cannot be attached; part of their traffic bypasses ztunnel): {names}"
+            ),
+        };
+    }
+    if let Some((n, names)) = found(i, |p| p.capture_unverified) {
+        return Condition {
+            ready: true,
+            reason: Reason::PodsCaptureUnverified,
+            message: format!(
+                "{n} of {total} ambient pods failed the verification of their capture (run on synthetic packets, it did not give the captured verdicts; `sluice status --pod` names the case): {names}"
             ),
         };
     }
@@ -326,6 +353,7 @@ mod tests {
             changed_at_ns: changed_s * S,
             ztunnel_refused: false,
             capture_incomplete: false,
+            capture_unverified: false,
         }
     }
 
@@ -358,6 +386,13 @@ mod tests {
         i.pods.push(refused("ns/r", 50));
         assert_eq!(compute(&i).reason, Reason::PodsRefusedByZtunnel);
         assert!(compute(&i).ready);
+        i.pods.push(PodView {
+            capture_unverified: true,
+            ..pod("ns/swapped", PodState::Served, 99)
+        });
+        let c = compute(&i);
+        assert_eq!((c.ready, c.reason), (true, Reason::PodsCaptureUnverified));
+        assert!(c.message.ends_with(": ns/swapped"), "{}", c.message);
         i.pods.push(PodView {
             capture_incomplete: true,
             ..pod("ns/half", PodState::Served, 99)

@@ -117,7 +117,7 @@ fn main() -> anyhow::Result<()> {
 
     println!("\nsluice status:");
     let pods = sluice::status::read(&f.topo.pins)?;
-    for line in sluice::status::table(&pods, &[], &[]).lines() {
+    for line in sluice::status::table(&pods, None).lines() {
         println!("  {line}");
     }
     println!("\nsluice status --pod default/{}:", f.uid);

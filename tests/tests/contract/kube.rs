@@ -116,7 +116,10 @@ fn cluster_node_selecting(
         Some(k),
         sluice::readiness::DEFAULT_CONDITION_TYPE,
         served,
-        std::time::Duration::ZERO,
+        sluice::agent::node::Periods {
+            orphan_grace: std::time::Duration::ZERO,
+            ..Default::default()
+        },
     );
     let (announcing, stop) = tokio::sync::watch::channel(false);
     tokio::spawn(node.announce(stop));
@@ -1079,6 +1082,8 @@ fn gate_follows_served_in(f: &Fixture, dir: &std::path::Path) -> TestResult {
             stop.clone(),
         ));
         let checking = tokio::spawn(node.check_served(stop.clone()));
+        // Served turns the gate True once the capture passed a verification.
+        let verifying = tokio::spawn(node.verify_queued(stop.clone()));
         // A ztunnel whose xDS does not have the pod yet.
         std::fs::write(&workloads, "[]")?;
         let _peer = PeerProc::start(
@@ -1150,6 +1155,7 @@ fn gate_follows_served_in(f: &Fixture, dir: &std::path::Path) -> TestResult {
         );
         stop_tx.send(true)?;
         let _ = checking.await;
+        let _ = verifying.await;
         let _ = serving.await;
         Ok(())
     })

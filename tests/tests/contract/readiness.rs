@@ -277,7 +277,10 @@ fn stop_marks_node() -> TestResult {
             None,
             DEFAULT_CONDITION_TYPE,
             Default::default(),
-            std::time::Duration::ZERO,
+            sluice::agent::node::Periods {
+                orphan_grace: std::time::Duration::ZERO,
+                ..Default::default()
+            },
         );
         let (stop_tx, stop) = tokio::sync::watch::channel(false);
         let api = NodeApi {
@@ -381,7 +384,10 @@ fn untaint_when_ready() -> TestResult {
             None,
             DEFAULT_CONDITION_TYPE,
             Default::default(),
-            std::time::Duration::ZERO,
+            sluice::agent::node::Periods {
+                orphan_grace: std::time::Duration::ZERO,
+                ..Default::default()
+            },
         );
         let (stop_tx, stop) = tokio::sync::watch::channel(false);
         let listener = server::bind(&zds)?;

@@ -14,10 +14,12 @@ use sluice::{
 };
 use sluice_common::{Budget, Counters, DropReason, FlowHint, FlowKey, Role};
 use sluice_tests::{
+    agent::{free_port, http_get, AgentProc, PeerProc},
     child::Bounded as _,
-    harness::{as_if_kernel, without_netns_cookie_in_tc, Fixture},
+    harness::{as_if_kernel, peer_bin, without_netns_cookie_in_tc, Fixture},
     ns::netns_path,
     standin::Bind,
+    wait,
 };
 
 use crate::{tcx_trial, trial, TestResult};
@@ -39,6 +41,10 @@ pub fn trials() -> Vec<Trial> {
         trial(
             "verify::each_silent_break_is_named_by_its_case",
             breaks_named,
+        ),
+        trial(
+            "verify::a_pod_failing_verification_is_not_served_until_it_passes",
+            agent_reports_failure,
         ),
     ]
 }
@@ -264,4 +270,82 @@ fn breaks_named() -> TestResult {
     std::fs::remove_file(dir.join("steer"))?;
     expect("the sk_lookup link detached", "sk_lookup")?;
     repaired("the sk_lookup link detached")
+}
+
+/// The agent verifies a pod once its listeners are registered and every
+/// `--verify-every`: a foreign sk_lookup program in the pod's netns (no
+/// event announces it, and the agent leaves it alone) fails the pod's
+/// verification within a period. Meanwhile `sluice status` says the pod is
+/// not served and why, `--pod` names the case, and the failure is counted;
+/// once it is gone, the pod passes again.
+fn agent_reports_failure() -> TestResult {
+    let f = Fixture::new("vag", None)?;
+    let port = free_port()?;
+    let addr = format!("127.0.0.1:{port}");
+    let agent = AgentProc::start_with(
+        &f.topo.pins,
+        &["--verify-every", "1s", "--metrics-addr", &addr],
+    )?;
+    let _peer = PeerProc::start(&peer_bin(), &agent.zds, &[])?;
+    let out = agent.enroll(&f.topo.pod_netns_path(), f.uid.as_str(), "default", "vag")?;
+    ensure!(
+        out.ok,
+        "enroll: {} {}\n{}",
+        out.stdout,
+        out.stderr,
+        agent.log()
+    );
+    let uid = f.uid.as_str().to_owned();
+    let agent = &agent;
+    let outcome = |want: &'static str| {
+        let uid = uid.clone();
+        move || match agent.node_status() {
+            Ok(s) => {
+                let v = s["verifications"]
+                    .as_array()
+                    .and_then(|a| a.iter().find(|v| v["uid"] == uid.as_str()).cloned());
+                match v {
+                    Some(v) if v["outcome"] == want => Ok(v),
+                    other => Err(format!("{other:?}")),
+                }
+            }
+            Err(e) => Err(e.to_string()),
+        }
+    };
+    wait::until("the pod verified", wait::DEADLINE, outcome("verified"))
+        .with_context(|| agent.log())?;
+    let foreign = sluice_tests::inspect::attach_pass_sk_lookup(&f.topo.pod_netns_path())?;
+    let v = wait::until(
+        "the pod's verification failed",
+        wait::DEADLINE,
+        outcome("failed"),
+    )
+    .with_context(|| agent.log())?;
+    ensure!(v["case"] == "sk_lookup", "{v}");
+    let table = agent.sluice(&["status"])?.stdout;
+    ensure!(
+        table.contains("no (unverified: sk_lookup)"),
+        "the SERVED column does not say it:\n{table}"
+    );
+    let pod = agent.sluice(&["status", "--pod", f.uid.as_str()])?;
+    let pod = format!("{}{}", pod.stdout, pod.stderr);
+    ensure!(
+        pod.contains("failed verification: sk_lookup") && pod.contains("FAILED"),
+        "`status --pod` does not explain it:\n{pod}"
+    );
+    let (_, metrics) = http_get(port, "/metrics")?;
+    ensure!(
+        metrics.lines().any(|l| l
+            .starts_with("sluice_capture_verifications_total{result=\"failed\"}")
+            && !l.ends_with(" 0")),
+        "no failed verification counted:\n{metrics}"
+    );
+    drop(foreign);
+    wait::until(
+        "the pod verified again",
+        wait::DEADLINE,
+        outcome("verified"),
+    )
+    .with_context(|| agent.log())?;
+    Ok(())
 }

@@ -34,6 +34,9 @@ pub struct Config {
     /// How long the listeners of a ztunnel that died keep connections queued
     /// on them for the next ztunnel (see `custody`).
     pub orphan_grace: std::time::Duration,
+    /// How often every pod's capture is verified besides the events that
+    /// trigger it (`--verify-every`).
+    pub verify_every: std::time::Duration,
     /// The agents' DaemonSet (namespace, name), watched for uninstall (with
     /// `node_name`).
     pub daemonset: Option<(String, String)>,

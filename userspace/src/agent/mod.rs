@@ -199,7 +199,10 @@ fn build_node(cfg: &Config, dp: Dataplane, kube: Option<KubeCtx>) -> Arc<NodeAge
         kube,
         &cfg.report.condition_type,
         cfg.served.clone(),
-        cfg.orphan_grace,
+        node::Periods {
+            orphan_grace: cfg.orphan_grace,
+            verify_every: cfg.verify_every,
+        },
     );
     node.report()
         .metrics
@@ -333,6 +336,7 @@ impl Tasks {
             tokio::spawn(node.announce(stop.clone())),
             tokio::spawn(node.check_served(stop.clone())),
             tokio::spawn(node.watch_links(stop.clone())),
+            tokio::spawn(node.verify_queued(stop.clone())),
         ];
         let report = tokio::spawn(report::run(
             node.report().clone(),

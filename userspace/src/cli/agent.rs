@@ -72,6 +72,13 @@ pub struct Args {
     /// other process can bind ztunnel's ports in the pod. 0s: close at once.
     #[arg(long, default_value = "30s", value_parser = parse_duration, env = "SLUICE_ORPHAN_GRACE")]
     orphan_grace: Duration,
+    /// How often every pod's capture is verified by running it (the
+    /// programs at its hooks on synthetic packets), give or take a tenth,
+    /// besides after every registration, repair and change at its hooks.
+    /// tcx attachments and sk_lookup links send no event: a foreign one is
+    /// found within this period.
+    #[arg(long, default_value = "60s", value_parser = parse_duration, env = "SLUICE_VERIFY_EVERY")]
+    verify_every: Duration,
     /// The agents' DaemonSet, read every 5 s and at SIGTERM: marked
     /// `sluice.dev/uninstall` (the Helm pre-delete hook), being deleted or
     /// gone, the agent removes sluice from its node. Needs --node-name.
@@ -151,6 +158,11 @@ pub fn run(g: Globals, args: Args) -> anyhow::Result<()> {
         args.served_recheck
     );
     anyhow::ensure!(
+        args.verify_every >= Duration::from_secs(1),
+        "--verify-every {:?}: at least 1s (each pass runs every pod's capture)",
+        args.verify_every
+    );
+    anyhow::ensure!(
         args.untaint.is_empty() || args.node_name.is_some(),
         "--untaint needs --node-name (the taint is removed from this node's Node object)"
     );
@@ -185,6 +197,7 @@ pub fn run(g: Globals, args: Args) -> anyhow::Result<()> {
             recheck: args.served_recheck,
         },
         orphan_grace: args.orphan_grace,
+        verify_every: args.verify_every,
         daemonset: args.daemonset.map(|d| (args.namespace, d)),
         node_netns: (node_netns != "off").then(|| PathBuf::from(node_netns)),
         excluded,

@@ -46,8 +46,6 @@ pub fn run(g: Globals, args: Args) -> anyhow::Result<()> {
         agent,
         agent_error,
     };
-    let waiting = node.agent.as_ref().map_or(&[][..], |a| &a.waiting[..]);
-    let incomplete = node.agent.as_ref().map_or(&[][..], |a| &a.incomplete[..]);
     if let Some(query) = pod {
         let Some(e) = explain::explain(&query, &pods, node.agent.as_ref()) else {
             let agent = if node.agent.is_some() {
@@ -67,7 +65,7 @@ pub fn run(g: Globals, args: Args) -> anyhow::Result<()> {
         Output::Table => print!(
             "{}\n{}",
             status::node_lines(&node),
-            status::table(&pods, waiting, incomplete)
+            status::table(&pods, node.agent.as_ref())
         ),
         Output::Json => println!("{}", status::json(&node, &pods)),
     }

@@ -83,6 +83,10 @@ pub enum Reason {
     /// bypasses ztunnel; its readiness gate is False until a repair
     /// completes it.
     CaptureIncomplete,
+    /// Running the pod's capture (its programs on synthetic packets) did
+    /// not give the captured verdicts: the note names the failed case; its
+    /// readiness gate is False until a verification passes.
+    CaptureVerificationFailed,
     /// The pod's capture was removed (no longer ambient, gone).
     CaptureReleased,
     /// The pod carried istio-cni's in-pod rules: sluice captures it now and
@@ -116,6 +120,7 @@ impl Reason {
             Self::InvalidAnnotation => "InvalidAnnotation",
             Self::CaptureRepaired => "CaptureRepaired",
             Self::CaptureIncomplete => "CaptureIncomplete",
+            Self::CaptureVerificationFailed => "CaptureVerificationFailed",
             Self::CaptureReleased => "CaptureReleased",
             Self::TookOverFromIstioCni => "TookOverFromIstioCni",
             Self::HostProbesCaptured => "HostProbesCaptured",
@@ -148,7 +153,9 @@ impl Reason {
             | Self::HostProbesCaptured
             | Self::TooManyAddresses
             | Self::AddressClaimEvicted => "Capture",
-            Self::CaptureRepaired | Self::CaptureIncomplete => "Verify",
+            Self::CaptureRepaired | Self::CaptureIncomplete | Self::CaptureVerificationFailed => {
+                "Verify"
+            }
             Self::CaptureReleased => "Release",
             Self::RedirectionReady | Self::RedirectionNotReady => "Report",
         }

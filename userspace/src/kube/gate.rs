@@ -23,14 +23,21 @@ pub fn has_gate(pod: &Pod) -> bool {
 }
 
 /// Whether an enrolled pod's capture has every link it calls for, as the
-/// agent's last repair found it.
+/// agent's last repair found it, and does what it must when run, as its
+/// last verification found it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Capture {
+    /// Complete, and its last verification passed.
     #[default]
     Complete,
     /// A link could not be attached (another tool holds a hook): part of
     /// the pod's traffic bypasses ztunnel, whatever its state says.
     Incomplete,
+    /// Not verified yet since its listeners were registered.
+    NotYetVerified,
+    /// Its last verification failed: run on synthetic packets, the programs
+    /// at its hooks did not give the captured verdicts.
+    Unverified,
 }
 
 /// status, reason, message for a pod state (`None`: not enrolled) and its
@@ -45,6 +52,22 @@ pub fn condition_for(
             "CaptureIncomplete",
             "captured in part: a link the pod's capture needs cannot be attached, so part of its traffic bypasses ztunnel (`sluice status` names it)",
         );
+    }
+    // Served is only as true as the capture's last run.
+    if state == Some(PodState::Served) {
+        match capture {
+            Capture::Unverified => return (
+                "False",
+                "CaptureUnverified",
+                "served, but running the pod's capture on synthetic packets did not give the captured verdicts: its traffic may bypass ztunnel (`sluice status --pod` names the case)",
+            ),
+            Capture::NotYetVerified => return (
+                "False",
+                "CaptureNotYetVerified",
+                "served; the pod's capture has not been verified by running it yet",
+            ),
+            Capture::Complete | Capture::Incomplete => {}
+        }
     }
     match state {
         Some(PodState::Served) => (
@@ -211,6 +234,26 @@ mod tests {
             "NotEnrolled",
             "nothing captured, nothing incomplete"
         );
+    }
+
+    #[test]
+    fn served_is_true_only_once_verified() {
+        let served = Some(PodState::Served);
+        assert_eq!(condition_for(served, Capture::Complete).0, "True");
+        for (capture, reason) in [
+            (Capture::NotYetVerified, "CaptureNotYetVerified"),
+            (Capture::Unverified, "CaptureUnverified"),
+        ] {
+            assert_eq!(
+                condition_for(served, capture),
+                condition_for(served, capture)
+            );
+            let (status, why, _) = condition_for(served, capture);
+            assert_eq!((status, why), ("False", reason));
+            // Other states keep saying what they are.
+            let (_, why, _) = condition_for(Some(PodState::Pending), capture);
+            assert_eq!(why, "Pending");
+        }
     }
 
     #[tokio::test]

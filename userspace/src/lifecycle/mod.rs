@@ -84,6 +84,8 @@ pub enum Event {
     /// A repair looked at its capture: the links it still lacks, and why
     /// (`None`: complete).
     Checked(Option<Incomplete>),
+    /// Its capture was verified by running it (`podnet::verify`).
+    Verified(Verification),
 }
 
 impl Event {
@@ -106,6 +108,7 @@ impl Event {
             Event::Acked(_) => "acked",
             Event::SandboxOwned(_) => "sandbox owned",
             Event::Checked(_) => "checked",
+            Event::Verified(_) => "verified",
         }
     }
 
@@ -127,7 +130,8 @@ impl Event {
             | Event::Wait { .. }
             | Event::Acked(_)
             | Event::SandboxOwned(_)
-            | Event::Checked(_) => false,
+            | Event::Checked(_)
+            | Event::Verified(_) => false,
         }
     }
 
@@ -192,6 +196,35 @@ pub struct Incomplete {
     pub reason: String,
 }
 
+/// What the last verification of a pod's capture found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Verification {
+    /// Not verified since this agent last registered its listeners.
+    #[default]
+    NotYet,
+    /// Every case passed. `unrun`: what could only be looked at, not run
+    /// (an interface without an Ethernet header): verified in part.
+    Verified { unrun: Vec<String> },
+    /// A case failed: the kernel does not do what the pod's capture needs.
+    Failed { case: String, detail: String },
+}
+
+impl Verification {
+    /// What a change of which is worth telling: not yet, passed, or the
+    /// failed case.
+    fn class(&self) -> (u8, Option<&str>) {
+        match self {
+            Verification::NotYet => (0, None),
+            Verification::Verified { .. } => (1, None),
+            Verification::Failed { case, .. } => (2, Some(case)),
+        }
+    }
+
+    pub fn passed(&self) -> bool {
+        matches!(self, Verification::Verified { .. })
+    }
+}
+
 /// When a waiting pod is offered to ztunnel next, and why it still waits.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Retry {
@@ -244,6 +277,9 @@ pub struct Track {
     /// What the last repair could not attach (`None`: complete, as far as
     /// the last repair saw).
     pub incomplete: Option<Incomplete>,
+    /// What the last verification found, and when it ran.
+    pub verification: Verification,
+    pub verified_at: Option<Instant>,
 }
 
 /// What the agent does because of a step.
@@ -260,6 +296,11 @@ pub enum Effect {
     SendAdd,
     /// What its capture lacks changed: tell Kubernetes (an Event, the gate).
     ReportCompleteness,
+    /// Listeners were registered: verify the pod's capture by running it.
+    Verify,
+    /// Its verification passed or failed where it had not, or failed
+    /// another case: tell Kubernetes (an Event, the gate).
+    ReportVerification,
     /// The pod is gone: drop its row and the listeners held for it.
     Forget,
 }
@@ -331,7 +372,8 @@ pub fn decide(from: Option<PodState>, event: &Event) -> Result<Option<PodState>,
             | Event::Wait { .. }
             | Event::Acked(_)
             | Event::SandboxOwned(_)
-            | Event::Checked(_),
+            | Event::Checked(_)
+            | Event::Verified(_),
         ) => return Ok(s),
         _ => return Err(illegal()),
     };
@@ -396,6 +438,7 @@ fn next_track(track: &Track, event: &Event, state_changed: bool, now: Instant) -
                 next.plan = Plan::Idle;
             }
             effects.push(Effect::RecheckServed);
+            effects.push(Effect::Verify);
         }
         Event::ListenersGone if state_changed && !leaving => {
             next.plan = Plan::Retry(Retry::fresh(
@@ -434,6 +477,13 @@ fn next_track(track: &Track, event: &Event, state_changed: bool, now: Instant) -
                 effects.push(Effect::ReportCompleteness);
             }
             next.incomplete = lacks.clone();
+        }
+        Event::Verified(v) => {
+            if next.verification.class() != v.class() {
+                effects.push(Effect::ReportVerification);
+            }
+            next.verification = v.clone();
+            next.verified_at = Some(now);
         }
         _ => {}
     }

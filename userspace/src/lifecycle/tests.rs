@@ -193,10 +193,50 @@ fn a_failed_attempt_backs_off_and_says_why() {
     assert_eq!(s, Some(Enabled));
     assert_eq!(
         st.effects,
-        [Effect::Announce, Effect::CheckServed, Effect::RecheckServed]
+        [
+            Effect::Announce,
+            Effect::CheckServed,
+            Effect::RecheckServed,
+            Effect::Verify
+        ]
     );
     assert_eq!(t.plan, Plan::Idle);
     assert_eq!(t.ztunnel, Some(Ztunnel::Pid(42)));
+}
+
+/// A verification's outcome is the track's; what changes whether the pod
+/// passes (or which case fails) is reported, and nothing else is.
+#[test]
+fn a_verification_is_reported_when_it_passes_or_fails_anew() {
+    let now = Instant::now();
+    let t = Track::default();
+    assert_eq!(t.verification, Verification::NotYet);
+    let report = |t: &Track, v: Verification| {
+        let s = step_track(t, &Event::Verified(v), now).unwrap();
+        let reported = s.effects == [Effect::ReportVerification];
+        assert!(reported || s.effects.is_empty(), "{:?}", s.effects);
+        (s.track, reported)
+    };
+    let passed = Verification::Verified { unrun: Vec::new() };
+    let (t, r) = report(&t, passed.clone());
+    assert!(r, "first pass: the gate may turn True");
+    assert_eq!(t.verified_at, Some(now));
+    let (t, r) = report(&t, passed.clone());
+    assert!(!r, "passing again is no news");
+    let swapped = |case: &str| Verification::Failed {
+        case: case.into(),
+        detail: "program id 9 runs first".into(),
+    };
+    let (t, r) = report(&t, swapped("egress eth0"));
+    assert!(r);
+    let (t, r) = report(&t, swapped("egress eth0"));
+    assert!(!r, "the same case failing again");
+    let (t, r) = report(&t, swapped("ingress eth0"));
+    assert!(r, "another case");
+    let (t, r) = report(&t, passed);
+    assert!(r && t.verification.passed());
+    // Not a state change: refused by the map, taken by the track.
+    assert!(!Event::Verified(Verification::NotYet).touches_state());
 }
 
 #[test]

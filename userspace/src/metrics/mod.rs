@@ -39,6 +39,7 @@ pub struct Metrics {
     transitions: Family<Labels, Counter>,
     time_to_served: Histogram,
     served_checks: Family<Labels, Counter>,
+    verifications: Family<Labels, Counter>,
     served_fallbacks: Gauge,
     captured_late: Counter,
     repairs: Counter,
@@ -64,6 +65,7 @@ impl Metrics {
             // 10 ms … ≈ 160 s.
             time_to_served: Histogram::new(exponential_buckets(0.01, 2.0, 15)),
             served_checks: Family::default(),
+            verifications: Family::default(),
             served_fallbacks: Gauge::default(),
             captured_late: Counter::default(),
             repairs: Counter::default(),
@@ -168,6 +170,11 @@ impl Metrics {
             self.served_checks.clone(),
         );
         self.registry.register(
+            "capture_verifications",
+            "Verifications of a pod's capture by running it (the programs at its hooks on synthetic packets), by result (verified, partial: some interfaces only looked at, failed)",
+            self.verifications.clone(),
+        );
+        self.registry.register(
             "served_check_fallback",
             "ztunnels whose admin API does not answer, so their acks count as served (0 when the check works)",
             self.served_fallbacks.clone(),
@@ -249,6 +256,14 @@ impl Metrics {
             .inc();
     }
 
+    /// One verification of a pod's capture: `verified`, `partial` or
+    /// `failed`.
+    pub fn capture_verification(&self, result: &'static str) {
+        self.verifications
+            .get_or_create(&vec![("result", result)])
+            .inc();
+    }
+
     pub fn set_served_fallbacks(&self, n: usize) {
         self.served_fallbacks.set(n as i64);
     }
@@ -285,6 +300,9 @@ impl Metrics {
         }
         for r in ["answered", "failed"] {
             let _ = self.served_checks.get_or_create(&vec![("result", r)]);
+        }
+        for r in ["verified", "partial", "failed"] {
+            let _ = self.verifications.get_or_create(&vec![("result", r)]);
         }
         for cmd in [Add, Del, Check] {
             for result in [CniResult::Ok, CniResult::Skipped, CniResult::Error] {

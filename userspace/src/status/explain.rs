@@ -11,7 +11,7 @@ use serde::Serialize;
 use sluice_common::{PodState, Role};
 
 use crate::{
-    control::{NodeStatus, SkippedPod},
+    control::{NodeStatus, PodVerification, SkippedPod, VerifyOutcome},
     dataplane::state::{boottime_ns, PodRecord},
     status,
 };
@@ -34,6 +34,10 @@ pub enum Verdict {
         missing: Vec<String>,
         reason: String,
     },
+    /// Steering, but running its capture on synthetic packets did not give
+    /// the captured verdicts (`case`, and what the kernel did instead): its
+    /// traffic may bypass ztunnel; its readiness gate is False.
+    CaptureUnverified { case: String, detail: String },
     /// Its capture is being removed.
     Draining,
     /// On this node, left uncaptured by the agent, for `reason`.
@@ -49,6 +53,8 @@ pub struct Explanation<'a> {
     pub pod: Option<&'a PodRecord>,
     /// The agent's last error for a pod it retries.
     pub last_error: Option<&'a str>,
+    /// The agent's last verification of the pod's capture.
+    pub verification: Option<&'a PodVerification>,
 }
 
 /// Which pod `query` names: its uid, or `namespace/name`.
@@ -81,11 +87,21 @@ pub fn explain<'a>(
             .iter()
             .find(|i| i.uid == p.uid && p.state != Some(PodState::Draining))
     });
+    let verification = pod.and_then(|p| agent?.verifications.iter().find(|v| v.uid == p.uid));
+    let steers = pod.is_some_and(|p| matches!(p.state, Some(PodState::Enabled | PodState::Served)));
+    let failed = verification.filter(|v| steers && v.outcome == VerifyOutcome::Failed);
     let verdict = match (pod, skipped, incomplete) {
         (Some(_), _, Some(i)) => Verdict::CaptureIncomplete {
             missing: i.missing.clone(),
             reason: i.reason.clone(),
         },
+        (Some(_), _, None) if failed.is_some() => {
+            let v = failed.expect("checked");
+            Verdict::CaptureUnverified {
+                case: v.case.clone(),
+                detail: v.detail.clone(),
+            }
+        }
         (Some(p), _, None) => match p.state {
             Some(PodState::Served) => Verdict::FullyEnrolled,
             Some(PodState::Enabled) => Verdict::NotServed,
@@ -110,6 +126,7 @@ pub fn explain<'a>(
         verdict,
         pod,
         last_error,
+        verification,
     })
 }
 
@@ -149,12 +166,18 @@ pub fn render(e: &Explanation, agent_running: bool) -> String {
             "captured in part: lacks {} ({reason}); part of its traffic bypasses ztunnel",
             missing.join(", ")
         ),
+        Verdict::CaptureUnverified { case, detail } => format!(
+            "captured, but its capture failed verification: {case}: {detail}; its traffic may bypass ztunnel (readiness gate False; the agent repairs and verifies again)"
+        ),
         Verdict::Draining => "capture being removed".into(),
         Verdict::NotCaptured { reason } => format!("not captured: {reason}"),
     };
     line("verdict", verdict);
     if let Some(err) = e.last_error {
         line("retrying", err.to_owned());
+    }
+    if let Some(v) = e.verification {
+        line("verified", status::verification_line(v));
     }
     let Some(p) = e.pod else {
         return out;

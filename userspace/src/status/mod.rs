@@ -10,7 +10,7 @@ use serde::Serialize;
 use sluice_common::PodState;
 
 use crate::{
-    control::{IncompletePod, NodeStatus, ServedCheck, WaitingPod},
+    control::{IncompletePod, NodeStatus, PodVerification, ServedCheck, VerifyOutcome},
     dataplane::loader::Pins,
     dataplane::state::{boottime_ns, Maps, PodRecord},
 };
@@ -224,13 +224,46 @@ pub(crate) fn age(ns: u64, now: u64) -> String {
     }
 }
 
-/// Whether ztunnel can serve the pod: "yes", "no (waiting 12s)" for a
-/// steering pod ztunnel does not know, "-" for a pod not steering.
-fn served(p: &PodRecord, now: u64) -> String {
-    match p.state {
-        Some(PodState::Served) => "yes".into(),
-        Some(PodState::Enabled) => format!("no ({})", age(p.changed_at_ns, now)),
+/// Whether ztunnel can serve the pod: "yes (verified 12s ago)", "no
+/// (waiting 12s)" for a steering pod ztunnel does not know, "no
+/// (unverified: CASE)" for one whose capture failed its verification, "-"
+/// for a pod not steering. `v`: the agent's last verification of the pod
+/// (`None` without an agent: plain "yes").
+fn served(p: &PodRecord, now: u64, v: Option<&PodVerification>) -> String {
+    match (p.state, v) {
+        (Some(PodState::Served), None) => "yes".into(),
+        (Some(PodState::Served), Some(v)) => match v.outcome {
+            VerifyOutcome::Failed => format!("no (unverified: {})", v.case),
+            VerifyOutcome::NotYet => "yes (not verified yet)".into(),
+            VerifyOutcome::Verified => format!("yes (verified {} ago)", ago(v)),
+            VerifyOutcome::Partial => format!("yes (verified in part {} ago)", ago(v)),
+        },
+        (Some(PodState::Enabled), _) => format!("no ({})", age(p.changed_at_ns, now)),
         _ => "-".into(),
+    }
+}
+
+fn ago(v: &PodVerification) -> String {
+    let s = v.age_s.unwrap_or(0) * 1_000_000_000;
+    age(0, s)
+}
+
+/// The verification line of a pod: what it found, and how long ago.
+pub fn verification_line(v: &PodVerification) -> String {
+    match v.outcome {
+        VerifyOutcome::NotYet => "not verified yet".into(),
+        VerifyOutcome::Verified => format!("verified {} ago: every case passed", ago(v)),
+        VerifyOutcome::Partial => format!(
+            "verified in part {} ago (only looked at: {})",
+            ago(v),
+            v.case
+        ),
+        VerifyOutcome::Failed => format!(
+            "FAILED {} ago: {}: {}; its traffic may bypass ztunnel",
+            ago(v),
+            v.case,
+            v.detail
+        ),
     }
 }
 
@@ -243,10 +276,13 @@ pub fn incomplete_line(i: &IncompletePod) -> String {
     )
 }
 
-/// The human table. `waiting`: the agent's retried pods and why, and
-/// `incomplete`: pods whose capture a repair could not complete (the ERROR
-/// column); both empty without an agent.
-pub fn table(pods: &[PodRecord], waiting: &[WaitingPod], incomplete: &[IncompletePod]) -> String {
+/// The human table. From the agent's report (`None`: no agent): the pods
+/// it retries and why, those whose capture a repair could not complete
+/// (the ERROR column), and its verifications (the SERVED column).
+pub fn table(pods: &[PodRecord], agent: Option<&NodeStatus>) -> String {
+    let waiting = agent.map_or(&[][..], |a| &a.waiting[..]);
+    let incomplete = agent.map_or(&[][..], |a| &a.incomplete[..]);
+    let verified = agent.map_or(&[][..], |a| &a.verifications[..]);
     let now = boottime_ns();
     let mut rows = vec![[
         "POD".to_string(),
@@ -283,7 +319,7 @@ pub fn table(pods: &[PodRecord], waiting: &[WaitingPod], incomplete: &[Incomplet
             pod_name(p),
             p.uid.clone(),
             p.state.map_or("Unknown", PodState::as_str).into(),
-            served(p, now),
+            served(p, now, verified.iter().find(|v| v.uid == p.uid)),
             age(p.changed_at_ns, now),
             age(p.enrolled_at_ns, now),
             listeners_summary(&p.listeners),

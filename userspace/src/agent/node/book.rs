@@ -16,7 +16,7 @@ use crate::{
     cni::install::CniInstall,
     dataplane::{loader::Dataplane, state::boottime_ns},
     kube::gate::Capture,
-    lifecycle::Observer,
+    lifecycle::{Observer, Verification},
     metrics,
     podnet::{
         enroll::{self, EnrollError},
@@ -139,12 +139,16 @@ impl PodBook {
         }
     }
 
-    /// Whether the pod of `uid` has every link its capture calls for.
+    /// Whether the pod of `uid` has every link its capture calls for, and
+    /// its capture passed its last verification.
     pub(super) fn capture_of(&self, uid: &str) -> Capture {
         if self.pods.is_incomplete(uid) {
-            Capture::Incomplete
-        } else {
-            Capture::Complete
+            return Capture::Incomplete;
+        }
+        match self.pods.verification(uid) {
+            Verification::Verified { .. } => Capture::Complete,
+            Verification::Failed { .. } => Capture::Unverified,
+            Verification::NotYet => Capture::NotYetVerified,
         }
     }
 
@@ -191,7 +195,12 @@ impl PodBook {
                     state: e.state(),
                     changed_at_ns: e.changed_at_ns,
                     ztunnel_refused: meta.as_ref().is_some_and(|m| refused.contains(&m.uid)),
-                    capture_incomplete: meta.is_some_and(|m| self.pods.is_incomplete(&m.uid)),
+                    capture_incomplete: meta
+                        .as_ref()
+                        .is_some_and(|m| self.pods.is_incomplete(&m.uid)),
+                    capture_unverified: meta.is_some_and(|m| {
+                        matches!(self.pods.verification(&m.uid), Verification::Failed { .. })
+                    }),
                 }
             })
             .collect();

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use sluice_common::PodState;
 use tracing::info;
 
-use super::{announce::Announcer, pods::PodTable, served_check::ServedChecker};
+use super::{
+    announce::Announcer, pods::PodTable, served_check::ServedChecker, verify_queue::VerifyQueue,
+};
 use crate::{
     agent::custody::Custody,
     lifecycle::{Applied, Effect, Observer},
@@ -22,6 +24,7 @@ pub(super) struct EffectRunner {
     pub(super) served: Arc<ServedChecker>,
     pub(super) custody: Arc<Custody>,
     pub(super) metrics: Arc<Metrics>,
+    pub(super) verify: Arc<VerifyQueue>,
 }
 
 impl EffectRunner {
@@ -52,6 +55,7 @@ impl EffectRunner {
                 }
                 Effect::CheckServed => self.served.wake(),
                 Effect::RecheckServed => self.served.recheck_soon(),
+                Effect::Verify => self.verify.push(a.cookie),
                 Effect::Forget => {
                     if let Some(p) = &a.pod {
                         self.custody.forget(&p.uid);
@@ -59,7 +63,7 @@ impl EffectRunner {
                     }
                 }
                 // Effects of track-only events: their callers run them.
-                Effect::SendAdd | Effect::ReportCompleteness => {}
+                Effect::SendAdd | Effect::ReportCompleteness | Effect::ReportVerification => {}
             }
         }
     }

@@ -12,6 +12,7 @@
 //! - `ztunnels`: the ZDS connections: adds, answers, listener registration
 //!   and custody, the ZDS server's `Handler`;
 //! - `repair`: verifying and completing every pod's capture;
+//! - `verify_queue`: pods due for a verification of their capture;
 //! - `supervise`: listeners gone → Pending, retries with backoff;
 //! - `linkwatch`: interfaces a pod gains, captured as the kernel announces
 //!   them, and changes at a pod's hooks, repaired at once (`hostwatch`: the
@@ -54,6 +55,7 @@ mod rtevents;
 mod served_check;
 mod supervise;
 mod uninstall;
+mod verify_queue;
 mod ztunnels;
 
 pub use relist::Relist;
@@ -71,6 +73,26 @@ use pods::PodTable;
 use served_check::ServedChecker;
 use supervise::Supervisor;
 use ztunnels::Ztunnels;
+
+/// How long the node's roles wait for what.
+#[derive(Debug, Clone, Copy)]
+pub struct Periods {
+    /// How long the listeners of a ztunnel that died keep connections
+    /// queued on them for the next ztunnel (see `custody`).
+    pub orphan_grace: Duration,
+    /// How often every pod's capture is verified, whatever else happens
+    /// (`--verify-every`).
+    pub verify_every: Duration,
+}
+
+impl Default for Periods {
+    fn default() -> Self {
+        Self {
+            orphan_grace: Duration::from_secs(30),
+            verify_every: repair::VERIFY_EVERY,
+        }
+    }
+}
 
 /// The node agent's roles, wired.
 pub struct NodeAgent {
@@ -96,13 +118,13 @@ impl NodeAgent {
         kube: Option<KubeCtx>,
         condition_type: &str,
         served: ServedConfig,
-        orphan_grace: Duration,
+        periods: Periods,
     ) -> Arc<Self> {
         let pods = Arc::new(PodTable::default());
         let book = Arc::new(PodBook::new(dp, pods.clone()));
         let metrics = Arc::new(Metrics::new(Arc::new(MapSource(Arc::downgrade(&book)))));
         let report = Arc::new(Report::new(metrics.clone(), condition_type));
-        let custody = Arc::new(Custody::new(orphan_grace));
+        let custody = Arc::new(Custody::new(periods.orphan_grace));
         let announcer = Arc::new(Announcer::new(kube.clone(), pods.clone()));
         let node_name = kube.as_ref().map(|k| k.node.clone());
         let served = Arc::new(ServedChecker::new(
@@ -111,6 +133,7 @@ impl NodeAgent {
             hub.clone(),
             metrics.clone(),
         ));
+        let queue = Arc::new(verify_queue::VerifyQueue::default());
         book.observe(
             EffectRunner {
                 pods,
@@ -118,6 +141,7 @@ impl NodeAgent {
                 served: served.clone(),
                 custody: custody.clone(),
                 metrics: metrics.clone(),
+                verify: queue.clone(),
             }
             .observer(),
         );
@@ -132,6 +156,8 @@ impl NodeAgent {
             book: book.clone(),
             announcer: announcer.clone(),
             metrics: metrics.clone(),
+            queue,
+            every: periods.verify_every,
         });
         let enroller = Arc::new(Enroller {
             book: book.clone(),
@@ -238,6 +264,12 @@ impl NodeAgent {
     /// The served check (see `served_check`).
     pub fn check_served(&self, stop: watch::Receiver<bool>) -> impl Future<Output = ()> + Send {
         self.served.clone().run(self.book.clone(), stop)
+    }
+
+    /// Verifying the capture of pods whose listeners were registered (see
+    /// `repair`).
+    pub fn verify_queued(&self, stop: watch::Receiver<bool>) -> impl Future<Output = ()> + Send {
+        self.repair.clone().run(stop)
     }
 
     /// The pods' link events (see `linkwatch`).

@@ -21,8 +21,8 @@ use std::{
 use tracing::warn;
 
 use crate::{
-    control::{IncompletePod, WaitingPod},
-    lifecycle::{self, Applied, Cause, Effect, Event, Plan, Track, Ztunnel},
+    control::{IncompletePod, PodVerification, VerifyOutcome, WaitingPod},
+    lifecycle::{self, Applied, Cause, Effect, Event, Plan, Track, Verification, Ztunnel},
     podnet::netns::Netns,
     workload::PodIdentity,
 };
@@ -188,6 +188,46 @@ impl PodTable {
     /// Whether the last repair left the pod's capture incomplete.
     pub(super) fn is_incomplete(&self, uid: &str) -> bool {
         self.track(uid, |t| t.incomplete.is_some()).unwrap_or(false)
+    }
+
+    /// What the pod's last verification found (not yet, for a pod the
+    /// agent does not hold).
+    pub(super) fn verification(&self, uid: &str) -> Verification {
+        self.track(uid, |t| t.verification.clone())
+            .unwrap_or_default()
+    }
+
+    /// What the last verification of each held pod found.
+    pub(super) fn verifications(&self) -> Vec<PodVerification> {
+        let mut out: Vec<PodVerification> = self
+            .by_uid
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(uid, p)| {
+                let (outcome, case, detail) = match &p.track.verification {
+                    Verification::NotYet => (VerifyOutcome::NotYet, String::new(), String::new()),
+                    Verification::Verified { unrun } if unrun.is_empty() => {
+                        (VerifyOutcome::Verified, String::new(), String::new())
+                    }
+                    Verification::Verified { unrun } => {
+                        (VerifyOutcome::Partial, unrun.join("; "), String::new())
+                    }
+                    Verification::Failed { case, detail } => {
+                        (VerifyOutcome::Failed, case.clone(), detail.clone())
+                    }
+                };
+                PodVerification {
+                    uid: uid.clone(),
+                    outcome,
+                    case,
+                    detail,
+                    age_s: p.track.verified_at.map(|t| t.elapsed().as_secs()),
+                }
+            })
+            .collect();
+        out.sort_by(|a, b| a.uid.cmp(&b.uid));
+        out
     }
 
     /// Pods whose capture the last repair could not complete.

@@ -8,25 +8,44 @@ use std::{sync::Arc, time::Duration};
 
 use tracing::{info, info_span, warn};
 
-use super::{announce::Announcer, book::PodBook};
+use sluice_common::PodState;
+use tokio::sync::watch;
+
+use super::{announce::Announcer, book::PodBook, verify_queue::VerifyQueue};
 use crate::{
     dataplane::loader::Dataplane,
     kube::events::Reason,
-    lifecycle::{Effect, Event, Incomplete},
+    lifecycle::{Effect, Event, Incomplete, Verification},
     metrics::Metrics,
-    podnet::enroll::{self, EnrollError},
+    podnet::{
+        enroll::{self, EnrollError},
+        verify,
+    },
 };
 
-/// How often every pod's capture is verified, whatever else happens.
+/// How often every pod's capture is verified, whatever else happens, by
+/// default (`--verify-every`).
 pub const VERIFY_EVERY: Duration = Duration::from_secs(60);
 
 pub struct Repairer {
     pub(super) book: Arc<PodBook>,
     pub(super) announcer: Arc<Announcer>,
     pub(super) metrics: Arc<Metrics>,
+    /// Pods whose listeners were registered: verified by [`Self::run`].
+    pub(super) queue: Arc<VerifyQueue>,
+    /// How often every pod is verified (`--verify-every`).
+    pub(super) every: Duration,
 }
 
 impl Repairer {
+    /// How long until the next verification of every pod: the period,
+    /// give or take a tenth at random, so that nodes started together do
+    /// not verify in step.
+    pub(super) fn next_pass(&self) -> Duration {
+        let jitter = rand_unit() * 0.2 - 0.1;
+        self.every.mul_f64(1.0 + jitter)
+    }
+
     /// Verifies and completes every pod's capture; removes pins no pod owns.
     /// Blocking: run it off the async workers.
     pub fn verify_all(&self, at_start: bool) {
@@ -51,6 +70,24 @@ impl Repairer {
         self.verify(cookie, false);
     }
 
+    /// Verifies the pods queued when their listeners were registered, until
+    /// `stop`.
+    pub(super) async fn run(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+        loop {
+            let due = tokio::select! {
+                _ = stop.changed() => return,
+                due = self.queue.take() => due,
+            };
+            let this = self.clone();
+            let _ = tokio::task::spawn_blocking(move || {
+                for cookie in due {
+                    this.verify(cookie, false);
+                }
+            })
+            .await;
+        }
+    }
+
     /// Verifies one pod, if it is still enrolled. What is linear in its
     /// interfaces (reading them, looking at each pod-side link) runs
     /// without the node-wide lock, so that a pod with many interfaces, or
@@ -59,8 +96,74 @@ impl Repairer {
     fn verify(&self, cookie: u64, at_start: bool) {
         let survey = self.book.survey(cookie);
         let mut guard = self.book.dataplane();
-        if guard.maps().entry(cookie).is_some() {
-            self.verify_pod(&mut guard, cookie, at_start, survey);
+        if guard.maps().entry(cookie).is_none() {
+            return;
+        }
+        self.verify_pod(&mut guard, cookie, at_start, survey);
+        drop(guard);
+        self.run_capture(cookie);
+    }
+
+    /// Runs the capture of a pod that steers (`Enabled`, `Served`) on
+    /// synthetic packets (see [`verify`]): what its readiness gate waits
+    /// for. The plan is read under the node-wide lock, the runs are made
+    /// without it.
+    fn run_capture(&self, cookie: u64) {
+        let (plan, uid, pod) = {
+            let dp = self.book.dataplane();
+            let steers = dp
+                .maps()
+                .entry(cookie)
+                .and_then(|e| e.state())
+                .is_some_and(|s| matches!(s, PodState::Enabled | PodState::Served));
+            let Some(meta) = dp.maps().meta(cookie).filter(|_| steers) else {
+                return;
+            };
+            let pod = format!("{}/{}", meta.workload.namespace, meta.workload.name);
+            (verify::plan(&dp, cookie), meta.uid, pod)
+        };
+        let span = info_span!("pod", %uid, %pod, cookie);
+        let _e = span.enter();
+        let outcome = match plan {
+            Some(plan) => verify::verify(&plan),
+            None => Err(verify::Failed {
+                case: "netns".into(),
+                detail: "cannot open the pod's netns".into(),
+            }),
+        };
+        let found = match outcome {
+            Ok(v) => {
+                let result = if v.unrun.is_empty() {
+                    "verified"
+                } else {
+                    "partial"
+                };
+                self.metrics.capture_verification(result);
+                Verification::Verified { unrun: v.unrun }
+            }
+            Err(f) => {
+                self.metrics.capture_verification("failed");
+                Verification::Failed {
+                    case: f.case,
+                    detail: f.detail,
+                }
+            }
+        };
+        let effects = self.book.pods().apply(&uid, Event::Verified(found.clone()));
+        if !effects.contains(&Effect::ReportVerification) {
+            return;
+        }
+        match &found {
+            Verification::Failed { case, detail } => {
+                warn!(%case, %detail, "the pod's capture failed its verification: its traffic may bypass ztunnel; the readiness gate is False until a verification passes");
+                let note = format!("capture verification failed: {case}: {detail}; the readiness gate is False until a verification passes (retried at every change at the pod's hooks and every {}s)", self.every.as_secs());
+                self.announcer
+                    .pod_event(&uid, Reason::CaptureVerificationFailed, &note);
+            }
+            _ => info!("the pod's capture passed its verification"),
+        }
+        if let Some((namespace, name)) = pod.split_once('/') {
+            self.announcer.announce_pod(namespace, name);
         }
     }
 
@@ -163,4 +266,12 @@ impl Repairer {
             self.announcer.announce_pod(namespace, name);
         }
     }
+}
+
+/// A number in [0, 1) from the clock's nanoseconds: jitter needs no more.
+fn rand_unit() -> f64 {
+    let ns = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    f64::from(ns % 1_000_000) / 1_000_000.0
 }

@@ -181,6 +181,7 @@ impl Requests {
             ztunnels: self.ztunnel_views(),
             waiting: pods.waiting(),
             incomplete: pods.incomplete(),
+            verifications: pods.verifications(),
             served_check: self.served.mode(),
             cni: self.report.cni(),
             dataplane,

@@ -12,11 +12,7 @@ use sluice_common::PodState;
 use tokio::sync::watch;
 use tracing::{info, info_span, warn, Instrument as _};
 
-use super::{
-    book::PodBook,
-    repair::{Repairer, VERIFY_EVERY},
-    ztunnels::Ztunnels,
-};
+use super::{book::PodBook, repair::Repairer, ztunnels::Ztunnels};
 use crate::{
     dataplane::state::boottime_ns,
     lifecycle::{Effect, Event},
@@ -38,14 +34,16 @@ impl Supervisor {
     /// newest ztunnel again, with backoff.
     pub(super) async fn run(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
         let mut verified = Instant::now();
+        let mut period = self.repair.next_pass();
         loop {
             tokio::select! {
                 _ = stop.changed() => return,
                 _ = self.ztunnels.changed() => {},
                 _ = tokio::time::sleep(CHECK_EVERY) => {},
             }
-            if verified.elapsed() >= VERIFY_EVERY {
+            if verified.elapsed() >= period {
                 verified = Instant::now();
+                period = self.repair.next_pass();
                 let repair = self.repair.clone();
                 let _ = tokio::task::spawn_blocking(move || repair.verify_all(false)).await;
             }

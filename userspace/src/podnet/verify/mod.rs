@@ -62,6 +62,9 @@ pub struct Plan {
     pub dns: bool,
     /// Interfaces whose TCP is rerouted to 15001.
     pub reroute: Vec<String>,
+    /// The pod asked for no inbound capture (`bypass-inbound-capture`):
+    /// its inbound SYNs but HBONE's go where they are addressed.
+    pub bypass_inbound: bool,
     /// This build's programs, by kernel id: what must run at each hook, and
     /// the only programs a verification runs.
     pub ours: BTreeMap<Program, u32>,
@@ -103,6 +106,7 @@ fn failed(case: impl Into<String>, detail: impl Into<String>) -> Failed {
 pub fn plan(dp: &Dataplane, cookie: u64) -> Option<Plan> {
     let maps = dp.maps();
     let netns = open_pod_netns(maps, cookie).ok()?;
+    let options = maps.options(cookie);
     Some(Plan {
         cookie,
         netns,
@@ -113,7 +117,8 @@ pub fn plan(dp: &Dataplane, cookie: u64) -> Option<Plan> {
             .filter(|a| !link_local(a))
             .collect(),
         dns: maps.dns_on(cookie),
-        reroute: maps.options(cookie).reroute,
+        reroute: options.reroute,
+        bypass_inbound: options.bypass_inbound,
         ours: dp.program_ids(),
         tcx: dp.tc_attach() == TcAttach::Tcx,
         maps_dir: dp.pins().maps(),
@@ -293,7 +298,8 @@ impl Run<'_> {
     }
 
     /// An inbound SYN to `addr:port`: the ingress program hints it for
-    /// `role` and passes it on, and sk_lookup gives it ztunnel's listener.
+    /// `role` and passes it on, and sk_lookup gives it ztunnel's listener
+    /// (or, for a pod that bypasses inbound capture, passes it on).
     fn inbound(
         &mut self,
         ingress: &OwnedFd,
@@ -302,47 +308,34 @@ impl Run<'_> {
         port: u16,
         role: Role,
     ) -> Result<(), Failed> {
-        let (from, to) = (
+        let conn = tcp(
             packets::remote(addr.is_ipv6(), 0),
             SocketAddr::new(addr, port),
         );
-        let case = format!("{} {to}", role_name(role));
-        let want = match role {
-            Role::Hbone => HintVerdict::Hbone,
-            _ => HintVerdict::Inbound,
+        let case = format!("{} {}", role_name(role), conn.local);
+        let (want, to) = match role {
+            Role::Hbone => (HintVerdict::Hbone, Some(role)),
+            _ if self.plan.bypass_inbound => (HintVerdict::Bypass, None),
+            _ => (HintVerdict::Inbound, Some(role)),
         };
-        self.tc_case(
-            &case,
-            ingress,
-            &packets::tcp_syn(from, to),
-            0,
-            TC_NEXT,
-            Some(want),
-        )?;
-        self.lookup_case(&case, steer, libc::IPPROTO_TCP as u8, from, to, want, role)
+        let syn = packets::tcp_syn(conn.remote, conn.local);
+        self.tc_case(&case, ingress, &syn, 0, TC_NEXT, Some(want))?;
+        self.lookup_case(&case, steer, &conn, want, to)
     }
 
     /// An outbound SYN from `addr`: the egress program redirects it into
     /// the pod with the outbound verdict, and sk_lookup gives it 15001; with
     /// ztunnel's mark the same SYN is passed on untouched.
     fn outbound(&mut self, egress: &OwnedFd, steer: &OwnedFd, addr: IpAddr) -> Result<(), Failed> {
-        let (from, to) = (
+        let conn = tcp(
             SocketAddr::new(addr, 0),
             packets::remote(addr.is_ipv6(), APP_PORT),
         );
-        let syn = packets::tcp_syn(from, to);
+        let syn = packets::tcp_syn(conn.remote, conn.local);
         let case = format!("outbound from {addr}");
         let want = HintVerdict::Outbound;
         self.tc_case(&case, egress, &syn, 0, TC_ACT_REDIRECT, Some(want))?;
-        self.lookup_case(
-            &case,
-            steer,
-            libc::IPPROTO_TCP as u8,
-            from,
-            to,
-            want,
-            Role::Outbound,
-        )?;
+        self.lookup_case(&case, steer, &conn, want, Some(Role::Outbound))?;
         let case = format!("ztunnel's own SYN from {addr}");
         self.tc_case(&case, egress, &syn, MARK_ZTUNNEL, TC_NEXT, None)
     }
@@ -350,29 +343,16 @@ impl Run<'_> {
     /// A DNS query over UDP from `addr`: redirected to the DNS proxy's
     /// socket.
     fn dns(&mut self, egress: &OwnedFd, steer: &OwnedFd, addr: IpAddr) -> Result<(), Failed> {
-        let (from, to) = (
-            SocketAddr::new(addr, 0),
-            packets::remote(addr.is_ipv6(), PORT_DNS),
-        );
+        let conn = Lookup {
+            protocol: libc::IPPROTO_UDP as u8,
+            remote: SocketAddr::new(addr, 0),
+            local: packets::remote(addr.is_ipv6(), PORT_DNS),
+        };
         let case = format!("DNS query from {addr}");
         let want = HintVerdict::DnsUdp;
-        self.tc_case(
-            &case,
-            egress,
-            &packets::udp_dns(from, to),
-            0,
-            TC_ACT_REDIRECT,
-            Some(want),
-        )?;
-        self.lookup_case(
-            &case,
-            steer,
-            libc::IPPROTO_UDP as u8,
-            from,
-            to,
-            want,
-            Role::DnsUdp,
-        )
+        let query = packets::udp_dns(conn.remote, conn.local);
+        self.tc_case(&case, egress, &query, 0, TC_ACT_REDIRECT, Some(want))?;
+        self.lookup_case(&case, steer, &conn, want, Some(Role::DnsUdp))
     }
 
     /// Runs a tc program on `frame` (with `mark`) and checks its verdict
@@ -416,21 +396,19 @@ impl Run<'_> {
         Ok(())
     }
 
-    /// Runs sk_lookup on the lookup of a connection from `from` to `to`
-    /// hinted `verdict`: it must select one of ztunnel's `role` sockets.
-    #[allow(clippy::too_many_arguments)]
+    /// Runs sk_lookup on `lookup` (the remote end's port 0) hinted
+    /// `verdict`: it must select one of ztunnel's `role` sockets (`None`:
+    /// pass the lookup on, selecting nothing).
     fn lookup_case(
         &mut self,
         case: &str,
         steer: &OwnedFd,
-        protocol: u8,
-        from: SocketAddr,
-        to: SocketAddr,
+        lookup: &Lookup,
         verdict: HintVerdict,
-        role: Role,
+        role: Option<Role>,
     ) -> Result<(), Failed> {
         self.cases += 1;
-        let key = flow_key(from, to);
+        let key = flow_key(lookup.remote, lookup.local);
         let hint = FlowHint {
             verdict: verdict as u32,
             flags: 0,
@@ -440,30 +418,39 @@ impl Run<'_> {
         self.hints
             .insert(key, hint, 0)
             .map_err(|e| failed(case, format!("writing its verification hint: {e}")))?;
-        let lookup = Lookup {
-            protocol,
-            remote: from,
-            local: to,
-        };
-        let ran = testrun::run_sk_lookup(steer, &lookup);
+        let ran = testrun::run_sk_lookup(steer, lookup);
         let _ = self.hints.remove(&key);
         let (got, cookie) = ran.map_err(|e| failed(case, format!("sk_lookup test run: {e}")))?;
         let wanted: Vec<u64> = self
             .listeners
             .iter()
-            .filter(|(r, _)| *r == role)
+            .filter(|(r, _)| Some(*r) == role)
             .map(|(_, c)| *c)
             .collect();
-        if got != SK_PASS || !wanted.contains(&cookie) {
+        let right = match role {
+            Some(_) => wanted.contains(&cookie),
+            None => cookie == 0,
+        };
+        if got != SK_PASS || !right {
+            let should = match role {
+                Some(r) => format!("ztunnel's {} sockets are {wanted:?}", role_name(r)),
+                None => "it must pass the lookup on, selecting nothing".into(),
+            };
             return Err(failed(
                 case,
-                format!(
-                    "sk_lookup answered {got} selecting socket {cookie}; ztunnel's {} sockets are {wanted:?}",
-                    role_name(role)
-                ),
+                format!("sk_lookup answered {got} selecting socket {cookie}; {should}"),
             ));
         }
         Ok(())
+    }
+}
+
+/// A TCP lookup from `remote` to `local`.
+fn tcp(remote: SocketAddr, local: SocketAddr) -> Lookup {
+    Lookup {
+        protocol: libc::IPPROTO_TCP as u8,
+        remote,
+        local,
     }
 }
 
