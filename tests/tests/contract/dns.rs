@@ -12,7 +12,7 @@ use libtest_mimic::Trial;
 use sluice::{
     dataplane::state::DnsMode,
     options::{DnsChoice, PodOptions},
-    podnet::enroll,
+    podnet::{enroll, verify},
 };
 use sluice_common::PodState;
 use sluice_tests::{
@@ -85,6 +85,10 @@ pub fn trials() -> Vec<Trial> {
     v.push(trial(
         "dns::d5_agent_restart_applies_a_new_node_default_to_enrolled_pods",
         agent_restart,
+    ));
+    v.push(trial(
+        "dns::the_verification_runs_queries_to_the_proxy_and_names_a_missing_socket",
+        verified,
     ));
     v
 }
@@ -497,5 +501,31 @@ fn agent_restart() -> TestResult {
         || mode(&agent),
         |m| m.as_deref() == Some("pass-through"),
     )?;
+    Ok(())
+}
+
+/// With DNS capture on and ztunnel's DNS proxy in the pod, the
+/// verification runs a query over UDP and one over TCP to the proxy's
+/// sockets; the proxy's UDP socket gone from the socket map (the proxy
+/// still holding it) fails the UDP case.
+fn verified() -> TestResult {
+    let p = DnsPod::new("dvf", true)?;
+    p.enroll(PodOptions::default(), true)?;
+    let cookie = p.f.pod_record()?.netns_cookie;
+    let run = || -> anyhow::Result<Result<verify::Verified, verify::Failed>> {
+        let dp = p.f.dataplane()?;
+        let plan = verify::plan(&dp, cookie).context("no verification plan")?;
+        ensure!(plan.dns, "the plan says DNS capture is off");
+        Ok(verify::verify(&plan))
+    };
+    let with = run()?.map_err(|e| anyhow::anyhow!("with the proxy: {e}"))?;
+    sluice::dataplane::state::Maps::open_pinned(&p.f.topo.pins.maps())?
+        .remove_listener(cookie, sluice_common::Role::DnsUdp);
+    match run()? {
+        Err(e) if e.case.starts_with("DNS query from") => {}
+        other => {
+            anyhow::bail!("the proxy's UDP socket gone from the map: {other:?} (before: {with:?})")
+        }
+    }
     Ok(())
 }

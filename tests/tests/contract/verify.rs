@@ -46,6 +46,10 @@ pub fn trials() -> Vec<Trial> {
             "verify::a_pod_failing_verification_is_not_served_until_it_passes",
             agent_reports_failure,
         ),
+        trial(
+            "verify::the_host_side_program_is_run_too_and_named_when_missing",
+            host_side,
+        ),
     ]
 }
 
@@ -347,5 +351,51 @@ fn agent_reports_failure() -> TestResult {
         outcome("verified"),
     )
     .with_context(|| agent.log())?;
+    Ok(())
+}
+
+/// With the node known, the host side of the pod's veth is verified too:
+/// its program runs first there and hints a probe-shaped SYN as the
+/// node's own. Deleted, the case names it; the repair puts it back.
+fn host_side() -> TestResult {
+    let f = Fixture::new("vhs", Some(Bind::DualStack))?;
+    let cookie = f.enroll_with_node()?.cookie;
+    f.register()?;
+    let node = || -> anyhow::Result<sluice::dataplane::loader::Dataplane> {
+        let mut dp = f.dataplane()?;
+        dp.set_node(sluice::podnet::hostside::Node::open(&netns_path(
+            &f.topo.client,
+        ))?)?;
+        Ok(dp)
+    };
+    let run = || -> anyhow::Result<Result<verify::Verified, verify::Failed>> {
+        let dp = node()?;
+        let plan = verify::plan(&dp, cookie).context("no verification plan")?;
+        ensure!(
+            plan.host.as_ref().is_some_and(|h| h.peers.len() == 1),
+            "the plan has no host side"
+        );
+        Ok(verify::verify(&plan))
+    };
+    let before = run()?.map_err(|e| anyhow::anyhow!("before: {e}"))?;
+    let out = Command::new("nsenter")
+        .arg(format!("--net={}", netns_path(&f.topo.client).display()))
+        .args([
+            "tc", "filter", "del", "dev", "veth-c", "egress", "prio", "1",
+        ])
+        .args(["handle", "0x51150001", "bpf"])
+        .output_bounded()?;
+    ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    match run()? {
+        Err(e) if e.case == "host side veth-c" => {}
+        other => anyhow::bail!("the missing host-side filter: {other:?}"),
+    }
+    enroll::repair(&mut node()?, cookie, false)?;
+    let after = run()?.map_err(|e| anyhow::anyhow!("after the repair: {e}"))?;
+    ensure!(after.cases == before.cases, "{before:?} vs {after:?}");
     Ok(())
 }

@@ -36,8 +36,9 @@ use crate::{
 
 pub use addrs::{refresh_addrs, PodAddrs};
 pub use error::EnrollError;
+pub use hostpeers::host_peers;
 pub use register::{register, register_keeping, Enrolled};
-pub use reopen::open_pod_netns;
+pub use reopen::{open_pod_netns, pod_interfaces};
 pub use repair::{
     missing_after, missing_links, remove_orphan_pins, repair, repair_surveyed, survey, survey_plan,
     Repair, Survey, SurveyPlan,

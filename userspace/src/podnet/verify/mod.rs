@@ -38,7 +38,8 @@ use crate::{
         testrun::{self, Lookup, SkbCtx},
     },
     podnet::{
-        enroll::open_pod_netns,
+        enroll::{host_peers, open_pod_netns, pod_interfaces},
+        hostside::HostPeer,
         netns::{self, Netns},
         podlinks::{expected_links, LinkSpec},
         sockets,
@@ -72,6 +73,15 @@ pub struct Plan {
     pub tcx: bool,
     /// Where `verify_hints` is pinned.
     pub maps_dir: PathBuf,
+    /// The node's netns and the host side of the pod's veths there, when
+    /// the agent knows the node (`--node-netns`).
+    pub host: Option<HostPlan>,
+}
+
+/// The host side of a pod's veths: where the host-side program runs.
+pub struct HostPlan {
+    pub netns: Netns,
+    pub peers: Vec<HostPeer>,
 }
 
 /// A verification that passed.
@@ -107,6 +117,18 @@ pub fn plan(dp: &Dataplane, cookie: u64) -> Option<Plan> {
     let maps = dp.maps();
     let netns = open_pod_netns(maps, cookie).ok()?;
     let options = maps.options(cookie);
+    let path = maps.meta(cookie)?.netns;
+    let host = match dp.node().filter(|_| dp.has_program(Program::Host)) {
+        Some(node) => {
+            let ifaces = pod_interfaces(&netns, &path).ok()?;
+            let (peers, _held) = host_peers(dp, cookie, &netns, None, &ifaces, false);
+            Some(HostPlan {
+                netns: node.netns.try_clone().ok()?,
+                peers,
+            })
+        }
+        None => None,
+    };
     Some(Plan {
         cookie,
         netns,
@@ -122,6 +144,7 @@ pub fn plan(dp: &Dataplane, cookie: u64) -> Option<Plan> {
         ours: dp.program_ids(),
         tcx: dp.tc_attach() == TcAttach::Tcx,
         maps_dir: dp.pins().maps(),
+        host,
     })
 }
 
@@ -149,6 +172,11 @@ pub fn verify(plan: &Plan) -> Result<Verified, Failed> {
     plan.netns
         .run(|| run.all())
         .map_err(|e| failed("netns", e.to_string()))??;
+    if let Some(host) = &plan.host {
+        host.netns
+            .run(|| run.host(&host.peers))
+            .map_err(|e| failed("node netns", e.to_string()))??;
+    }
     Ok(Verified {
         cases: run.cases,
         unrun: run.unrun,
@@ -195,8 +223,45 @@ impl Run<'_> {
             self.inbound(&ingress, &steer, addr, APP_PORT, Role::Inbound)?;
             self.inbound(&ingress, &steer, addr, PORT_HBONE, Role::Hbone)?;
             self.outbound(&egress, &steer, addr)?;
-            if self.plan.dns && self.listeners.iter().any(|(r, _)| *r == Role::DnsUdp) {
+            // Without ztunnel's DNS proxy the queries pass through (no
+            // capture to verify); with it, they must reach it.
+            if self.plan.dns && self.has(Role::DnsUdp) {
                 self.dns(&egress, &steer, addr)?;
+            }
+            if self.plan.dns && self.has(Role::DnsTcp) {
+                self.dns_tcp(&egress, &steer, addr)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// On the host side of each of the pod's veths, in the node's netns:
+    /// sluice's host-side program runs first, and a SYN a socket of the
+    /// node sends to each of the pod's addresses (a kubelet probe) is
+    /// hinted as the node's own and passed on.
+    fn host(&mut self, peers: &[HostPeer]) -> Result<(), Failed> {
+        let want = self.plan.ours.get(&Program::Host).copied().unwrap_or(0);
+        for peer in peers {
+            self.cases += 1;
+            let case = format!("host side {}", peer.host_iface);
+            let first = self
+                .first_at(&peer.host_iface, TcAttachType::Egress)
+                .map_err(|d| failed(case.clone(), d))?;
+            if first != want {
+                return Err(failed(
+                    case,
+                    format!("program id {first} runs first; sluice's (id {want}) must"),
+                ));
+            }
+            let prog = testrun::prog_by_id(want)
+                .map_err(|e| failed(case.clone(), format!("program id {want}: {e}")))?;
+            for addr in self.plan.addrs.clone() {
+                let probe = packets::tcp_syn(
+                    packets::remote(addr.is_ipv6(), 0),
+                    SocketAddr::new(addr, APP_PORT),
+                );
+                let case = format!("probe to {addr} at {}", peer.host_iface);
+                self.tc_case(&case, &prog, &probe, 0, TC_NEXT, Some(HintVerdict::Host))?;
             }
         }
         Ok(())
@@ -353,6 +418,25 @@ impl Run<'_> {
         let query = packets::udp_dns(conn.remote, conn.local);
         self.tc_case(&case, egress, &query, 0, TC_ACT_REDIRECT, Some(want))?;
         self.lookup_case(&case, steer, &conn, want, Some(Role::DnsUdp))
+    }
+
+    /// A DNS query over TCP from `addr`: its SYN goes to the DNS proxy's
+    /// listener.
+    fn dns_tcp(&mut self, egress: &OwnedFd, steer: &OwnedFd, addr: IpAddr) -> Result<(), Failed> {
+        let conn = tcp(
+            SocketAddr::new(addr, 0),
+            packets::remote(addr.is_ipv6(), PORT_DNS),
+        );
+        let case = format!("DNS over TCP from {addr}");
+        let want = HintVerdict::DnsTcp;
+        let syn = packets::tcp_syn(conn.remote, conn.local);
+        self.tc_case(&case, egress, &syn, 0, TC_ACT_REDIRECT, Some(want))?;
+        self.lookup_case(&case, steer, &conn, want, Some(Role::DnsTcp))
+    }
+
+    /// Whether ztunnel has a socket for `role` in the pod's netns.
+    fn has(&self, role: Role) -> bool {
+        self.listeners.iter().any(|(r, _)| *r == role)
     }
 
     /// Runs a tc program on `frame` (with `mark`) and checks its verdict
