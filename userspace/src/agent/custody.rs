@@ -141,6 +141,29 @@ impl Custody {
         drop(gone);
     }
 
+    /// The socket cookies of the listeners held for `uid` that are in the
+    /// socket map (not withdrawn), by role: the sockets a verification of
+    /// the pod expects sk_lookup to select. `None`: none held (a pod an
+    /// earlier agent registered, before ztunnel's re-ack).
+    pub fn cookies(&self, uid: &str) -> Option<Vec<(Role, u64)>> {
+        let held = self.held.lock().unwrap();
+        let mine: Vec<(Role, u64)> = held
+            .get(uid)?
+            .iter()
+            .filter(|h| h.withdrawn.is_none())
+            .filter_map(|h| {
+                let cookie: u64 = crate::podnet::netns::getsockopt_raw(
+                    std::os::fd::AsFd::as_fd(&h.fd),
+                    libc::SOL_SOCKET,
+                    libc::SO_COOKIE,
+                )
+                .ok()?;
+                Some((h.role, cookie))
+            })
+            .collect();
+        (!mine.is_empty()).then_some(mine)
+    }
+
     /// Drops everything held for a pod that is no longer enrolled.
     pub fn forget(&self, uid: &str) {
         let gone = self.held.lock().unwrap().remove(uid);

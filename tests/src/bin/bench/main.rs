@@ -24,6 +24,7 @@ mod isolation;
 mod pods;
 mod served;
 mod traffic;
+mod verify;
 
 use std::{collections::BTreeMap, path::PathBuf, time::Duration, time::Instant};
 
@@ -76,6 +77,9 @@ pub struct Config {
     /// `served`.
     pub mesh_workloads: usize,
     pub served_checks: usize,
+    /// `verify`: pods verified, and passes over all of them.
+    pub verify_pods: usize,
+    pub verify_passes: usize,
     /// `isolation`: the flood's length, the neighbour's kept-hint
     /// connections and DNS queries.
     pub flood_window: Duration,
@@ -114,6 +118,8 @@ impl Config {
             rate_window: Duration::from_millis(1500),
             mesh_workloads: 10_000,
             served_checks: 20,
+            verify_pods: 100,
+            verify_passes: 5,
             flood_window: Duration::from_secs(1),
             isolation_conns: 200,
             isolation_queries: 10,
@@ -147,6 +153,8 @@ impl Config {
             rate_window: Duration::from_millis(300),
             mesh_workloads: 1_000,
             served_checks: 3,
+            verify_pods: 5,
+            verify_passes: 1,
             flood_window: Duration::from_millis(300),
             isolation_conns: 20,
             isolation_queries: 3,
@@ -335,7 +343,7 @@ fn main() -> anyhow::Result<()> {
     let mut report = Report {
         results: BTreeMap::new(),
     };
-    let scenarios: [(&str, Scenario); 11] = [
+    let scenarios: [(&str, Scenario); 12] = [
         ("cpu", traffic::cpu),
         ("latency", traffic::latency),
         ("rr", traffic::request_response),
@@ -347,6 +355,7 @@ fn main() -> anyhow::Result<()> {
         ("dns", dns::dns_queries),
         ("served", served::served),
         ("isolation", isolation::isolation),
+        ("verify", verify::verification),
     ];
     let only = std::env::var("SLUICE_BENCH").ok().filter(|o| !o.is_empty());
     if let Some(o) = &only {

@@ -158,6 +158,7 @@ impl NodeAgent {
             metrics: metrics.clone(),
             queue,
             every: periods.verify_every,
+            custody: custody.clone(),
         });
         let enroller = Arc::new(Enroller {
             book: book.clone(),

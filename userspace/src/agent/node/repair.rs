@@ -12,6 +12,7 @@ use sluice_common::PodState;
 use tokio::sync::watch;
 
 use super::{announce::Announcer, book::PodBook, verify_queue::VerifyQueue};
+use crate::agent::custody::Custody;
 use crate::{
     dataplane::loader::Dataplane,
     kube::events::Reason,
@@ -35,6 +36,9 @@ pub struct Repairer {
     pub(super) queue: Arc<VerifyQueue>,
     /// How often every pod is verified (`--verify-every`).
     pub(super) every: Duration,
+    /// ztunnel's listeners as the agent holds them: what sk_lookup must
+    /// select.
+    pub(super) custody: Arc<Custody>,
 }
 
 impl Repairer {
@@ -122,6 +126,10 @@ impl Repairer {
             let pod = format!("{}/{}", meta.workload.namespace, meta.workload.name);
             (verify::plan(&dp, cookie), meta.uid, pod)
         };
+        let plan = plan.map(|mut p| {
+            p.listeners = self.custody.cookies(&uid);
+            p
+        });
         let span = info_span!("pod", %uid, %pod, cookie);
         let _e = span.enter();
         let outcome = match plan {

@@ -194,6 +194,15 @@ impl AddrMap {
         out
     }
 
+    /// The addresses this process published as pod `cookie`'s (read at
+    /// start from the map, then kept): no walk of the map.
+    pub fn published(&self, cookie: u64) -> Vec<AddrKey> {
+        self.held
+            .get(&cookie)
+            .map(|c| c.keys.clone())
+            .unwrap_or_default()
+    }
+
     pub fn of(&self, cookie: u64) -> Vec<AddrKey> {
         self.map
             .iter()

@@ -337,6 +337,13 @@ impl Maps {
         self.addrs.by_pod()
     }
 
+    /// The addresses published as pod `cookie`'s, as this process
+    /// recorded them (no walk of the node-wide map; [`Self::addrs_of`]
+    /// reads the map).
+    pub fn published_addrs(&self, cookie: u64) -> Vec<AddrKey> {
+        self.addrs.published(cookie)
+    }
+
     pub fn addrs_of(&self, cookie: u64) -> Vec<AddrKey> {
         self.addrs.of(cookie)
     }

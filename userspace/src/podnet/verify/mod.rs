@@ -76,6 +76,11 @@ pub struct Plan {
     /// The node's netns and the host side of the pod's veths there, when
     /// the agent knows the node (`--node-netns`).
     pub host: Option<HostPlan>,
+    /// ztunnel's sockets registered for the pod, by role and socket cookie,
+    /// as the agent holds them; `None`: listed with sock_diag in the pod's
+    /// netns (a walk of the kernel's socket tables, which the agent's
+    /// duplicates spare).
+    pub listeners: Option<Vec<(Role, u64)>>,
 }
 
 /// The host side of a pod's veths: where the host-side program runs.
@@ -133,7 +138,7 @@ pub fn plan(dp: &Dataplane, cookie: u64) -> Option<Plan> {
         cookie,
         netns,
         addrs: maps
-            .addrs_of(cookie)
+            .published_addrs(cookie)
             .iter()
             .map(addr_of)
             .filter(|a| !link_local(a))
@@ -145,14 +150,20 @@ pub fn plan(dp: &Dataplane, cookie: u64) -> Option<Plan> {
         tcx: dp.tc_attach() == TcAttach::Tcx,
         maps_dir: dp.pins().maps(),
         host,
+        listeners: None,
     })
 }
 
 /// Verifies one pod. Blocking: enters its netns on the calling thread.
 pub fn verify(plan: &Plan) -> Result<Verified, Failed> {
-    let seen = sockets::seen_listeners(&plan.netns)
-        .map_err(|e| failed("listeners", format!("cannot list ztunnel's sockets: {e}")))?;
-    let listeners: Vec<(Role, u64)> = seen.into_iter().map(|l| (l.role, l.cookie)).collect();
+    let listeners = match &plan.listeners {
+        Some(held) => held.clone(),
+        None => sockets::seen_listeners(&plan.netns)
+            .map_err(|e| failed("listeners", format!("cannot list ztunnel's sockets: {e}")))?
+            .into_iter()
+            .map(|l| (l.role, l.cookie))
+            .collect(),
+    };
     let hints = HashMap::<MapData, FlowKey, FlowHint>::try_from(aya::maps::Map::HashMap(
         MapData::from_pin(plan.maps_dir.join("verify_hints")).map_err(|e| {
             failed(

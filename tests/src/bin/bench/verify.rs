@@ -1,0 +1,133 @@
+//! Scenario `verify`: what verifying a pod's capture by running it costs the
+//! agent. Pods enrolled as the agent enrolls them (with the host side), each
+//! with the ztunnel stand-in's listeners registered, so every case runs to
+//! its end (a pod without listeners fails at its first case and would
+//! flatter the figure). Each pass verifies every pod once, as the agent's
+//! periodic pass does: the plan read (under the agent's lock), then the
+//! hook queries and test runs in the pod's netns.
+
+use std::time::Instant;
+
+use anyhow::{ensure, Context as _};
+use rand::rngs::StdRng;
+use sluice::{
+    dataplane::loader::{Dataplane, Pins},
+    podnet::{enroll, verify},
+    uid::PodUid,
+};
+use sluice_tests::{
+    ns::Ns,
+    standin::{Bind, StandIn},
+};
+
+use crate::{ns_path, percentile, pods::bare_pods, workload, Config, Report};
+
+/// The agent's default period (`--verify-every`), for the CPU share.
+const PERIOD_S: f64 = 60.0;
+
+pub fn verification(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyhow::Result<()> {
+    let pods = bare_pods("vf", cfg.verify_pods)?;
+    let pins = Pins::new(format!(
+        "/sys/fs/bpf/sluice-bench-vf-{}",
+        std::process::id()
+    ));
+    let result = verify_in(report, cfg, &pods, &pins);
+    if let Err(e) = enroll::uninstall(&pins, None) {
+        eprintln!("cleanup: uninstall {}: {e}", pins.root().display());
+    }
+    drop(pods);
+    result
+}
+
+fn verify_in(
+    report: &mut Report,
+    cfg: &Config,
+    pods: &crate::pods::BarePods,
+    pins: &Pins,
+) -> anyhow::Result<()> {
+    let mut dp = Dataplane::load_or_adopt(pins.clone())?;
+    dp.set_node(pods.node()?)?;
+    let mut standins = Vec::new();
+    let mut cookies = Vec::new();
+    for p in pods.iter() {
+        let uid = PodUid::new(&p.name)?;
+        enroll::attach_pod(
+            &mut dp,
+            &ns_path(&p.name),
+            &uid,
+            &workload(&p.name),
+            &Default::default(),
+            &enroll::PodAddrs::Netns,
+        )?;
+        standins.push(StandIn::start_in(
+            Ns::Named(p.name.clone()),
+            Bind::DualStack,
+            None,
+        ));
+        let e = enroll::register_uid(&mut dp, &uid)
+            .with_context(|| format!("registering {}", p.name))?;
+        cookies.push(e.cookie);
+    }
+    // What the agent holds of ztunnel's listeners (its custody duplicates):
+    // their cookies, found once here as the agent finds them at
+    // registration.
+    let mut held = Vec::new();
+    for &cookie in &cookies {
+        let plan = verify::plan(&dp, cookie).context("no verification plan")?;
+        let seen = sluice::podnet::sockets::seen_listeners(&plan.netns)?;
+        held.push(Some(
+            seen.iter().map(|l| (l.role, l.cookie)).collect::<Vec<_>>(),
+        ));
+    }
+    let n = cookies.len();
+    // The agent's path (its duplicates name the sockets), then the
+    // fallback that lists them with sock_diag (after an agent restart,
+    // before ztunnel's re-ack).
+    for (suffix, listeners) in [("", held), ("_sock_diag", vec![None; n])] {
+        let mut cpu_us = Vec::new();
+        let mut wall_us = Vec::new();
+        let mut pass_cpu_ms = Vec::new();
+        for _ in 0..cfg.verify_passes {
+            let pass = thread_cpu_ns();
+            for (&cookie, held) in cookies.iter().zip(&listeners) {
+                let (c0, t0) = (thread_cpu_ns(), Instant::now());
+                let mut plan = verify::plan(&dp, cookie).context("no verification plan")?;
+                plan.listeners = held.clone();
+                let v = verify::verify(&plan);
+                let (c1, t1) = (thread_cpu_ns(), t0.elapsed());
+                ensure!(v.is_ok(), "pod {cookie} failed its verification: {v:?}");
+                cpu_us.push((c1 - c0) as f64 / 1e3);
+                wall_us.push(t1.as_secs_f64() * 1e6);
+            }
+            pass_cpu_ms.push((thread_cpu_ns() - pass) as f64 / 1e6);
+        }
+        report.put(
+            &format!("verify_us_cpu_per_pod{suffix}"),
+            percentile(cpu_us, 0.5),
+        );
+        report.put(
+            &format!("verify_us_wall_per_pod{suffix}"),
+            percentile(wall_us, 0.5),
+        );
+        let pass = percentile(pass_cpu_ms, 0.5);
+        report.put(&format!("verify_cpu_ms_pass_{n}_pods{suffix}"), pass);
+        // One pass per period, as a share of one core.
+        report.put(
+            &format!("verify_cpu_share_pct_{n}_pods{suffix}"),
+            pass / (PERIOD_S * 1e3) * 100.0,
+        );
+    }
+    drop(standins);
+    Ok(())
+}
+
+/// CPU time of the calling thread (user and system), in ns.
+fn thread_cpu_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid timespec to write to.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
