@@ -173,3 +173,66 @@ pub fn attach_pass_sk_lookup(netns: &std::path::Path) -> anyhow::Result<std::os:
     // SAFETY: as above.
     Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(link as i32) })
 }
+
+/// A tc hook (netns, device, direction) another tool changes behind
+/// sluice's back, in tests.
+pub struct Hook<'a> {
+    /// An `ip netns` name.
+    pub ns: &'a str,
+    pub dev: &'a str,
+    /// `ingress` or `egress`.
+    pub dir: &'a str,
+}
+
+impl Hook<'_> {
+    /// The program of the bpf filter at priority 1.
+    pub fn program(&self) -> anyhow::Result<u32> {
+        filter_program(self.ns, self.dev, self.dir)
+    }
+
+    /// `tc filter <verb>` of sluice's filter (its priority and handle), with
+    /// the program pinned at `pin`.
+    pub fn tc(&self, verb: &str, pin: Option<&std::path::Path>) -> anyhow::Result<()> {
+        self.tc_handle(verb, "0x51150001", pin)
+    }
+
+    /// `tc filter <verb>` of the bpf filter at priority 1 and `handle`.
+    pub fn tc_handle(
+        &self,
+        verb: &str,
+        handle: &str,
+        pin: Option<&std::path::Path>,
+    ) -> anyhow::Result<()> {
+        // Not `ip netns exec`: it mounts a sysfs of its own, without bpffs.
+        let netns = format!("--net={}", crate::ns::netns_path(self.ns).display());
+        let mut cmd = std::process::Command::new("nsenter");
+        cmd.arg(&netns)
+            .args(["tc", "filter", verb, "dev", self.dev, self.dir]);
+        cmd.args(["prio", "1", "handle", handle, "protocol", "all", "bpf"]);
+        if let Some(pin) = pin {
+            cmd.arg("object-pinned").arg(pin).arg("da");
+        }
+        let out = cmd.output_bounded()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "tc filter {verb} on {} {} in {}: {}",
+            self.dev,
+            self.dir,
+            self.ns,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(())
+    }
+
+    /// Waits until the filter runs program `ours` again.
+    pub fn wait_program(&self, ours: u32) -> anyhow::Result<()> {
+        crate::wait::until(
+            &format!("sluice's filter on {} {} put back", self.dev, self.dir),
+            crate::wait::DEADLINE,
+            || match self.program() {
+                Ok(id) if id == ours => Ok(()),
+                other => Err(format!("{other:?}")),
+            },
+        )
+    }
+}

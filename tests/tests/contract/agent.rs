@@ -1764,7 +1764,7 @@ fn filter_swapped() -> TestResult {
     let p = peer(&agent)?;
     enroll_enabled(&agent, &f)?;
     let dir = f.topo.pins.pod(f.pod_record()?.netns_cookie);
-    let hook = Hook {
+    let hook = sluice_tests::inspect::Hook {
         ns: &f.topo.pod,
         dev: "eth0",
         dir: "egress",
@@ -1775,9 +1775,9 @@ fn filter_swapped() -> TestResult {
     // verified once when it is), then again while it is watched: only the
     // tc event can put it back within the deadline.
     swap()?;
-    hook.put_back(ours, &agent)?;
+    hook.wait_program(ours).with_context(|| agent.log())?;
     swap()?;
-    hook.put_back(ours, &agent)?;
+    hook.wait_program(ours).with_context(|| agent.log())?;
     outbound_through_peer(
         &f.topo.pod,
         f.topo.client_ip(Family::V4),
@@ -1797,7 +1797,7 @@ fn host_filter_put_back() -> TestResult {
     let _p = peer(&agent)?;
     enroll_enabled(&agent, &f)?;
     let dir = f.topo.pins.pod(f.pod_record()?.netns_cookie);
-    let hook = Hook {
+    let hook = sluice_tests::inspect::Hook {
         ns: &f.topo.client,
         dev: "veth-c",
         dir: "egress",
@@ -1806,11 +1806,11 @@ fn host_filter_put_back() -> TestResult {
     // The first put-back may be the pod's verification when its watch
     // opens; the others can only come from the node's tc watch.
     hook.tc("del", None)?;
-    hook.put_back(ours, &agent)?;
+    hook.wait_program(ours).with_context(|| agent.log())?;
     hook.tc("replace", Some(&dir.join("ingress_eth0")))?;
-    hook.put_back(ours, &agent)?;
+    hook.wait_program(ours).with_context(|| agent.log())?;
     hook.tc("del", None)?;
-    hook.put_back(ours, &agent)
+    hook.wait_program(ours).with_context(|| agent.log())
 }
 
 /// Another tool's filter added at sluice's priority runs ahead of sluice's
@@ -1823,7 +1823,7 @@ fn foreign_filter_ahead() -> TestResult {
     let agent = AgentProc::start(&f.topo.pins)?;
     let p = peer(&agent)?;
     enroll_enabled(&agent, &f)?;
-    let hook = Hook {
+    let hook = sluice_tests::inspect::Hook {
         ns: &f.topo.pod,
         dev: "eth0",
         dir: "egress",
@@ -1855,63 +1855,6 @@ fn foreign_filter_ahead() -> TestResult {
         hook.tc_handle("del", "0x2", None)?;
     }
     Ok(())
-}
-
-/// A tc hook (netns, device, direction) another tool changes behind the
-/// agent's back.
-struct Hook<'a> {
-    ns: &'a str,
-    dev: &'a str,
-    dir: &'a str,
-}
-
-impl Hook<'_> {
-    /// The program of the bpf filter at priority 1.
-    fn program(&self) -> anyhow::Result<u32> {
-        sluice_tests::inspect::filter_program(self.ns, self.dev, self.dir)
-    }
-
-    /// `tc filter <verb>` of sluice's filter (its priority and handle), with
-    /// the program pinned at `pin`.
-    fn tc(&self, verb: &str, pin: Option<&Path>) -> TestResult {
-        self.tc_handle(verb, "0x51150001", pin)
-    }
-
-    /// `tc filter <verb>` of the bpf filter at priority 1 and `handle`.
-    fn tc_handle(&self, verb: &str, handle: &str, pin: Option<&Path>) -> TestResult {
-        // Not `ip netns exec`: it mounts a sysfs of its own, without bpffs.
-        let netns = format!("--net={}", sluice_tests::ns::netns_path(self.ns).display());
-        let mut cmd = std::process::Command::new("nsenter");
-        cmd.arg(&netns)
-            .args(["tc", "filter", verb, "dev", self.dev, self.dir]);
-        cmd.args(["prio", "1", "handle", handle, "protocol", "all", "bpf"]);
-        if let Some(pin) = pin {
-            cmd.arg("object-pinned").arg(pin).arg("da");
-        }
-        let out = cmd.output_bounded()?;
-        ensure!(
-            out.status.success(),
-            "tc filter {verb} on {} {} in {}: {}",
-            self.dev,
-            self.dir,
-            self.ns,
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Ok(())
-    }
-
-    /// Waits until the filter runs program `ours` again.
-    fn put_back(&self, ours: u32, agent: &AgentProc) -> TestResult {
-        wait::until(
-            &format!("sluice's filter on {} {} put back", self.dev, self.dir),
-            wait::DEADLINE,
-            || match self.program() {
-                Ok(id) if id == ours => Ok(()),
-                other => Err(format!("{other:?}")),
-            },
-        )
-        .with_context(|| agent.log())
-    }
 }
 
 /// A connection from netns `pod` to the remote app at `to` gets the app's

@@ -3,8 +3,6 @@
 //! captured verdicts and leave nothing behind; each way capture can break
 //! silently is named by the case it fails.
 
-use std::process::Command;
-
 use anyhow::{ensure, Context as _};
 use aya::maps::{HashMap, Map, MapData};
 use libtest_mimic::Trial;
@@ -15,8 +13,8 @@ use sluice::{
 use sluice_common::{Budget, Counters, DropReason, FlowHint, FlowKey, Role};
 use sluice_tests::{
     agent::{free_port, http_get, AgentProc, PeerProc},
-    child::Bounded as _,
     harness::{as_if_kernel, peer_bin, without_netns_cookie_in_tc, Fixture},
+    inspect::Hook,
     ns::netns_path,
     standin::Bind,
     wait,
@@ -128,22 +126,6 @@ fn passes_without_trace(tag: &str) -> TestResult {
     Ok(())
 }
 
-/// `tc filter <args…>` in the pod's netns (nsenter, not `ip netns exec`:
-/// that mounts a sysfs of its own, without bpffs).
-fn tc(f: &Fixture, args: &[&str]) -> TestResult {
-    let out = Command::new("nsenter")
-        .arg(format!("--net={}", netns_path(&f.topo.pod).display()))
-        .arg("tc")
-        .args(args)
-        .output_bounded()?;
-    ensure!(
-        out.status.success(),
-        "tc {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(())
-}
-
 /// Each break fails the case that names it; the repair (or re-registering
 /// the listener) makes the pod pass again.
 fn breaks_named() -> TestResult {
@@ -165,104 +147,34 @@ fn breaks_named() -> TestResult {
     };
     run(&f, cookie)?.map_err(|e| anyhow::anyhow!("before any break: {e}"))?;
 
-    let ingress = dir.join("ingress_eth0");
-    let ingress = ingress.to_str().context("pin path")?;
-    let filter = [
-        "filter",
-        "replace",
-        "dev",
-        "eth0",
-        "egress",
-        "prio",
-        "1",
-        "handle",
-        "0x51150001",
-    ];
+    let hook = |dir| Hook {
+        ns: &f.topo.pod,
+        dev: "eth0",
+        dir,
+    };
+    let (egress, ingress) = (hook("egress"), hook("ingress"));
     // The egress filter's program swapped for the ingress one, in place.
-    let mut swap = filter.to_vec();
-    swap.extend(["protocol", "all", "bpf", "object-pinned", ingress, "da"]);
-    tc(&f, &swap)?;
+    egress.tc("replace", Some(&dir.join("ingress_eth0")))?;
     expect("a swapped program", "egress eth0")?;
     repaired("a swapped program")?;
 
     // The egress filter moved to the ingress hook (another tool's idea of
     // its place): egress has none, ingress runs it ahead of sluice's.
-    let egress = dir.join("egress_eth0");
-    let egress = egress.to_str().context("pin path")?;
-    tc(
-        &f,
-        &[
-            "filter",
-            "del",
-            "dev",
-            "eth0",
-            "egress",
-            "prio",
-            "1",
-            "handle",
-            "0x51150001",
-            "bpf",
-        ],
-    )?;
-    tc(
-        &f,
-        &[
-            "filter",
-            "add",
-            "dev",
-            "eth0",
-            "ingress",
-            "prio",
-            "1",
-            "handle",
-            "0x7",
-            "bpf",
-            "object-pinned",
-            egress,
-            "da",
-        ],
-    )?;
+    egress.tc("del", None)?;
+    ingress.tc_handle("add", "0x7", Some(&dir.join("egress_eth0")))?;
     expect("a filter moved to the other hook", "egress eth0")?;
     repaired("a filter moved")?;
     // The repair put sluice's ingress filter back in front of the moved one.
-    tc(
-        &f,
-        &[
-            "filter", "del", "dev", "eth0", "ingress", "prio", "1", "handle", "0x7", "bpf",
-        ],
-    )?;
+    ingress.tc_handle("del", "0x7", None)?;
     run(&f, cookie)?.map_err(|e| anyhow::anyhow!("after removing the moved filter: {e}"))?;
 
     // Another tool's filter that passes everything, ahead of sluice's.
     let pass = f.topo.pins.progs().join("verify_pass");
     sluice_tests::inspect::pin_pass_program(&pass)?;
-    let pass = pass.to_str().context("pin path")?.to_owned();
-    tc(
-        &f,
-        &[
-            "filter",
-            "add",
-            "dev",
-            "eth0",
-            "egress",
-            "prio",
-            "1",
-            "handle",
-            "0x2",
-            "bpf",
-            "object-pinned",
-            &pass,
-            "da",
-        ],
-    )?;
+    egress.tc_handle("add", "0x2", Some(&pass))?;
     expect("a foreign filter ahead", "egress eth0")?;
     repaired("a foreign filter ahead")?;
-    tc(
-        &f,
-        &[
-            "filter", "del", "dev", "eth0", "egress", "prio", "1", "handle", "0x2", "bpf",
-        ],
-    )?;
+    egress.tc_handle("del", "0x2", None)?;
 
     // ztunnel's inbound listener gone from the socket map.
     Maps::open_pinned(&f.topo.pins.maps())?.remove_listener(cookie, Role::Inbound);
@@ -351,6 +263,21 @@ fn agent_reports_failure() -> TestResult {
         outcome("verified"),
     )
     .with_context(|| agent.log())?;
+    // ztunnel's inbound listener taken out of the socket map behind the
+    // agent's back: the supervisor sees the pod's listeners gone, it waits
+    // (fail closed) and is offered to ztunnel again, whose re-ack puts the
+    // listeners back; then it is verified again.
+    let cookie = f.pod_record()?.netns_cookie;
+    Maps::open_pinned(&f.topo.pins.maps())?.remove_listener(cookie, Role::Inbound);
+    wait::until("the inbound listener back", wait::DEADLINE, || {
+        match f.pod_record() {
+            Ok(r) if r.listeners.iter().any(|l| l.starts_with("inbound/")) => Ok(()),
+            r => Err(format!("{:?}", r.map(|r| r.listeners))),
+        }
+    })
+    .with_context(|| agent.log())?;
+    wait::until("verified with it back", wait::DEADLINE, outcome("verified"))
+        .with_context(|| agent.log())?;
     Ok(())
 }
 
@@ -378,18 +305,12 @@ fn host_side() -> TestResult {
         Ok(verify::verify(&plan))
     };
     let before = run()?.map_err(|e| anyhow::anyhow!("before: {e}"))?;
-    let out = Command::new("nsenter")
-        .arg(format!("--net={}", netns_path(&f.topo.client).display()))
-        .args([
-            "tc", "filter", "del", "dev", "veth-c", "egress", "prio", "1",
-        ])
-        .args(["handle", "0x51150001", "bpf"])
-        .output_bounded()?;
-    ensure!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let host = Hook {
+        ns: &f.topo.client,
+        dev: "veth-c",
+        dir: "egress",
+    };
+    host.tc("del", None)?;
     match run()? {
         Err(e) if e.case == "host side veth-c" => {}
         other => anyhow::bail!("the missing host-side filter: {other:?}"),

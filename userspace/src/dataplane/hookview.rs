@@ -79,21 +79,13 @@ pub fn standing(filters: &[HookFilter]) -> Standing {
 /// netns, in run order; empty without a clsact qdisc (or device).
 pub fn hook_filters(iface: &str, kind: TcAttachType) -> io::Result<Vec<HookFilter>> {
     use netlink_packet_route::{
-        tc::{TcAttribute, TcFilterBpfOption, TcHandle as NlHandle, TcMessage, TcOption},
+        tc::{TcAttribute, TcFilterBpfOption, TcOption},
         RouteNetlinkMessage,
     };
     let Ok(index) = nix::net::if_::if_nametoindex(iface) else {
         return Ok(Vec::new());
     };
-    let mut msg = TcMessage::default();
-    msg.header.index = index as i32;
-    msg.header.parent = NlHandle {
-        major: NlHandle::CLSACT.major,
-        minor: match kind {
-            TcAttachType::Egress => NlHandle::MIN_EGRESS,
-            _ => NlHandle::MIN_INGRESS,
-        },
-    };
+    let msg = super::tcfilter::hook_message(index, kind);
     let answer =
         match crate::podnet::rtnl::Rtnl::open()?.dump(RouteNetlinkMessage::GetTrafficFilter(msg)) {
             Ok(a) => a,

@@ -157,7 +157,17 @@ pub fn foreign_hook_qdisc(
 /// the clsact hook, sluice's handle, and in `tcm_info` TC_H_MAKE(priority
 /// << 16, protocol), for every protocol.
 fn our_filter(index: u32, kind: TcAttachType) -> netlink_packet_route::tc::TcMessage {
-    use netlink_packet_route::tc::{TcAttribute, TcHandle as NlHandle, TcMessage};
+    use netlink_packet_route::tc::{TcAttribute, TcHandle as NlHandle};
+    let mut msg = hook_message(index, kind);
+    msg.header.handle = NlHandle::from(u32::from(HANDLE));
+    msg.header.info = ((PRIORITY as u32) << 16) | u32::from((libc::ETH_P_ALL as u16).to_be());
+    msg.attributes.push(TcAttribute::Kind("bpf".into()));
+    msg
+}
+
+/// A tc message naming interface `index`'s `kind` hook of its clsact qdisc.
+pub(super) fn hook_message(index: u32, kind: TcAttachType) -> netlink_packet_route::tc::TcMessage {
+    use netlink_packet_route::tc::{TcHandle as NlHandle, TcMessage};
     let mut msg = TcMessage::default();
     msg.header.index = index as i32;
     msg.header.parent = NlHandle {
@@ -167,9 +177,6 @@ fn our_filter(index: u32, kind: TcAttachType) -> netlink_packet_route::tc::TcMes
             _ => NlHandle::MIN_INGRESS,
         },
     };
-    msg.header.handle = NlHandle::from(u32::from(HANDLE));
-    msg.header.info = ((PRIORITY as u32) << 16) | u32::from((libc::ETH_P_ALL as u16).to_be());
-    msg.attributes.push(TcAttribute::Kind("bpf".into()));
     msg
 }
 
