@@ -21,6 +21,7 @@ use sluice_tests::{
 };
 
 use crate::{tcx_trial, trial, TestResult};
+use sluice_tests::harness::tcx_available;
 
 pub fn trials() -> Vec<Trial> {
     vec![
@@ -48,6 +49,15 @@ pub fn trials() -> Vec<Trial> {
             "verify::the_host_side_program_is_run_too_and_named_when_missing",
             host_side,
         ),
+        tcx_trial("verify::tcx::a_foreign_tcx_program_first_is_named", || {
+            tcx_ahead("vtx")
+        }),
+        // cls_bpf filters run after every tcx program of the hook.
+        trial(
+            "verify::a_foreign_tcx_program_ahead_of_sluices_filter_is_named",
+            || tcx_ahead("vtc"),
+        )
+        .with_ignored_flag(!sluice_tests::harness::is_root() || !tcx_available()),
     ]
 }
 
@@ -327,5 +337,38 @@ fn host_side() -> TestResult {
     enroll::repair(&mut node()?, cookie, false)?;
     let after = run()?.map_err(|e| anyhow::anyhow!("after the repair: {e}"))?;
     ensure!(after.cases == before.cases, "{before:?} vs {after:?}");
+    Ok(())
+}
+
+/// Another tool's tcx program attached first on the pod's egress hook (no
+/// netlink event announces it): whatever sluice attaches there, a
+/// cls_bpf filter or a tcx link, runs after it, and the case names it.
+fn tcx_ahead(tag: &str) -> TestResult {
+    use aya::programs::{
+        links::FdLink, tc::TcAttachOptions, LinkOrder, SchedClassifier, TcAttachType,
+    };
+    let (f, cookie) = captured(tag)?;
+    let pass = f.topo.pins.progs().join("tcx_pass");
+    sluice_tests::inspect::pin_pass_program(&pass)?;
+    let link = sluice_tests::ns::run_in(&f.topo.pod, move || -> anyhow::Result<FdLink> {
+        let mut p = SchedClassifier::from_pin(&pass)?;
+        let id = p.attach_with_options(
+            "eth0",
+            TcAttachType::Egress,
+            TcAttachOptions::TcxOrder(LinkOrder::first()),
+        )?;
+        Ok(FdLink::try_from(p.take_link(id)?)?)
+    })?;
+    match run(&f, cookie)? {
+        Err(e) if e.case == "egress eth0" && e.detail.contains("runs first") => {}
+        other => anyhow::bail!("a foreign tcx program first: {other:?}"),
+    }
+    drop(link);
+    wait::until("verified once it is gone", wait::DEADLINE, || {
+        match run(&f, cookie) {
+            Ok(Ok(_)) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })?;
     Ok(())
 }
