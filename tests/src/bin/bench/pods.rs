@@ -370,14 +370,14 @@ fn concurrently(
 /// A loop taking RTNL as often as it can (an `RTM_NEWLINK` setting `lo` up
 /// in a netns of the bench's own), recording how long each request takes:
 /// while something else holds RTNL, it waits.
-struct RtnlProbe {
+pub(crate) struct RtnlProbe {
     stop: Arc<AtomicBool>,
     thread: std::thread::JoinHandle<anyhow::Result<ProbeRun>>,
 }
 
-struct ProbeRun {
+pub(crate) struct ProbeRun {
     /// Each request's latency, ms.
-    lat: Vec<f64>,
+    pub(crate) lat: Vec<f64>,
     /// Time the probe thread was runnable but not running (waiting for a
     /// CPU, not for RTNL), ms, from its schedstat.
     runqueue_ms: f64,
@@ -388,7 +388,7 @@ struct ProbeRun {
 impl ProbeRun {
     /// Time spent waiting for RTNL, ms: each request's latency beyond
     /// `idle_median`, summed, less the time waiting for a CPU.
-    fn waited_ms(&self, idle_median: f64) -> f64 {
+    pub(crate) fn waited_ms(&self, idle_median: f64) -> f64 {
         let excess: f64 = self.lat.iter().map(|l| (l - idle_median).max(0.0)).sum();
         (excess - self.runqueue_ms).max(0.0)
     }
@@ -403,7 +403,7 @@ fn runqueue_ns() -> u64 {
 }
 
 impl RtnlProbe {
-    fn start(ns: &str) -> Self {
+    pub(crate) fn start(ns: &str) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let s = stop.clone();
         let thread = spawn_in(ns, move || -> anyhow::Result<ProbeRun> {
@@ -437,7 +437,7 @@ impl RtnlProbe {
         Self { stop, thread }
     }
 
-    fn stop(self) -> anyhow::Result<ProbeRun> {
+    pub(crate) fn stop(self) -> anyhow::Result<ProbeRun> {
         self.stop.store(true, Ordering::Relaxed);
         self.thread
             .join()

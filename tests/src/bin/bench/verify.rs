@@ -20,7 +20,11 @@ use sluice_tests::{
     standin::{Bind, StandIn},
 };
 
-use crate::{ns_path, percentile, pods::bare_pods, workload, Config, Report};
+use crate::{
+    ns_path, percentile,
+    pods::{bare_pods, RtnlProbe},
+    workload, Config, Report,
+};
 
 /// The agent's default period (`--verify-every`), for the CPU share.
 const PERIOD_S: f64 = 60.0;
@@ -117,7 +121,46 @@ fn verify_in(
             pass / (PERIOD_S * 1e3) * 100.0,
         );
     }
+    rtnl_per_pod(report, cfg, &dp, &cookies)?;
     drop(standins);
+    Ok(())
+}
+
+/// `verify_rtnl_ms_per_pod`: how long a verification holds RTNL (its
+/// filter dumps and tcx queries take it), estimated as the enrollment's
+/// `rtnl_ms_per_pod`: the RTNL probe's waiting beyond its idle median
+/// while one pass verifies every pod, less its waiting for a CPU, per pod.
+fn rtnl_per_pod(
+    report: &mut Report,
+    cfg: &Config,
+    dp: &sluice::dataplane::loader::Dataplane,
+    cookies: &[u64],
+) -> anyhow::Result<()> {
+    let probe_ns = format!("slb-vrtnl-{}", std::process::id());
+    sluice_tests::topology::ip(&["netns", "add", &probe_ns])?;
+    let result = (|| -> anyhow::Result<f64> {
+        let idle = RtnlProbe::start(&probe_ns);
+        std::thread::sleep(cfg.rtnl_idle);
+        let idle = idle.stop()?;
+        ensure!(!idle.lat.is_empty(), "the RTNL probe made no request");
+        let idle_median = percentile(idle.lat, 0.5);
+        let probe = RtnlProbe::start(&probe_ns);
+        let mut res = Ok(());
+        for &cookie in cookies {
+            let ran = verify::plan(dp, cookie)
+                .context("no verification plan")
+                .map(|plan| verify::verify(&plan));
+            if !matches!(ran, Ok(Ok(_))) {
+                res = Err(anyhow::anyhow!("pod {cookie}: {ran:?}"));
+                break;
+            }
+        }
+        let run = probe.stop()?;
+        res?;
+        Ok(run.waited_ms(idle_median) / cookies.len() as f64)
+    })();
+    let _ = sluice_tests::topology::ip(&["netns", "del", &probe_ns]);
+    report.put("verify_rtnl_ms_per_pod", result?);
     Ok(())
 }
 
