@@ -219,10 +219,6 @@ impl Verification {
             Verification::Failed { case, .. } => (2, Some(case)),
         }
     }
-
-    pub fn passed(&self) -> bool {
-        matches!(self, Verification::Verified { .. })
-    }
 }
 
 /// When a waiting pod is offered to ztunnel next, and why it still waits.
