@@ -192,7 +192,8 @@ FULL = {
     "cni": {"install": True, "confDir": "/etc/cni/net.d.test", "binDir": "/home/kubernetes/bin",
             "ownedCNIConfig": False, "ownedCNIConfigFilename": "01-mesh.conflist",
             "excludeNamespaces": ["kube-system", "monitoring"],
-            "ambient": {"dnsCapture": False,
+            "ambient": {"dnsCapture": False, "podExclusions": "annotations",
+                        "podExclusionsNamespaces": ["shop", "db"],
                         "enablementSelectors": [{"namespaceSelector": {"matchLabels": {"team": "shop"}}}]}},
     "probes": {"hostSide": False},
     "readiness": {
@@ -373,6 +374,8 @@ def check_full(objs):
         "--node-netns=off",
         "--exclude-namespaces=kube-system,monitoring",
         "--dns-capture=false",
+        "--pod-exclusions=annotations",
+        "--pod-exclusions-namespaces=shop,db",
         '--enablement-selectors=[{"namespaceSelector":{"matchLabels":{"team":"shop"}}}]',
         "--tc-attach=tcx",
     ]:

@@ -51,6 +51,7 @@ pub const FAMILY_V4: u8 = 2;
 pub const FAMILY_V6: u8 = 10;
 
 mod counters;
+mod exclusions;
 mod flow;
 mod keys;
 mod pod;
@@ -58,6 +59,7 @@ mod stamp;
 mod verify;
 
 pub use counters::*;
+pub use exclusions::*;
 pub use flow::*;
 pub use keys::*;
 pub use pod::*;
@@ -81,6 +83,8 @@ mod user {
     unsafe impl aya::Pod for DnsFlow {}
     unsafe impl aya::Pod for Budget {}
     unsafe impl aya::Pod for DnsCounters {}
+    unsafe impl aya::Pod for Exclusions {}
+    unsafe impl aya::Pod for ExcludedCounters {}
 }
 
 #[cfg(test)]

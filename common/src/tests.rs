@@ -18,6 +18,12 @@ fn map_layouts_have_no_implicit_padding() {
     assert_eq!(size_of::<FlowKey>(), 16 + 16 + 2 + 2 + 1 + 3);
     assert_eq!(size_of::<FlowHint>(), 24);
     assert_eq!(size_of::<AddrKey>(), 20);
+    assert_eq!(size_of::<IpRange>(), 36);
+    assert_eq!(
+        size_of::<Exclusions>(),
+        12 + 2 * EXCLUSIONS_MAX + 36 * EXCLUSIONS_MAX
+    );
+    assert_eq!(size_of::<ExcludedCounters>(), 16);
 }
 
 #[test]

@@ -25,14 +25,14 @@ use aya_ebpf::{
 };
 use core::ffi::c_void;
 use sluice_common::{
-    Counters, DropReason, FlowKey, HintVerdict, Role, FLOW_HINT_TTL_NS, HINT_HOST_TAKEN, HINT_USED,
-    MARK_MASK, MARK_REDIRECT, MARK_ZTUNNEL, POD_FLAG_BYPASS_INBOUND, PORT_DNS, PORT_HBONE,
-    PORT_OUTBOUND,
+    Counters, DropReason, ExcludedCounters, FlowKey, HintVerdict, Role, FLOW_HINT_TTL_NS,
+    HINT_HOST_TAKEN, HINT_USED, MARK_MASK, MARK_REDIRECT, MARK_ZTUNNEL, POD_FLAG_BYPASS_INBOUND,
+    PORT_DNS, PORT_HBONE, PORT_OUTBOUND,
 };
 
 use crate::{
     addr::{is_loopback, is_probe},
-    dns,
+    dns, exclusions,
     hints::{forget_hint, hint_ptr, put_charged_hint, release_hint, unshared_hint_ptr},
     lookup::{loopback, skc_lookup},
     maps::{count, count_drop, NODE_NETNS, POD_STATE},
@@ -140,6 +140,12 @@ pub fn egress<const L2: usize>(ctx: &TcContext) -> i32 {
             w.count_drop(DropReason::UnknownSource);
             return TC_SHOT;
         }
+        // Row E1: the pod's exclusions keep it out of capture, in any
+        // state (it never meets ztunnel).
+        if exclusions::outbound(cookie, &t) {
+            w.count_excluded(cookie, |c: &mut ExcludedCounters| &mut c.outbound);
+            return TC_OK;
+        }
         if !pod.steers() {
             w.count(cookie, |c: &mut Counters| &mut c.dropped_fail_closed);
             return TC_SHOT;
@@ -202,9 +208,16 @@ pub fn ingress<const L2: usize>(ctx: &TcContext) -> i32 {
     }
     // Row I6: the pod asked for no inbound capture (Istio's "ingress mode"):
     // its SYNs go where they are addressed; HBONE still reaches ztunnel.
-    if t.dport != PORT_HBONE && pod_flags(cookie) & POD_FLAG_BYPASS_INBOUND != 0 {
-        w.put_charged_hint(ctx, cookie, &flow_key(&t), HintVerdict::Bypass, 0);
-        return TC_OK;
+    // Row E2: so do those its exclusions keep out of capture.
+    if t.dport != PORT_HBONE {
+        let bypass = pod_flags(cookie) & POD_FLAG_BYPASS_INBOUND != 0;
+        if bypass || exclusions::inbound(cookie, t.dport) {
+            if !bypass {
+                w.count_excluded(cookie, |c: &mut ExcludedCounters| &mut c.inbound);
+            }
+            w.put_charged_hint(ctx, cookie, &flow_key(&t), HintVerdict::Bypass, 0);
+            return TC_OK;
+        }
     }
     let Some(pod) = (unsafe { POD_STATE.get(cookie) }) else {
         // Being removed: sk_lookup refuses it.

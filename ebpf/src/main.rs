@@ -22,6 +22,7 @@ mod addr;
 mod budget;
 mod capture;
 mod dns;
+mod exclusions;
 mod hints;
 mod lookup;
 mod maps;

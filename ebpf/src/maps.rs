@@ -7,9 +7,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, SockHash},
 };
 use sluice_common::{
-    AddrKey, Budget, Counters, DnsCounters, DnsFlow, DnsFlowKey, DropReason, FlowHint, FlowKey,
-    ListenerKey, PodEntry, PodMeta, Stamp, DROP_REASONS, FLOW_HINTS_ENTRIES, REROUTE_LEN,
-    VERIFY_HINTS_ENTRIES,
+    AddrKey, Budget, Counters, DnsCounters, DnsFlow, DnsFlowKey, DropReason, ExcludedCounters,
+    Exclusions, FlowHint, FlowKey, ListenerKey, PodEntry, PodMeta, Stamp, DROP_REASONS,
+    FLOW_HINTS_ENTRIES, REROUTE_LEN, VERIFY_HINTS_ENTRIES,
 };
 
 /// Upper bound on pods per node (Kubernetes' default max-pods is 110).
@@ -85,6 +85,18 @@ pub static POD_META: HashMap<u64, PodMeta> = HashMap::pinned(MAX_PODS, BPF_F_NO_
 /// by netns cookie; no entry means none. Written by user space.
 #[map(name = "pod_flags")]
 pub static POD_FLAGS: HashMap<u64, u32> = HashMap::pinned(MAX_PODS, BPF_F_NO_PREALLOC);
+
+/// Each pod's exclusions from capture (see `exclusions`), by netns cookie;
+/// no entry means none. Written by user space, one whole value per change.
+/// Not preallocated: values are large (2.4 KiB) and only pods with
+/// exclusions have one.
+#[map(name = "pod_exclusions")]
+pub static POD_EXCLUSIONS: HashMap<u64, Exclusions> = HashMap::pinned(MAX_PODS, BPF_F_NO_PREALLOC);
+
+/// Per-pod connections kept out of capture by the pod's exclusions.
+/// Per-CPU like `counters`.
+#[map(name = "excluded")]
+pub static EXCLUDED: PerCpuHashMap<u64, ExcludedCounters> = PerCpuHashMap::pinned(MAX_PODS, 0);
 
 /// The interfaces of each pod whose TCP is rerouted to 15001
 /// (`istio.io/reroute-virtual-interfaces`). User space only: it decides
@@ -167,7 +179,11 @@ pub fn count(cookie: u64, field: impl Fn(&mut Counters) -> &mut u64) {
 }
 
 #[inline(always)]
-fn bump<T: Default>(map: &PerCpuHashMap<u64, T>, cookie: u64, field: impl Fn(&mut T) -> &mut u64) {
+pub fn bump<T: Default>(
+    map: &PerCpuHashMap<u64, T>,
+    cookie: u64,
+    field: impl Fn(&mut T) -> &mut u64,
+) {
     if let Some(c) = map.get_ptr_mut(cookie) {
         // Per-CPU value: no other writer, a plain add is enough.
         unsafe { *field(&mut *c) += 1 };

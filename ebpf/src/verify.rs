@@ -5,7 +5,7 @@
 
 use aya_ebpf::programs::TcContext;
 use sluice_common::{
-    Counters, DnsCounters, DropReason, FlowKey, HintVerdict, VERIFY_CB_COOKIE_HI,
+    Counters, DnsCounters, DropReason, ExcludedCounters, FlowKey, HintVerdict, VERIFY_CB_COOKIE_HI,
     VERIFY_CB_COOKIE_LO, VERIFY_CB_VERDICT, VERIFY_MAGIC,
 };
 
@@ -44,6 +44,13 @@ impl Writes {
     pub fn count_dns(self, cookie: u64, field: impl Fn(&mut DnsCounters) -> &mut u64) {
         if !self.verifying {
             count_dns(cookie, field)
+        }
+    }
+
+    #[inline(always)]
+    pub fn count_excluded(self, cookie: u64, field: impl Fn(&mut ExcludedCounters) -> &mut u64) {
+        if !self.verifying {
+            crate::exclusions::count(cookie, field)
         }
     }
 

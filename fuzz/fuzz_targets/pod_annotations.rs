@@ -47,7 +47,10 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(o) = selection::options(&pod) {
         for node_dns in [true, false] {
             let flags = o.flags(node_dns);
-            assert_eq!(PodOptions::from_maps(flags, Some(&o.reroute_bytes())), o);
+            assert_eq!(
+                PodOptions::from_maps(flags, Some(&o.reroute_bytes()), None),
+                o
+            );
         }
     }
 });

@@ -128,6 +128,10 @@ pub struct NodeStatus {
     /// capture, and why (not ambient, opted out, excluded namespace…).
     #[serde(default)]
     pub skipped: Vec<SkippedPod>,
+    /// Enrolled pods whose exclusion annotations are not in force as
+    /// written: ignored by this node's policy, or malformed.
+    #[serde(default)]
+    pub exclusion_notices: Vec<ExclusionNotice>,
     /// Pods whose netns the agent watches for new interfaces (see
     /// `agent/node/linkwatch.rs`): every held pod with an open netns, a
     /// tick (200 ms) after it arrives or leaves.
@@ -172,6 +176,18 @@ pub struct SkippedPod {
     pub name: String,
     pub uid: String,
     pub reason: String,
+}
+
+/// Why a pod's exclusion annotations are not in force as written.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ExclusionNotice {
+    pub uid: String,
+    pub namespace: String,
+    pub name: String,
+    /// `ignored` (the node's policy; captured fully) or `invalid` (the
+    /// exclusions it had stay in force).
+    pub kind: String,
+    pub detail: String,
 }
 
 fn auto() -> crate::served::Mode {

@@ -12,6 +12,7 @@ pub mod cli;
 pub mod cni;
 pub mod control;
 pub mod dataplane;
+pub mod exclusions;
 pub mod fault;
 pub mod kube;
 pub mod lifecycle;

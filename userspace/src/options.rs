@@ -3,7 +3,9 @@
 //! annotations); written to pinned maps at enrollment, before any link, so
 //! that a restarted agent repairs the pod with the same options.
 
-use sluice_common::{POD_FLAG_BYPASS_INBOUND, POD_FLAG_DNS_CAPTURE, REROUTE_LEN};
+use sluice_common::{Exclusions, POD_FLAG_BYPASS_INBOUND, POD_FLAG_DNS_CAPTURE, REROUTE_LEN};
+
+use crate::exclusions::PodExclusions;
 
 /// `ambient.istio.io/bypass-inbound-capture: "true"`: the pod's inbound
 /// connections are not captured (outbound still are) — Istio's "ingress
@@ -66,6 +68,9 @@ pub struct PodOptions {
     /// Interface names, as the annotation lists them (valid names only).
     pub reroute: Vec<String>,
     pub dns: DnsChoice,
+    /// The exclusions in force (what the node's policy made of the pod's
+    /// exclusion annotations; never parsed here, see `exclusions`).
+    pub exclusions: PodExclusions,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -100,17 +105,18 @@ impl PodOptions {
             bypass_inbound: get(BYPASS_INBOUND_CAPTURE) == Some("true"),
             reroute,
             dns,
+            exclusions: PodExclusions::default(),
         })
     }
 
     /// The `pod_flags` map value on a node whose DNS capture default is
-    /// `node_dns`.
+    /// `node_dns`. An excluded port 53 turns the pod's DNS capture off.
     pub fn flags(&self, node_dns: bool) -> u32 {
         let mut f = 0;
         if self.bypass_inbound {
             f |= POD_FLAG_BYPASS_INBOUND;
         }
-        if self.dns.resolve(node_dns) {
+        if self.dns.resolve(node_dns) && !self.exclusions.excludes_dns() {
             f |= POD_FLAG_DNS_CAPTURE;
         }
         f | match self.dns {
@@ -128,7 +134,11 @@ impl PodOptions {
         out
     }
 
-    pub fn from_maps(flags: u32, reroute: Option<&[u8; REROUTE_LEN]>) -> Self {
+    pub fn from_maps(
+        flags: u32,
+        reroute: Option<&[u8; REROUTE_LEN]>,
+        exclusions: Option<&Exclusions>,
+    ) -> Self {
         let reroute = reroute
             .map(|b| {
                 let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
@@ -150,6 +160,9 @@ impl PodOptions {
             bypass_inbound: flags & POD_FLAG_BYPASS_INBOUND != 0,
             reroute,
             dns,
+            exclusions: exclusions
+                .map(PodExclusions::from_value)
+                .unwrap_or_default(),
         }
     }
 }
@@ -201,7 +214,7 @@ mod tests {
         assert_eq!(o.reroute, ["tap0", "k6t-eth0"]);
         for node_dns in [true, false] {
             assert_eq!(
-                PodOptions::from_maps(o.flags(node_dns), Some(&o.reroute_bytes())),
+                PodOptions::from_maps(o.flags(node_dns), Some(&o.reroute_bytes()), None),
                 o
             );
         }
@@ -235,7 +248,7 @@ mod tests {
                 assert_eq!(on, expect, "{annotations:?} on a node with default {node}");
                 // The choice survives the map, so a new default applies
                 // only to pods without one.
-                assert_eq!(PodOptions::from_maps(o.flags(node), None).dns, want);
+                assert_eq!(PodOptions::from_maps(o.flags(node), None, None).dns, want);
             }
         }
     }

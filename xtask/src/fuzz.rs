@@ -13,11 +13,12 @@ use anyhow::{Context as _, Result};
 use crate::{run, setup, workspace_root};
 
 /// Every target in fuzz/Cargo.toml.
-pub const TARGETS: [&str; 4] = [
+pub const TARGETS: [&str; 5] = [
     "zds_messages",
     "control_request",
     "cni_plugin",
     "pod_annotations",
+    "pod_exclusions",
 ];
 
 /// How the targets are built.

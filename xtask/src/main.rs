@@ -169,7 +169,14 @@ fn ebpf_cargo(cmd: &str, extra: &[&str]) -> Result<()> {
     if let Some(missing) = setup::missing_for_ebpf() {
         bail!("cannot build the eBPF object: {missing}. Run `cargo xtask setup` (installs it).");
     }
-    let rustflags = ["-Cdebuginfo=2", "-Clink-arg=--btf"].join("\x1f");
+    // The exclusion checks stay global functions, which the kernel verifies
+    // once each (ebpf/src/exclusions.rs).
+    let rustflags = [
+        "-Cdebuginfo=2",
+        "-Clink-arg=--btf",
+        "-Clink-arg=--export=sluice_excluded_outbound,sluice_excluded_inbound",
+    ]
+    .join("\x1f");
     run(Command::new("cargo")
         .current_dir(workspace_root())
         .args([

@@ -95,7 +95,7 @@ fn cluster_node_over(
 }
 
 /// [`cluster_node_over`] with the caller's selection.
-fn cluster_node_selecting(
+pub(crate) fn cluster_node_selecting(
     dp: sluice::dataplane::loader::Dataplane,
     client: kube::Client,
     cni_records: Option<std::path::PathBuf>,
@@ -127,7 +127,7 @@ fn cluster_node_selecting(
 }
 
 /// Events the mock API was sent (created, or a repeat's series patched).
-type Events = Arc<Mutex<Vec<Value>>>;
+pub(crate) type Events = Arc<Mutex<Vec<Value>>>;
 
 /// A tiny API server: answers pod and namespace GETs from fixed objects and
 /// records every status patch body and every event.
@@ -194,7 +194,12 @@ fn api(
 
 /// Waits for a Warning Event with `reason` on the pod `name` whose note
 /// holds each of `notes`.
-async fn warning(events: &Events, reason: &str, name: &str, notes: &[&str]) -> TestResult {
+pub(crate) async fn warning(
+    events: &Events,
+    reason: &str,
+    name: &str,
+    notes: &[&str],
+) -> TestResult {
     let what = format!("a {reason} warning on {name}");
     wait::until_async(&what, wait::DEADLINE, || {
         let seen = events.lock().unwrap().clone();
@@ -579,13 +584,13 @@ fn cgroup2_mount() -> Option<std::path::PathBuf> {
 
 /// A container process of a pod: `sleep` in the pod's netns and in a cgroup
 /// named the way the kubelet names pod cgroups. Removed on drop.
-struct PodProcess {
+pub(crate) struct PodProcess {
     child: std::process::Child,
     cgroups: [std::path::PathBuf; 2],
 }
 
 impl PodProcess {
-    fn spawn(netns: &std::path::Path, uid: &str) -> anyhow::Result<Self> {
+    pub(crate) fn spawn(netns: &std::path::Path, uid: &str) -> anyhow::Result<Self> {
         use std::os::{fd::AsRawFd, unix::process::CommandExt};
         let ns = std::fs::File::open(netns)?;
         let fd = ns.as_raw_fd();
@@ -681,7 +686,7 @@ fn existing_pod_netns_found_by_cgroup() -> TestResult {
 }
 
 /// A fixture pod's `status.podIPs`, as the API lists them.
-fn pod_ips_json(f: &Fixture) -> Value {
+pub(crate) fn pod_ips_json(f: &Fixture) -> Value {
     json!([{"ip": f.topo.pod_ip(Family::V4).to_string()}, {"ip": f.topo.pod_ip(Family::V6).to_string()}])
 }
 
@@ -896,6 +901,7 @@ fn enablement_selectors() -> TestResult {
         let selection = sluice::kube::selection::Selection {
             excluded: ["kube-system".to_string(), "legacy".to_string()].into(),
             enablement: r#"[{"namespaceSelector":{"matchLabels":{"team":"shop"}}}]"#.parse().map_err(anyhow::Error::msg)?,
+            ..Default::default()
         };
         let (node, _announcing) = cluster_node_selecting(
             f.dataplane()?,

@@ -10,7 +10,9 @@ mod crash;
 mod cycles;
 mod differential;
 mod dns;
+mod exclusions;
 mod kube;
+mod kube_exclusions;
 mod lifecycle;
 mod metrics;
 mod options;
@@ -73,6 +75,8 @@ fn main() {
     trials.extend(lifecycle::trials());
     trials.extend(probes::trials());
     trials.extend(options::trials());
+    trials.extend(exclusions::trials());
+    trials.extend(kube_exclusions::trials());
     trials.extend(dns::trials());
     trials.extend(agent::trials());
     trials.extend(crash::trials());

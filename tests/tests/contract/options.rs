@@ -82,7 +82,7 @@ fn reroute_refused() -> TestResult {
 }
 
 /// What a flow came to: the listener that took it (if any), and the reply.
-fn outcome(f: &Fixture, r: &Reached) -> anyhow::Result<(Option<Role>, String)> {
+pub(crate) fn outcome(f: &Fixture, r: &Reached) -> anyhow::Result<(Option<Role>, String)> {
     let reply = r
         .reply()
         .with_context(|| format!("expected a reply, got {r:?}"))?;

@@ -69,7 +69,10 @@ fn captured(tag: &str) -> anyhow::Result<(Fixture, u64)> {
     Ok((f, cookie))
 }
 
-fn run(f: &Fixture, cookie: u64) -> anyhow::Result<Result<verify::Verified, verify::Failed>> {
+pub(crate) fn run(
+    f: &Fixture,
+    cookie: u64,
+) -> anyhow::Result<Result<verify::Verified, verify::Failed>> {
     let dp = f.dataplane()?;
     let plan = verify::plan(&dp, cookie).context("no verification plan for the pod")?;
     Ok(verify::verify(&plan))

@@ -66,7 +66,7 @@ pub enum Admission {
     Enroll {
         uid: PodUid,
         workload: Workload,
-        options: crate::options::PodOptions,
+        options: Box<crate::options::PodOptions>,
     },
     Skip(String),
 }
@@ -289,7 +289,8 @@ impl KubeCtx {
                 Ok(Admission::Enroll {
                     uid: PodUid::new(uid)?,
                     workload: Workload::new(&pod.name, &pod.namespace, &sa)?,
-                    options: selection::options(&found)
+                    options: selection::new_pod_options(&found, &self.selection)
+                        .map(Box::new)
                         .map_err(|e| anyhow::anyhow!("pod {}/{}: {e}", pod.namespace, pod.name))?,
                 })
             }

@@ -46,6 +46,8 @@ pub struct Config {
     pub excluded: std::collections::BTreeSet<String>,
     /// Which pods are in the mesh (`--enablement-selectors`).
     pub enablement: crate::kube::enablement::Enablement,
+    /// Which pods' exclusion annotations are honoured (`--pod-exclusions`).
+    pub exclusions: crate::exclusions::Policy,
     /// The node's DNS capture default (`--dns-capture`).
     pub dns_capture: bool,
     /// How tc programs are attached (`--tc-attach`).

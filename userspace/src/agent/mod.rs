@@ -184,6 +184,7 @@ async fn cluster_context(cfg: &Config) -> anyhow::Result<Option<KubeCtx>> {
         selection: crate::kube::selection::Selection {
             excluded: cfg.excluded.clone(),
             enablement: cfg.enablement.clone(),
+            exclusions: cfg.exclusions.clone(),
         },
         selection_file: Some(crate::cni::snapshot::path_for(&cfg.control_socket)),
     }))

@@ -118,6 +118,18 @@ pub struct Args {
     /// wins; pods enrolled earlier follow a changed default on restart.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, env = "SLUICE_DNS_CAPTURE")]
     dns_capture: bool,
+    /// Whether ambient pods' `traffic.sidecar.istio.io/*` exclusion
+    /// annotations (excludeOutboundPorts, excludeOutboundIPRanges,
+    /// includeOutboundIPRanges, excludeInboundPorts, includeInboundPorts)
+    /// are honoured: `off` (the default: such pods are captured fully and
+    /// get a PodExclusionsIgnored Warning Event) or `annotations`. Excluded
+    /// traffic bypasses ztunnel: no mTLS, no policy, no telemetry.
+    #[arg(long, default_value = "off", env = "SLUICE_POD_EXCLUSIONS")]
+    pod_exclusions: crate::exclusions::PodExclusionsMode,
+    /// With --pod-exclusions annotations: only pods of these namespaces
+    /// (comma-separated) have their exclusions honoured; empty: all.
+    #[arg(long, value_delimiter = ',', env = "SLUICE_POD_EXCLUSIONS_NAMESPACES")]
+    pod_exclusions_namespaces: Vec<String>,
     /// How tc programs are attached to pods: `cls_bpf` (a clsact qdisc
     /// and a filter per hook; a pod enrolls in about a millisecond) or
     /// `tcx` (BPF links, Linux ≥ 6.6; every attach waits for an RCU
@@ -202,6 +214,15 @@ pub fn run(g: Globals, args: Args) -> anyhow::Result<()> {
         node_netns: (node_netns != "off").then(|| PathBuf::from(node_netns)),
         excluded,
         enablement: args.enablement_selectors,
+        exclusions: crate::exclusions::Policy {
+            mode: args.pod_exclusions,
+            namespaces: args
+                .pod_exclusions_namespaces
+                .iter()
+                .map(|n| n.trim().to_owned())
+                .filter(|n| !n.is_empty())
+                .collect(),
+        },
         dns_capture: args.dns_capture,
         tc_attach: args.tc_attach,
         take_over_node_agent: args.take_over_node_agent,

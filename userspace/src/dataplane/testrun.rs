@@ -66,6 +66,14 @@ impl TestAttr {
         self.u64_at(48, ctx_in.as_ptr() as u64);
         self.u64_at(56, ctx_out.as_mut_ptr() as u64);
     }
+    /// Runs the program `n` times (`repeat`); `duration()` is then the
+    /// kernel's mean per run.
+    fn repeat(&mut self, n: u32) {
+        self.u32_at(32, n);
+    }
+    fn duration(&self) -> u32 {
+        u32::from_ne_bytes([self.0[36], self.0[37], self.0[38], self.0[39]])
+    }
     fn run(&mut self) -> io::Result<u32> {
         bpf(BPF_PROG_TEST_RUN, &mut self.0)?;
         Ok(self.retval())
@@ -86,15 +94,22 @@ const SKB_CB: usize = 48;
 /// kernel writes back its whole struct and refuses a smaller buffer.
 const SKB_OUT: usize = 256;
 
-/// Runs tc program `prog` on the frame `data` (from its Ethernet header),
-/// with `ctx`'s mark and control block. Returns its verdict and the control
-/// block it left. Run it from a thread in the hook's netns.
-pub fn run_tc(prog: &OwnedFd, data: &[u8], ctx: SkbCtx) -> io::Result<(i32, SkbCtx)> {
+/// The `struct __sk_buff` prefix a tc test run takes: `ctx`'s mark and
+/// control block.
+fn skb_in(ctx: SkbCtx) -> [u8; SKB_CB + 20] {
     let mut ctx_in = [0u8; SKB_CB + 20];
     ctx_in[SKB_MARK..SKB_MARK + 4].copy_from_slice(&ctx.mark.to_ne_bytes());
     for (i, w) in ctx.cb.iter().enumerate() {
         ctx_in[SKB_CB + 4 * i..SKB_CB + 4 * i + 4].copy_from_slice(&w.to_ne_bytes());
     }
+    ctx_in
+}
+
+/// Runs tc program `prog` on the frame `data` (from its Ethernet header),
+/// with `ctx`'s mark and control block. Returns its verdict and the control
+/// block it left. Run it from a thread in the hook's netns.
+pub fn run_tc(prog: &OwnedFd, data: &[u8], ctx: SkbCtx) -> io::Result<(i32, SkbCtx)> {
+    let ctx_in = skb_in(ctx);
     let mut ctx_out = [0u8; SKB_OUT];
     let mut attr = TestAttr::new(prog);
     attr.data_in(data);
@@ -116,6 +131,20 @@ pub fn run_tc(prog: &OwnedFd, data: &[u8], ctx: SkbCtx) -> io::Result<(i32, SkbC
         *w = word(SKB_CB + 4 * i);
     }
     Ok((verdict, out))
+}
+
+/// Runs tc program `prog` on `data` `n` times in the kernel (for the
+/// bench: the input must be one the program writes no map for, such as a
+/// verification's). Returns its verdict and the kernel's mean ns per run.
+pub fn time_tc(prog: &OwnedFd, data: &[u8], ctx: SkbCtx, n: u32) -> io::Result<(i32, u32)> {
+    let ctx_in = skb_in(ctx);
+    let mut ctx_out = [0u8; SKB_OUT];
+    let mut attr = TestAttr::new(prog);
+    attr.data_in(data);
+    attr.ctx(&ctx_in, &mut ctx_out);
+    attr.repeat(n);
+    let verdict = attr.run()? as i32;
+    Ok((verdict, attr.duration()))
 }
 
 /// One listener lookup, as `struct bpf_sk_lookup` describes it.

@@ -103,6 +103,15 @@ pub enum Reason {
     /// its interface, or left from before): the claim is gone, the address
     /// captures the other pod's traffic only.
     AddressClaimEvicted,
+    /// The pod's exclusion annotations (`traffic.sidecar.istio.io/*`) are
+    /// in force as the note lists them: that traffic bypasses ztunnel.
+    PodExclusionsApplied,
+    /// The pod carries exclusion annotations this node does not honour
+    /// (`--pod-exclusions off`, or its namespace not allowed): captured fully.
+    PodExclusionsIgnored,
+    /// An exclusion annotation is malformed (the note names the entry): the
+    /// pod keeps the exclusions it had.
+    InvalidPodExclusions,
     /// On the node: its condition turned True (the note has the reason).
     RedirectionReady,
     /// On the node: its condition turned False (ztunnel disconnected, the
@@ -126,6 +135,9 @@ impl Reason {
             Self::HostProbesCaptured => "HostProbesCaptured",
             Self::TooManyAddresses => "TooManyAddresses",
             Self::AddressClaimEvicted => "AddressClaimEvicted",
+            Self::PodExclusionsApplied => "PodExclusionsApplied",
+            Self::PodExclusionsIgnored => "PodExclusionsIgnored",
+            Self::InvalidPodExclusions => "InvalidPodExclusions",
             Self::RedirectionReady => "RedirectionReady",
             Self::RedirectionNotReady => "RedirectionNotReady",
         }
@@ -137,6 +149,7 @@ impl Reason {
             Self::CaptureRepaired
                 | Self::CaptureReleased
                 | Self::TookOverFromIstioCni
+                | Self::PodExclusionsApplied
                 | Self::RedirectionReady
         )
     }
@@ -157,6 +170,9 @@ impl Reason {
                 "Verify"
             }
             Self::CaptureReleased => "Release",
+            Self::PodExclusionsApplied
+            | Self::PodExclusionsIgnored
+            | Self::InvalidPodExclusions => "Exclude",
             Self::RedirectionReady | Self::RedirectionNotReady => "Report",
         }
     }

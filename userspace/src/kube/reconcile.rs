@@ -53,7 +53,7 @@ pub fn plan<P: Borrow<Pod>>(
         let verdict = select(pod, namespaces.get(&ns), node, sel);
         match (verdict, have.contains(uid)) {
             (Verdict::Enroll, false) => actions.push(Action::Enroll {
-                options: super::selection::options(pod),
+                options: super::selection::new_pod_options(pod, sel),
                 uid: uid.to_owned(),
                 name: pod.metadata.name.clone().unwrap_or_default(),
                 namespace: ns,

@@ -65,6 +65,26 @@ pub fn options(pod: &Pod) -> Result<crate::options::PodOptions, crate::options::
     crate::options::PodOptions::from_annotations(|k| annotations?.get(k).map(String::as_str))
 }
 
+/// What this node makes of the pod's exclusion annotations.
+pub fn exclusions(pod: &Pod, sel: &Selection) -> crate::exclusions::Decision {
+    let annotations = pod.metadata.annotations.as_ref();
+    let ns = pod.metadata.namespace.as_deref().unwrap_or_default();
+    sel.exclusions
+        .decide(ns, |k| annotations?.get(k).map(String::as_str))
+}
+
+/// The capture options of a pod about to be captured: its annotations',
+/// with the exclusions this node honours (malformed ones: none, the pod
+/// is captured fully).
+pub fn new_pod_options(
+    pod: &Pod,
+    sel: &Selection,
+) -> Result<crate::options::PodOptions, crate::options::OptionsError> {
+    let mut o = options(pod)?;
+    o.exclusions = exclusions(pod, sel).target(&Default::default());
+    Ok(o)
+}
+
 /// The addresses the runtime gave the pod, as its status has them
 /// (`status.podIPs`, else `status.podIP`); what does not parse is left out.
 pub fn pod_ips(pod: &Pod) -> Vec<std::net::IpAddr> {
@@ -83,13 +103,16 @@ pub fn pod_ips(pod: &Pod) -> Vec<std::net::IpAddr> {
         .collect()
 }
 
-/// What decides which pods of this node are in the mesh.
+/// What decides which pods of this node are in the mesh, and which of
+/// their exclusion annotations count.
 #[derive(Debug, Clone, Default)]
 pub struct Selection {
     /// Namespaces whose pods are never captured (`--exclude-namespaces`).
     pub excluded: BTreeSet<String>,
     /// `--enablement-selectors`.
     pub enablement: super::enablement::Enablement,
+    /// `--pod-exclusions`, `--pod-exclusions-namespaces`.
+    pub exclusions: crate::exclusions::Policy,
 }
 
 impl Selection {

@@ -79,6 +79,8 @@ pub enum ReconcileError {
     Enroll,
     /// Releasing a pod failed.
     Unenroll,
+    /// Putting a running pod's changed exclusions in force failed.
+    Exclusions,
 }
 
 impl ReconcileError {
@@ -89,6 +91,7 @@ impl ReconcileError {
             Self::BadAnnotation => "bad_annotation",
             Self::Enroll => "enroll",
             Self::Unenroll => "unenroll",
+            Self::Exclusions => "exclusions",
         }
     }
 }

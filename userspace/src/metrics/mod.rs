@@ -320,6 +320,7 @@ impl Metrics {
             ReconcileError::BadAnnotation,
             ReconcileError::Enroll,
             ReconcileError::Unenroll,
+            ReconcileError::Exclusions,
         ] {
             let _ = self
                 .reconcile_errors

@@ -19,6 +19,8 @@ pub struct Sample {
     pub kernel: Counters,
     /// The DNS capture counters, the same way.
     pub dns: sluice_common::DnsCounters,
+    /// Connections kept out of capture by pod exclusions, the same way.
+    pub excluded: sluice_common::ExcludedCounters,
     /// Enrolled pods by DNS mode (captured, pass-through, off).
     pub dns_modes: Vec<(&'static str, u64)>,
     /// Node-wide drops by reason (`DropReason`).
@@ -132,6 +134,16 @@ impl Collector for MapCollector {
             "Connections deliberately not captured (probes, in-pod loopback)",
             "reason",
             &[("probe_or_local", k.bypassed)],
+        )?;
+        counters(
+            &mut enc,
+            "connections_excluded",
+            "New connections (SYNs) kept out of capture by pods' exclusion annotations (traffic.sidecar.istio.io/*, with --pod-exclusions annotations): they bypass ztunnel",
+            "direction",
+            &[
+                ("inbound", s.excluded.inbound),
+                ("outbound", s.excluded.outbound),
+            ],
         )?;
         counters(
             &mut enc,

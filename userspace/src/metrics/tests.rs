@@ -19,6 +19,10 @@ impl Source for Fixed {
                 ..Default::default()
             },
             dns_modes: vec![("captured", 2), ("off", 1)],
+            excluded: sluice_common::ExcludedCounters {
+                inbound: 2,
+                outbound: 9,
+            },
             drops: vec![("malformed", 4), ("unhinted", 2)],
             hints_over_share: 6,
             capture_incomplete: 1,
@@ -55,6 +59,8 @@ fn renders_prefixed_names_with_units_and_labels() {
         "sluice_dns_queries_total{result=\"captured_udp\"} 5",
         "sluice_dns_answers_total{result=\"unmapped\"} 1",
         "sluice_dns_pods{mode=\"captured\"} 2",
+        "sluice_connections_excluded_total{direction=\"inbound\"} 2",
+        "sluice_connections_excluded_total{direction=\"outbound\"} 9",
         "sluice_time_to_served_seconds_count 1",
         "sluice_served_checks_total{result=\"failed\"} 1",
         "sluice_served_check_fallback 1",

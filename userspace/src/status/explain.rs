@@ -11,7 +11,7 @@ use serde::Serialize;
 use sluice_common::{PodState, Role};
 
 use crate::{
-    control::{NodeStatus, PodVerification, SkippedPod, VerifyOutcome},
+    control::{ExclusionNotice, NodeStatus, PodVerification, SkippedPod, VerifyOutcome},
     dataplane::state::{boottime_ns, PodRecord},
     status,
 };
@@ -55,6 +55,8 @@ pub struct Explanation<'a> {
     pub last_error: Option<&'a str>,
     /// The agent's last verification of the pod's capture.
     pub verification: Option<&'a PodVerification>,
+    /// Why the pod's exclusion annotations are not in force as written.
+    pub exclusion_notice: Option<&'a ExclusionNotice>,
 }
 
 /// Which pod `query` names: its uid, or `namespace/name`.
@@ -122,11 +124,14 @@ pub fn explain<'a>(
             .find(|w| w.uid == p.uid)
             .map(|w| w.last_error.as_str())
     });
+    let exclusion_notice =
+        pod.and_then(|p| agent?.exclusion_notices.iter().find(|n| n.uid == p.uid));
     Some(Explanation {
         verdict,
         pod,
         last_error,
         verification,
+        exclusion_notice,
     })
 }
 
@@ -219,6 +224,10 @@ pub fn render(e: &Explanation, agent_running: bool) -> String {
             p.dns.choice.as_str()
         ),
     );
+    line("exclusions", exclusions_line(p));
+    if let Some(n) = e.exclusion_notice {
+        line(&format!("exclusions {}", n.kind), n.detail.clone());
+    }
     let c = &p.counters;
     line(
         "counters",
@@ -247,6 +256,22 @@ pub fn render(e: &Explanation, agent_running: bool) -> String {
         );
     }
     out
+}
+
+/// The exclusions in force, in the annotations' syntax, and what they kept
+/// out of capture.
+fn exclusions_line(p: &PodRecord) -> String {
+    let lines = p.exclusions.lines();
+    if lines.is_empty() {
+        return "none (all traffic captured)".into();
+    }
+    let listed: Vec<String> = lines.iter().map(|(a, v)| format!("{a}={v}")).collect();
+    format!(
+        "{} (bypassing ztunnel; connections excluded: inbound {}, outbound {})",
+        listed.join(" "),
+        p.excluded.inbound,
+        p.excluded.outbound
+    )
 }
 
 fn or_none(s: String) -> String {
@@ -286,6 +311,8 @@ mod tests {
             },
             bypass_inbound: false,
             reroute: vec![],
+            exclusions: Default::default(),
+            excluded: Default::default(),
             addresses: vec![],
             links: vec![],
         }
@@ -310,6 +337,40 @@ mod tests {
         );
         let text = render(&e, true);
         assert!(text.contains("lacks egress_eth0"), "{text}");
+    }
+
+    #[test]
+    fn the_exclusions_in_force_and_why_annotations_are_not_are_explained() {
+        let mut served = record("Served", &["inbound/ipv4"]);
+        let text = render(
+            &explain("shop/cart", &[served.clone()], None).unwrap(),
+            true,
+        );
+        assert!(
+            text.contains("exclusions: none (all traffic captured)"),
+            "{text}"
+        );
+        served.exclusions.exclude_outbound_ports = vec![5432];
+        served.excluded.outbound = 3;
+        let mut agent = node(vec![], vec![]);
+        agent.exclusion_notices = vec![crate::control::ExclusionNotice {
+            uid: "u-cart".into(),
+            namespace: "shop".into(),
+            name: "cart".into(),
+            kind: "invalid".into(),
+            detail: "bad entry \"x\"".into(),
+        }];
+        let pods = [served];
+        let e = explain("shop/cart", &pods, Some(&agent)).unwrap();
+        let text = render(&e, true);
+        assert!(
+            text.contains("traffic.sidecar.istio.io/excludeOutboundPorts=5432 (bypassing ztunnel; connections excluded: inbound 0, outbound 3)"),
+            "{text}"
+        );
+        assert!(text.contains("exclusions invalid: bad entry"), "{text}");
+        let json = serde_json::to_value(&e).unwrap();
+        assert_eq!(json["pod"]["exclusions"]["exclude_outbound_ports"][0], 5432);
+        assert_eq!(json["exclusion_notice"]["kind"], "invalid");
     }
 
     fn node(skipped: Vec<SkippedPod>, waiting: Vec<WaitingPod>) -> NodeStatus {

@@ -110,6 +110,22 @@ off
 {{- end -}}
 {{- end -}}
 
+{{/* --pod-exclusions: off or annotations (an unquoted off, which YAML reads
+as false, is off too). */}}
+{{- define "sluice.podExclusions" -}}
+{{- $v := .Values.cni.ambient.podExclusions -}}
+{{- if kindIs "bool" $v -}}
+{{- if $v -}}
+{{- fail "cni.ambient.podExclusions: true is not a mode: use \"off\" or annotations" -}}
+{{- end -}}
+off
+{{- else if has $v (list "annotations" "off") -}}
+{{- $v -}}
+{{- else -}}
+{{- fail (printf "cni.ambient.podExclusions: %q is not a mode: use \"off\" or annotations" (toString $v)) -}}
+{{- end -}}
+{{- end -}}
+
 {{/* --log-format of both containers. */}}
 {{- define "sluice.logFormat" -}}
 {{- $v := toString .Values.logFormat -}}

@@ -10,7 +10,8 @@
 //! cold and warm, concurrent, RTNL hold time), `churn` (enroll/unenroll
 //! while steady pods carry traffic), `scale` (500 vs 1 pods), `memory`
 //! (agent RSS and map memory at 1,000 pods), `dns`, `served`, `isolation`
-//! (a neighbour's hints and DNS answers while one pod floods).
+//! (a neighbour's hints and DNS answers while one pod floods), `verify`
+//! (verifying a pod's capture), `exclusions` (a pod's exclusions per SYN).
 //!
 //! `SLUICE_BENCH_SMOKE=1` shrinks every count (a quick check that the bench
 //! works, not figures); `SLUICE_BENCH_SEED=<u64>` fixes the seed of the
@@ -20,6 +21,7 @@
 //! depend on the machine and what else it is doing.
 
 mod dns;
+mod exclusions;
 mod isolation;
 mod pods;
 mod served;
@@ -343,7 +345,7 @@ fn main() -> anyhow::Result<()> {
     let mut report = Report {
         results: BTreeMap::new(),
     };
-    let scenarios: [(&str, Scenario); 12] = [
+    let scenarios: [(&str, Scenario); 13] = [
         ("cpu", traffic::cpu),
         ("latency", traffic::latency),
         ("rr", traffic::request_response),
@@ -356,6 +358,7 @@ fn main() -> anyhow::Result<()> {
         ("served", served::served),
         ("isolation", isolation::isolation),
         ("verify", verify::verification),
+        ("exclusions", exclusions::exclusions),
     ];
     let only = std::env::var("SLUICE_BENCH").ok().filter(|o| !o.is_empty());
     if let Some(o) = &only {

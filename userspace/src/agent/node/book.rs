@@ -34,6 +34,7 @@ pub(super) struct PodBook {
     /// never go backwards while the agent runs.
     retired: Mutex<Counters>,
     retired_dns: Mutex<DnsCounters>,
+    retired_excluded: Mutex<sluice_common::ExcludedCounters>,
 }
 
 impl PodBook {
@@ -43,6 +44,7 @@ impl PodBook {
             pods,
             retired: Mutex::default(),
             retired_dns: Mutex::default(),
+            retired_excluded: Mutex::default(),
         }
     }
 
@@ -158,15 +160,16 @@ impl PodBook {
     pub(super) fn tear_down(&self, uid: &PodUid) -> Result<(), EnrollError> {
         let mut guard = self.dataplane();
         let dp = &mut *guard;
-        let last = dp
-            .maps()
-            .find_uid(uid)
-            .map(|c| (dp.maps().counters(c), dp.maps().dns_counters(c)));
+        let last = dp.maps().find_uid(uid).map(|c| {
+            let m = dp.maps();
+            (m.counters(c), m.dns_counters(c), m.excluded(c))
+        });
         let (pins, maps, node) = dp.parts_mut();
         enroll::unenroll(pins, maps, node, uid)?;
-        if let Some((c, d)) = last {
+        if let Some((c, d, x)) = last {
             self.retired.lock().unwrap().add(&c);
             self.retired_dns.lock().unwrap().add(&d);
+            self.retired_excluded.lock().unwrap().add(&x);
         }
         Ok(())
     }
@@ -236,6 +239,7 @@ impl metrics::Source for MapSource {
         ];
         let mut kernel = *book.retired.lock().unwrap();
         let mut dns = *book.retired_dns.lock().unwrap();
+        let mut excluded = *book.retired_excluded.lock().unwrap();
         let mut dns_modes = vec![("captured", 0), ("pass-through", 0), ("off", 0)];
         let with_proxy = dp.maps().pods_with_dns_listener();
         for (cookie, e) in dp.maps().states() {
@@ -245,6 +249,7 @@ impl metrics::Source for MapSource {
             }
             kernel.add(&dp.maps().counters(cookie));
             dns.add(&dp.maps().dns_counters(cookie));
+            excluded.add(&dp.maps().excluded(cookie));
             let mode = dp.maps().dns_mode(cookie, with_proxy.contains(&cookie));
             if let Some(m) = dns_modes.iter_mut().find(|(s, _)| *s == mode.as_str()) {
                 m.1 += 1;
@@ -255,6 +260,7 @@ impl metrics::Source for MapSource {
             kernel,
             dns,
             dns_modes,
+            excluded,
             drops: sluice_common::DropReason::ALL
                 .iter()
                 .map(|r| (r.as_str(), dp.maps().drops(*r)))

@@ -118,6 +118,25 @@ impl Enroller {
         })
     }
 
+    /// Puts exclusions `x` in force for enrolled pod `uid`: for its new
+    /// connections; open ones keep their path. Returns whether anything
+    /// changed (`false` too for a pod not enrolled).
+    pub(super) async fn set_exclusions(
+        &self,
+        uid: &str,
+        x: crate::exclusions::PodExclusions,
+    ) -> anyhow::Result<bool> {
+        let book = self.book.clone();
+        let uid = PodUid::new(uid)?;
+        tokio::task::spawn_blocking(move || {
+            let Some(cookie) = book.cookie_of(&uid) else {
+                return Ok(false);
+            };
+            Ok(book.dataplane().set_exclusions(cookie, &x)?)
+        })
+        .await?
+    }
+
     /// The runtime's addresses for a pod already enrolled whose addresses
     /// came from its netns (adopted by a starting agent; a retried CNI ADD):
     /// published as its from now on, others' claims on them evicted.

@@ -188,6 +188,7 @@ impl Requests {
             probes,
             uninstall: self.uninstall.state().to_string(),
             skipped: self.relist.skipped(),
+            exclusion_notices: self.relist.exclusion_notices(),
             link_watches: self.links.sockets(),
             tc_attach: Some(tc_attach),
         }
@@ -407,7 +408,7 @@ impl Requests {
                     uid,
                     workload,
                     options,
-                } => (uid, workload, options),
+                } => (uid, workload, *options),
             },
         };
         if let Some(cookie) = self.book.cookie_of(&uid) {

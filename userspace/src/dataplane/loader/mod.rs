@@ -182,6 +182,23 @@ impl Dataplane {
         Ok(changed)
     }
 
+    /// Puts exclusions `x` in force for pod `cookie` (one write of its
+    /// `pod_exclusions` entry, then its flags: an excluded port 53 turns
+    /// its DNS capture off). Returns whether anything changed.
+    pub fn set_exclusions(
+        &mut self,
+        cookie: u64,
+        x: &crate::exclusions::PodExclusions,
+    ) -> Result<bool, StateError> {
+        let mut options = self.maps.options(cookie);
+        if options.exclusions == *x {
+            return Ok(false);
+        }
+        options.exclusions = x.clone();
+        self.maps.set_options(cookie, &options, self.dns_capture)?;
+        Ok(true)
+    }
+
     /// How kubelet's probes reach pods without capture, in words.
     pub fn probes(&self) -> String {
         match &self.node {

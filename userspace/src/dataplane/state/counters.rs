@@ -2,7 +2,7 @@
 //! per CPU, summed when read.
 
 use aya::maps::{MapData, PerCpuArray, PerCpuHashMap};
-use sluice_common::{Counters, DnsCounters, DropReason};
+use sluice_common::{Counters, DnsCounters, DropReason, ExcludedCounters};
 
 pub struct CounterMaps {
     counters: PerCpuHashMap<MapData, u64, Counters>,
@@ -12,6 +12,8 @@ pub struct CounterMaps {
     drops: Option<PerCpuArray<MapData, u64>>,
     /// Node-wide hints written past their pod's share (entry 0).
     over_share: Option<PerCpuArray<MapData, u64>>,
+    /// Connections kept out of capture by pod exclusions.
+    excluded: Option<PerCpuHashMap<MapData, u64, ExcludedCounters>>,
 }
 
 impl CounterMaps {
@@ -20,13 +22,25 @@ impl CounterMaps {
         dns: Option<PerCpuHashMap<MapData, u64, DnsCounters>>,
         drops: Option<PerCpuArray<MapData, u64>>,
         over_share: Option<PerCpuArray<MapData, u64>>,
+        excluded: Option<PerCpuHashMap<MapData, u64, ExcludedCounters>>,
     ) -> Self {
         Self {
             counters,
             dns,
             drops,
             over_share,
+            excluded,
         }
+    }
+
+    pub fn excluded(&self, cookie: u64) -> ExcludedCounters {
+        let mut sum = ExcludedCounters::default();
+        if let Some(Ok(per_cpu)) = self.excluded.as_ref().map(|m| m.get(&cookie, 0)) {
+            for c in per_cpu.iter() {
+                sum.add(c);
+            }
+        }
+        sum
     }
 
     pub fn counters(&self, cookie: u64) -> Counters {
@@ -74,10 +88,17 @@ impl CounterMaps {
 
     pub fn remove(&mut self, cookie: u64) {
         let _ = self.counters.remove(&cookie);
+        if let Some(m) = &mut self.excluded {
+            let _ = m.remove(&cookie);
+        }
     }
 
     /// The cookie of every pod with counters.
     pub fn cookies(&self) -> impl Iterator<Item = u64> + '_ {
-        self.counters.keys().filter_map(Result::ok)
+        let excluded = self
+            .excluded
+            .iter()
+            .flat_map(|m| m.keys().filter_map(Result::ok));
+        self.counters.keys().filter_map(Result::ok).chain(excluded)
     }
 }

@@ -96,10 +96,15 @@ impl Maps {
                 optional(take("dns_counters")),
                 optional(take("drops")),
                 optional(take("hints_over_share")),
+                optional(take("excluded")),
             ),
             flow_hints: take("flow_hints")?.try_into().map_err(merr("flow_hints"))?,
             flow_hints_overflow: optional(take("flow_hints_overflow")),
-            options: OptionMaps::new(optional(take("pod_flags")), optional(take("pod_reroute"))),
+            options: OptionMaps::new(
+                optional(take("pod_flags")),
+                optional(take("pod_reroute")),
+                optional(take("pod_exclusions")),
+            ),
             observer: None,
             uids: Default::default(),
             identities: Default::default(),
@@ -406,6 +411,11 @@ impl Maps {
         self.counters.counters(cookie)
     }
 
+    /// Connections the pod's exclusions kept out of capture.
+    pub fn excluded(&self, cookie: u64) -> sluice_common::ExcludedCounters {
+        self.counters.excluded(cookie)
+    }
+
     pub fn dns_counters(&self, cookie: u64) -> DnsCounters {
         self.counters.dns_counters(cookie)
     }
@@ -495,6 +505,8 @@ impl Maps {
                     links: Vec::new(),
                     bypass_inbound: options.bypass_inbound,
                     reroute: options.reroute,
+                    exclusions: options.exclusions,
+                    excluded: self.counters.excluded(cookie),
                 }
             })
             .collect();

@@ -1,9 +1,9 @@
 //! Per-pod options as the programs read them: flags (DNS capture, inbound
-//! bypass) and the rerouted interfaces. Absent from pins of a build before
+//! bypass), the rerouted interfaces and the exclusions. Absent from pins of a build before
 //! them (a CLI adopting those: the agent's upgrade creates the maps).
 
 use aya::maps::{HashMap, MapData};
-use sluice_common::REROUTE_LEN;
+use sluice_common::{Exclusions, REROUTE_LEN};
 
 use crate::options::PodOptions;
 
@@ -12,19 +12,35 @@ use super::error::{merr, StateError};
 pub struct OptionMaps {
     flags: Option<HashMap<MapData, u64, u32>>,
     reroute: Option<HashMap<MapData, u64, [u8; REROUTE_LEN]>>,
+    exclusions: Option<HashMap<MapData, u64, Exclusions>>,
 }
 
 impl OptionMaps {
     pub fn new(
         flags: Option<HashMap<MapData, u64, u32>>,
         reroute: Option<HashMap<MapData, u64, [u8; REROUTE_LEN]>>,
+        exclusions: Option<HashMap<MapData, u64, Exclusions>>,
     ) -> Self {
-        Self { flags, reroute }
+        Self {
+            flags,
+            reroute,
+            exclusions,
+        }
     }
 
     /// Writes a pod's options (nothing to write: no entry), DNS capture
     /// resolved against the node's default `node_dns`.
     pub fn set(&mut self, cookie: u64, o: &PodOptions, node_dns: bool) -> Result<(), StateError> {
+        // The exclusions first: an excluded port 53 also clears the DNS
+        // flag, and its TCP is then excluded by port already.
+        match &mut self.exclusions {
+            Some(m) if !o.exclusions.is_empty() => m
+                .insert(cookie, o.exclusions.to_value(), 0)
+                .map_err(merr("pod_exclusions"))?,
+            Some(m) => drop(m.remove(&cookie)),
+            None if o.exclusions.is_empty() => {}
+            None => return Err(StateError::Missing("pod_exclusions")),
+        }
         let flags = o.flags(node_dns);
         match &mut self.flags {
             Some(m) if flags != 0 => m.insert(cookie, flags, 0).map_err(merr("pod_flags"))?,
@@ -61,7 +77,11 @@ impl OptionMaps {
             .and_then(|m| m.get(&cookie, 0).ok())
             .unwrap_or(0);
         let reroute = self.reroute.as_ref().and_then(|m| m.get(&cookie, 0).ok());
-        PodOptions::from_maps(flags, reroute.as_ref())
+        let exclusions = self
+            .exclusions
+            .as_ref()
+            .and_then(|m| m.get(&cookie, 0).ok());
+        PodOptions::from_maps(flags, reroute.as_ref(), exclusions.as_ref())
     }
 
     pub fn remove(&mut self, cookie: u64) {
@@ -69,6 +89,9 @@ impl OptionMaps {
             let _ = m.remove(&cookie);
         }
         if let Some(m) = &mut self.reroute {
+            let _ = m.remove(&cookie);
+        }
+        if let Some(m) = &mut self.exclusions {
             let _ = m.remove(&cookie);
         }
     }

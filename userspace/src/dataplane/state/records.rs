@@ -33,6 +33,11 @@ pub struct PodRecord {
     /// `istio.io/reroute-virtual-interfaces`: interfaces whose TCP is the
     /// pod's outbound.
     pub reroute: Vec<String>,
+    /// The exclusions in force (`traffic.sidecar.istio.io/*`, as the node's
+    /// policy applied them): what the programs hold.
+    pub exclusions: crate::exclusions::PodExclusions,
+    /// Connections those exclusions kept out of capture.
+    pub excluded: sluice_common::ExcludedCounters,
     /// The pod's addresses in the node-wide address map (what inbound
     /// capture and the address-theft guard know the pod by).
     pub addresses: Vec<IpAddr>,

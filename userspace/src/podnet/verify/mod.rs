@@ -10,7 +10,7 @@
 //! writes, `verify_hints`, only its own sk_lookup runs read, and the entry
 //! is removed right after each run.
 
-mod packets;
+pub mod packets;
 
 use std::{
     collections::BTreeMap,
@@ -66,6 +66,9 @@ pub struct Plan {
     /// The pod asked for no inbound capture (`bypass-inbound-capture`):
     /// its inbound SYNs but HBONE's go where they are addressed.
     pub bypass_inbound: bool,
+    /// The exclusions in force: the cases pick a destination they leave
+    /// captured, or check that the programs exclude it.
+    pub exclusions: crate::exclusions::PodExclusions,
     /// This build's programs, by kernel id: what must run at each hook, and
     /// the only programs a verification runs.
     pub ours: BTreeMap<Program, u32>,
@@ -146,6 +149,7 @@ pub fn plan(dp: &Dataplane, cookie: u64) -> Option<Plan> {
         dns: maps.dns_on(cookie),
         reroute: options.reroute,
         bypass_inbound: options.bypass_inbound,
+        exclusions: options.exclusions,
         ours: dp.program_ids(),
         tcx: dp.tc_attach() == TcAttach::Tcx,
         maps_dir: dp.pins().maps(),
@@ -384,14 +388,20 @@ impl Run<'_> {
         port: u16,
         role: Role,
     ) -> Result<(), Failed> {
+        // A port the pod's exclusions leave captured; with none, the
+        // preferred one, which the programs must then pass uncaptured.
+        let captured = match role {
+            Role::Hbone => Some(port),
+            _ => self.plan.exclusions.captured_inbound_port(port),
+        };
         let conn = tcp(
             packets::remote(addr.is_ipv6(), 0),
-            SocketAddr::new(addr, port),
+            SocketAddr::new(addr, captured.unwrap_or(port)),
         );
         let case = format!("{} {}", role_name(role), conn.local);
         let (want, to) = match role {
             Role::Hbone => (HintVerdict::Hbone, Some(role)),
-            _ if self.plan.bypass_inbound => (HintVerdict::Bypass, None),
+            _ if self.plan.bypass_inbound || captured.is_none() => (HintVerdict::Bypass, None),
             _ => (HintVerdict::Inbound, Some(role)),
         };
         let syn = packets::tcp_syn(conn.remote, conn.local);
@@ -403,10 +413,15 @@ impl Run<'_> {
     /// the pod with the outbound verdict, and sk_lookup gives it 15001; with
     /// ztunnel's mark the same SYN is passed on untouched.
     fn outbound(&mut self, egress: &OwnedFd, steer: &OwnedFd, addr: IpAddr) -> Result<(), Failed> {
-        let conn = tcp(
-            SocketAddr::new(addr, 0),
-            packets::remote(addr.is_ipv6(), APP_PORT),
-        );
+        let preferred = packets::remote(addr.is_ipv6(), APP_PORT);
+        let Some(to) = self.plan.exclusions.captured_outbound(preferred) else {
+            // The pod's exclusions leave nothing captured: the SYN leaves
+            // untouched.
+            let syn = packets::tcp_syn(SocketAddr::new(addr, 0), preferred);
+            let case = format!("excluded outbound from {addr}");
+            return self.tc_case(&case, egress, &syn, 0, TC_NEXT, None);
+        };
+        let conn = tcp(SocketAddr::new(addr, 0), to);
         let syn = packets::tcp_syn(conn.remote, conn.local);
         let case = format!("outbound from {addr}");
         let want = HintVerdict::Outbound;

@@ -1,0 +1,168 @@
+//! A pod's exclusions from capture (the `traffic.sidecar.istio.io/*`
+//! annotations sidecar mode honours): the value of the `pod_exclusions` map,
+//! read by the tc programs at a connection's SYN. One value per pod, written
+//! whole, so a SYN never sees half of an old set and half of a new one.
+
+/// The most ports, and the most address ranges, a pod may exclude or
+/// include (each kind counted over all of its lists): what one SYN may cost.
+pub const EXCLUSIONS_MAX: usize = 64;
+
+/// `includeOutboundIPRanges` is set (and not `*`): only connections to one
+/// of its ranges are captured.
+pub const EXCL_OUT_INCLUDE: u32 = 1 << 0;
+/// `includeInboundPorts` is set (and not `*`): only connections to one of
+/// its ports are captured.
+pub const EXCL_IN_INCLUDE: u32 = 1 << 1;
+
+/// An address range: `addr` is the range's first address and `mask` its
+/// netmask, both as raw network-order words the way the programs hold an
+/// address (IPv4 in word 0, the rest 0).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IpRange {
+    pub addr: [u32; 4],
+    pub mask: [u32; 4],
+    /// `FAMILY_V4` or `FAMILY_V6`.
+    pub family: u8,
+    pub _pad: [u8; 3],
+}
+
+impl IpRange {
+    /// Whether `addr` (of `family`) lies in the range. Without branches on
+    /// purpose: a loop over ranges then leaves the eBPF verifier one state
+    /// per iteration, not one per outcome of each comparison (which grows
+    /// as 2^n over the iterations).
+    #[inline(always)]
+    pub fn contains(&self, family: u8, addr: &[u32; 4]) -> bool {
+        let differs = ((self.family ^ family) as u32)
+            | ((addr[0] & self.mask[0]) ^ self.addr[0])
+            | ((addr[1] & self.mask[1]) ^ self.addr[1])
+            | ((addr[2] & self.mask[2]) ^ self.addr[2])
+            | ((addr[3] & self.mask[3]) ^ self.addr[3]);
+        differs == 0
+    }
+}
+
+/// Value of `pod_exclusions` (key: the pod's netns cookie). The lists lie
+/// one after another in `ports` and `ranges`, in the order of the counts.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Exclusions {
+    /// `EXCL_*` bits.
+    pub flags: u32,
+    /// `excludeOutboundPorts`: `ports[..out_ports]`.
+    pub out_ports: u8,
+    /// `excludeInboundPorts`: the next `in_ports`.
+    pub in_ports: u8,
+    /// `includeInboundPorts`: the next `in_included` (with `EXCL_IN_INCLUDE`).
+    pub in_included: u8,
+    /// `excludeOutboundIPRanges`: `ranges[..out_ranges]`.
+    pub out_ranges: u8,
+    /// `includeOutboundIPRanges`: the next `out_included` (with `EXCL_OUT_INCLUDE`).
+    pub out_included: u8,
+    pub _pad: [u8; 3],
+    pub ports: [u16; EXCLUSIONS_MAX],
+    pub ranges: [IpRange; EXCLUSIONS_MAX],
+}
+
+impl Exclusions {
+    pub const EMPTY: Self = Self {
+        flags: 0,
+        out_ports: 0,
+        in_ports: 0,
+        in_included: 0,
+        out_ranges: 0,
+        out_included: 0,
+        _pad: [0; 3],
+        ports: [0; EXCLUSIONS_MAX],
+        ranges: [IpRange {
+            addr: [0; 4],
+            mask: [0; 4],
+            family: 0,
+            _pad: [0; 3],
+        }; EXCLUSIONS_MAX],
+    };
+
+    /// Whether `port` is among `ports[start..start + n]`.
+    #[inline(always)]
+    pub fn has_port(&self, start: u8, n: u8, port: u16) -> bool {
+        let (start, n) = (start as usize, n as usize);
+        let mut i = 0;
+        while i < EXCLUSIONS_MAX {
+            if i >= n {
+                return false;
+            }
+            match self.ports.get(start + i) {
+                Some(p) if *p == port => return true,
+                Some(_) => {}
+                None => return false,
+            }
+            i += 1;
+        }
+        false
+    }
+
+    /// Whether `addr` lies in one of `ranges[start..start + n]`.
+    #[inline(always)]
+    pub fn in_ranges(&self, start: u8, n: u8, family: u8, addr: &[u32; 4]) -> bool {
+        let (start, n) = (start as usize, n as usize);
+        let mut i = 0;
+        while i < EXCLUSIONS_MAX {
+            if i >= n {
+                return false;
+            }
+            match self.ranges.get(start + i) {
+                Some(r) if r.contains(family, addr) => return true,
+                Some(_) => {}
+                None => return false,
+            }
+            i += 1;
+        }
+        false
+    }
+
+    /// Whether a new outbound connection to `addr`:`port` stays out of
+    /// capture: its port or address is excluded, or an include list leaves
+    /// its address out (exclusions win over inclusions).
+    #[inline(always)]
+    pub fn excludes_outbound(&self, family: u8, addr: &[u32; 4], port: u16) -> bool {
+        if self.has_port(0, self.out_ports, port)
+            || self.in_ranges(0, self.out_ranges, family, addr)
+        {
+            return true;
+        }
+        self.flags & EXCL_OUT_INCLUDE != 0
+            && !self.in_ranges(self.out_ranges, self.out_included, family, addr)
+    }
+
+    /// Whether a new inbound connection to `port` stays out of capture.
+    #[inline(always)]
+    pub fn excludes_inbound(&self, port: u16) -> bool {
+        if self.has_port(self.out_ports, self.in_ports, port) {
+            return true;
+        }
+        self.flags & EXCL_IN_INCLUDE != 0
+            && !self.has_port(
+                self.out_ports.wrapping_add(self.in_ports),
+                self.in_included,
+                port,
+            )
+    }
+}
+
+/// Connections a pod's exclusions kept out of capture (per-CPU map
+/// `excluded`, key: netns cookie), summed by user space.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+pub struct ExcludedCounters {
+    pub inbound: u64,
+    pub outbound: u64,
+}
+
+impl ExcludedCounters {
+    pub fn add(&mut self, o: &ExcludedCounters) {
+        self.inbound += o.inbound;
+        self.outbound += o.outbound;
+    }
+}

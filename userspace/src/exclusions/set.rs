@@ -1,0 +1,246 @@
+//! A pod's exclusions as parsed from its annotations, and their
+//! `pod_exclusions` map value.
+
+use std::net::{IpAddr, SocketAddr};
+
+use ipnet::IpNet;
+use sluice_common::{
+    Exclusions, IpRange, EXCLUSIONS_MAX, EXCL_IN_INCLUDE, EXCL_OUT_INCLUDE, FAMILY_V4, FAMILY_V6,
+    PORT_DNS,
+};
+
+pub const EXCLUDE_OUTBOUND_PORTS: &str = "traffic.sidecar.istio.io/excludeOutboundPorts";
+pub const EXCLUDE_OUTBOUND_IP_RANGES: &str = "traffic.sidecar.istio.io/excludeOutboundIPRanges";
+pub const INCLUDE_OUTBOUND_IP_RANGES: &str = "traffic.sidecar.istio.io/includeOutboundIPRanges";
+pub const EXCLUDE_INBOUND_PORTS: &str = "traffic.sidecar.istio.io/excludeInboundPorts";
+pub const INCLUDE_INBOUND_PORTS: &str = "traffic.sidecar.istio.io/includeInboundPorts";
+/// The five, in the order `status` lists them.
+pub const ANNOTATIONS: [&str; 5] = [
+    EXCLUDE_OUTBOUND_PORTS,
+    EXCLUDE_OUTBOUND_IP_RANGES,
+    INCLUDE_OUTBOUND_IP_RANGES,
+    EXCLUDE_INBOUND_PORTS,
+    INCLUDE_INBOUND_PORTS,
+];
+
+/// An include list: `*` (everything, as without the annotation) or only
+/// what it names (possibly nothing).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Include<T> {
+    #[default]
+    All,
+    Only(Vec<T>),
+}
+
+impl<T> Include<T> {
+    fn listed(&self) -> &[T] {
+        match self {
+            Self::All => &[],
+            Self::Only(v) => v,
+        }
+    }
+}
+
+/// A pod's exclusions as parsed (each list sorted, without repeats).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct PodExclusions {
+    pub exclude_outbound_ports: Vec<u16>,
+    pub exclude_outbound_ip_ranges: Vec<IpNet>,
+    pub include_outbound_ip_ranges: Include<IpNet>,
+    pub exclude_inbound_ports: Vec<u16>,
+    pub include_inbound_ports: Include<u16>,
+}
+
+impl PodExclusions {
+    /// Nothing excluded: the pod is captured fully.
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+
+    /// Whether the pod's DNS stays out of capture: port 53 is excluded
+    /// (address ranges never take DNS out of capture).
+    pub fn excludes_dns(&self) -> bool {
+        self.exclude_outbound_ports.contains(&PORT_DNS)
+    }
+
+    /// Ports over all lists.
+    pub fn ports(&self) -> usize {
+        self.exclude_outbound_ports.len()
+            + self.exclude_inbound_ports.len()
+            + self.include_inbound_ports.listed().len()
+    }
+
+    /// Address ranges over all lists.
+    pub fn ranges(&self) -> usize {
+        self.exclude_outbound_ip_ranges.len() + self.include_outbound_ip_ranges.listed().len()
+    }
+
+    /// The `pod_exclusions` value. Callers hold a parsed value, whose
+    /// counts [`parse`] bounded by `EXCLUSIONS_MAX`.
+    pub fn to_value(&self) -> Exclusions {
+        let mut x = Exclusions::EMPTY;
+        let ports = [
+            &self.exclude_outbound_ports[..],
+            &self.exclude_inbound_ports[..],
+            self.include_inbound_ports.listed(),
+        ];
+        for (i, p) in ports.concat().into_iter().take(EXCLUSIONS_MAX).enumerate() {
+            x.ports[i] = p;
+        }
+        let ranges = [
+            &self.exclude_outbound_ip_ranges[..],
+            self.include_outbound_ip_ranges.listed(),
+        ];
+        for (i, r) in ranges.concat().iter().take(EXCLUSIONS_MAX).enumerate() {
+            x.ranges[i] = range_of(r);
+        }
+        let n = |len: usize| len.min(EXCLUSIONS_MAX) as u8;
+        x.out_ports = n(self.exclude_outbound_ports.len());
+        x.in_ports = n(self.exclude_inbound_ports.len());
+        x.in_included = n(self.include_inbound_ports.listed().len());
+        x.out_ranges = n(self.exclude_outbound_ip_ranges.len());
+        x.out_included = n(self.include_outbound_ip_ranges.listed().len());
+        if matches!(self.include_outbound_ip_ranges, Include::Only(_)) {
+            x.flags |= EXCL_OUT_INCLUDE;
+        }
+        if matches!(self.include_inbound_ports, Include::Only(_)) {
+            x.flags |= EXCL_IN_INCLUDE;
+        }
+        x
+    }
+
+    /// Back from a `pod_exclusions` value (what `status` shows: what the
+    /// programs hold, not what the annotations say).
+    pub fn from_value(x: &Exclusions) -> Self {
+        let mut ports = x.ports.iter().copied();
+        let mut take = |n: u8| ports.by_ref().take(n as usize).collect::<Vec<u16>>();
+        let out_ports = take(x.out_ports);
+        let in_ports = take(x.in_ports);
+        let in_included = take(x.in_included);
+        let mut ranges = x.ranges.iter().filter_map(net_of);
+        let mut take = |n: u8| ranges.by_ref().take(n as usize).collect::<Vec<IpNet>>();
+        let out_ranges = take(x.out_ranges);
+        let out_included = take(x.out_included);
+        Self {
+            exclude_outbound_ports: out_ports,
+            exclude_outbound_ip_ranges: out_ranges,
+            include_outbound_ip_ranges: if x.flags & EXCL_OUT_INCLUDE != 0 {
+                Include::Only(out_included)
+            } else {
+                Include::All
+            },
+            exclude_inbound_ports: in_ports,
+            include_inbound_ports: if x.flags & EXCL_IN_INCLUDE != 0 {
+                Include::Only(in_included)
+            } else {
+                Include::All
+            },
+        }
+    }
+
+    /// A port whose inbound connections are captured: `preferred` when it
+    /// is, else the first that is; `None` when none is (what a
+    /// verification runs: see `podnet::verify`).
+    pub fn captured_inbound_port(&self, preferred: u16) -> Option<u16> {
+        let x = self.to_value();
+        let listed = self.include_inbound_ports.listed().iter().copied();
+        std::iter::once(preferred)
+            .chain(listed)
+            .chain(1..=u16::MAX)
+            .take(EXCLUSIONS_MAX * 2 + 2)
+            .find(|p| !x.excludes_inbound(*p))
+    }
+
+    /// A destination of the same family as `preferred` whose outbound
+    /// connections are captured: `preferred` when they are, else one in an
+    /// included range on a port not excluded; `None` when there is none.
+    pub fn captured_outbound(&self, preferred: SocketAddr) -> Option<SocketAddr> {
+        let x = self.to_value();
+        let v6 = preferred.is_ipv6();
+        let included = self.include_outbound_ip_ranges.listed().iter();
+        let addrs = std::iter::once(preferred.ip()).chain(
+            included
+                .filter(|n| n.addr().is_ipv6() == v6)
+                .flat_map(|n| [n.network(), n.broadcast()]),
+        );
+        let ports: Vec<u16> = std::iter::once(preferred.port())
+            .chain(1..=u16::MAX)
+            .filter(|p| !self.exclude_outbound_ports.contains(p))
+            .take(1)
+            .collect();
+        let port = *ports.first()?;
+        addrs
+            .map(|a| SocketAddr::new(a, port))
+            .find(|d| !x.excludes_outbound(family(d.ip()), &words(d.ip()), d.port()))
+    }
+
+    /// One `annotation: value` line per list that is in force, in the
+    /// annotations' own syntax.
+    pub fn lines(&self) -> Vec<(&'static str, String)> {
+        let ports = |v: &[u16]| v.iter().map(u16::to_string).collect::<Vec<_>>().join(",");
+        let nets = |v: &[IpNet]| v.iter().map(IpNet::to_string).collect::<Vec<_>>().join(",");
+        let mut out = Vec::new();
+        if !self.exclude_outbound_ports.is_empty() {
+            out.push((EXCLUDE_OUTBOUND_PORTS, ports(&self.exclude_outbound_ports)));
+        }
+        if !self.exclude_outbound_ip_ranges.is_empty() {
+            out.push((
+                EXCLUDE_OUTBOUND_IP_RANGES,
+                nets(&self.exclude_outbound_ip_ranges),
+            ));
+        }
+        if let Include::Only(v) = &self.include_outbound_ip_ranges {
+            out.push((INCLUDE_OUTBOUND_IP_RANGES, nets(v)));
+        }
+        if !self.exclude_inbound_ports.is_empty() {
+            out.push((EXCLUDE_INBOUND_PORTS, ports(&self.exclude_inbound_ports)));
+        }
+        if let Include::Only(v) = &self.include_inbound_ports {
+            out.push((INCLUDE_INBOUND_PORTS, ports(v)));
+        }
+        out
+    }
+}
+
+/// Raw network-order words, the way the programs hold an address.
+pub(super) fn words(ip: IpAddr) -> [u32; 4] {
+    let bytes: Vec<u8> = match ip {
+        IpAddr::V4(a) => a.octets().to_vec(),
+        IpAddr::V6(a) => a.octets().to_vec(),
+    };
+    let mut w = [0u32; 4];
+    for (i, c) in bytes.chunks(4).enumerate() {
+        w[i] = u32::from_ne_bytes([c[0], c[1], c[2], c[3]]);
+    }
+    w
+}
+
+fn family(ip: IpAddr) -> u8 {
+    if ip.is_ipv4() {
+        FAMILY_V4
+    } else {
+        FAMILY_V6
+    }
+}
+
+fn range_of(net: &IpNet) -> IpRange {
+    let net = net.trunc();
+    IpRange {
+        addr: words(net.network()),
+        mask: words(net.netmask()),
+        family: family(net.addr()),
+        _pad: [0; 3],
+    }
+}
+
+fn net_of(r: &IpRange) -> Option<IpNet> {
+    let bytes: Vec<u8> = r.addr.iter().flat_map(|w| w.to_ne_bytes()).collect();
+    let prefix: u32 = r.mask.iter().map(|w| w.count_ones()).sum();
+    let ip = match r.family {
+        FAMILY_V4 => IpAddr::from(<[u8; 4]>::try_from(&bytes[..4]).ok()?),
+        FAMILY_V6 => IpAddr::from(<[u8; 16]>::try_from(&bytes[..]).ok()?),
+        _ => return None,
+    };
+    IpNet::new(ip, prefix as u8).ok()
+}
