@@ -43,110 +43,111 @@ impl IpRange {
     }
 }
 
-/// Value of `pod_exclusions` (key: the pod's netns cookie). The lists lie
-/// one after another in `ports` and `ranges`, in the order of the counts.
+/// Value of `pod_exclusions` (key: the pod's netns cookie): each list in
+/// an array of its own with its length, so a walk indexes it by its loop
+/// counter alone (a constant for the verifier at every step; an index
+/// offset by a length read from the map loses its bound on 6.1's
+/// verifier). The per-pod limit counts over all lists; each array holds it.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Exclusions {
     /// `EXCL_*` bits.
     pub flags: u32,
-    /// `excludeOutboundPorts`: `ports[..out_ports]`.
-    pub out_ports: u8,
-    /// `excludeInboundPorts`: the next `in_ports`.
-    pub in_ports: u8,
-    /// `includeInboundPorts`: the next `in_included` (with `EXCL_IN_INCLUDE`).
-    pub in_included: u8,
-    /// `excludeOutboundIPRanges`: `ranges[..out_ranges]`.
-    pub out_ranges: u8,
-    /// `includeOutboundIPRanges`: the next `out_included` (with `EXCL_OUT_INCLUDE`).
-    pub out_included: u8,
+    /// Lengths of the lists below.
+    pub n_out_ports: u8,
+    pub n_in_ports: u8,
+    pub n_in_included: u8,
+    pub n_out_ranges: u8,
+    pub n_out_included: u8,
     pub _pad: [u8; 3],
-    pub ports: [u16; EXCLUSIONS_MAX],
-    pub ranges: [IpRange; EXCLUSIONS_MAX],
+    /// `excludeOutboundPorts`.
+    pub out_ports: [u16; EXCLUSIONS_MAX],
+    /// `excludeInboundPorts`.
+    pub in_ports: [u16; EXCLUSIONS_MAX],
+    /// `includeInboundPorts` (with `EXCL_IN_INCLUDE`).
+    pub in_included: [u16; EXCLUSIONS_MAX],
+    /// `excludeOutboundIPRanges`.
+    pub out_ranges: [IpRange; EXCLUSIONS_MAX],
+    /// `includeOutboundIPRanges` (with `EXCL_OUT_INCLUDE`).
+    pub out_included: [IpRange; EXCLUSIONS_MAX],
+}
+
+const NO_RANGE: IpRange = IpRange {
+    addr: [0; 4],
+    mask: [0; 4],
+    family: 0,
+    _pad: [0; 3],
+};
+
+/// Whether `port` is among the first `n` of `ports`.
+#[inline(always)]
+fn has_port(ports: &[u16; EXCLUSIONS_MAX], n: u8, port: u16) -> bool {
+    let mut i = 0;
+    while i < EXCLUSIONS_MAX {
+        if i >= n as usize {
+            return false;
+        }
+        if ports[i] == port {
+            return true;
+        }
+        i += 1;
+    }
+    false
+}
+
+/// Whether `addr` lies in one of the first `n` of `ranges`.
+#[inline(always)]
+fn in_ranges(ranges: &[IpRange; EXCLUSIONS_MAX], n: u8, family: u8, addr: &[u32; 4]) -> bool {
+    let mut i = 0;
+    while i < EXCLUSIONS_MAX {
+        if i >= n as usize {
+            return false;
+        }
+        if ranges[i].contains(family, addr) {
+            return true;
+        }
+        i += 1;
+    }
+    false
 }
 
 impl Exclusions {
     pub const EMPTY: Self = Self {
         flags: 0,
-        out_ports: 0,
-        in_ports: 0,
-        in_included: 0,
-        out_ranges: 0,
-        out_included: 0,
+        n_out_ports: 0,
+        n_in_ports: 0,
+        n_in_included: 0,
+        n_out_ranges: 0,
+        n_out_included: 0,
         _pad: [0; 3],
-        ports: [0; EXCLUSIONS_MAX],
-        ranges: [IpRange {
-            addr: [0; 4],
-            mask: [0; 4],
-            family: 0,
-            _pad: [0; 3],
-        }; EXCLUSIONS_MAX],
+        out_ports: [0; EXCLUSIONS_MAX],
+        in_ports: [0; EXCLUSIONS_MAX],
+        in_included: [0; EXCLUSIONS_MAX],
+        out_ranges: [NO_RANGE; EXCLUSIONS_MAX],
+        out_included: [NO_RANGE; EXCLUSIONS_MAX],
     };
-
-    /// Whether `port` is among `ports[start..start + n]`.
-    #[inline(always)]
-    pub fn has_port(&self, start: u8, n: u8, port: u16) -> bool {
-        let (start, n) = (start as usize, n as usize);
-        let mut i = 0;
-        while i < EXCLUSIONS_MAX {
-            if i >= n {
-                return false;
-            }
-            match self.ports.get(start + i) {
-                Some(p) if *p == port => return true,
-                Some(_) => {}
-                None => return false,
-            }
-            i += 1;
-        }
-        false
-    }
-
-    /// Whether `addr` lies in one of `ranges[start..start + n]`.
-    #[inline(always)]
-    pub fn in_ranges(&self, start: u8, n: u8, family: u8, addr: &[u32; 4]) -> bool {
-        let (start, n) = (start as usize, n as usize);
-        let mut i = 0;
-        while i < EXCLUSIONS_MAX {
-            if i >= n {
-                return false;
-            }
-            match self.ranges.get(start + i) {
-                Some(r) if r.contains(family, addr) => return true,
-                Some(_) => {}
-                None => return false,
-            }
-            i += 1;
-        }
-        false
-    }
 
     /// Whether a new outbound connection to `addr`:`port` stays out of
     /// capture: its port or address is excluded, or an include list leaves
     /// its address out (exclusions win over inclusions).
     #[inline(always)]
     pub fn excludes_outbound(&self, family: u8, addr: &[u32; 4], port: u16) -> bool {
-        if self.has_port(0, self.out_ports, port)
-            || self.in_ranges(0, self.out_ranges, family, addr)
+        if has_port(&self.out_ports, self.n_out_ports, port)
+            || in_ranges(&self.out_ranges, self.n_out_ranges, family, addr)
         {
             return true;
         }
         self.flags & EXCL_OUT_INCLUDE != 0
-            && !self.in_ranges(self.out_ranges, self.out_included, family, addr)
+            && !in_ranges(&self.out_included, self.n_out_included, family, addr)
     }
 
     /// Whether a new inbound connection to `port` stays out of capture.
     #[inline(always)]
     pub fn excludes_inbound(&self, port: u16) -> bool {
-        if self.has_port(self.out_ports, self.in_ports, port) {
+        if has_port(&self.in_ports, self.n_in_ports, port) {
             return true;
         }
-        self.flags & EXCL_IN_INCLUDE != 0
-            && !self.has_port(
-                self.out_ports.wrapping_add(self.in_ports),
-                self.in_included,
-                port,
-            )
+        self.flags & EXCL_IN_INCLUDE != 0 && !has_port(&self.in_included, self.n_in_included, port)
     }
 }
 

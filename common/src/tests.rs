@@ -21,7 +21,7 @@ fn map_layouts_have_no_implicit_padding() {
     assert_eq!(size_of::<IpRange>(), 36);
     assert_eq!(
         size_of::<Exclusions>(),
-        12 + 2 * EXCLUSIONS_MAX + 36 * EXCLUSIONS_MAX
+        12 + 3 * 2 * EXCLUSIONS_MAX + 2 * 36 * EXCLUSIONS_MAX
     );
     assert_eq!(size_of::<ExcludedCounters>(), 16);
 }

@@ -88,7 +88,7 @@ pub static POD_FLAGS: HashMap<u64, u32> = HashMap::pinned(MAX_PODS, BPF_F_NO_PRE
 
 /// Each pod's exclusions from capture (see `exclusions`), by netns cookie;
 /// no entry means none. Written by user space, one whole value per change.
-/// Not preallocated: values are large (2.4 KiB) and only pods with
+/// Not preallocated: values are large (4.9 KiB) and only pods with
 /// exclusions have one.
 #[map(name = "pod_exclusions")]
 pub static POD_EXCLUSIONS: HashMap<u64, Exclusions> = HashMap::pinned(MAX_PODS, BPF_F_NO_PREALLOC);

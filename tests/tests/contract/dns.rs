@@ -8,9 +8,11 @@ use sluice_tests::child::Bounded as _;
 use std::net::{IpAddr, SocketAddr};
 
 use anyhow::{ensure, Context as _};
+use ipnet::IpNet;
 use libtest_mimic::Trial;
 use sluice::{
     dataplane::state::DnsMode,
+    exclusions::PodExclusions,
     options::{DnsChoice, PodOptions},
     podnet::{enroll, verify},
 };
@@ -90,6 +92,10 @@ pub fn trials() -> Vec<Trial> {
         "dns::the_verification_runs_queries_to_the_proxy_and_names_a_missing_socket",
         verified,
     ));
+    v.push(trial(
+        "dns::e3_exclusions_leave_dns_captured_unless_port_53_is_excluded",
+        excluded_53,
+    ));
     v
 }
 
@@ -136,6 +142,42 @@ impl DnsPod {
     fn mode(&self) -> anyhow::Result<DnsMode> {
         Ok(self.f.pod_record()?.dns.mode)
     }
+}
+
+/// Row E3: a pod's exclusions leave its DNS captured — an address range
+/// holding the resolver, another port excluded — unless they name port 53,
+/// which turns its DNS capture off (UDP and TCP go to the resolver).
+fn excluded_53() -> TestResult {
+    let fam = Family::V4;
+    let resolver_range = IpNet::new(fam.client(), 24)?.trunc();
+    let cases = [
+        ("dnex", vec![9090], DnsMode::Captured),
+        ("dnex53", vec![53, 9090], DnsMode::Off),
+    ];
+    for (tag, ports, want) in cases {
+        let p = DnsPod::new(tag, true)?;
+        p.enroll(
+            PodOptions {
+                exclusions: PodExclusions {
+                    exclude_outbound_ports: ports.clone(),
+                    exclude_outbound_ip_ranges: vec![resolver_range],
+                    ..PodExclusions::default()
+                },
+                ..PodOptions::default()
+            },
+            true,
+        )?;
+        ensure!(p.mode()? == want, "{ports:?}: {:?}", p.f.pod_record()?.dns);
+        for client in CLIENTS {
+            let got = p.ask(fam, client, "a.proxy.test")?;
+            let by_proxy = got.answer.addrs == [proxy_addr(fam)];
+            ensure!(
+                by_proxy == (want == DnsMode::Captured),
+                "{ports:?}, {client:?}: answered {got:?}"
+            );
+        }
+    }
+    Ok(())
 }
 
 fn qtype(fam: Family) -> u16 {

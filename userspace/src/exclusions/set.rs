@@ -77,30 +77,23 @@ impl PodExclusions {
     }
 
     /// The `pod_exclusions` value. Callers hold a parsed value, whose
-    /// counts [`parse`] bounded by `EXCLUSIONS_MAX`.
+    /// counts [`parse`](super::parse) bounded by `EXCLUSIONS_MAX`.
     pub fn to_value(&self) -> Exclusions {
+        fn fill<T: Copy>(into: &mut [T; EXCLUSIONS_MAX], from: &[T]) -> u8 {
+            let n = from.len().min(EXCLUSIONS_MAX);
+            into[..n].copy_from_slice(&from[..n]);
+            n as u8
+        }
         let mut x = Exclusions::EMPTY;
-        let ports = [
-            &self.exclude_outbound_ports[..],
-            &self.exclude_inbound_ports[..],
-            self.include_inbound_ports.listed(),
-        ];
-        for (i, p) in ports.concat().into_iter().take(EXCLUSIONS_MAX).enumerate() {
-            x.ports[i] = p;
-        }
-        let ranges = [
-            &self.exclude_outbound_ip_ranges[..],
-            self.include_outbound_ip_ranges.listed(),
-        ];
-        for (i, r) in ranges.concat().iter().take(EXCLUSIONS_MAX).enumerate() {
-            x.ranges[i] = range_of(r);
-        }
-        let n = |len: usize| len.min(EXCLUSIONS_MAX) as u8;
-        x.out_ports = n(self.exclude_outbound_ports.len());
-        x.in_ports = n(self.exclude_inbound_ports.len());
-        x.in_included = n(self.include_inbound_ports.listed().len());
-        x.out_ranges = n(self.exclude_outbound_ip_ranges.len());
-        x.out_included = n(self.include_outbound_ip_ranges.listed().len());
+        x.n_out_ports = fill(&mut x.out_ports, &self.exclude_outbound_ports);
+        x.n_in_ports = fill(&mut x.in_ports, &self.exclude_inbound_ports);
+        x.n_in_included = fill(&mut x.in_included, self.include_inbound_ports.listed());
+        let ranges = |v: &[IpNet]| v.iter().map(range_of).collect::<Vec<_>>();
+        x.n_out_ranges = fill(&mut x.out_ranges, &ranges(&self.exclude_outbound_ip_ranges));
+        x.n_out_included = fill(
+            &mut x.out_included,
+            &ranges(self.include_outbound_ip_ranges.listed()),
+        );
         if matches!(self.include_outbound_ip_ranges, Include::Only(_)) {
             x.flags |= EXCL_OUT_INCLUDE;
         }
@@ -113,26 +106,25 @@ impl PodExclusions {
     /// Back from a `pod_exclusions` value (what `status` shows: what the
     /// programs hold, not what the annotations say).
     pub fn from_value(x: &Exclusions) -> Self {
-        let mut ports = x.ports.iter().copied();
-        let mut take = |n: u8| ports.by_ref().take(n as usize).collect::<Vec<u16>>();
-        let out_ports = take(x.out_ports);
-        let in_ports = take(x.in_ports);
-        let in_included = take(x.in_included);
-        let mut ranges = x.ranges.iter().filter_map(net_of);
-        let mut take = |n: u8| ranges.by_ref().take(n as usize).collect::<Vec<IpNet>>();
-        let out_ranges = take(x.out_ranges);
-        let out_included = take(x.out_included);
+        let ports =
+            |v: &[u16; EXCLUSIONS_MAX], n: u8| v[..(n as usize).min(EXCLUSIONS_MAX)].to_vec();
+        let nets = |v: &[IpRange; EXCLUSIONS_MAX], n: u8| {
+            v[..(n as usize).min(EXCLUSIONS_MAX)]
+                .iter()
+                .filter_map(net_of)
+                .collect::<Vec<_>>()
+        };
         Self {
-            exclude_outbound_ports: out_ports,
-            exclude_outbound_ip_ranges: out_ranges,
+            exclude_outbound_ports: ports(&x.out_ports, x.n_out_ports),
+            exclude_outbound_ip_ranges: nets(&x.out_ranges, x.n_out_ranges),
             include_outbound_ip_ranges: if x.flags & EXCL_OUT_INCLUDE != 0 {
-                Include::Only(out_included)
+                Include::Only(nets(&x.out_included, x.n_out_included))
             } else {
                 Include::All
             },
-            exclude_inbound_ports: in_ports,
+            exclude_inbound_ports: ports(&x.in_ports, x.n_in_ports),
             include_inbound_ports: if x.flags & EXCL_IN_INCLUDE != 0 {
-                Include::Only(in_included)
+                Include::Only(ports(&x.in_included, x.n_in_included))
             } else {
                 Include::All
             },

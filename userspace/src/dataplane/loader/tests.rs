@@ -50,7 +50,7 @@ fn map_entries_keep_their_layout() {
         ("hints_over_share", (6, 4, 8)),
         ("listeners", (18, 16, 4)),
         ("node_netns", (2, 4, 8)),
-        ("pod_exclusions", (1, 8, 2444)),
+        ("pod_exclusions", (1, 8, 5004)),
         ("pod_flags", (1, 8, 4)),
         ("pod_reroute", (1, 8, 64)),
         ("pod_addrs", (1, 20, 8)),
