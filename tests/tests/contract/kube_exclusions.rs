@@ -223,7 +223,7 @@ fn follows_annotations() -> TestResult {
             SocketAddr::new(Family::V4.client(), REMOTE_PORT),
         )?;
 
-        // Changed on the running pod: in force at the next pass.
+        // Changed on the running pod: in force at the next pass, announced.
         s.annotate(Some(&format!("{port},6379")));
         pass().await?;
         ensure!(
@@ -231,12 +231,15 @@ fn follows_annotations() -> TestResult {
             "{:?}",
             s.excluded_ports()
         );
-        // (Its Event folds into the first one's series: kube-rs' recorder
-        // keys on the reason, not the note; the status has the new set.)
+        normal(
+            &s.events,
+            "PodExclusionsApplied",
+            "excludeOutboundPorts=6379,9090",
+        )
+        .await?;
 
-        // Bad values change nothing and say which entry is wrong, in the
-        // status and in an Event (a second bad value folds into the first
-        // one's Event series: the recorder keys on reason, not note).
+        // Bad values change nothing and say which entry is wrong, in an
+        // Event of their own each and in the status.
         for (value, named) in [("9090,db", "\"db\""), ("15001", "15001")] {
             s.annotate(Some(value));
             pass().await?;
@@ -245,7 +248,7 @@ fn follows_annotations() -> TestResult {
                 "{value}: {:?}",
                 s.excluded_ports()
             );
-            warning(&s.events, "InvalidPodExclusions", "web", &["\"db\""]).await?;
+            warning(&s.events, "InvalidPodExclusions", "web", &[named]).await?;
             let n = notices(&node).await?;
             ensure!(
                 n.len() == 1 && n[0].kind == "invalid" && n[0].detail.contains(named),

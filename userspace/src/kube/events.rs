@@ -6,9 +6,9 @@
 //! CNI ADD itself are not repeated here: kubelet already records the
 //! plugin's error on the pod (`FailedCreatePodSandBox`).
 //!
-//! Published through kube-rs' event recorder, which folds a repeated event
-//! (same pod, reason and action) into one Event whose series count grows,
-//! from one task fed by a bounded queue: publishing never holds up an
+//! Published through `recorder`, which folds a repeated event (same pod,
+//! reason, action and note) into one Event whose series count grows, from
+//! one task fed by a bounded queue: publishing never holds up an
 //! enrollment, and a burst beyond the queue is dropped (and logged) rather
 //! than queued without bound. Each pod has a share of the queue
 //! ([`PER_POD`]): a pod flapping its interfaces cannot push out the events
@@ -19,8 +19,8 @@ use std::{
     sync::{Arc, Mutex},
 };
 
+use super::recorder::{Recorder, Said};
 use k8s_openapi::api::core::v1::ObjectReference;
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use tokio::sync::mpsc;
 use tracing::debug;
 
@@ -239,28 +239,18 @@ impl Events {
         let node = node.to_owned();
         let shares = Arc::new(Shares::default());
         let taken = shares.clone();
-        let recorder = Recorder::new(
-            client,
-            Reporter {
-                controller: CONTROLLER.into(),
-                instance: Some(format!("sluice-{node}")),
-            },
-        );
+        let mut recorder = Recorder::new(client, CONTROLLER, &format!("sluice-{node}"));
         tokio::spawn(async move {
             while let Some((regarding, reason, note)) = rx.recv().await {
                 if let Regarding::Pod(p) = &regarding {
                     taken.give_back(&p.uid);
                 }
-                let ev = Event {
-                    type_: if reason.warning() {
-                        EventType::Warning
-                    } else {
-                        EventType::Normal
-                    },
-                    reason: reason.as_str().into(),
-                    note: Some(truncate(note)),
-                    action: reason.action().into(),
-                    secondary: None,
+                let note = truncate(note);
+                let said = Said {
+                    warning: reason.warning(),
+                    reason: reason.as_str(),
+                    action: reason.action(),
+                    note: &note,
                 };
                 let (object, what) = match &regarding {
                     Regarding::Pod(p) => {
@@ -268,7 +258,7 @@ impl Events {
                     }
                     Regarding::Node => (node_ref(&node), format!("node {node}")),
                 };
-                if let Err(e) = recorder.publish(&ev, &object).await {
+                if let Err(e) = recorder.publish(said, &object).await {
                     debug!(regarding = %what, reason = reason.as_str(), error = %e, "could not publish an event");
                 }
             }

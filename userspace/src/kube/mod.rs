@@ -16,6 +16,7 @@ pub mod node_identity;
 pub mod patch;
 pub mod readiness_rule;
 pub mod reconcile;
+pub mod recorder;
 pub mod selection;
 pub mod taint;
 pub mod uninstall;

@@ -44,6 +44,7 @@ mod announce;
 mod book;
 mod effects;
 mod enroller;
+mod exclusions;
 mod hostwatch;
 mod linkwatch;
 mod pace;
