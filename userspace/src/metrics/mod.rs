@@ -41,6 +41,7 @@ pub struct Metrics {
     served_checks: Family<Labels, Counter>,
     verifications: Family<Labels, Counter>,
     served_fallbacks: Gauge,
+    served_recheck: Gauge,
     captured_late: Counter,
     repairs: Counter,
     claims_evicted: Counter,
@@ -67,6 +68,7 @@ impl Metrics {
             served_checks: Family::default(),
             verifications: Family::default(),
             served_fallbacks: Gauge::default(),
+            served_recheck: Gauge::default(),
             captured_late: Counter::default(),
             repairs: Counter::default(),
             claims_evicted: Counter::default(),
@@ -175,6 +177,11 @@ impl Metrics {
             self.verifications.clone(),
         );
         self.registry.register(
+            "served_recheck_seconds",
+            "How often served pods are checked again: --served-recheck, or longer on a mesh whose config_dump costs more than 0.1 % of a core read that often",
+            self.served_recheck.clone(),
+        );
+        self.registry.register(
             "served_check_fallback",
             "ztunnels whose admin API does not answer, so their acks count as served (0 when the check works)",
             self.served_fallbacks.clone(),
@@ -262,6 +269,10 @@ impl Metrics {
         self.verifications
             .get_or_create(&vec![("result", result)])
             .inc();
+    }
+
+    pub fn set_served_recheck(&self, every: std::time::Duration) {
+        self.served_recheck.set(every.as_secs() as i64);
     }
 
     pub fn set_served_fallbacks(&self, n: usize) {

@@ -1,4 +1,5 @@
-//! Scenario `served`: the served check at mesh scale, as before.
+//! Scenario `served`: the served check at mesh scale (the mesh's size and
+//! ten times it: 10,000 and 100,000 workloads), and the time to Served.
 
 use std::{
     net::{IpAddr, Ipv4Addr},
@@ -47,68 +48,17 @@ fn served_in(
     dir: &std::path::Path,
     pods: &BarePods,
 ) -> anyhow::Result<()> {
-    let k = cfg.mesh_workloads / 1000;
-    // The mesh: 10,000 workloads, the bench pods among the last ones.
-    let mut mesh: Vec<serde_json::Value> = (0..cfg.mesh_workloads - SERVED_PODS)
-        .map(|i| {
-            let ip = IpAddr::V4(Ipv4Addr::new(
-                10,
-                100 + (i / 65536) as u8,
-                (i / 256 % 256) as u8,
-                (i % 256) as u8,
-            ));
-            admin::workload(
-                &format!("ns-{}", i % 100),
-                &format!("w-{i}"),
-                "default",
-                &[ip],
-            )
-        })
-        .collect();
-    for (i, p) in pods.iter().enumerate() {
-        let ip = IpAddr::V4(Ipv4Addr::new(10, 210, 0, i as u8));
-        mesh.push(admin::workload("bench", &p.name, "default", &[ip]));
-    }
-    let file = dir.join("workloads.json");
-    std::fs::write(&file, serde_json::to_vec(&mesh)?)?;
-    report.put(
-        &format!("config_dump_mib_{k}k_workloads"),
-        admin::dump(mesh).len() as f64 / (1024.0 * 1024.0),
-    );
-
-    // One check, as the agent makes it, against a ztunnel stand-in with no
-    // agent to talk to (it only serves its admin API).
-    let mut peer = PeerProc::start(
-        &peer_bin(),
-        &dir.join("no-agent.sock"),
-        &["--admin-workloads", file.to_str().unwrap()],
+    // One check's cost at the mesh's size and at ten times it (the bench
+    // pods' workloads among the last ones).
+    let file = check_cost(report, dir, pods, cfg.mesh_workloads, cfg.served_checks)?;
+    check_cost(
+        report,
+        dir,
+        pods,
+        cfg.mesh_workloads * 10,
+        cfg.served_checks.div_ceil(4),
     )?;
-    let pid = peer.pid().context("peer pid")? as i32;
-    let wanted = [Wanted {
-        namespace: "bench".into(),
-        name: pods[0].name.clone(),
-        service_account: "default".into(),
-        ips: vec![IpAddr::V4(Ipv4Addr::new(10, 210, 0, 0))],
-    }];
-    wait::until("the admin stand-in to answer", wait::DEADLINE, || {
-        fetch::known(Some(pid), fetch::DEFAULT_ADMIN_PORT, &wanted, None).map_err(|e| e.to_string())
-    })?;
-    let (mut wall, cpu0) = (Vec::new(), cpu_ms_self());
-    for _ in 0..cfg.served_checks {
-        let t = Instant::now();
-        let known = fetch::known(Some(pid), fetch::DEFAULT_ADMIN_PORT, &wanted, None)?;
-        wall.push(t.elapsed().as_secs_f64() * 1e3);
-        ensure!(known.len() == 1, "the pod not found among 10k workloads");
-    }
-    report.put(
-        &format!("served_check_cpu_ms_{k}k_workloads"),
-        (cpu_ms_self() - cpu0) / cfg.served_checks as f64,
-    );
-    report.put(
-        &format!("served_check_ms_{k}k_workloads"),
-        percentile(wall, 0.5),
-    );
-    peer.kill();
+    let k = cfg.mesh_workloads / 1000;
 
     // Enrollment to Served through a real agent and that ztunnel stand-in.
     let pins = Pins::new(format!(
@@ -173,6 +123,98 @@ fn served_in(
     })();
     let _ = enroll::uninstall(&pins, None);
     result
+}
+
+/// One served check, as the agent makes it, against a ztunnel stand-in
+/// whose config_dump lists `n` workloads (and no agent to talk to: it only
+/// serves its admin API), `checks` times: the agent's CPU and wall time per
+/// check, the dump's size, and the stand-in's CPU per dump (it builds and
+/// serialises the dump at every request, as ztunnel does). Returns the file
+/// of workloads it served.
+fn check_cost(
+    report: &mut Report,
+    dir: &std::path::Path,
+    pods: &BarePods,
+    n: usize,
+    checks: usize,
+) -> anyhow::Result<std::path::PathBuf> {
+    let k = n / 1000;
+    let mut mesh: Vec<serde_json::Value> = (0..n - SERVED_PODS)
+        .map(|i| {
+            let ip = IpAddr::V4(Ipv4Addr::new(
+                10,
+                100 + (i / 65536) as u8,
+                (i / 256 % 256) as u8,
+                (i % 256) as u8,
+            ));
+            admin::workload(
+                &format!("ns-{}", i % 100),
+                &format!("w-{i}"),
+                "default",
+                &[ip],
+            )
+        })
+        .collect();
+    for (i, p) in pods.iter().enumerate() {
+        let ip = IpAddr::V4(Ipv4Addr::new(10, 210, 0, i as u8));
+        mesh.push(admin::workload("bench", &p.name, "default", &[ip]));
+    }
+    let file = dir.join(format!("workloads-{k}k.json"));
+    std::fs::write(&file, serde_json::to_vec(&mesh)?)?;
+    let bytes = admin::dump(mesh).len() as f64;
+    report.put(&format!("served_dump_bytes_{k}k"), bytes);
+    report.put(
+        &format!("config_dump_mib_{k}k_workloads"),
+        bytes / (1024.0 * 1024.0),
+    );
+    let mut peer = PeerProc::start(
+        &peer_bin(),
+        &dir.join(format!("no-agent-{k}k.sock")),
+        &["--admin-workloads", file.to_str().unwrap()],
+    )?;
+    let pid = peer.pid().context("peer pid")? as i32;
+    let wanted = [Wanted {
+        namespace: "bench".into(),
+        name: pods[0].name.clone(),
+        service_account: "default".into(),
+        ips: vec![IpAddr::V4(Ipv4Addr::new(10, 210, 0, 0))],
+    }];
+    wait::until("the admin stand-in to answer", wait::DEADLINE, || {
+        fetch::known(Some(pid), fetch::DEFAULT_ADMIN_PORT, &wanted, None).map_err(|e| e.to_string())
+    })?;
+    let (mut wall, cpu0, peer0) = (Vec::new(), cpu_ms_self(), cpu_ms_of(pid)?);
+    for _ in 0..checks {
+        let t = Instant::now();
+        let known = fetch::known(Some(pid), fetch::DEFAULT_ADMIN_PORT, &wanted, None)?;
+        wall.push(t.elapsed().as_secs_f64() * 1e3);
+        ensure!(known.len() == 1, "the pod not found among {n} workloads");
+    }
+    report.put(
+        &format!("served_check_cpu_ms_{k}k"),
+        (cpu_ms_self() - cpu0) / checks as f64,
+    );
+    report.put(
+        &format!("served_standin_cpu_ms_per_dump_{k}k"),
+        (cpu_ms_of(pid)? - peer0) / checks as f64,
+    );
+    report.put(&format!("served_check_ms_{k}k"), percentile(wall, 0.5));
+    peer.kill();
+    Ok(file)
+}
+
+/// CPU time (user + system) process `pid` has used, in ms (clock ticks:
+/// 10 ms resolution).
+fn cpu_ms_of(pid: i32) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // After the command's closing parenthesis: fields 3 onwards.
+    let rest = stat
+        .rsplit_once(')')
+        .map(|(_, r)| r)
+        .context("an unparsable /proc/PID/stat")?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = fields[11].parse::<f64>()? + fields[12].parse::<f64>()?;
+    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)?.unwrap_or(100) as f64;
+    Ok(ticks * 1e3 / hz)
 }
 
 /// CPU time (user + system) this process has used, in ms.

@@ -38,6 +38,13 @@ const WAIT_MAX: Duration = Duration::from_secs(5);
 /// How often Served pods are checked again (workload removed from xDS), by
 /// default.
 pub const DEFAULT_RECHECK: Duration = Duration::from_secs(30);
+/// The recheck's share of one core at most: a recheck that cost more CPU
+/// than this share of `recheck` (a config_dump of a big mesh) waits
+/// longer, so that steady checking stays within it.
+const RECHECK_SHARE: u32 = 1000; // 0.1 %
+/// But never longer than this between rechecks (a workload lost from xDS
+/// is still noticed).
+const RECHECK_MAX: Duration = Duration::from_secs(600);
 /// How long a ztunnel's admin API may fail, on `FALLBACK_FAILURES` asks in a
 /// row, before its acks count as served. Longer than one ask may take
 /// (`fetch::TIMEOUT`), so one slow dump on a big mesh never switches it.
@@ -245,24 +252,40 @@ impl ServedChecker {
     pub(super) async fn run(self: Arc<Self>, book: Arc<PodBook>, mut stop: watch::Receiver<bool>) {
         let mut every = WAIT_MIN;
         let mut rechecked = Instant::now();
+        let mut recheck_every = self.cfg.recheck;
+        self.metrics.set_served_recheck(recheck_every);
         loop {
             tokio::select! {
                 _ = stop.changed() => return,
                 _ = self.wake.notified() => every = WAIT_MIN,
                 _ = tokio::time::sleep(every) => {},
             }
-            let recheck_every = self.cfg.recheck;
             let recheck = rechecked.elapsed() >= recheck_every
                 || self
                     .recheck
                     .swap(false, std::sync::atomic::Ordering::Relaxed);
             let (this, book) = (self.clone(), book.clone());
-            let Ok(waiting) = tokio::task::spawn_blocking(move || this.pass(&book, recheck)).await
+            let Ok((waiting, cpu)) = tokio::task::spawn_blocking(move || {
+                let before = thread_cpu();
+                let waiting = this.pass(&book, recheck);
+                (waiting, thread_cpu().saturating_sub(before))
+            })
+            .await
             else {
                 continue;
             };
             if recheck {
                 rechecked = Instant::now();
+                let next = recheck_period(self.cfg.recheck, cpu);
+                if next != recheck_every {
+                    info!(
+                        every = ?next,
+                        cost = ?cpu,
+                        "served pods are checked again at this period (each recheck reads ztunnel's whole config_dump)"
+                    );
+                    recheck_every = next;
+                    self.metrics.set_served_recheck(next);
+                }
             }
             every = if waiting {
                 (every * 2).min(WAIT_MAX)
@@ -382,10 +405,46 @@ impl ServedChecker {
     }
 }
 
+/// When served pods are checked again after a recheck that cost `cpu`: at
+/// the configured period, or, when that would take more than
+/// 1/`RECHECK_SHARE` of a core, as much later as keeps it within that
+/// (rounded up to whole seconds, so that the period does not move at every
+/// recheck), up to `RECHECK_MAX`.
+fn recheck_period(configured: Duration, cpu: Duration) -> Duration {
+    let within = Duration::from_secs((cpu * RECHECK_SHARE).as_secs_f64().ceil() as u64);
+    configured.max(within.min(RECHECK_MAX))
+}
+
+/// CPU time of the calling thread.
+fn thread_cpu() -> Duration {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID)
+        .map(Duration::from)
+        .unwrap_or_default()
+}
+
 /// Addresses istiod can list for a pod (not link-local, not loopback).
 fn routable(ip: &IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => !v4.is_link_local() && !v4.is_loopback(),
         IpAddr::V6(v6) => !v6.is_unicast_link_local() && !v6.is_loopback(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_recheck_waits_longer_when_it_would_cost_more_than_its_share() {
+        let ms = Duration::from_millis;
+        let s = Duration::from_secs;
+        // 10k workloads (≈ 32 ms): within 0.1 % of a core every 32 s.
+        assert_eq!(recheck_period(s(30), ms(20)), s(30));
+        assert_eq!(recheck_period(s(30), ms(32)), s(32));
+        // 100k workloads (≈ 320 ms): every 320 s.
+        assert_eq!(recheck_period(s(30), ms(320)), s(320));
+        // Never past ten minutes, never below what was asked for.
+        assert_eq!(recheck_period(s(30), s(5)), s(600));
+        assert_eq!(recheck_period(s(900), ms(1)), s(900));
     }
 }
