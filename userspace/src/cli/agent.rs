@@ -62,9 +62,9 @@ pub struct Args {
     #[arg(long, default_value_t = served::fetch::DEFAULT_ADMIN_PORT, env = "SLUICE_ZTUNNEL_ADMIN_PORT")]
     ztunnel_admin_port: u16,
     /// How often pods already served are checked again (a workload
-    /// removed from xDS makes its pod not served); longer, up to 10 min,
-    /// when reading ztunnel's config_dump that often would cost more than
-    /// 0.1 % of a core (a very big mesh).
+    /// removed from xDS makes its pod not served); longer, up to 20 min,
+    /// when reading ztunnel's config_dump that often would take more than
+    /// 0.1 % of a core (a big mesh).
     #[arg(long, default_value = "30s", value_parser = parse_duration, env = "SLUICE_SERVED_RECHECK")]
     served_recheck: Duration,
     /// When ztunnel dies, its listeners leave the socket map at once (the

@@ -178,7 +178,7 @@ impl Metrics {
         );
         self.registry.register(
             "served_recheck_seconds",
-            "How often served pods are checked again: --served-recheck, or longer on a mesh whose config_dump costs more than 0.1 % of a core read that often",
+            "How often served pods are checked again, in seconds: --served-recheck, or longer on a mesh whose config_dump reads would take more than 0.1 % of a core that often",
             self.served_recheck.clone(),
         );
         self.registry.register(
