@@ -94,153 +94,136 @@ fn enroll(f: &Fixture, x: PodExclusions) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// One case: the pod enrolled with `x`; each connection from netns `from`
+/// to a destination goes where the case says (`None`: direct), and the
+/// pod's counters count the excluded ones (`excluded`: inbound, outbound).
+struct Case<'a> {
+    x: PodExclusions,
+    want: Vec<(SocketAddr, Option<Role>, &'a str)>,
+    excluded: (u64, u64),
+}
+
+fn run(f: &Fixture, from: &str, cases: Vec<Case>) -> TestResult {
+    for c in cases {
+        enroll(f, c.x.clone())?;
+        for (to, role, what) in &c.want {
+            let got = went(f, from, *to)?;
+            ensure!(got == *role, "{what} ({to}, {:?}): {got:?}", c.x);
+        }
+        let rec = f.pod_record()?;
+        ensure!(rec.exclusions == c.x, "in force: {:?}", rec.exclusions);
+        let counted = (rec.excluded.inbound, rec.excluded.outbound);
+        ensure!(counted == c.excluded, "counted {counted:?}, {:?}", c.x);
+        f.unenroll()?;
+    }
+    Ok(())
+}
+
 fn outbound(fam: Family) -> TestResult {
     const CAPTURED: Option<Role> = Some(Role::Outbound);
     let f = Fixture::new("exo", Some(Bind::DualStack))?;
-    let other = App::start(&f.topo.client, OTHER_PORT);
+    let _other = App::start(&f.topo.client, OTHER_PORT);
     let (first, second) = (fam.client(), second_remote(&f, fam)?);
-    let to = |a: IpAddr, port| SocketAddr::new(a, port);
-    let pod = f.topo.pod.clone();
-
-    // A port and an address excluded: those go direct, the rest is captured.
-    enroll(
-        &f,
-        PodExclusions {
-            exclude_outbound_ports: vec![OTHER_PORT],
-            exclude_outbound_ip_ranges: vec![host(second)],
-            ..Default::default()
-        },
-    )?;
-    ensure!(
-        went(&f, &pod, to(first, REMOTE_PORT))? == CAPTURED,
-        "not excluded: captured"
+    let (remote, other_port, second) = (
+        SocketAddr::new(first, REMOTE_PORT),
+        SocketAddr::new(first, OTHER_PORT),
+        SocketAddr::new(second, REMOTE_PORT),
     );
-    ensure!(
-        went(&f, &pod, to(first, OTHER_PORT))?.is_none(),
-        "excluded port"
-    );
-    ensure!(
-        went(&f, &pod, to(second, REMOTE_PORT))?.is_none(),
-        "excluded range"
-    );
-    let rec = f.pod_record()?;
-    ensure!(
-        rec.excluded.outbound == 2 && rec.excluded.inbound == 0,
-        "{:?}",
-        rec.excluded
-    );
-    ensure!(
-        rec.exclusions.exclude_outbound_ports == [OTHER_PORT],
-        "{:?}",
-        rec.exclusions
-    );
-    f.unenroll()?;
-
-    // An include list restricts capture to its ranges; an exclusion inside
-    // one wins.
     let subnet = IpNet::new(first, if fam == Family::V4 { 24 } else { 64 })?.trunc();
-    enroll(
-        &f,
-        PodExclusions {
-            include_outbound_ip_ranges: Include::Only(vec![subnet]),
-            exclude_outbound_ip_ranges: vec![host(second)],
-            ..Default::default()
+    let cases = vec![
+        // A port and an address excluded: those go direct, the rest is
+        // captured.
+        Case {
+            x: PodExclusions {
+                exclude_outbound_ports: vec![OTHER_PORT],
+                exclude_outbound_ip_ranges: vec![host(second.ip())],
+                ..Default::default()
+            },
+            want: vec![
+                (remote, CAPTURED, "not excluded"),
+                (other_port, None, "excluded port"),
+                (second, None, "excluded range"),
+            ],
+            excluded: (0, 2),
         },
-    )?;
-    ensure!(
-        went(&f, &pod, to(first, REMOTE_PORT))? == CAPTURED,
-        "included: captured"
-    );
-    ensure!(
-        went(&f, &pod, to(second, REMOTE_PORT))?.is_none(),
-        "excluded wins over included"
-    );
-    f.unenroll()?;
-    enroll(
-        &f,
-        PodExclusions {
-            include_outbound_ip_ranges: Include::Only(vec![host(first)]),
-            ..Default::default()
+        // An include list restricts capture to its ranges; an exclusion
+        // inside one wins.
+        Case {
+            x: PodExclusions {
+                include_outbound_ip_ranges: Include::Only(vec![subnet]),
+                exclude_outbound_ip_ranges: vec![host(second.ip())],
+                ..Default::default()
+            },
+            want: vec![
+                (remote, CAPTURED, "included"),
+                (second, None, "excluded wins over included"),
+            ],
+            excluded: (0, 1),
         },
-    )?;
-    ensure!(
-        went(&f, &pod, to(first, REMOTE_PORT))? == CAPTURED,
-        "included: captured"
-    );
-    ensure!(
-        went(&f, &pod, to(second, REMOTE_PORT))?.is_none(),
-        "outside the include list"
-    );
-    drop(other);
-    Ok(())
+        Case {
+            x: PodExclusions {
+                include_outbound_ip_ranges: Include::Only(vec![host(first)]),
+                ..Default::default()
+            },
+            want: vec![
+                (remote, CAPTURED, "included"),
+                (second, None, "outside the include list"),
+            ],
+            excluded: (0, 1),
+        },
+    ];
+    run(&f, &f.topo.pod, cases)
 }
 
 fn inbound(fam: Family) -> TestResult {
     let f = Fixture::new("exi", Some(Bind::DualStack))?;
     let other = App::start(&f.topo.pod, OTHER_PORT);
-    let client = f.topo.client.clone();
     let to = |port| SocketAddr::new(fam.pod(), port);
-
-    enroll(
-        &f,
-        PodExclusions {
-            exclude_inbound_ports: vec![OTHER_PORT],
-            ..Default::default()
+    let (app, other_port, hbone) = (to(APP_PORT), to(OTHER_PORT), to(15008));
+    const HBONE: Option<Role> = Some(Role::Hbone);
+    let cases = vec![
+        Case {
+            x: PodExclusions {
+                exclude_inbound_ports: vec![OTHER_PORT],
+                ..Default::default()
+            },
+            want: vec![
+                (app, Some(Role::Inbound), "not excluded"),
+                (other_port, None, "excluded port"),
+                (hbone, HBONE, "HBONE"),
+            ],
+            excluded: (1, 0),
         },
-    )?;
-    ensure!(
-        went(&f, &client, to(APP_PORT))? == Some(Role::Inbound),
-        "not excluded"
-    );
-    ensure!(
-        went(&f, &client, to(OTHER_PORT))?.is_none(),
-        "excluded port"
-    );
-    ensure!(went(&f, &client, to(15008))? == Some(Role::Hbone), "HBONE");
+        // Only the included ports are captured; an excluded one among them
+        // is not.
+        Case {
+            x: PodExclusions {
+                include_inbound_ports: Include::Only(vec![APP_PORT, OTHER_PORT]),
+                exclude_inbound_ports: vec![OTHER_PORT],
+                ..Default::default()
+            },
+            want: vec![
+                (app, Some(Role::Inbound), "included"),
+                (other_port, None, "excluded wins"),
+            ],
+            excluded: (1, 0),
+        },
+        Case {
+            x: PodExclusions {
+                include_inbound_ports: Include::Only(vec![]),
+                ..Default::default()
+            },
+            want: vec![
+                (app, None, "nothing included"),
+                (hbone, HBONE, "HBONE is never excluded"),
+            ],
+            excluded: (1, 0),
+        },
+    ];
+    run(&f, &f.topo.client, cases)?;
     ensure!(
         other.peers().iter().any(|p| p.ip() == fam.client()),
-        "the app saw the client"
-    );
-    let rec = f.pod_record()?;
-    ensure!(
-        rec.excluded.inbound == 1 && rec.excluded.outbound == 0,
-        "{:?}",
-        rec.excluded
-    );
-    f.unenroll()?;
-
-    // Only the included ports are captured; an excluded one among them is not.
-    enroll(
-        &f,
-        PodExclusions {
-            include_inbound_ports: Include::Only(vec![APP_PORT, OTHER_PORT]),
-            exclude_inbound_ports: vec![OTHER_PORT],
-            ..Default::default()
-        },
-    )?;
-    ensure!(
-        went(&f, &client, to(APP_PORT))? == Some(Role::Inbound),
-        "included"
-    );
-    ensure!(
-        went(&f, &client, to(OTHER_PORT))?.is_none(),
-        "excluded wins"
-    );
-    f.unenroll()?;
-    enroll(
-        &f,
-        PodExclusions {
-            include_inbound_ports: Include::Only(vec![]),
-            ..Default::default()
-        },
-    )?;
-    ensure!(
-        went(&f, &client, to(APP_PORT))?.is_none(),
-        "nothing included"
-    );
-    ensure!(
-        went(&f, &client, to(15008))? == Some(Role::Hbone),
-        "HBONE is never excluded"
+        "the app did not see the client"
     );
     Ok(())
 }

@@ -200,12 +200,24 @@ pub(crate) async fn warning(
     name: &str,
     notes: &[&str],
 ) -> TestResult {
-    let what = format!("a {reason} warning on {name}");
+    event(events, "Warning", reason, name, notes).await
+}
+
+/// Waits for an Event of `type_` with `reason` on the pod `name` whose note
+/// holds each of `notes`.
+pub(crate) async fn event(
+    events: &Events,
+    type_: &str,
+    reason: &str,
+    name: &str,
+    notes: &[&str],
+) -> TestResult {
+    let what = format!("a {type_} {reason} event on {name}");
     wait::until_async(&what, wait::DEADLINE, || {
         let seen = events.lock().unwrap().clone();
         let found = seen.iter().any(|e| {
             e["reason"] == reason
-                && e["type"] == "Warning"
+                && e["type"] == type_
                 && e["regarding"]["name"] == name
                 && e["note"]
                     .as_str()

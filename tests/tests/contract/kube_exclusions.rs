@@ -27,7 +27,7 @@ use sluice_tests::{
 };
 
 use crate::{
-    kube::{cluster_node_selecting, pod_ips_json, warning, Events, PodProcess},
+    kube::{cluster_node_selecting, event, pod_ips_json, warning, Events, PodProcess},
     trial, TestResult,
 };
 
@@ -172,26 +172,9 @@ async fn notices(node: &NodeAgent) -> anyhow::Result<Vec<control::ExclusionNotic
     Ok(n.exclusion_notices)
 }
 
+/// A Normal Event with `reason` on `web` whose note holds `note`.
 async fn normal(events: &Events, reason: &str, note: &str) -> TestResult {
-    sluice_tests::wait::until_async(
-        &format!("a {reason} event"),
-        sluice_tests::wait::DEADLINE,
-        || {
-            let seen = events.lock().unwrap().clone();
-            let found = seen.iter().any(|e| {
-                e["reason"] == reason
-                    && e["type"] == "Normal"
-                    && e["note"].as_str().is_some_and(|n| n.contains(note))
-            });
-            if found {
-                Ok(())
-            } else {
-                Err(seen)
-            }
-        },
-    )
-    .await?;
-    Ok(())
+    event(events, "Normal", reason, "web", &[note]).await
 }
 
 fn follows_annotations() -> TestResult {

@@ -18,20 +18,10 @@ use sluice::{
 };
 use sluice_common::VERIFY_MAGIC;
 
-use crate::{ns_path, percentile, pods::bare_pods, workload, Config, Report};
+use crate::{ns_path, percentile, pods::with_bare_pods, workload, Config, Report};
 
 pub fn exclusions(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyhow::Result<()> {
-    let pods = bare_pods("ex", 1)?;
-    let pins = Pins::new(format!(
-        "/sys/fs/bpf/sluice-bench-ex-{}",
-        std::process::id()
-    ));
-    let result = measure(report, cfg, &pods, &pins);
-    if let Err(e) = enroll::uninstall(&pins, None) {
-        eprintln!("cleanup: uninstall {}: {e}", pins.root().display());
-    }
-    drop(pods);
-    result
+    with_bare_pods("ex", 1, |pods, pins| measure(report, cfg, pods, pins))
 }
 
 fn measure(

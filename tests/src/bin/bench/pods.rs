@@ -90,6 +90,27 @@ fn ip_batch(ns: Option<&str>, lines: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Runs `f` on `n` bare pods and a bpffs root of their own (`tag` names
+/// both), then removes what sluice pinned there and the pods, also when `f`
+/// fails.
+pub fn with_bare_pods<R>(
+    tag: &str,
+    n: usize,
+    f: impl FnOnce(&BarePods, &sluice::dataplane::loader::Pins) -> anyhow::Result<R>,
+) -> anyhow::Result<R> {
+    let pods = bare_pods(tag, n)?;
+    let pins = sluice::dataplane::loader::Pins::new(format!(
+        "/sys/fs/bpf/sluice-bench-{tag}-{}",
+        std::process::id()
+    ));
+    let result = f(&pods, &pins);
+    if let Err(e) = sluice::podnet::enroll::uninstall(&pins, None) {
+        eprintln!("cleanup: uninstall {}: {e}", pins.root().display());
+    }
+    drop(pods);
+    result
+}
+
 /// `n` pod netns, each with an `eth0` (address 10.210.x.y/32, up) whose
 /// veth peer is in the node netns, and `lo` up. Made with two `ip -batch`
 /// runs and netlink from inside each pod netns (an `ip` process per step

@@ -22,7 +22,7 @@ use sluice_tests::{
 
 use crate::{
     ns_path, percentile,
-    pods::{bare_pods, RtnlProbe},
+    pods::{with_bare_pods, RtnlProbe},
     workload, Config, Report,
 };
 
@@ -30,17 +30,9 @@ use crate::{
 const PERIOD_S: f64 = 60.0;
 
 pub fn verification(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyhow::Result<()> {
-    let pods = bare_pods("vf", cfg.verify_pods)?;
-    let pins = Pins::new(format!(
-        "/sys/fs/bpf/sluice-bench-vf-{}",
-        std::process::id()
-    ));
-    let result = verify_in(report, cfg, &pods, &pins);
-    if let Err(e) = enroll::uninstall(&pins, None) {
-        eprintln!("cleanup: uninstall {}: {e}", pins.root().display());
-    }
-    drop(pods);
-    result
+    with_bare_pods("vf", cfg.verify_pods, |pods, pins| {
+        verify_in(report, cfg, pods, pins)
+    })
 }
 
 fn verify_in(
