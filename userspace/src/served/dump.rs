@@ -17,6 +17,7 @@
 //! this node.
 
 use std::{
+    cell::RefCell,
     collections::{HashMap, HashSet},
     fmt,
     io::Read,
@@ -62,9 +63,24 @@ struct Workload {
 struct Query<'a> {
     wanted: HashMap<(&'a str, &'a str), &'a Wanted>,
     node: Option<&'a str>,
+    /// The asked pods found so far.
+    found: RefCell<Known>,
 }
 
+/// The parse's "error" once every asked pod is found: the rest of the dump
+/// cannot change the answer, so it is not read (ztunnel stops sending it
+/// when the connection closes).
+const ALL_FOUND: &str = "every asked pod found";
+
 impl Query<'_> {
+    /// Records workload `w` if it serves an asked pod; whether every asked
+    /// pod is found now.
+    fn take(&self, w: &Workload) -> bool {
+        let mut found = self.found.borrow_mut();
+        found.extend(self.serves(w));
+        found.len() == self.wanted.len()
+    }
+
     fn serves(&self, w: &Workload) -> Option<(String, String)> {
         let want = self.wanted.get(&(w.namespace.as_str(), w.name.as_str()))?;
         let node_ok = match self.node {
@@ -79,7 +95,9 @@ impl Query<'_> {
 }
 
 /// Which of `wanted` the dump read from `r` shows as served. `node`: this
-/// node's name, when the agent knows it.
+/// node's name, when the agent knows it. Reading stops at the workload
+/// that completes the answer (every asked pod found); a pod not found
+/// costs a read to the end.
 pub fn known(r: impl Read, wanted: &[Wanted], node: Option<&str>) -> serde_json::Result<Known> {
     let q = Query {
         wanted: wanted
@@ -87,39 +105,48 @@ pub fn known(r: impl Read, wanted: &[Wanted], node: Option<&str>) -> serde_json:
             .map(|w| ((w.namespace.as_str(), w.name.as_str()), w))
             .collect(),
         node,
+        found: RefCell::default(),
     };
     let mut de =
         serde_json::Deserializer::from_reader(std::io::BufReader::with_capacity(64 * 1024, r));
-    let found = DumpSeed(&q).deserialize(&mut de)?;
-    de.end()?;
-    Ok(found)
+    match DumpSeed(&q).deserialize(&mut de) {
+        Ok(()) => de.end()?,
+        Err(e) if e.is_data() && e.to_string().starts_with(ALL_FOUND) => {}
+        Err(e) => return Err(e),
+    }
+    Ok(q.found.into_inner())
 }
 
 /// The dump's top level: an object; only `workloads` is read.
 struct DumpSeed<'q, 'a>(&'q Query<'a>);
 
 impl<'de> DeserializeSeed<'de> for DumpSeed<'_, '_> {
-    type Value = Known;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Known, D::Error> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
         d.deserialize_map(self)
     }
 }
 
 impl<'de> Visitor<'de> for DumpSeed<'_, '_> {
-    type Value = Known;
+    type Value = ();
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("ztunnel's config_dump (a JSON object)")
     }
-    fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<Known, A::Error> {
-        let mut found = None;
+    fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<(), A::Error> {
+        let mut seen = false;
         while let Some(key) = m.next_key::<String>()? {
             if key == "workloads" {
-                found = Some(m.next_value_seed(WorkloadsSeed(self.0))?);
+                m.next_value_seed(WorkloadsSeed(self.0))?;
+                seen = true;
             } else {
                 m.next_value::<IgnoredAny>()?;
             }
         }
-        found.ok_or_else(|| serde::de::Error::missing_field("workloads"))
+        if seen {
+            Ok(())
+        } else {
+            Err(serde::de::Error::missing_field("workloads"))
+        }
     }
 }
 
@@ -128,30 +155,32 @@ impl<'de> Visitor<'de> for DumpSeed<'_, '_> {
 struct WorkloadsSeed<'q, 'a>(&'q Query<'a>);
 
 impl<'de> DeserializeSeed<'de> for WorkloadsSeed<'_, '_> {
-    type Value = Known;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Known, D::Error> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
         d.deserialize_any(self)
     }
 }
 
 impl<'de> Visitor<'de> for WorkloadsSeed<'_, '_> {
-    type Value = Known;
+    type Value = ();
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("a list or map of workloads")
     }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut s: A) -> Result<Known, A::Error> {
-        let mut found = Known::new();
+    fn visit_seq<A: SeqAccess<'de>>(self, mut s: A) -> Result<(), A::Error> {
         while let Some(w) = s.next_element::<Workload>()? {
-            found.extend(self.0.serves(&w));
+            if self.0.take(&w) {
+                return Err(serde::de::Error::custom(ALL_FOUND));
+            }
         }
-        Ok(found)
+        Ok(())
     }
-    fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<Known, A::Error> {
-        let mut found = Known::new();
+    fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<(), A::Error> {
         while let Some((_, w)) = m.next_entry::<IgnoredAny, Workload>()? {
-            found.extend(self.0.serves(&w));
+            if self.0.take(&w) {
+                return Err(serde::de::Error::custom(ALL_FOUND));
+            }
         }
-        Ok(found)
+        Ok(())
     }
 }
 
@@ -219,6 +248,29 @@ mod tests {
         // Without a node name, the node is not compared.
         let k = known(&d[..], &wanted, None).unwrap();
         assert_eq!(names(k), ["a", "b", "elsewhere"]);
+    }
+
+    #[test]
+    fn reading_stops_once_every_asked_pod_is_found() {
+        let d = dump(json!([
+            workload("a", &["10.0.0.1"], "n1"),
+            workload("b", &["10.0.0.2"], "n1"),
+        ]));
+        // Cut right after the first workload: what follows is never read,
+        // so a dump broken there still answers for "a".
+        let b = d
+            .windows(5)
+            .position(|w| w == b"/b\",\n")
+            .expect("workload b's uid");
+        let start_of_b = d[..b].iter().rposition(|c| *c == b'{').unwrap();
+        let cut = &d[..start_of_b];
+        let k = known(cut, &[want("a", &["10.0.0.1"])], None).unwrap();
+        assert_eq!(names(k), ["a"]);
+        // Asking for "b" too needs the rest: the cut dump is an error.
+        assert!(known(cut, &[want("a", &[]), want("b", &[])], None).is_err());
+        // And a whole dump answers both.
+        let k = known(&d[..], &[want("a", &[]), want("b", &[])], None).unwrap();
+        assert_eq!(names(k), ["a", "b"]);
     }
 
     #[test]
