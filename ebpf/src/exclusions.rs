@@ -1,8 +1,10 @@
 //! A pod's exclusions from capture (`pod_exclusions`, written by user space
 //! from the pod's `traffic.sidecar.istio.io/*` annotations when the node
-//! allows them), decided at the SYN: an excluded connection gets no hint
-//! and goes where it is addressed, in either direction, and its later
-//! packets pass as an uncaptured flow's do. A pod without exclusions costs
+//! allows them), decided at the SYN: an excluded connection goes where it
+//! is addressed, in either direction, and its later packets pass as an
+//! uncaptured flow's do. Outbound it leaves no hint; inbound it leaves a
+//! `Bypass` one, as `bypass-inbound-capture` does (sk_lookup refuses an
+//! unhinted SYN: fail closed), released with the handshake. A pod without exclusions costs
 //! one map lookup per SYN.
 
 use sluice_common::{ExcludedCounters, PORT_DNS};

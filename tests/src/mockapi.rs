@@ -17,3 +17,22 @@ pub fn reply(send: Send, code: u16, body: &Value) {
             .expect("a valid response"),
     );
 }
+
+/// An Event the agent publishes under `prefix` (a create, or a patch of
+/// its series): kept in `into` and answered with itself. Any other request
+/// gets `send` back to answer.
+pub fn event(
+    prefix: &str,
+    path: &str,
+    body: &[u8],
+    into: &std::sync::Mutex<Vec<Value>>,
+    send: Send,
+) -> Option<Send> {
+    if !path.starts_with(prefix) {
+        return Some(send);
+    }
+    let ev: Value = serde_json::from_slice(body).expect("an Event in JSON");
+    into.lock().unwrap().push(ev.clone());
+    reply(send, 200, &ev);
+    None
+}

@@ -158,12 +158,15 @@ fn api(
                 }
                 p
             };
-            if path.starts_with("/apis/events.k8s.io/v1/namespaces/") {
-                let ev: Value = serde_json::from_slice(&body).unwrap();
-                events.lock().unwrap().push(ev.clone());
-                mockapi::reply(send, 200, &ev);
+            let Some(send) = mockapi::event(
+                "/apis/events.k8s.io/v1/namespaces/",
+                &path,
+                &body,
+                &events,
+                send,
+            ) else {
                 continue;
-            }
+            };
             let reply = match (method, path.as_str()) {
                 (Method::GET, "/api/v1/namespaces/shop/pods/cart") => {
                     pod("cart", "shop", json!({}))
@@ -734,12 +737,9 @@ fn relist() -> TestResult {
             while let Some((req, send)) = handle.next_request().await {
                 let (method, path, query) = (req.method().clone(), req.uri().path().to_owned(), req.uri().query().unwrap_or("").to_owned());
                 let body = req.into_body().collect_bytes().await.unwrap_or_default();
-                if path.starts_with("/apis/events.k8s.io/v1/namespaces/mesh/events") {
-                    let ev: Value = serde_json::from_slice(&body).unwrap();
-                    e2.lock().unwrap().push(ev.clone());
-                    mockapi::reply(send, 200, &ev);
+                let Some(send) = mockapi::event("/apis/events.k8s.io/v1/namespaces/mesh/events", &path, &body, &e2, send) else {
                     continue;
-                }
+                };
                 let reply = match (method, path.as_str()) {
                     (Method::GET, "/api/v1/pods") => {
                         assert!(query.contains("fieldSelector=spec.nodeName%3Dnode-a"), "{query}");

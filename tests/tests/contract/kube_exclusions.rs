@@ -52,12 +52,15 @@ fn api(uid: String, ips: Value, annotations: Arc<Mutex<Value>>, events: Events) 
         while let Some((req, send)) = handle.next_request().await {
             let (method, path) = (req.method().clone(), req.uri().path().to_owned());
             let body = req.into_body().collect_bytes().await.unwrap_or_default();
-            if path.starts_with("/apis/events.k8s.io/v1/namespaces/") {
-                let ev: Value = serde_json::from_slice(&body).unwrap();
-                events.lock().unwrap().push(ev.clone());
-                mockapi::reply(send, 200, &ev);
+            let Some(send) = mockapi::event(
+                "/apis/events.k8s.io/v1/namespaces/",
+                &path,
+                &body,
+                &events,
+                send,
+            ) else {
                 continue;
-            }
+            };
             let reply = match (method, path.as_str()) {
                 (Method::GET, "/api/v1/pods") => {
                     json!({"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": [{
