@@ -2,6 +2,7 @@
 //! the demo, benchmarks, the container image, the deploy/ checks, and the
 //! tests in VMs on older kernels.
 
+mod chaos;
 mod deploy;
 mod fuzz;
 mod kernels;
@@ -53,6 +54,10 @@ enum Cmd {
         /// (installed on first use): timing assumptions show up as failures.
         #[arg(long)]
         cpu_hog: bool,
+        /// Seconds of chaos (`cargo xtask chaos`, a fresh seed) after the
+        /// tests (0: none).
+        #[arg(long, default_value_t = 180)]
+        chaos_time: u64,
         /// Seconds each fuzz target runs after the tests (0: none).
         #[arg(long, default_value_t = 10)]
         fuzz_time: u64,
@@ -73,6 +78,10 @@ enum Cmd {
         #[arg(long, default_value_t = 60)]
         time: u64,
     },
+    /// Random faults on top of each other under steady traffic, the
+    /// invariants checked all the time (root): agent and ztunnel crashes and
+    /// upgrades, pods added and deleted, the capture tampered with.
+    Chaos(chaos::Args),
     /// Setup, build, and run the demo: enroll a pod netns and show captured traffic.
     Demo,
     /// Build in release and run the benchmarks (root): sluice vs istio-cni's rules vs none.
@@ -118,11 +127,19 @@ fn main() -> Result<()> {
         Cmd::Test {
             repeat,
             cpu_hog,
+            chaos_time,
             fuzz_time,
             vm_tests,
             args,
         } => {
             test(&args, repeat, cpu_hog)?;
+            if chaos_time > 0 {
+                chaos::build_runner()?;
+                chaos::run_built(&chaos::Args {
+                    duration: format!("{chaos_time}s"),
+                    ..chaos::Args::default()
+                })?;
+            }
             if fuzz_time > 0 {
                 fuzz::fuzz(fuzz_time, fuzz::Build::Quick)?;
             }
@@ -132,6 +149,7 @@ fn main() -> Result<()> {
             Ok(())
         }
         Cmd::Fuzz { time } => fuzz::fuzz(time, fuzz::Build::Thorough),
+        Cmd::Chaos(args) => chaos::chaos(&args),
         Cmd::Demo => demo(),
         Cmd::Bench => bench(),
         Cmd::Image { tag } => deploy::image(&tag),
@@ -195,7 +213,7 @@ fn ebpf_cargo(cmd: &str, extra: &[&str]) -> Result<()> {
         .env_remove("RUSTC_WRAPPER"))
 }
 
-fn build_ebpf() -> Result<()> {
+pub fn build_ebpf() -> Result<()> {
     ebpf_cargo("build", &[])
 }
 
@@ -260,7 +278,7 @@ const STATIC_CNI_ENV: &str = "SLUICE_CNI_BIN";
 
 /// The binaries the tests run besides their own (the eBPF objects aside);
 /// returns the static CNI plugin's path, for STATIC_CNI_ENV.
-fn build_test_bins() -> Result<PathBuf> {
+pub fn build_test_bins() -> Result<PathBuf> {
     // The lifecycle tests run the `sluice` binary itself; the crash tests
     // need its crash points (never in a shipped build).
     cargo(&[

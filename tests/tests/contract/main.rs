@@ -4,6 +4,7 @@
 //! the reason, never as passed.
 
 mod agent;
+mod chaos;
 mod cni;
 mod contract_rows;
 mod crash;
@@ -78,6 +79,7 @@ fn main() {
     trials.extend(exclusions::trials());
     trials.extend(kube_exclusions::trials());
     trials.extend(dns::trials());
+    trials.extend(chaos::trials());
     trials.extend(agent::trials());
     trials.extend(crash::trials());
     trials.extend(cni::trials());

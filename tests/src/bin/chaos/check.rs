@@ -1,0 +1,218 @@
+//! The invariants, checked while the run goes on: no app connection of an
+//! enrolled pod leaves or arrives without ztunnel (every 100 ms), a pod
+//! reported Served has its capture in the kernel, every pod is Served again
+//! within a bound after the last fault that touched it, and the agent's
+//! memory and descriptors stay bounded (every second).
+
+use std::{
+    collections::BTreeMap,
+    net::SocketAddr,
+    sync::{
+        atomic::{AtomicU32, Ordering},
+        Arc, Mutex,
+    },
+    thread::JoinHandle,
+    time::Duration,
+};
+
+use serde::Serialize;
+use sluice::dataplane::loader::{Pins, Program};
+use sluice_common::PodState;
+use sluice_tests::{inspect, sniff::L4Sniffer};
+
+use crate::{
+    ledger::{Ledger, Ms},
+    node::APP_PORTS,
+};
+
+/// A pod reported Served with its capture incomplete longer than this is
+/// a lie (the agent's hook watch repairs within about a second).
+pub const REPAIR_BOUND: Duration = Duration::from_secs(3);
+/// Every pod is Served again this long after the last fault that touched it.
+pub const SERVED_BOUND: Duration = Duration::from_secs(20);
+/// The agent's bounds.
+const RSS_BOUND_KIB: u64 = 256 * 1024;
+const FDS_BOUND: u64 = 1024;
+
+/// The agent's resources over the run.
+#[derive(Debug, Default, Clone, Serialize)]
+pub struct Resources {
+    pub rss_start_kib: u64,
+    pub rss_peak_kib: u64,
+    pub fds_peak: u64,
+}
+
+/// What connections leave the pods and reach their apps: a sniffer in the
+/// remote netns (every packet from a pod to the servers), and each live
+/// pod's app's list of peers.
+pub struct Traffic {
+    sniffer: L4Sniffer,
+    apps: BTreeMap<String, Arc<Mutex<Vec<SocketAddr>>>>,
+}
+
+pub type Watch = Arc<Mutex<Traffic>>;
+
+impl Traffic {
+    pub fn start(remote_ns: &str) -> anyhow::Result<Watch> {
+        Ok(Arc::new(Mutex::new(Self {
+            sniffer: L4Sniffer::start(remote_ns)?,
+            apps: BTreeMap::new(),
+        })))
+    }
+
+    pub fn watch(&mut self, uid: &str, seen: Arc<Mutex<Vec<SocketAddr>>>) {
+        self.apps.insert(uid.to_owned(), seen);
+    }
+
+    pub fn unwatch(&mut self, uid: &str) {
+        self.apps.remove(uid);
+    }
+
+    /// Looks at everything seen since the last call.
+    pub fn check(&mut self, l: &Ledger) {
+        l.counted("no bypass");
+        for s in self.sniffer.drain() {
+            let syn = s.proto == 6 && s.flags & 0x02 != 0 && s.flags & 0x10 == 0;
+            if syn && APP_PORTS.contains(&s.src.port()) {
+                if let Some(uid) = l.owner(&s.src.ip()) {
+                    bypass(
+                        l,
+                        &uid,
+                        format!("an app's SYN {} -> {} left the pod", s.src, s.dst),
+                    );
+                }
+            }
+        }
+        for (uid, seen) in &self.apps {
+            let peers = std::mem::take(&mut *seen.lock().unwrap());
+            for p in peers.iter().filter(|p| APP_PORTS.contains(&p.port())) {
+                bypass(l, uid, format!("the app accepted {p} itself"));
+            }
+        }
+    }
+}
+
+fn bypass(l: &Ledger, uid: &str, what: String) {
+    if l.tampered(uid, l.now()) {
+        *l.tamper_bypasses.lock().unwrap() += 1;
+    } else {
+        l.violate("no bypass", Some(uid), what);
+    }
+}
+
+/// The checker thread; it returns the agent's resources at its end.
+pub fn start(
+    ledger: Arc<Ledger>,
+    watch: Watch,
+    pins: Pins,
+    agent_pid: Arc<AtomicU32>,
+) -> JoinHandle<Resources> {
+    std::thread::spawn(move || {
+        let mut res = Resources::default();
+        let mut tick = 0u64;
+        while !ledger.stopping() {
+            watch.lock().unwrap().check(&ledger);
+            if tick.is_multiple_of(10) {
+                states(&ledger, &pins);
+                resources(&ledger, agent_pid.load(Ordering::SeqCst), &mut res);
+            }
+            tick += 1;
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        res
+    })
+}
+
+/// Truthful state and the Served bound, for every live pod.
+fn states(l: &Ledger, pins: &Pins) {
+    // Unreadable while an agent restarts and takes the pins over: next time.
+    let Ok(records) = sluice::status::read(pins) else {
+        return;
+    };
+    let programs = inspect::pinned_programs(pins).unwrap_or_default();
+    let id = |p: Program| programs.get(p.name()).map(|(id, _)| *id);
+    let now = l.now();
+    let mut served = Vec::new();
+    let mut untrue = Vec::new();
+    l.with_pods(|pods| {
+        for (uid, p) in pods.iter_mut() {
+            l.counted("truthful state");
+            let record = records.iter().find(|r| &r.uid == uid);
+            if record.and_then(|r| r.state) != Some(PodState::Served) {
+                p.served_since = None;
+                let since = now.saturating_sub(p.last_touch);
+                if since > SERVED_BOUND.as_millis() as Ms {
+                    untrue.push((
+                        "bounded",
+                        uid.clone(),
+                        format!(
+                            "not Served {since} ms after the last fault that touched it: {:?}",
+                            record.map(|r| r.state)
+                        ),
+                    ));
+                }
+                continue;
+            }
+            match capture_in_kernel(&p.netns, id(Program::Egress), id(Program::Ingress)) {
+                Ok(()) => served.push(uid.clone()),
+                Err(e) => {
+                    let since = *p.untrue_since.get_or_insert(now);
+                    if now - since > REPAIR_BOUND.as_millis() as Ms {
+                        untrue.push((
+                            "truthful state",
+                            uid.clone(),
+                            format!("Served for {} ms with {e}", now - since),
+                        ));
+                    }
+                }
+            }
+        }
+    });
+    for uid in served {
+        l.served(&uid);
+    }
+    for (invariant, uid, detail) in untrue {
+        l.violate(invariant, Some(&uid), detail);
+    }
+}
+
+/// The kernel's own answer: sluice's egress and ingress programs run first
+/// on the pod's eth0 (the hook a tamper fault changes).
+fn capture_in_kernel(netns: &str, egress: Option<u32>, ingress: Option<u32>) -> Result<(), String> {
+    for (dir, want) in [("egress", egress), ("ingress", ingress)] {
+        let first = inspect::filter_programs(netns, "eth0", dir)
+            .map_err(|e| format!("{dir}: {e}"))?
+            .into_iter()
+            .min_by_key(|(pref, _)| *pref)
+            .map(|(_, id)| id);
+        if first.is_none() || first != want {
+            return Err(format!(
+                "eth0 {dir} running {first:?} first, sluice's is {want:?}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn resources(l: &Ledger, pid: u32, res: &mut Resources) {
+    if pid == 0 {
+        return;
+    }
+    l.counted("bounded");
+    let Ok(rss) = inspect::proc_status_kib(pid, "VmRSS:") else {
+        return;
+    };
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count() as u64);
+    if res.rss_start_kib == 0 {
+        res.rss_start_kib = rss;
+    }
+    res.rss_peak_kib = res.rss_peak_kib.max(rss);
+    res.fds_peak = res.fds_peak.max(fds);
+    if rss > RSS_BOUND_KIB || fds > FDS_BOUND {
+        l.violate(
+            "bounded",
+            None,
+            format!("the agent holds {rss} KiB and {fds} fds"),
+        );
+    }
+}
