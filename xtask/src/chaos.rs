@@ -7,7 +7,7 @@ use std::{path::PathBuf, process::Command};
 
 use anyhow::Result;
 
-use crate::{build_ebpf, build_test_bins, cargo, run, setup, target_dir};
+use crate::{build_ebpf, build_ebpf_variant, build_test_bins, cargo, run, setup, target_dir};
 
 #[derive(clap::Args, Clone, Debug, Default)]
 pub struct Args {
@@ -26,6 +26,8 @@ pub struct Args {
 pub fn chaos(args: &Args) -> Result<()> {
     setup::run(setup::Scope::Everything)?;
     build_ebpf()?;
+    // The agent-upgrade fault starts the agent over another build's programs.
+    build_ebpf_variant()?;
     build_test_bins()?;
     build_runner()?;
     run_built(args)

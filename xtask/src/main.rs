@@ -224,7 +224,7 @@ pub const LAYOUT_TARGET_DIR: &str = "target/ebpf-layout";
 
 /// The programs with the `upgrade-variant` feature (different instructions,
 /// same maps and behaviour), in a target dir of their own.
-fn build_ebpf_variant() -> Result<()> {
+pub fn build_ebpf_variant() -> Result<()> {
     ebpf_cargo(
         "build",
         &[

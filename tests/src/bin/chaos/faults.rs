@@ -27,6 +27,40 @@ pub fn apply(run: &mut Run, fault: &Fault) -> anyhow::Result<()> {
             l.touch(None, kind, Opens::Nothing);
             run.node.term_agent()?;
         }
+        Fault::AgentUpgrade => {
+            // The programs are replaced in place: nothing may fail.
+            l.touch(None, kind, Opens::Nothing);
+            run.node.upgrade_agent()?;
+        }
+        Fault::FdLimit => {
+            l.touch(None, kind, Opens::Nothing);
+            fd_limit(run.node.agent_pid.load(Ordering::SeqCst), Some(8))?;
+        }
+        Fault::FdRestore => fd_limit(run.node.agent_pid.load(Ordering::SeqCst), None)?,
+        Fault::ControlFlood => {
+            l.touch(None, kind, Opens::Nothing);
+            control_flood(&run.node.agent.control);
+        }
+        Fault::PeerNack => {
+            // A ztunnel that refuses every pod: none is Served, its
+            // connections fail closed.
+            l.touch(None, kind, Opens::Failures);
+            run.node.peer.kill();
+            drop(run.node.new_peer_with(&["--nack", "chaos: no config"])?);
+        }
+        Fault::PeerHoldAcks => {
+            l.touch(None, kind, Opens::Failures);
+            let _ = std::fs::remove_file(&run.node.ack_gate);
+            let gate = run.node.ack_gate.display().to_string();
+            run.node.peer.kill();
+            drop(run.node.new_peer_with(&["--hold-acks-until", &gate])?);
+        }
+        Fault::PeerHeal => {
+            l.touch(None, kind, Opens::Failures);
+            std::fs::write(&run.node.ack_gate, "")?;
+            run.node.peer.kill();
+            drop(run.node.new_peer()?);
+        }
         Fault::PeerKill => {
             // Its proxied connections die with it; new ones fail closed
             // until the new peer's listeners are in.
@@ -62,7 +96,7 @@ pub fn apply(run: &mut Run, fault: &Fault) -> anyhow::Result<()> {
                 // The live capture must stay: nothing may fail.
                 let pod = &run.pods[i].pod;
                 l.touch(Some(&pod.uid), kind, Opens::Nothing);
-                let del = run.node.del(pod, "an-old-sandbox")?;
+                let del = run.node.stale_del(pod)?;
                 anyhow::ensure!(del.ok, "a stale DEL failed: {}", del.stdout);
             }
         }
@@ -80,6 +114,35 @@ pub fn apply(run: &mut Run, fault: &Fault) -> anyhow::Result<()> {
                 let _ = run.hook(i, "egress").tc("replace", Some(&pin));
             }
         }
+        Fault::PinsRemoved { slot } => {
+            if let Some(i) = run.pick(slot) {
+                l.touch(Some(&run.pods[i].pod.uid), kind, Opens::Tamper);
+                remove_pod_pins(run, i)?;
+            }
+        }
+        Fault::IfaceAdd { slot } | Fault::IfaceRemove { slot } => {
+            if let Some(i) = run.pick(slot) {
+                let pod = &run.pods[i].pod;
+                l.touch(Some(&pod.uid), kind, Opens::Nothing);
+                let verb: &[&str] = match fault {
+                    Fault::IfaceAdd { .. } => &["add", "chaos0", "type", "dummy"],
+                    _ => &["del", "chaos0"],
+                };
+                // Already there, or already gone (another pod had the slot).
+                let _ = ns::exec(&pod.netns, &[&["ip", "link"][..], verb].concat());
+                let _ = ns::exec(&pod.netns, &["ip", "link", "set", "chaos0", "up"]);
+            }
+        }
+        Fault::AddressAdd { slot } => {
+            if let Some(i) = run.pick(slot) {
+                let pod = &run.pods[i].pod;
+                l.touch(Some(&pod.uid), kind, Opens::Nothing);
+                let _ = ns::exec(
+                    &pod.netns,
+                    &["ip", "addr", "add", "10.196.0.9/32", "dev", "eth0"],
+                );
+            }
+        }
         Fault::ForeignQdisc { slot } => {
             if let Some(i) = run.pick(slot) {
                 let pod = &run.pods[i].pod;
@@ -95,6 +158,73 @@ pub fn apply(run: &mut Run, fault: &Fault) -> anyhow::Result<()> {
         Fault::InjectBypass { slot } => {
             let i = run.pick(slot).context("no pod to bypass")?;
             run.pods[i].pod.bypass.store(true, Ordering::SeqCst);
+        }
+    }
+    Ok(())
+}
+
+/// The agent's RLIMIT_NOFILE: `Some(n)`, `n` above the descriptors it
+/// holds; `None`, up to its hard limit.
+fn fd_limit(pid: u32, headroom: Option<u64>) -> anyhow::Result<()> {
+    if pid == 0 {
+        return Ok(());
+    }
+    let pid = pid as libc::pid_t;
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: prlimit writes the current limit into `limit`.
+    if unsafe { libc::prlimit(pid, libc::RLIMIT_NOFILE, std::ptr::null(), &mut limit) } != 0 {
+        // The agent exited meanwhile (another fault): nothing to limit.
+        return Ok(());
+    }
+    limit.rlim_cur = match headroom {
+        Some(n) => {
+            let held = std::fs::read_dir(format!("/proc/{pid}/fd"))?.count() as u64;
+            (held + n).min(limit.rlim_max)
+        }
+        None => limit.rlim_max,
+    };
+    // SAFETY: prlimit reads `limit`.
+    let rc = unsafe { libc::prlimit(pid, libc::RLIMIT_NOFILE, &limit, std::ptr::null_mut()) };
+    if rc != 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH) {
+        anyhow::bail!("prlimit: {}", std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// 200 connections to the control socket, half of them with half a
+/// request, held a second.
+fn control_flood(socket: &std::path::Path) {
+    use std::io::Write as _;
+    let conns: Vec<_> = (0..200)
+        .filter_map(|i| {
+            let mut c = std::os::unix::net::UnixStream::connect(socket).ok()?;
+            if i % 2 == 0 {
+                let _ = c.write_all(b"{\"status\":");
+            }
+            Some(c)
+        })
+        .collect();
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(1));
+        drop(conns);
+    });
+}
+
+/// Removes the pod's pins under `pods/<netns cookie>/` (found through
+/// the status records).
+fn remove_pod_pins(run: &Run, i: usize) -> anyhow::Result<()> {
+    let uid = &run.pods[i].pod.uid;
+    let records = sluice::status::read(&run.node.pins)?;
+    let Some(r) = records.iter().find(|r| &r.uid == uid) else {
+        return Ok(());
+    };
+    let dir = run.node.pins.pods().join(r.netns_cookie.to_string());
+    if let Ok(entries) = std::fs::read_dir(&dir) {
+        for e in entries.flatten() {
+            let _ = std::fs::remove_file(e.path());
         }
     }
     Ok(())

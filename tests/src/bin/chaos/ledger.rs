@@ -19,6 +19,10 @@ use serde::Serialize;
 /// long-lived one at its next exchange).
 pub const GRACE: Duration = Duration::from_secs(2);
 
+/// A pod added this soon after a fault that touched every pod inherits the
+/// fault's window (it lasts until the pod is first Served).
+const INHERITED: Duration = Duration::from_secs(20);
+
 /// A time in the run, in ms from its start.
 pub type Ms = u64;
 
@@ -108,6 +112,9 @@ pub struct Ledger {
     pods: Mutex<BTreeMap<String, PodEntry>>,
     /// Pod addresses, while the pod is enrolled.
     owners: Mutex<HashMap<IpAddr, String>>,
+    /// Windows of the faults that touched every pod: a pod added soon after
+    /// one (while ztunnel still holds its acks, say) inherits it.
+    global: Mutex<Vec<Window>>,
     tallies: Mutex<BTreeMap<&'static str, Tally>>,
     violations: Mutex<Vec<Violation>>,
     /// Uncaptured connections inside a tamper window (reported, owned).
@@ -122,6 +129,7 @@ impl Ledger {
             start: Instant::now(),
             pods: Mutex::default(),
             owners: Mutex::default(),
+            global: Mutex::default(),
             tallies: Mutex::default(),
             violations: Mutex::default(),
             tamper_bypasses: Mutex::default(),
@@ -139,11 +147,20 @@ impl Ledger {
         for ip in &entry.ips {
             owners.insert(*ip, uid.to_owned());
         }
-        let last_touch = self.now();
+        let now = self.now();
+        let windows = self
+            .global
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|w| now.saturating_sub(w.start) < INHERITED.as_millis() as Ms)
+            .cloned()
+            .collect();
         self.pods.lock().unwrap().insert(
             uid.to_owned(),
             PodEntry {
-                last_touch,
+                last_touch: now,
+                windows,
                 ..entry
             },
         );
@@ -172,6 +189,17 @@ impl Ledger {
     /// `opens` says to its connections.
     pub fn touch(&self, uid: Option<&str>, fault: &'static str, opens: Opens) {
         let now = self.now();
+        let window = Window {
+            fault,
+            opens,
+            start: now,
+            end: None,
+        };
+        if uid.is_none() && opens != Opens::Nothing {
+            let mut global = self.global.lock().unwrap();
+            global.retain(|w| now.saturating_sub(w.start) < INHERITED.as_millis() as Ms);
+            global.push(window.clone());
+        }
         let mut pods = self.pods.lock().unwrap();
         for (u, p) in pods.iter_mut() {
             if uid.is_some_and(|only| only != u) {
@@ -180,12 +208,7 @@ impl Ledger {
             p.last_touch = now;
             p.served_since = None;
             if opens != Opens::Nothing {
-                p.windows.push(Window {
-                    fault,
-                    opens,
-                    start: now,
-                    end: None,
-                });
+                p.windows.push(window.clone());
             }
         }
     }

@@ -66,6 +66,10 @@ pub struct Node {
     pub agent_pid: Arc<AtomicU32>,
     pub remote_app: Option<App>,
     next_pod: u32,
+    /// The agent runs over the variant build's programs.
+    on_variant: bool,
+    /// The gate a peer holding its acks waits for.
+    pub ack_gate: PathBuf,
 }
 
 impl Node {
@@ -87,6 +91,7 @@ impl Node {
         let agent_pid = Arc::new(AtomicU32::new(agent.pid().unwrap_or(0)));
         let remote_app = Some(App::start(&remote_ns, REMOTE_PORT));
         std::mem::forget(guard);
+        let ack_gate = dir.join("acks");
         Ok(Self {
             id,
             node_ns,
@@ -98,6 +103,8 @@ impl Node {
             agent_pid,
             remote_app,
             next_pod: 0,
+            on_variant: false,
+            ack_gate,
         })
     }
 
@@ -122,10 +129,30 @@ impl Node {
         Ok(())
     }
 
-    /// A new peer process; the old one is returned, still running.
-    pub fn new_peer(&mut self) -> anyhow::Result<PeerProc> {
-        let new = PeerProc::start(&peer_bin(), &self.agent.zds, &[])?;
+    /// SIGTERM, and a start over the other build's programs.
+    pub fn upgrade_agent(&mut self) -> anyhow::Result<()> {
+        let variant = variant_object();
+        ensure!(
+            variant.exists(),
+            "{} is missing: `cargo xtask build-ebpf --variant` builds it",
+            variant.display()
+        );
+        self.on_variant = !self.on_variant;
+        let object = self.on_variant.then(|| variant.display().to_string());
+        self.agent
+            .set_env("SLUICE_EBPF_OBJECT_FILE", object.as_deref());
+        self.term_agent()
+    }
+
+    /// A new peer process (`extra`: its flags); the old one is returned,
+    /// still running.
+    pub fn new_peer_with(&mut self, extra: &[&str]) -> anyhow::Result<PeerProc> {
+        let new = PeerProc::start(&peer_bin(), &self.agent.zds, extra)?;
         Ok(std::mem::replace(&mut self.peer, new))
+    }
+
+    pub fn new_peer(&mut self) -> anyhow::Result<PeerProc> {
+        self.new_peer_with(&[])
     }
 
     /// A new pod: its netns, `ptp` ADD, then `sluice-cni` ADD, retried while
@@ -177,7 +204,7 @@ impl Node {
         std::mem::forget(made);
         let start = Instant::now();
         loop {
-            let add = self.sluice_cni("ADD", &pod, &pod.container)?;
+            let add = self.sluice_cni("ADD", &pod, &pod.container, &pod.netns)?;
             if add.ok {
                 return Ok(pod);
             }
@@ -192,7 +219,13 @@ impl Node {
 
     /// `sluice-cni DEL` for `pod` with sandbox `container`.
     pub fn del(&self, pod: &Pod, container: &str) -> anyhow::Result<Invocation> {
-        self.sluice_cni("DEL", pod, container)
+        self.sluice_cni("DEL", pod, container, &pod.netns)
+    }
+
+    /// The late DEL of a sandbox the pod had before: another container id,
+    /// its netns long gone.
+    pub fn stale_del(&self, pod: &Pod) -> anyhow::Result<Invocation> {
+        self.sluice_cni("DEL", pod, "an-old-sandbox", &format!("{}-old", pod.netns))
     }
 
     /// The runtime's teardown: sluice-cni DEL (retried, as the kubelet
@@ -231,19 +264,18 @@ impl Node {
         let _ = ip(&["netns", "del", &pod.netns]);
     }
 
-    fn sluice_cni(&self, command: &str, pod: &Pod, container: &str) -> anyhow::Result<Invocation> {
+    fn sluice_cni(
+        &self,
+        command: &str,
+        pod: &Pod,
+        container: &str,
+        netns: &str,
+    ) -> anyhow::Result<Invocation> {
         let conf = json!({
             "cniVersion": "1.0.0", "name": "chaos", "type": "sluice-cni",
             "agentSocket": self.agent.control, "prevResult": pod.prev_result,
         });
-        self.cni(
-            &sluice_cni(),
-            command,
-            container,
-            &pod.uid,
-            &pod.netns,
-            &conf,
-        )
+        self.cni(&sluice_cni(), command, container, &pod.uid, netns, &conf)
     }
 
     fn cni(
@@ -414,6 +446,16 @@ fn result_ips(result: &serde_json::Value) -> anyhow::Result<Vec<IpAddr>> {
 
 fn path_str(netns: &str) -> String {
     netns_path(netns).display().to_string()
+}
+
+/// "Another build" of the programs (same maps and behaviour, other
+/// instructions), as the upgrade tests use it.
+fn variant_object() -> PathBuf {
+    sluice_bin()
+        .parent()
+        .and_then(Path::parent)
+        .map(|target| target.join("ebpf-variant/bpfel-unknown-none/release/sluice-ebpf"))
+        .unwrap_or_default()
 }
 
 /// The plugin beside `sluice` (`cargo xtask chaos` builds both).

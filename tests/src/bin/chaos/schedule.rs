@@ -16,6 +16,16 @@ pub enum Fault {
     AgentKill,
     /// SIGTERM the agent, start it again.
     AgentTerm,
+    /// SIGTERM the agent and start it over another build's programs (the
+    /// upgrade tests' variant object), or back over this build's.
+    AgentUpgrade,
+    /// Lower the agent's descriptor limit to a few above what it holds
+    /// (EMFILE on its next opens); `FdRestore` puts it back.
+    FdLimit,
+    FdRestore,
+    /// Many connections to the agent's control socket at once, some
+    /// sending half a request, held for a second.
+    ControlFlood,
     /// SIGKILL the ztunnel peer (its proxied connections die with it),
     /// start a new one.
     PeerKill,
@@ -24,28 +34,65 @@ pub enum Fault {
     PeerUpgradeNewFirst,
     /// SIGTERM the old peer, then start a new one (a gap without ztunnel).
     PeerUpgradeOldFirst,
+    /// The peer replaced by one that nacks every add; `PeerHeal` ends it.
+    PeerNack,
+    /// The peer replaced by one that opens the listeners but holds its
+    /// acks; `PeerHeal` releases them.
+    PeerHoldAcks,
+    PeerHeal,
     /// A new pod: ptp ADD, then sluice-cni ADD, retried as the kubelet does.
     PodAdd,
     /// A pod's traffic stops, then sluice-cni DEL, ptp DEL, netns removed.
-    PodDelete { slot: usize },
+    PodDelete {
+        slot: usize,
+    },
     /// Several sluice-cni DELs for one pod at once, then its delete.
-    DelStorm { slot: usize },
-    /// A DEL for a sandbox the pod no longer has (another container id,
-    /// same pod uid): the live capture must stay.
-    StaleDel { slot: usize },
+    DelStorm {
+        slot: usize,
+    },
+    /// A late DEL for a sandbox the pod had before (another container id,
+    /// a netns gone, same pod uid): the live capture must stay.
+    StaleDel {
+        slot: usize,
+    },
     /// Behind sluice's back: a pod's egress filter deleted.
-    FilterDelete { slot: usize },
+    FilterDelete {
+        slot: usize,
+    },
     /// Behind sluice's back: a pod's egress filter's program replaced by one
     /// that passes everything.
-    ProgramReplace { slot: usize },
+    ProgramReplace {
+        slot: usize,
+    },
+    /// Behind sluice's back: a pod's pins under `pods/` removed.
+    PinsRemoved {
+        slot: usize,
+    },
+    /// A dummy interface added to a pod (`IfaceRemove` removes it).
+    IfaceAdd {
+        slot: usize,
+    },
+    IfaceRemove {
+        slot: usize,
+    },
+    /// An address the runtime did not give the pod, added to its eth0.
+    AddressAdd {
+        slot: usize,
+    },
     /// Another tool's `ingress` qdisc on a pod's host-side veth.
-    ForeignQdisc { slot: usize },
+    ForeignQdisc {
+        slot: usize,
+    },
     /// Every core busy for `secs` seconds.
-    CpuHog { secs: u64 },
+    CpuHog {
+        secs: u64,
+    },
     /// The runner's self-test: a pod's app connections go out with
     /// ztunnel's mark, which no capture touches: a bypass the invariants
     /// must catch.
-    InjectBypass { slot: usize },
+    InjectBypass {
+        slot: usize,
+    },
 }
 
 impl Fault {
@@ -54,6 +101,17 @@ impl Fault {
         match self {
             Fault::AgentKill => "agent-kill",
             Fault::AgentTerm => "agent-term",
+            Fault::AgentUpgrade => "agent-upgrade",
+            Fault::FdLimit => "fd-limit",
+            Fault::FdRestore => "fd-restore",
+            Fault::ControlFlood => "control-flood",
+            Fault::PeerNack => "peer-nack",
+            Fault::PeerHoldAcks => "peer-hold-acks",
+            Fault::PeerHeal => "peer-heal",
+            Fault::PinsRemoved { .. } => "pins-removed",
+            Fault::IfaceAdd { .. } => "iface-add",
+            Fault::IfaceRemove { .. } => "iface-remove",
+            Fault::AddressAdd { .. } => "address-add",
             Fault::PeerKill => "peer-kill",
             Fault::PeerUpgradeNewFirst => "peer-upgrade-new-first",
             Fault::PeerUpgradeOldFirst => "peer-upgrade-old-first",
@@ -84,7 +142,8 @@ pub struct Schedule {
     pub events: Vec<Event>,
 }
 
-/// Faults start after this much steady traffic.
+/// Faults start after this much steady traffic (heal events may come up
+/// to 5 s into the settling time).
 const WARMUP_MS: u64 = 3_000;
 /// The last this much of a run has no new faults: the pods settle and the
 /// final checks see them Served.
@@ -120,8 +179,21 @@ impl Schedule {
                 Fault::PodDelete { .. } | Fault::DelStorm { .. } => pods -= 1,
                 _ => {}
             }
+            // A fault that lasts is ended by its own event, 1–5 s later:
+            // other faults land in between.
+            let heal = match fault {
+                Fault::PeerNack | Fault::PeerHoldAcks => Some(Fault::PeerHeal),
+                Fault::FdLimit => Some(Fault::FdRestore),
+                Fault::IfaceAdd { slot } => Some(Fault::IfaceRemove { slot }),
+                _ => None,
+            };
+            if let Some(heal) = heal {
+                let at_ms = at + rng.random_range(1_000..5_000);
+                events.push(Event { at_ms, fault: heal });
+            }
             events.push(Event { at_ms: at, fault });
         }
+        events.sort_by_key(|e| e.at_ms);
         Self {
             seed,
             duration_ms,
@@ -161,18 +233,26 @@ fn draw_fault(rng: &mut StdRng, pods: usize) -> Fault {
     let slot = rng.random_range(0..64);
     loop {
         let fault = match rng.random_range(0..100) {
-            0..=14 => Fault::PodAdd,
-            15..=26 => Fault::PodDelete { slot },
-            27..=31 => Fault::DelStorm { slot },
-            32..=36 => Fault::StaleDel { slot },
-            37..=46 => Fault::AgentKill,
-            47..=51 => Fault::AgentTerm,
-            52..=59 => Fault::PeerKill,
-            60..=66 => Fault::PeerUpgradeNewFirst,
-            67..=71 => Fault::PeerUpgradeOldFirst,
-            72..=81 => Fault::FilterDelete { slot },
-            82..=89 => Fault::ProgramReplace { slot },
-            90..=94 => Fault::ForeignQdisc { slot },
+            0..=10 => Fault::PodAdd,
+            11..=19 => Fault::PodDelete { slot },
+            20..=22 => Fault::DelStorm { slot },
+            23..=25 => Fault::StaleDel { slot },
+            26..=32 => Fault::AgentKill,
+            33..=35 => Fault::AgentTerm,
+            36..=39 => Fault::AgentUpgrade,
+            40..=42 => Fault::FdLimit,
+            43..=45 => Fault::ControlFlood,
+            46..=51 => Fault::PeerKill,
+            52..=56 => Fault::PeerUpgradeNewFirst,
+            57..=59 => Fault::PeerUpgradeOldFirst,
+            60..=62 => Fault::PeerNack,
+            63..=65 => Fault::PeerHoldAcks,
+            66..=72 => Fault::FilterDelete { slot },
+            73..=78 => Fault::ProgramReplace { slot },
+            79..=81 => Fault::PinsRemoved { slot },
+            82..=85 => Fault::IfaceAdd { slot },
+            86..=88 => Fault::AddressAdd { slot },
+            89..=93 => Fault::ForeignQdisc { slot },
             _ => Fault::CpuHog {
                 secs: rng.random_range(1..5),
             },
@@ -197,7 +277,7 @@ mod tests {
         assert_ne!(a, Schedule::draw(8, Duration::from_secs(300), 4));
         let mut pods = 4;
         for e in &a.events {
-            assert!(e.at_ms >= WARMUP_MS && e.at_ms + SETTLE_MS < a.duration_ms);
+            assert!(e.at_ms >= WARMUP_MS && e.at_ms + SETTLE_MS / 2 < a.duration_ms);
             match e.fault {
                 Fault::PodAdd => pods += 1,
                 Fault::PodDelete { .. } | Fault::DelStorm { .. } => pods -= 1,
