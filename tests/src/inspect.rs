@@ -236,3 +236,32 @@ impl Hook<'_> {
         )
     }
 }
+
+/// The ids of the sk_lookup programs attached in the netns at `netns`, as
+/// the kernel lists them (`BPF_PROG_QUERY`): the kernel's answer, not
+/// sluice's pins.
+pub fn sk_lookup_programs(netns: &std::path::Path) -> anyhow::Result<Vec<u32>> {
+    use std::os::fd::AsRawFd as _;
+    const BPF_PROG_QUERY: libc::c_long = 16;
+    const BPF_SK_LOOKUP: u32 = 36;
+    let ns = std::fs::File::open(netns).with_context(|| format!("opening {}", netns.display()))?;
+    let mut ids = [0u32; 64];
+    // union bpf_attr, BPF_PROG_QUERY: target_fd, attach_type, query_flags,
+    // attach_flags, prog_ids at 16, prog_cnt at 24.
+    let mut attr = [0u8; 64];
+    attr[0..4].copy_from_slice(&(ns.as_raw_fd() as u32).to_ne_bytes());
+    attr[4..8].copy_from_slice(&BPF_SK_LOOKUP.to_ne_bytes());
+    attr[16..24].copy_from_slice(&(ids.as_mut_ptr() as u64).to_ne_bytes());
+    attr[24..28].copy_from_slice(&(ids.len() as u32).to_ne_bytes());
+    // SAFETY: a zeroed bpf_attr with the query fields set; `ids` outlives
+    // the call and holds `prog_cnt` entries.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_PROG_QUERY, attr.as_mut_ptr(), attr.len()) };
+    anyhow::ensure!(
+        rc == 0,
+        "querying the sk_lookup programs of {}: {}",
+        netns.display(),
+        std::io::Error::last_os_error()
+    );
+    let n = u32::from_ne_bytes([attr[24], attr[25], attr[26], attr[27]]) as usize;
+    Ok(ids[..n.min(ids.len())].to_vec())
+}

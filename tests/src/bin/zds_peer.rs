@@ -200,6 +200,13 @@ fn main() {
         )
     });
     loop {
+        // A draining ztunnel does not come back (upstream's connection loop
+        // ends with its drain): the drain thread ends the process.
+        if PODS.lock().unwrap().is_none() {
+            loop {
+                std::thread::park();
+            }
+        }
         let fd = connect_with_backoff(&o.socket);
         emit(serde_json::json!({"event": "connected"}));
         let hello = proto::encode(&ZdsHello {

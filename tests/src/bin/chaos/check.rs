@@ -153,7 +153,8 @@ fn states(l: &Ledger, pins: &Pins) {
                 }
                 continue;
             }
-            match capture_in_kernel(&p.netns, id(Program::Egress), id(Program::Ingress)) {
+            let ours = [Program::Steer, Program::Egress, Program::Ingress].map(id);
+            match capture_in_kernel(&p.netns, ours) {
                 Ok(()) => served.push(uid.clone()),
                 Err(e) => {
                     let since = *p.untrue_since.get_or_insert(now);
@@ -176,9 +177,20 @@ fn states(l: &Ledger, pins: &Pins) {
     }
 }
 
-/// The kernel's own answer: sluice's egress and ingress programs run first
-/// on the pod's eth0 (the hook a tamper fault changes).
-fn capture_in_kernel(netns: &str, egress: Option<u32>, ingress: Option<u32>) -> Result<(), String> {
+/// The kernel's own answer: sluice's sk_lookup program is attached in the
+/// pod's netns, and its egress and ingress programs run first on the pod's
+/// eth0 (the hooks the tamper faults change).
+fn capture_in_kernel(
+    netns: &str,
+    [steer, egress, ingress]: [Option<u32>; 3],
+) -> Result<(), String> {
+    let attached = inspect::sk_lookup_programs(&sluice_tests::ns::netns_path(netns))
+        .map_err(|e| format!("{e:#}"))?;
+    if !steer.is_some_and(|s| attached.contains(&s)) {
+        return Err(format!(
+            "sk_lookup running {attached:?}, sluice's is {steer:?}"
+        ));
+    }
     for (dir, want) in [("egress", egress), ("ingress", ingress)] {
         let first = inspect::filter_programs(netns, "eth0", dir)
             .map_err(|e| format!("{dir}: {e}"))?

@@ -19,6 +19,11 @@ use serde::Serialize;
 /// long-lived one at its next exchange).
 pub const GRACE: Duration = Duration::from_secs(2);
 
+/// A window closes only on a Served seen this long after its fault was
+/// injected: the agent notices some faults a little later (listeners gone),
+/// and the pod's earlier Served is the state from before.
+const NOTICE: Duration = Duration::from_secs(1);
+
 /// A pod added this soon after a fault that touched every pod inherits the
 /// fault's window (it lasts until the pod is first Served).
 const INHERITED: Duration = Duration::from_secs(20);
@@ -47,6 +52,9 @@ struct Window {
     fault: &'static str,
     opens: Opens,
     start: Ms,
+    /// When the fault's injection finished (a ztunnel's drain takes
+    /// seconds): the pod's state before then says nothing of it.
+    applied: Option<Ms>,
     end: Option<Ms>,
 }
 
@@ -193,6 +201,7 @@ impl Ledger {
             fault,
             opens,
             start: now,
+            applied: None,
             end: None,
         };
         if uid.is_none() && opens != Opens::Nothing {
@@ -213,15 +222,29 @@ impl Ledger {
         }
     }
 
-    /// `uid` was seen Served with its capture in place: its open windows
-    /// close after the grace time.
+    /// The fault just injected is in place: its windows may close from
+    /// [`NOTICE`] on.
+    pub fn applied(&self) {
+        let now = self.now();
+        let mut pods = self.pods.lock().unwrap();
+        let windows = pods.values_mut().flat_map(|p| p.windows.iter_mut());
+        for w in windows.chain(self.global.lock().unwrap().iter_mut()) {
+            w.applied.get_or_insert(now);
+        }
+    }
+
+    /// `uid` was seen Served with its capture in place: its windows whose
+    /// fault was in place [`NOTICE`] before close after the grace time.
     pub fn served(&self, uid: &str) {
         let now = self.now();
+        let notice = NOTICE.as_millis() as Ms;
         if let Some(p) = self.pods.lock().unwrap().get_mut(uid) {
             p.served_since.get_or_insert(now);
             p.untrue_since = None;
             for w in p.windows.iter_mut().filter(|w| w.end.is_none()) {
-                w.end = Some(now + GRACE.as_millis() as Ms);
+                if w.applied.is_some_and(|a| now >= a + notice) {
+                    w.end = Some(now + GRACE.as_millis() as Ms);
+                }
             }
         }
     }

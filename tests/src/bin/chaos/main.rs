@@ -157,6 +157,7 @@ fn run(
     for e in &schedule.events {
         let at = Duration::from_millis(e.at_ms);
         while start.elapsed() < at && !run.ledger.stopping() {
+            run.retry();
             std::thread::sleep((at - start.elapsed()).min(Duration::from_millis(50)));
         }
         if run.ledger.stopping() {
@@ -168,10 +169,22 @@ fn run(
         }
         faults::apply(&mut run, &e.fault)
             .with_context(|| format!("injecting {:?} at {} ms", e.fault, e.at_ms))?;
+        run.ledger.applied();
         *faults.entry(e.fault.kind()).or_default() += 1;
     }
     let end = Duration::from_millis(schedule.duration_ms);
     while start.elapsed() < end && !run.ledger.stopping() {
+        run.retry();
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The last check of the bound: every pod Served (the checker stops the
+    // run when one is not, within the bound after its last fault).
+    while !run.ledger.stopping()
+        && !run
+            .ledger
+            .with_pods(|p| p.values().all(|p| p.served_since.is_some()))
+    {
+        run.retry();
         std::thread::sleep(Duration::from_millis(50));
     }
     let agent = run.stop_traffic();
@@ -183,6 +196,10 @@ fn run(
             let seen = schedule.until(v.at_ms);
             std::fs::write(&f, serde_json::to_string_pretty(&seen)?)?;
             eprintln!("chaos: the schedule up to the violation: {}", f.display());
+            // What the agent said, for whoever reads the violation.
+            let log = out.join(format!("agent-{}.log", schedule.seed));
+            std::fs::write(&log, run.node.agent.log())?;
+            eprintln!("chaos: the agent's log: {}", log.display());
             for e in &seen.events {
                 eprintln!("chaos:   {:>7} ms {:?}", e.at_ms, e.fault);
             }

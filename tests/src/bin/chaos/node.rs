@@ -11,7 +11,6 @@ use std::{
         atomic::{AtomicBool, AtomicU32, Ordering},
         Arc,
     },
-    time::{Duration, Instant},
 };
 
 use anyhow::{ensure, Context as _};
@@ -155,11 +154,10 @@ impl Node {
         self.new_peer_with(&[])
     }
 
-    /// A new pod: its netns, `ptp` ADD, then `sluice-cni` ADD, retried while
-    /// it fails (the kubelet retries a sandbox whose ADD failed) up to
-    /// `within`. The pod's app runs before the ADD, as containers start
-    /// after it but the runner's traffic only after it returns.
-    pub fn add_pod(&mut self, within: Duration) -> anyhow::Result<Pod> {
+    /// A new pod's sandbox: its netns, `ptp` ADD, its app (containers
+    /// start after the ADD, but the runner's traffic only once sluice's ADD
+    /// succeeded, [`Node::add`]).
+    pub fn sandbox(&mut self) -> anyhow::Result<Pod> {
         let n = self.next_pod;
         self.next_pod += 1;
         let uid = format!("chaos-{}-{n}", self.id);
@@ -191,7 +189,8 @@ impl Node {
             .context("ptp's result names no host-side veth")?
             .to_owned();
         let app = App::start(&netns, APP_PORT);
-        let pod = Pod {
+        std::mem::forget(made);
+        Ok(Pod {
             uid,
             netns,
             container,
@@ -200,21 +199,13 @@ impl Node {
             app,
             bypass: Arc::new(AtomicBool::new(false)),
             prev_result,
-        };
-        std::mem::forget(made);
-        let start = Instant::now();
-        loop {
-            let add = self.sluice_cni("ADD", &pod, &pod.container, &pod.netns)?;
-            if add.ok {
-                return Ok(pod);
-            }
-            if start.elapsed() > within {
-                let err = format!("sluice-cni ADD failed for {within:?}: {}", add.stdout);
-                self.remove_pod(pod);
-                anyhow::bail!(err);
-            }
-            std::thread::sleep(Duration::from_millis(300));
-        }
+        })
+    }
+
+    /// One `sluice-cni ADD` for the pod's sandbox (the kubelet retries a
+    /// failed one).
+    pub fn add(&self, pod: &Pod) -> anyhow::Result<Invocation> {
+        self.sluice_cni("ADD", pod, &pod.container, &pod.netns)
     }
 
     /// `sluice-cni DEL` for `pod` with sandbox `container`.
@@ -228,29 +219,8 @@ impl Node {
         self.sluice_cni("DEL", pod, "an-old-sandbox", &format!("{}-old", pod.netns))
     }
 
-    /// The runtime's teardown: sluice-cni DEL (retried, as the kubelet
-    /// does, while it fails), ptp DEL, the netns removed.
-    pub fn delete_pod(&self, pod: Pod, within: Duration) -> anyhow::Result<()> {
-        let start = Instant::now();
-        let result = loop {
-            let del = self.del(&pod, &pod.container)?;
-            if del.ok {
-                break Ok(());
-            }
-            if start.elapsed() > within {
-                break Err(anyhow::anyhow!(
-                    "sluice-cni DEL failed for {within:?}: {}",
-                    del.stdout
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(300));
-        };
-        self.remove_pod(pod);
-        result
-    }
-
     /// ptp DEL and the netns removed, whatever sluice did.
-    fn remove_pod(&self, pod: Pod) {
+    pub fn remove_pod(&self, pod: Pod) {
         let conf = self.ptp_conf();
         let _ = self.cni(
             &plugin("ptp"),

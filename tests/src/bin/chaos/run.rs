@@ -2,7 +2,10 @@
 //! watches them. Pods come and go only through here, so the ledger and the
 //! checks always know which addresses belong to an enrolled pod.
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use sluice_tests::inspect::Hook;
 
@@ -16,6 +19,30 @@ use crate::{
 /// How long the kubelet's retries of a pod's ADD or DEL may take before the
 /// run calls it stuck.
 pub const CNI_BOUND: Duration = Duration::from_secs(30);
+/// How often a failed ADD or DEL is tried again.
+const CNI_RETRY: Duration = Duration::from_millis(300);
+
+/// A pod whose ADD or DEL the kubelet is still retrying: the run goes on
+/// meanwhile (the fault that fails it is ended by a later event).
+struct Retrying {
+    pod: Pod,
+    since: Instant,
+    last: Option<Instant>,
+}
+
+impl Retrying {
+    fn new(pod: Pod) -> Self {
+        Self {
+            pod,
+            since: Instant::now(),
+            last: None,
+        }
+    }
+
+    fn due(&self) -> bool {
+        self.last.is_none_or(|l| l.elapsed() >= CNI_RETRY)
+    }
+}
 
 pub struct Live {
     pub pod: Pod,
@@ -31,6 +58,8 @@ pub struct Run {
     /// A pinned program that passes everything (the tamper faults' own).
     pub pass_pin: std::path::PathBuf,
     checker: Option<std::thread::JoinHandle<Resources>>,
+    adding: Vec<Retrying>,
+    deleting: Vec<Retrying>,
 }
 
 impl Run {
@@ -54,10 +83,18 @@ impl Run {
             watch,
             pass_pin,
             checker: None,
+            adding: Vec::new(),
+            deleting: Vec::new(),
         };
         for _ in 0..initial_pods {
             run.add_pod()?;
         }
+        run.settle_cni();
+        anyhow::ensure!(
+            run.pods.len() == initial_pods,
+            "the first pods did not enroll: {:?}",
+            run.ledger.violations()
+        );
         run.checker = Some(check::start(
             run.ledger.clone(),
             run.watch.clone(),
@@ -67,9 +104,16 @@ impl Run {
         Ok(run)
     }
 
-    /// A new pod, enrolled, its traffic running.
+    /// A new pod: its sandbox, then sluice's ADD, tried now and retried
+    /// while it fails; its traffic starts once the ADD succeeds.
     pub fn add_pod(&mut self) -> anyhow::Result<()> {
-        let pod = self.node.add_pod(CNI_BOUND)?;
+        let pod = self.node.sandbox()?;
+        self.adding.push(Retrying::new(pod));
+        self.retry();
+        Ok(())
+    }
+
+    fn enrolled(&mut self, pod: Pod) {
         self.ledger
             .enrolled(&pod.uid, PodEntry::new(pod.netns.clone(), pod.ips.clone()));
         self.watch
@@ -81,7 +125,62 @@ impl Run {
             pod,
             traffic: Some(traffic),
         });
-        Ok(())
+    }
+
+    /// One more ADD or DEL for every pod the kubelet is retrying (each
+    /// every [`CNI_RETRY`]); one still failing after [`CNI_BOUND`] is a
+    /// violation, and its sandbox is removed.
+    pub fn retry(&mut self) {
+        for mut r in std::mem::take(&mut self.adding) {
+            if !r.due() {
+                self.adding.push(r);
+                continue;
+            }
+            r.last = Some(Instant::now());
+            match self.node.add(&r.pod) {
+                Ok(add) if add.ok => self.enrolled(r.pod),
+                outcome if r.since.elapsed() > CNI_BOUND => {
+                    self.stuck(&r.pod, "ADD", outcome);
+                    self.node.remove_pod(r.pod);
+                }
+                _ => self.adding.push(r),
+            }
+        }
+        for mut r in std::mem::take(&mut self.deleting) {
+            if !r.due() {
+                self.deleting.push(r);
+                continue;
+            }
+            r.last = Some(Instant::now());
+            match self.node.del(&r.pod, &r.pod.container) {
+                Ok(del) if del.ok => self.node.remove_pod(r.pod),
+                outcome if r.since.elapsed() > CNI_BOUND => {
+                    self.stuck(&r.pod, "DEL", outcome);
+                    self.node.remove_pod(r.pod);
+                }
+                _ => self.deleting.push(r),
+            }
+        }
+    }
+
+    fn stuck(&self, pod: &Pod, what: &str, outcome: anyhow::Result<sluice_tests::cni::Invocation>) {
+        let said = match outcome {
+            Ok(inv) => inv.stdout,
+            Err(e) => format!("{e:#}"),
+        };
+        self.ledger.violate(
+            "bounded",
+            Some(&pod.uid),
+            format!("sluice-cni {what} still failing after {CNI_BOUND:?}: {said}"),
+        );
+    }
+
+    /// Retries until no ADD or DEL is outstanding (each is bounded).
+    pub fn settle_cni(&mut self) {
+        while !self.adding.is_empty() || !self.deleting.is_empty() {
+            self.retry();
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     /// The live pod `slot` picks.
@@ -112,7 +211,9 @@ impl Run {
                 }
             });
         }
-        self.node.delete_pod(live.pod, CNI_BOUND)
+        self.deleting.push(Retrying::new(live.pod));
+        self.retry();
+        Ok(())
     }
 
     /// The pod's eth0 hook in `dir`, for the tamper faults.
@@ -142,16 +243,15 @@ impl Run {
         res
     }
 
-    /// Every pod deleted as the runtime deletes it; the first failure.
+    /// Every pod deleted as the runtime deletes it (a DEL failing past the
+    /// bound is a violation).
     pub fn delete_all(&mut self) -> anyhow::Result<()> {
-        let mut first = Ok(());
+        self.settle_cni();
         while !self.pods.is_empty() {
-            let r = self.delete_pod(0, 0);
-            if first.is_ok() {
-                first = r;
-            }
+            self.delete_pod(0, 0)?;
         }
-        first
+        self.settle_cni();
+        Ok(())
     }
 }
 
@@ -162,7 +262,15 @@ impl Drop for Run {
             if let Some(t) = live.traffic.take() {
                 t.stop();
             }
-            let _ = self.node.delete_pod(live.pod, Duration::from_secs(5));
+            let _ = self.node.del(&live.pod, &live.pod.container);
+            self.node.remove_pod(live.pod);
+        }
+        for r in std::mem::take(&mut self.adding)
+            .into_iter()
+            .chain(std::mem::take(&mut self.deleting))
+        {
+            let _ = self.node.del(&r.pod, &r.pod.container);
+            self.node.remove_pod(r.pod);
         }
         if let Some(c) = self.checker.take() {
             let _ = c.join();
