@@ -2,9 +2,13 @@
 //! connections start to leave with ztunnel's mark, which no capture
 //! touches, a bypass as a broken capture would make; the runner must stop
 //! on it as a violation within 2 s, name the pod, and leave nothing behind.
+//!
+//! And every bug a chaos run found, as the schedule of 1–3 faults that
+//! shows it (`sluice-chaos --replay`), named after the bug.
 
 use anyhow::{ensure, Context as _};
 use libtest_mimic::Trial;
+use serde_json::json;
 use sluice_tests::child::Bounded as _;
 
 use crate::{trial, TestResult};
@@ -12,10 +16,48 @@ use crate::{trial, TestResult};
 const CHAOS: &str = env!("CARGO_BIN_EXE_sluice-chaos");
 
 pub fn trials() -> Vec<Trial> {
-    vec![trial(
-        "chaos::the_runner_catches_an_injected_bypass_within_2_s",
-        injected_bypass,
-    )]
+    vec![
+        trial(
+            "chaos::the_runner_catches_an_injected_bypass_within_2_s",
+            injected_bypass,
+        ),
+        // Removing the pin of a pod's sk_lookup link detached it: inbound
+        // reached the app without ztunnel, and the pod stayed Served.
+        trial("chaos::a_pods_pins_removed_are_put_back_at_once", || {
+            replay(
+                "pins",
+                &[(4_000, json!({"kind": "pins-removed", "slot": 0}))],
+            )
+        }),
+    ]
+}
+
+/// Runs the schedule of `faults` (ms into the run, the fault as the
+/// schedule's JSON has it) for 15 s: no violation, nothing leaked.
+fn replay(tag: &str, faults: &[(u64, serde_json::Value)]) -> TestResult {
+    let dir = std::env::temp_dir().join(format!("sluice-chaos-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let schedule = json!({
+        "seed": 0,
+        "duration_ms": 15_000,
+        "events": faults.iter().map(|(at, f)| json!({"at_ms": at, "fault": f})).collect::<Vec<_>>(),
+    });
+    let file = dir.join("schedule.json");
+    std::fs::write(&file, schedule.to_string())?;
+    let out = std::process::Command::new(CHAOS)
+        .arg("--replay")
+        .arg(&file)
+        .arg("--out")
+        .arg(&dir)
+        .output_bounded()?;
+    let report = std::fs::read_to_string(dir.join("chaos.json")).unwrap_or_default();
+    let _ = std::fs::remove_dir_all(&dir);
+    ensure!(
+        out.status.success(),
+        "{}\n{report}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
 }
 
 fn injected_bypass() -> TestResult {

@@ -10,7 +10,8 @@
 //! runs the repair when an interface lacks its links; otherwise it publishes
 //! the pod's addresses as they are now. A socket that overflowed (events
 //! lost) counts as both. The host side of each pod's veths is watched the
-//! same way from one socket in the node's netns (`hostwatch`). tcx
+//! same way from one socket in the node's netns (`hostwatch`), and a pod's
+//! pins from an inotify watch on the bpffs root (`pinwatch`). tcx
 //! attachments send no netlink event: a foreign tcx program is found by the
 //! verification every `VERIFY_EVERY`, which also covers a pod whose netns
 //! could not be opened.
@@ -36,6 +37,7 @@ use super::{
     book::PodBook,
     hostwatch::{self, HostSide},
     pace::Pace,
+    pinwatch,
     repair::Repairer,
     rtevents::{Changed, Watch},
 };
@@ -95,6 +97,8 @@ impl LinkWatch {
         let mut deferred: BTreeSet<u64> = BTreeSet::new();
         let host = self.host.lock().unwrap().take();
         let host_watch = host.and_then(|h| hostwatch::spawn(h, tx.clone()));
+        // Held for the loop's life: dropping it ends the watch.
+        let _pin_watch = pinwatch::spawn(self.book.dataplane().pins().pods(), tx.clone());
         loop {
             tokio::select! {
                 _ = stop.changed() => break,

@@ -48,6 +48,7 @@ mod exclusions;
 mod hostwatch;
 mod linkwatch;
 mod pace;
+mod pinwatch;
 mod pods;
 mod relist;
 mod repair;
