@@ -154,6 +154,16 @@ pub fn apply(run: &mut Run, fault: &Fault) -> anyhow::Result<()> {
                 );
             }
         }
+        Fault::HintFlood { slot } => {
+            if let Some(i) = run.pick(slot) {
+                let pod = &run.pods[i].pod;
+                // Past its share the flooder's own hints live in the overflow
+                // map, where its own connections may lose them; no other
+                // pod's may.
+                l.touch(Some(&pod.uid), kind, Opens::Failures);
+                hint_flood(&pod.netns, pod.ips[0], Duration::from_secs(2));
+            }
+        }
         Fault::CpuHog { secs } => cpu_hog(Duration::from_secs(secs)),
         Fault::InjectBypass { slot } => {
             let i = run.pick(slot).context("no pod to bypass")?;
@@ -228,6 +238,20 @@ fn remove_pod_pins(run: &Run, i: usize) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Two threads in netns `netns` connecting to `ip`'s closed port 9 for
+/// `d`, in the background.
+fn hint_flood(netns: &str, ip: std::net::IpAddr, d: Duration) {
+    let to = std::net::SocketAddr::new(ip, 9);
+    for _ in 0..2 {
+        ns::spawn_in(netns, move || {
+            let end = Instant::now() + d;
+            while Instant::now() < end {
+                let _ = std::net::TcpStream::connect_timeout(&to, Duration::from_millis(200));
+            }
+        });
+    }
 }
 
 /// One busy thread per core for `d`, in the background.

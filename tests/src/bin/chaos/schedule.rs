@@ -79,6 +79,12 @@ pub enum Fault {
     AddressAdd {
         slot: usize,
     },
+    /// A pod floods the node-wide flow-hint map for 2 s: connections to its
+    /// own closed port from two threads, each leaving a hint (what issue 38
+    /// found a pod can do without privileges).
+    HintFlood {
+        slot: usize,
+    },
     /// Another tool's `ingress` qdisc on a pod's host-side veth.
     ForeignQdisc {
         slot: usize,
@@ -112,6 +118,7 @@ impl Fault {
             Fault::IfaceAdd { .. } => "iface-add",
             Fault::IfaceRemove { .. } => "iface-remove",
             Fault::AddressAdd { .. } => "address-add",
+            Fault::HintFlood { .. } => "hint-flood",
             Fault::PeerKill => "peer-kill",
             Fault::PeerUpgradeNewFirst => "peer-upgrade-new-first",
             Fault::PeerUpgradeOldFirst => "peer-upgrade-old-first",
@@ -252,7 +259,8 @@ fn draw_fault(rng: &mut StdRng, pods: usize) -> Fault {
             79..=81 => Fault::PinsRemoved { slot },
             82..=85 => Fault::IfaceAdd { slot },
             86..=88 => Fault::AddressAdd { slot },
-            89..=93 => Fault::ForeignQdisc { slot },
+            89..=90 => Fault::ForeignQdisc { slot },
+            91..=93 => Fault::HintFlood { slot },
             _ => Fault::CpuHog {
                 secs: rng.random_range(1..5),
             },
