@@ -196,7 +196,10 @@ fn socket(addr: SocketAddr, ty: Type, mark: bool) -> std::io::Result<Socket> {
         s.set_only_v6(true)?;
     }
     if mark {
+        // As ztunnel makes its in-pod sockets (INPOD_PORT_REUSE): the next
+        // ztunnel binds beside the agent's duplicate of this one.
         s.set_mark(MARK_ZTUNNEL)?;
+        s.set_reuse_port(true)?;
     }
     s.set_reuse_address(true)?;
     s.bind(&addr.into())?;
@@ -317,6 +320,12 @@ pub fn proxy(ns: &str, forward_to: SocketAddr) -> Server {
 /// [`proxy`], each answer sent `delay` after its query came (a proxy busy
 /// with other pods' queries, or waiting on its upstream).
 pub fn proxy_answering_after(ns: &str, forward_to: SocketAddr, delay: Duration) -> Server {
+    proxy_in(Ns::Named(ns.to_owned()), forward_to, delay)
+}
+
+/// [`proxy_answering_after`] in a netns given by name or by an fd (as the
+/// ZDS peer holds a pod's).
+pub fn proxy_in(ns: Ns, forward_to: SocketAddr, delay: Duration) -> Server {
     let respond: Responder = Arc::new(move |q: &[u8]| {
         std::thread::sleep(delay);
         let (name, qtype, _) = question(q)?;
@@ -341,7 +350,7 @@ pub fn proxy_answering_after(ns: &str, forward_to: SocketAddr, delay: Duration) 
         SocketAddr::new(Ipv4Addr::LOCALHOST.into(), PORT_DNS_PROXY),
         SocketAddr::new(Ipv6Addr::LOCALHOST.into(), PORT_DNS_PROXY),
     ];
-    serve(Ns::Named(ns.to_owned()), addrs, true, respond)
+    serve(ns, addrs, true, respond)
 }
 
 /// The proxy's own upstream query: a marked UDP socket (runs in the pod

@@ -7,6 +7,7 @@
 //! sluice-zds-peer --socket PATH [--nack TEXT] [--no-ack] [--ack-without-listening] [--v4-only]
 //!                 [--hello-version N] [--hold-acks-until FILE]
 //!                 [--admin-workloads FILE | --no-admin] [--admin-port N]
+//!                 [--dns-forward ADDR]
 //!
 //! Like ztunnel, it runs in a network namespace of its own (made at start,
 //! gone when it exits) and serves an admin API there on 127.0.0.1:15000
@@ -15,6 +16,9 @@
 //! the pod netns). `--admin-workloads FILE`: list what FILE holds instead (a
 //! JSON array of workloads, read at every request; missing = empty), so a
 //! test decides what ztunnel "knows". `--no-admin`: nothing listens.
+//!
+//! `--dns-forward ADDR`: also open ztunnel's DNS proxy (15053, UDP and TCP)
+//! in every pod, forwarding what it does not answer itself to ADDR.
 //!
 //! `--ack-without-listening`: ack every add but open no listeners — a
 //! ztunnel broken on its side of the exchange, not refusing the pod.
@@ -41,7 +45,7 @@ use sluice::zds::{
     wire,
 };
 use sluice_tests::{
-    admin,
+    admin, dns,
     ns::Ns,
     standin::{Accepted, Bind, OnAccept, StandIn},
 };
@@ -56,6 +60,7 @@ struct Opts {
     hold_acks_until: Option<PathBuf>,
     admin: Admin,
     admin_port: u16,
+    dns_forward: Option<std::net::SocketAddr>,
 }
 
 enum Admin {
@@ -77,6 +82,7 @@ fn opts() -> Opts {
         hold_acks_until: None,
         admin: Admin::Auto,
         admin_port: 15000,
+        dns_forward: None,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -91,6 +97,9 @@ fn opts() -> Opts {
             "--admin-workloads" => o.admin = Admin::File(args.next().expect("FILE").into()),
             "--no-admin" => o.admin = Admin::None,
             "--admin-port" => o.admin_port = args.next().expect("N").parse().expect("port"),
+            "--dns-forward" => {
+                o.dns_forward = Some(args.next().expect("ADDR").parse().expect("address"))
+            }
             other => panic!("unknown flag {other}"),
         }
     }
@@ -128,6 +137,8 @@ fn connect_with_backoff(path: &PathBuf) -> OwnedFd {
 struct Pod {
     netns_ino: u64,
     _listeners: StandIn,
+    /// Its DNS proxy (`--dns-forward`).
+    _dns: Option<dns::Server>,
     /// As the auto admin lists it.
     workload: serde_json::Value,
 }
@@ -284,6 +295,9 @@ fn session(fd: &OwnedFd, o: &Opts, on_accept: &OnAccept) -> Result<(), String> {
                             &w.service_account,
                             &pod_ips(&netns),
                         );
+                        let dns = o
+                            .dns_forward
+                            .map(|to| dns::proxy_in(Ns::Fd(netns.clone()), to, Duration::ZERO));
                         let listeners =
                             StandIn::start_in(Ns::Fd(netns), o.bind, Some(on_accept.clone()));
                         pods.insert(
@@ -291,6 +305,7 @@ fn session(fd: &OwnedFd, o: &Opts, on_accept: &OnAccept) -> Result<(), String> {
                             Pod {
                                 netns_ino: ino,
                                 _listeners: listeners,
+                                _dns: dns,
                                 workload,
                             },
                         );

@@ -73,13 +73,23 @@ impl Traffic {
         l.counted("no bypass");
         for s in self.sniffer.drain() {
             let syn = s.proto == 6 && s.flags & 0x02 != 0 && s.flags & 0x10 == 0;
-            if syn && APP_PORTS.contains(&s.src.port()) {
+            // DNS capture is on (the node's default): a query leaving from
+            // an app port went around ztunnel's DNS proxy.
+            let query = s.proto == 17 && s.dst.port() == 53;
+            if (syn || query) && APP_PORTS.contains(&s.src.port()) {
                 if let Some(uid) = l.owner(&s.src.ip()) {
-                    bypass(
-                        l,
-                        &uid,
-                        format!("an app's SYN {} -> {} left the pod", s.src, s.dst),
-                    );
+                    // Row D4: without ztunnel's DNS socket in the pod (not
+                    // Served yet, or a fault took ztunnel's sockets), a
+                    // query goes to its resolver as without capture.
+                    let no_dns_socket = l.ztunnel_away(&uid, l.now())
+                        || !l.served_for(&uid, Duration::from_secs(1));
+                    if query && no_dns_socket {
+                        *l.dns_passthrough.lock().unwrap() += 1;
+                        continue;
+                    }
+                    let what = if syn { "SYN" } else { "DNS query" };
+                    let detail = format!("an app's {what} {} -> {} left the pod", s.src, s.dst);
+                    bypass(l, &uid, detail);
                 }
             }
         }

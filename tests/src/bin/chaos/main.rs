@@ -216,6 +216,7 @@ fn run(
     let leaks = teardown(&mut run);
     let invariant_checks = run.ledger.checks.lock().unwrap().clone();
     let tamper_bypasses = *run.ledger.tamper_bypasses.lock().unwrap();
+    let dns_passthrough = *run.ledger.dns_passthrough.lock().unwrap();
     Ok(Report {
         seed: schedule.seed,
         duration_s: start.elapsed().as_secs(),
@@ -226,6 +227,7 @@ fn run(
         violations,
         leaks,
         tamper_bypasses,
+        dns_passthrough,
         agent,
         bypass_caught_after_ms,
         schedule_file,

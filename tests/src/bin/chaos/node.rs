@@ -20,6 +20,7 @@ use sluice_tests::{
     agent::{AgentProc, PeerProc},
     app::App,
     cni::{plugin, Exec, Invocation},
+    dns,
     harness::{peer_bin, sluice_bin},
     ns::{netns_path, run_in},
     topology::ip,
@@ -36,6 +37,9 @@ pub const REMOTE_PORT: u16 = 9090;
 pub const REMOTE_V4: &str = "10.252.0.2";
 pub const REMOTE_V6: &str = "fd00:252::2";
 const CNI_NAMESPACE: &str = "chaos";
+/// Every ztunnel of the run opens its DNS proxy in each pod, forwarding to
+/// the remote's resolver.
+const PEER_FLAGS: [&str; 2] = ["--dns-forward", "10.252.0.2:53"];
 
 /// A pod the runner made: its netns, what the runtime gave it, its app.
 pub struct Pod {
@@ -64,6 +68,9 @@ pub struct Node {
     /// The agent's pid now (0 while it is down), for the checker.
     pub agent_pid: Arc<AtomicU32>,
     pub remote_app: Option<App>,
+    /// The resolver on the remote's port 53, which ztunnel's DNS proxy
+    /// forwards to.
+    remote_dns: Option<dns::Server>,
     next_pod: u32,
     /// The agent runs over the variant build's programs.
     on_variant: bool,
@@ -86,9 +93,13 @@ impl Node {
         };
         networks(&node_ns, &remote_ns)?;
         let agent = AgentProc::start_with(&pins, &["--node-netns", &path_str(&node_ns)])?;
-        let peer = PeerProc::start(&peer_bin(), &agent.zds, &[])?;
+        let peer = PeerProc::start(&peer_bin(), &agent.zds, &PEER_FLAGS)?;
         let agent_pid = Arc::new(AtomicU32::new(agent.pid().unwrap_or(0)));
         let remote_app = Some(App::start(&remote_ns, REMOTE_PORT));
+        let remote_dns = Some(dns::upstream(
+            &remote_ns,
+            &[REMOTE_V4.parse()?, REMOTE_V6.parse()?],
+        ));
         std::mem::forget(guard);
         let ack_gate = dir.join("acks");
         Ok(Self {
@@ -101,6 +112,7 @@ impl Node {
             peer,
             agent_pid,
             remote_app,
+            remote_dns,
             next_pod: 0,
             on_variant: false,
             ack_gate,
@@ -146,7 +158,8 @@ impl Node {
     /// A new peer process (`extra`: its flags); the old one is returned,
     /// still running.
     pub fn new_peer_with(&mut self, extra: &[&str]) -> anyhow::Result<PeerProc> {
-        let new = PeerProc::start(&peer_bin(), &self.agent.zds, extra)?;
+        let flags = [&PEER_FLAGS[..], extra].concat();
+        let new = PeerProc::start(&peer_bin(), &self.agent.zds, &flags)?;
         Ok(std::mem::replace(&mut self.peer, new))
     }
 
@@ -291,6 +304,7 @@ impl Drop for Node {
         self.peer.kill();
         self.agent.terminate();
         drop(self.remote_app.take());
+        drop(self.remote_dns.take());
         drop(Made {
             netns: vec![self.node_ns.clone(), self.remote_ns.clone()],
             dir: self.dir.clone(),

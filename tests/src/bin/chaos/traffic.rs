@@ -1,6 +1,7 @@
 //! Steady traffic for one pod while it lives: new connections out (from its
 //! netns to the remote servers) and in (from the remote netns to its app),
-//! both families, and one long-lived connection out. Every app connection
+//! DNS queries to the remote's resolver (captured to ztunnel's DNS proxy),
+//! both families, and one long-lived connection out. Every app socket
 //! binds a source port from [`APP_PORTS`], so the checks can tell it from
 //! ztunnel's own. Outcomes go to the ledger.
 
@@ -17,6 +18,7 @@ use std::{
 
 use sluice_common::MARK_ZTUNNEL;
 use sluice_tests::{
+    dns,
     flow::{try_connect, Opts},
     ns::spawn_in,
 };
@@ -89,6 +91,31 @@ impl Traffic {
                 std::thread::sleep(PACE);
             }
         }));
+        let (l, s, uid, bypass) = (
+            ledger.clone(),
+            stop.clone(),
+            pod.uid.clone(),
+            pod.bypass.clone(),
+        );
+        let resolvers: Vec<(IpAddr, SocketAddr)> = pod
+            .ips
+            .iter()
+            .map(|ip| (*ip, SocketAddr::new(remote_for(ip), 53)))
+            .collect();
+        threads.push(spawn_in(&pod.netns, move || {
+            while !s.load(Ordering::SeqCst) && !l.stopping() {
+                for (src, resolver) in &resolvers {
+                    let t0 = l.now();
+                    let mark = bypass.load(Ordering::SeqCst).then_some(MARK_ZTUNNEL);
+                    match query(*src, *resolver, mark) {
+                        Ok(Some(r)) => l.attempt("dns", &uid, t0, r),
+                        Ok(None) => {}
+                        Err(e) => l.attempt("dns", &uid, t0, Err(e)),
+                    }
+                }
+                std::thread::sleep(PACE);
+            }
+        }));
         let (l, s, uid) = (ledger.clone(), stop.clone(), pod.uid.clone());
         let (src, dst) = (
             pod.ips[0],
@@ -139,6 +166,47 @@ fn open(src: IpAddr, dst: SocketAddr, mark: Option<u32>) -> Result<Option<TcpStr
         }
         Err(e) => Err(format!("connect {dst}: {e}")),
     }
+}
+
+/// One DNS query over UDP from `src` (an app port) to `resolver`, as a
+/// connected socket (glibc's resolver) asks it; `None` when the port is
+/// busy. Answered through ztunnel's DNS proxy when captured.
+fn query(
+    src: IpAddr,
+    resolver: SocketAddr,
+    mark: Option<u32>,
+) -> Result<Option<Result<(), String>>, String> {
+    let s = match std::net::UdpSocket::bind(SocketAddr::new(src, app_port())) {
+        Ok(s) => s,
+        Err(e) if e.kind() == ErrorKind::AddrInUse => return Ok(None),
+        Err(e) => return Err(format!("bind: {e}")),
+    };
+    if let Some(m) = mark {
+        socket2::SockRef::from(&s)
+            .set_mark(m)
+            .map_err(|e| format!("SO_MARK: {e}"))?;
+    }
+    let qtype = if resolver.is_ipv4() {
+        dns::TYPE_A
+    } else {
+        dns::TYPE_AAAA
+    };
+    let id = s.local_addr().map_or(0, |a| a.port());
+    let ask = || -> std::io::Result<Vec<u8>> {
+        s.set_read_timeout(Some(TIMEOUT))?;
+        s.connect(resolver)?;
+        s.send(&dns::query(id, "chaos.example", qtype))?;
+        let mut buf = [0u8; 1500];
+        let n = s.recv(&mut buf)?;
+        Ok(buf[..n].to_vec())
+    };
+    Ok(Some(match ask() {
+        Ok(m) => match dns::parse_answer(&m) {
+            Some(a) if a.id == id => Ok(()),
+            other => Err(format!("answer {other:?} to query {id}")),
+        },
+        Err(e) => Err(format!("query {resolver}: {e}")),
+    }))
 }
 
 /// One line out, the server's line back (`app:` from the app itself).
