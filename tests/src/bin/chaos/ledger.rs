@@ -28,6 +28,30 @@ const NOTICE: Duration = Duration::from_secs(1);
 /// fault's window (it lasts until the pod is first Served).
 const INHERITED: Duration = Duration::from_secs(20);
 
+/// Set by SIGINT or SIGTERM: the run stops as at its end, and tears down
+/// what it made.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_interrupt(_: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
+/// SIGINT and SIGTERM end the run (its teardown included) instead of the
+/// process. Handlers are not inherited across exec: the agent and the
+/// peer keep their own.
+pub fn stop_on_interrupt() {
+    let handler = on_interrupt as extern "C" fn(libc::c_int) as libc::sighandler_t;
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: the handler only stores to an atomic (async-signal-safe).
+        unsafe { libc::signal(sig, handler) };
+    }
+}
+
+/// Whether the run was interrupted.
+pub fn interrupted() -> bool {
+    INTERRUPTED.load(Ordering::SeqCst)
+}
+
 /// A time in the run, in ms from its start.
 pub type Ms = u64;
 
@@ -343,7 +367,7 @@ impl Ledger {
 
     /// Whether the run must stop (a violation, or its end).
     pub fn stopping(&self) -> bool {
-        self.stop.load(Ordering::SeqCst)
+        self.stop.load(Ordering::SeqCst) || interrupted()
     }
 
     pub fn stop(&self) {

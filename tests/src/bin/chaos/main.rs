@@ -19,11 +19,7 @@ mod run;
 mod schedule;
 mod traffic;
 
-use std::{
-    collections::BTreeMap,
-    path::PathBuf,
-    time::{Duration, Instant},
-};
+use std::{collections::BTreeMap, path::PathBuf, time::Duration};
 
 use anyhow::{bail, ensure, Context as _};
 use sluice_tests::harness::{is_root, sluice_bin};
@@ -115,10 +111,16 @@ fn main() -> anyhow::Result<()> {
         schedule.duration_ms / 1000,
         schedule.seed
     );
+    ledger::stop_on_interrupt();
     let report = run(&schedule, o.pods, replayed, &o.out)?;
     let path = report.write(&o.out)?;
     println!("{}", serde_json::to_string_pretty(&report)?);
     eprintln!("chaos: report in {}", path.display());
+    ensure!(
+        !ledger::interrupted(),
+        "interrupted after {} s (torn down; the report covers the run so far)",
+        report.duration_s
+    );
     if o.self_test {
         let caught = report
             .bypass_caught_after_ms
@@ -151,14 +153,15 @@ fn run(
     out: &std::path::Path,
 ) -> anyhow::Result<Report> {
     let mut run = Run::start(pods)?;
-    let start = Instant::now();
+    // One clock for the schedule and the violations: the ledger's.
+    let now = |run: &Run| Duration::from_millis(run.ledger.now());
     let mut faults: BTreeMap<&'static str, u64> = BTreeMap::new();
     let mut bypass_at = None;
     for e in &schedule.events {
         let at = Duration::from_millis(e.at_ms);
-        while start.elapsed() < at && !run.ledger.stopping() {
+        while now(&run) < at && !run.ledger.stopping() {
             run.retry();
-            std::thread::sleep((at - start.elapsed()).min(Duration::from_millis(50)));
+            std::thread::sleep(at.saturating_sub(now(&run)).min(Duration::from_millis(50)));
         }
         if run.ledger.stopping() {
             break;
@@ -173,7 +176,7 @@ fn run(
         *faults.entry(e.fault.kind()).or_default() += 1;
     }
     let end = Duration::from_millis(schedule.duration_ms);
-    while start.elapsed() < end && !run.ledger.stopping() {
+    while now(&run) < end && !run.ledger.stopping() {
         run.retry();
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -219,7 +222,7 @@ fn run(
     let dns_passthrough = *run.ledger.dns_passthrough.lock().unwrap();
     Ok(Report {
         seed: schedule.seed,
-        duration_s: start.elapsed().as_secs(),
+        duration_s: now(&run).as_secs(),
         replayed,
         faults,
         connections: run.ledger.tallies(),
