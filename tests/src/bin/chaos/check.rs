@@ -133,7 +133,8 @@ pub fn start(
     })
 }
 
-/// Truthful state and the Served bound, for every live pod.
+/// Truthful state and the Served bound, for every live pod. The kernel is
+/// asked outside the ledger's lock (a `tc` run per hook).
 fn states(l: &Ledger, pins: &Pins) {
     // Unreadable while an agent restarts and takes the pins over: next time.
     let Ok(records) = sluice::status::read(pins) else {
@@ -141,48 +142,50 @@ fn states(l: &Ledger, pins: &Pins) {
     };
     let programs = inspect::pinned_programs(pins).unwrap_or_default();
     let id = |p: Program| programs.get(p.name()).map(|(id, _)| *id);
+    let ours = [Program::Steer, Program::Egress, Program::Ingress].map(id);
     let now = l.now();
-    let mut served = Vec::new();
-    let mut untrue = Vec::new();
-    l.with_pods(|pods| {
+    let mut violations = Vec::new();
+    // The pods reported Served, with their netns.
+    let reported: Vec<(String, String)> = l.with_pods(|pods| {
+        let mut served = Vec::new();
         for (uid, p) in pods.iter_mut() {
             l.counted("truthful state");
             let record = records.iter().find(|r| &r.uid == uid);
-            if record.and_then(|r| r.state) != Some(PodState::Served) {
-                p.served_since = None;
-                let since = now.saturating_sub(p.last_touch);
-                if since > SERVED_BOUND.as_millis() as Ms {
-                    untrue.push((
-                        "bounded",
-                        uid.clone(),
-                        format!(
-                            "not Served {since} ms after the last fault that touched it: {:?}",
-                            record.map(|r| r.state)
-                        ),
-                    ));
-                }
+            if record.and_then(|r| r.state) == Some(PodState::Served) {
+                served.push((uid.clone(), p.netns.clone()));
                 continue;
             }
-            let ours = [Program::Steer, Program::Egress, Program::Ingress].map(id);
-            match capture_in_kernel(&p.netns, ours) {
-                Ok(()) => served.push(uid.clone()),
-                Err(e) => {
-                    let since = *p.untrue_since.get_or_insert(now);
-                    if now - since > REPAIR_BOUND.as_millis() as Ms {
-                        untrue.push((
-                            "truthful state",
-                            uid.clone(),
-                            format!("Served for {} ms with {e}", now - since),
-                        ));
+            p.served_since = None;
+            p.untrue_since = None;
+            let since = now.saturating_sub(p.last_touch);
+            if since > SERVED_BOUND.as_millis() as Ms {
+                let state = record.map(|r| r.state);
+                let detail = format!(
+                    "not Served {since} ms after the last fault that touched it: {state:?}"
+                );
+                violations.push(("bounded", uid.clone(), detail));
+            }
+        }
+        served
+    });
+    let checked: Vec<(String, Result<(), String>)> = reported
+        .into_iter()
+        .map(|(uid, netns)| (uid, capture_in_kernel(&netns, ours)))
+        .collect();
+    for (uid, outcome) in checked {
+        match outcome {
+            Ok(()) => l.served(&uid),
+            Err(e) => {
+                if let Some(ms) = l.untrue_for(&uid, now) {
+                    if ms > REPAIR_BOUND.as_millis() as Ms {
+                        let detail = format!("Served for {ms} ms with {e}");
+                        violations.push(("truthful state", uid, detail));
                     }
                 }
             }
         }
-    });
-    for uid in served {
-        l.served(&uid);
     }
-    for (invariant, uid, detail) in untrue {
+    for (invariant, uid, detail) in violations {
         l.violate(invariant, Some(&uid), detail);
     }
 }

@@ -278,6 +278,14 @@ impl Ledger {
         }
     }
 
+    /// `uid` is reported Served with its capture incomplete at `now`: for
+    /// how long so far (`None` when the pod is gone).
+    pub fn untrue_for(&self, uid: &str, now: Ms) -> Option<Ms> {
+        let mut pods = self.pods.lock().unwrap();
+        let p = pods.get_mut(uid)?;
+        Some(now - *p.untrue_since.get_or_insert(now))
+    }
+
     /// The fault owning a failure of `uid`'s connection over `[t0, t1]`.
     fn owner_of_failure(&self, uid: &str, kind: &str, t0: Ms, t1: Ms) -> Option<&'static str> {
         let pods = self.pods.lock().unwrap();
