@@ -48,15 +48,22 @@ pub struct Resources {
 pub struct Traffic {
     sniffer: L4Sniffer,
     apps: BTreeMap<String, Arc<Mutex<Vec<SocketAddr>>>>,
+    /// The pinned state, for the pods' DNS pass-through counters.
+    pins: Pins,
+    /// Per pod, how many of its pass-through count the queries seen
+    /// leaving have used up.
+    passthrough_used: BTreeMap<String, u64>,
 }
 
 pub type Watch = Arc<Mutex<Traffic>>;
 
 impl Traffic {
-    pub fn start(remote_ns: &str) -> anyhow::Result<Watch> {
+    pub fn start(remote_ns: &str, pins: Pins) -> anyhow::Result<Watch> {
         Ok(Arc::new(Mutex::new(Self {
             sniffer: L4Sniffer::start(remote_ns)?,
             apps: BTreeMap::new(),
+            pins,
+            passthrough_used: BTreeMap::new(),
         })))
     }
 
@@ -66,32 +73,45 @@ impl Traffic {
 
     pub fn unwatch(&mut self, uid: &str) {
         self.apps.remove(uid);
+        self.passthrough_used.remove(uid);
     }
 
     /// Looks at everything seen since the last call.
     pub fn check(&mut self, l: &Ledger) {
         l.counted("no bypass");
+        let mut records = None;
         for s in self.sniffer.drain() {
             let syn = s.proto == 6 && s.flags & 0x02 != 0 && s.flags & 0x10 == 0;
             // DNS capture is on (the node's default): a query leaving from
             // an app port went around ztunnel's DNS proxy.
             let query = s.proto == 17 && s.dst.port() == 53;
-            if (syn || query) && APP_PORTS.contains(&s.src.port()) {
-                if let Some(uid) = l.owner(&s.src.ip()) {
-                    // Row D4: without ztunnel's DNS socket in the pod (not
-                    // Served yet, or a fault took ztunnel's sockets), a
-                    // query goes to its resolver as without capture.
-                    let no_dns_socket = l.ztunnel_away(&uid, l.now())
-                        || !l.served_for(&uid, Duration::from_secs(1));
-                    if query && no_dns_socket {
-                        *l.dns_passthrough.lock().unwrap() += 1;
-                        continue;
-                    }
-                    let what = if syn { "SYN" } else { "DNS query" };
-                    let detail = format!("an app's {what} {} -> {} left the pod", s.src, s.dst);
-                    bypass(l, &uid, detail);
+            if !(syn || query) || !APP_PORTS.contains(&s.src.port()) {
+                continue;
+            }
+            let Some(uid) = l.owner(&s.src.ip()) else {
+                continue;
+            };
+            // Row D4: a pod without a DNS socket of ztunnel's in its map
+            // sends its queries to their resolver, and the programs count
+            // each (`passthrough`). One the count does not cover left some
+            // other way.
+            if query {
+                let records = records
+                    .get_or_insert_with(|| sluice::status::read(&self.pins).unwrap_or_default());
+                let counted = records
+                    .iter()
+                    .find(|r| r.uid == uid)
+                    .map_or(0, |r| r.dns.passthrough);
+                let used = self.passthrough_used.entry(uid.clone()).or_default();
+                if *used < counted {
+                    *used += 1;
+                    *l.dns_passthrough.lock().unwrap() += 1;
+                    continue;
                 }
             }
+            let what = if syn { "SYN" } else { "DNS query" };
+            let detail = format!("an app's {what} {} -> {} left the pod", s.src, s.dst);
+            bypass(l, &uid, detail);
         }
         for (uid, seen) in &self.apps {
             let peers = std::mem::take(&mut *seen.lock().unwrap());

@@ -32,11 +32,14 @@ pub fn apply(run: &mut Run, fault: &Fault) -> anyhow::Result<()> {
             l.touch(None, kind, Opens::Nothing);
             run.node.upgrade_agent()?;
         }
-        Fault::FdLimit => {
-            l.touch(None, kind, Opens::Nothing);
-            fd_limit(run.node.agent_pid.load(Ordering::SeqCst), Some(8))?;
+        Fault::FdLimit | Fault::FdRestore => {
+            // An agent out of descriptors cannot take a new ztunnel's
+            // listeners (it duplicates them) and fails closed: from the
+            // limit until the pods are Served again after the restore.
+            l.touch(None, kind, Opens::Failures);
+            let headroom = matches!(fault, Fault::FdLimit).then_some(8);
+            fd_limit(run.node.agent_pid.load(Ordering::SeqCst), headroom)?;
         }
-        Fault::FdRestore => fd_limit(run.node.agent_pid.load(Ordering::SeqCst), None)?,
         Fault::ControlFlood => {
             l.touch(None, kind, Opens::Nothing);
             control_flood(&run.node.agent.control);

@@ -151,8 +151,8 @@ pub struct Ledger {
     violations: Mutex<Vec<Violation>>,
     /// Uncaptured connections inside a tamper window (reported, owned).
     pub tamper_bypasses: Mutex<u64>,
-    /// DNS queries passed through to their resolver while the pod was not
-    /// Served (ztunnel's DNS socket not in its map yet, or gone: row D4,
+    /// DNS queries passed through to their resolver as the programs
+    /// counted them: no DNS socket of ztunnel's in the pod's map (row D4,
     /// by design; reported).
     pub dns_passthrough: Mutex<u64>,
     pub checks: Mutex<BTreeMap<&'static str, u64>>,
@@ -295,28 +295,6 @@ impl Ledger {
             .rev()
             .find(|w| w.owns(kind) && w.overlaps(t0, t1))
             .map(|w| w.fault)
-    }
-
-    /// Whether `uid` has been seen Served, with no fault on it since, for
-    /// at least `d`: ztunnel's sockets, its DNS socket among them, are in
-    /// the pod's socket map.
-    pub fn served_for(&self, uid: &str, d: Duration) -> bool {
-        let now = self.now();
-        let pods = self.pods.lock().unwrap();
-        pods.get(uid)
-            .and_then(|p| p.served_since)
-            .is_some_and(|since| now.saturating_sub(since) >= d.as_millis() as Ms)
-    }
-
-    /// Whether a window of `uid` that may take ztunnel's sockets away (or
-    /// the capture) covers `t`.
-    pub fn ztunnel_away(&self, uid: &str, t: Ms) -> bool {
-        let pods = self.pods.lock().unwrap();
-        pods.get(uid).is_some_and(|p| {
-            p.windows
-                .iter()
-                .any(|w| matches!(w.opens, Opens::Failures | Opens::Tamper) && w.overlaps(t, t))
-        })
     }
 
     /// Whether a tamper window of `uid` covers `t`.

@@ -26,8 +26,9 @@ pub struct Report {
     /// App connections that left uncaptured while a tamper fault had
     /// removed the capture (owned by it; repaired within the bound).
     pub tamper_bypasses: u64,
-    /// DNS queries that went to their resolver while the pod was not Served
-    /// (no DNS socket of ztunnel's in its map: row D4, by design).
+    /// DNS queries that went to their resolver, each counted by the
+    /// programs as passed through (no DNS socket of ztunnel's in the pod's
+    /// map: row D4, by design).
     pub dns_passthrough: u64,
     pub agent: Resources,
     /// The self-test: how long after its injection the bypass was caught.

@@ -66,7 +66,7 @@ impl Run {
     pub fn start(initial_pods: usize) -> anyhow::Result<Self> {
         let node = Node::start()?;
         let ledger = Arc::new(Ledger::new());
-        let watch = check::Traffic::start(&node.remote_ns)?;
+        let watch = check::Traffic::start(&node.remote_ns, node.pins.clone())?;
         let pass_pin = node.pins.root().with_file_name(format!(
             "{}-pass",
             node.pins
