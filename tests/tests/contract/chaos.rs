@@ -29,6 +29,20 @@ pub fn trials() -> Vec<Trial> {
                 &[(4_000, json!({"kind": "pins-removed", "slot": 0}))],
             )
         }),
+        // With the agent out of descriptors, a late DEL for the pod's old
+        // sandbox tore its live capture down: the guard read "cannot open
+        // the netns" as "the sandbox is gone". The run that found it, cut at
+        // the violation (37 faults, 40 s).
+        trial(
+            "chaos::a_stale_del_under_emfile_keeps_the_live_capture",
+            || {
+                let file = concat!(
+                    env!("CARGO_MANIFEST_DIR"),
+                    "/fixtures/chaos/stale-del-under-emfile.json"
+                );
+                replay_file("stale-del", std::path::Path::new(file))
+            },
+        ),
     ]
 }
 
@@ -44,9 +58,17 @@ fn replay(tag: &str, faults: &[(u64, serde_json::Value)]) -> TestResult {
     });
     let file = dir.join("schedule.json");
     std::fs::write(&file, schedule.to_string())?;
+    let result = replay_file(tag, &file);
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+/// Runs the schedule in `file`: no violation, nothing leaked.
+fn replay_file(tag: &str, file: &std::path::Path) -> TestResult {
+    let dir = std::env::temp_dir().join(format!("sluice-chaos-{tag}-out-{}", std::process::id()));
     let out = std::process::Command::new(CHAOS)
         .arg("--replay")
-        .arg(&file)
+        .arg(file)
         .arg("--out")
         .arg(&dir)
         .output_bounded()?;

@@ -32,6 +32,18 @@ pub enum NetnsError {
     },
 }
 
+impl NetnsError {
+    /// Whether the path names no netns any more (removed, or left as a plain
+    /// file), as opposed to an error that says nothing of it (EMFILE, say).
+    pub fn is_gone(&self) -> bool {
+        match self {
+            NetnsError::Open { source, .. } => source.kind() == std::io::ErrorKind::NotFound,
+            NetnsError::NotNetns(_) => true,
+            NetnsError::Enter { .. } | NetnsError::Cookie { .. } => false,
+        }
+    }
+}
+
 /// An open network namespace.
 #[derive(Debug)]
 pub struct Netns {

@@ -175,6 +175,7 @@ fn run(
         run.ledger.applied();
         *faults.entry(e.fault.kind()).or_default() += 1;
     }
+    faults::heal_lasting(&run);
     let end = Duration::from_millis(schedule.duration_ms);
     while now(&run) < end && !run.ledger.stopping() {
         run.retry();

@@ -27,6 +27,15 @@ use crate::{
     zds::server::Hub,
 };
 
+/// What a pod's netns path says of the sandbox it was enrolled with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Sandbox {
+    Alive,
+    Gone,
+    /// The path could not be read for another reason (the error).
+    Unknown(String),
+}
+
 pub(super) struct PodBook {
     dp: Mutex<Dataplane>,
     pods: Arc<PodTable>,
@@ -101,15 +110,23 @@ impl PodBook {
     }
 
     /// Whether the pod's netns path still names the netns it was enrolled
-    /// with (its sandbox lives).
-    pub(super) fn sandbox_alive(&self, cookie: u64) -> bool {
+    /// with (its sandbox lives). An error that says nothing of the netns
+    /// (out of descriptors, say) is `Unknown`, never `Gone`: the guards
+    /// that ask refuse rather than tear a live capture down.
+    pub(super) fn sandbox(&self, cookie: u64) -> Sandbox {
         let path = match self.pods.netns(cookie) {
             Some(ns) => Some(ns.path().to_owned()),
             None => self.dataplane().maps().meta(cookie).map(|m| m.netns.into()),
         };
-        path.and_then(|p| Netns::open(&p).ok())
-            .and_then(|ns| ns.cookie().ok())
-            == Some(cookie)
+        let Some(path) = path else {
+            return Sandbox::Gone;
+        };
+        match Netns::open(&path).and_then(|ns| ns.cookie()) {
+            Ok(c) if c == cookie => Sandbox::Alive,
+            Ok(_) => Sandbox::Gone,
+            Err(e) if e.is_gone() => Sandbox::Gone,
+            Err(e) => Sandbox::Unknown(e.to_string()),
+        }
     }
 
     /// The pod's netns, as held since its enrollment; opened by its path

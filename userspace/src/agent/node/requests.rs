@@ -7,7 +7,7 @@ use std::{path::PathBuf, sync::Arc, time::Instant};
 use tracing::{info, info_span, warn, Instrument as _};
 
 use super::{
-    book::PodBook,
+    book::{PodBook, Sandbox},
     enroller::Enroller,
     linkwatch::LinkWatch,
     relist::Relist,
@@ -253,29 +253,45 @@ impl Requests {
         let Some(cookie) = self.book.cookie_of(&uid) else {
             return Ok(done);
         };
-        if !self.del_names_enrolled_sandbox(cookie, netns) {
-            // A DEL for an older sandbox of this pod (the runtime made a new
-            // one, which ADD already captured): not ours.
-            info!(%uid, "CNI DEL for another sandbox of the pod: capture kept");
-            return Ok(done);
+        let cannot_tell = |why: &str| {
+            Response::Refused {
+            message: format!(
+                "pod {}/{}: DEL for container {container_id}: cannot tell whether it names the live sandbox ({why}): refusing DEL, the runtime retries it",
+                pod.namespace, pod.name
+            ),
+        }
+        };
+        match self.del_names_enrolled_sandbox(cookie, netns) {
+            Ok(true) => {}
+            Ok(false) => {
+                // A DEL for an older sandbox of this pod (the runtime made a
+                // new one, which ADD already captured): not ours.
+                info!(%uid, "CNI DEL for another sandbox of the pod: capture kept");
+                return Ok(done);
+            }
+            Err(why) => return Ok(cannot_tell(&why)),
         }
         match self.book.pods().sandbox_of(uid.as_str()) {
             Some(id) if id == container_id => {}
-            Some(id) if self.book.sandbox_alive(cookie) => {
-                return Ok(Response::Refused {
-                    message: format!(
-                        "pod {}/{}: DEL for container {container_id}, but the pod was enrolled by the ADD of container {id}, whose sandbox is alive: refusing DEL",
-                        pod.namespace, pod.name
-                    ),
-                })
-            }
-            // The enrolled sandbox is gone: nothing left to protect.
-            Some(_) => {}
+            Some(id) => match self.book.sandbox(cookie) {
+                // The enrolled sandbox is gone: nothing left to protect.
+                Sandbox::Gone => {}
+                Sandbox::Alive => {
+                    return Ok(Response::Refused {
+                        message: format!(
+                            "pod {}/{}: DEL for container {container_id}, but the pod was enrolled by the ADD of container {id}, whose sandbox is alive: refusing DEL",
+                            pod.namespace, pod.name
+                        ),
+                    })
+                }
+                Sandbox::Unknown(why) => return Ok(cannot_tell(&why)),
+            },
             // Enrolled otherwise (control socket, an earlier agent): ask the
             // API whether the pod is going away.
             None => {
                 if let Some(k) = &self.kube {
-                    if let Err(e) = k.admit_del(pod, self.book.sandbox_alive(cookie)).await {
+                    let alive = self.book.sandbox(cookie) != Sandbox::Gone;
+                    if let Err(e) = k.admit_del(pod, alive).await {
                         return Ok(Response::Refused {
                             message: crate::one_line(&e),
                         });
@@ -293,7 +309,8 @@ impl Requests {
     fn unenroll_guard(&self, uid: &str) -> Option<Response> {
         let cookie = self.book.cookie_of(&PodUid::new(uid).ok()?)?;
         let sandbox = self.book.pods().sandbox_of(uid)?;
-        self.book.sandbox_alive(cookie).then(|| Response::Refused {
+        // A sandbox that cannot be told gone is kept, as a live one.
+        (self.book.sandbox(cookie) != Sandbox::Gone).then(|| Response::Refused {
             message: format!(
                 "pod {uid} was enrolled by its runtime (CNI ADD of container {sandbox}) and its sandbox is alive: only the runtime's DEL removes its capture. To take the pod out of the mesh, label it istio.io/dataplane-mode=none; `sluice uninstall` removes sluice from the node"
             ),
@@ -344,11 +361,22 @@ impl Requests {
 
     /// Whether a DEL (with the runtime's netns path, maybe empty) is about the
     /// sandbox we captured: its netns is ours, or ours is gone as well.
-    fn del_names_enrolled_sandbox(&self, cookie: u64, netns: &std::path::Path) -> bool {
-        let named = Netns::open(netns).ok().and_then(|n| n.cookie().ok());
-        match named {
-            Some(c) => c == cookie,
-            None => !self.book.sandbox_alive(cookie),
+    /// `Err` (why) when that cannot be told: the DEL is then refused.
+    fn del_names_enrolled_sandbox(
+        &self,
+        cookie: u64,
+        netns: &std::path::Path,
+    ) -> Result<bool, String> {
+        match Netns::open(netns).and_then(|n| n.cookie()) {
+            Ok(c) => Ok(c == cookie),
+            // The DEL's netns is gone: it names the enrolled sandbox only if
+            // that one is gone too.
+            Err(e) if e.is_gone() => match self.book.sandbox(cookie) {
+                Sandbox::Alive => Ok(false),
+                Sandbox::Gone => Ok(true),
+                Sandbox::Unknown(why) => Err(why),
+            },
+            Err(e) => Err(e.to_string()),
         }
     }
 
