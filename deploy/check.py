@@ -272,6 +272,7 @@ BAD = {
     "cni.ownedCNIConfigFilename with a path": {"cni": {"ownedCNIConfigFilename": "a/b.conflist"}},
     "cni.ownedCNIConfigFilename not a .conflist": {"cni": {"ownedCNIConfigFilename": "02-sluice.conf"}},
     "metrics.address off (Prometheus scrapes the listener)": {"metrics": {"address": "off"}},
+    "a top-level ambient block (istio/cni's layout; here cni.ambient)": {"ambient": {"podExclusions": "annotations"}},
 }
 
 
@@ -703,8 +704,9 @@ def check_chart(chart_dir, plain):
         try:
             chart.render(values, name=RELEASE, namespace=NAMESPACE)
             fail(f"helm template ({label})", "rendered, expected a refusal")
-        except helm.HelmError:
-            ok(f"helm template refuses {label}")
+        except helm.HelmError as e:
+            why = str(e).splitlines()[-1].split("): ", 1)[-1]
+            ok(f"helm template refuses {label}: {why}")
     if chart.values != defaults:
         fail("chart", "rendering changed the default values")
 

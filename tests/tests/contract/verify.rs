@@ -300,6 +300,43 @@ fn agent_reports_failure() -> TestResult {
     .with_context(|| agent.log())?;
     wait::until("verified with it back", wait::DEADLINE, outcome("verified"))
         .with_context(|| agent.log())?;
+    // A break the tc event announces (the egress filter's program swapped
+    // in place) is put back within milliseconds, before a verification
+    // could run on it: it is still reported, as a failed verification of
+    // case `hooks` (counted, an Event), and the pod passes again.
+    let failed = || -> anyhow::Result<u64> {
+        let (_, metrics) = http_get(port, "/metrics")?;
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("sluice_capture_verifications_total{result=\"failed\"} "))
+            .context("no failed verifications counted")?
+            .trim()
+            .parse()
+            .context("the count")
+    };
+    let before = failed()?;
+    let hook = Hook {
+        ns: &f.topo.pod,
+        dev: "eth0",
+        dir: "egress",
+    };
+    let ours = hook.program()?;
+    hook.tc(
+        "replace",
+        Some(&f.topo.pins.pod(cookie).join("ingress_eth0")),
+    )?;
+    hook.wait_program(ours).with_context(|| agent.log())?;
+    wait::until("the break counted", wait::DEADLINE, || match failed() {
+        Ok(n) if n > before => Ok(()),
+        other => Err(format!("{other:?}")),
+    })
+    .with_context(|| agent.log())?;
+    wait::until(
+        "verified after the repair",
+        wait::DEADLINE,
+        outcome("verified"),
+    )
+    .with_context(|| agent.log())?;
     Ok(())
 }
 

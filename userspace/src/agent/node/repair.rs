@@ -115,12 +115,7 @@ impl Repairer {
     fn run_capture(&self, cookie: u64) {
         let (plan, uid, pod) = {
             let dp = self.book.dataplane();
-            let steers = dp
-                .maps()
-                .entry(cookie)
-                .and_then(|e| e.state())
-                .is_some_and(|s| matches!(s, PodState::Enabled | PodState::Served));
-            let Some(meta) = dp.maps().meta(cookie).filter(|_| steers) else {
+            let Some(meta) = dp.maps().meta(cookie).filter(|_| steers(&dp, cookie)) else {
                 return;
             };
             let pod = format!("{}/{}", meta.workload.namespace, meta.workload.name);
@@ -140,24 +135,24 @@ impl Repairer {
             }),
         };
         let found = match outcome {
-            Ok(v) => {
-                let result = if v.unrun.is_empty() {
-                    "verified"
-                } else {
-                    "partial"
-                };
-                self.metrics.capture_verification(result);
-                Verification::Verified { unrun: v.unrun }
-            }
-            Err(f) => {
-                self.metrics.capture_verification("failed");
-                Verification::Failed {
-                    case: f.case,
-                    detail: f.detail,
-                }
-            }
+            Ok(v) => Verification::Verified { unrun: v.unrun },
+            Err(f) => Verification::Failed {
+                case: f.case,
+                detail: f.detail,
+            },
         };
-        let effects = self.book.pods().apply(&uid, Event::Verified(found.clone()));
+        self.record(&uid, &pod, found);
+    }
+
+    /// What a verification of the pod found: counted, put on its track,
+    /// and, when its class or failed case changes, told to Kubernetes.
+    fn record(&self, uid: &str, pod: &str, found: Verification) {
+        self.metrics.capture_verification(match &found {
+            Verification::Verified { unrun } if unrun.is_empty() => "verified",
+            Verification::Verified { .. } => "partial",
+            _ => "failed",
+        });
+        let effects = self.book.pods().apply(uid, Event::Verified(found.clone()));
         if !effects.contains(&Effect::ReportVerification) {
             return;
         }
@@ -166,7 +161,7 @@ impl Repairer {
                 warn!(%case, %detail, "the pod's capture failed its verification: its traffic may bypass ztunnel; the readiness gate is False until a verification passes");
                 let note = format!("capture verification failed: {case}: {detail}; the readiness gate is False until a verification passes (retried at every change at the pod's hooks and every {}s)", self.every.as_secs());
                 self.announcer
-                    .pod_event(&uid, Reason::CaptureVerificationFailed, &note);
+                    .pod_event(uid, Reason::CaptureVerificationFailed, &note);
             }
             _ => info!("the pod's capture passed its verification"),
         }
@@ -208,6 +203,20 @@ impl Repairer {
                     ?istio_rules,
                     "capture was incomplete: completed (links attached, istio-cni rules removed)"
                 );
+                // A steering pod's hooks were not as the capture needs them
+                // until now: it failed its verification, whose run right
+                // after the repair (see `verify`) can pass it again.
+                if !relinked.is_empty() && steers(dp, cookie) {
+                    let detail = format!("{} not in place or not first at its hook (changed behind sluice's back); put back", relinked.join(", "));
+                    self.record(
+                        &uid,
+                        &pod,
+                        Verification::Failed {
+                            case: "hooks".into(),
+                            detail,
+                        },
+                    );
+                }
                 let note = format!("capture was incomplete and has been completed: links attached {relinked:?}, istio-cni rules removed {istio_rules:?}");
                 self.announcer
                     .pod_event(&uid, Reason::CaptureRepaired, &note);
@@ -274,6 +283,15 @@ impl Repairer {
             self.announcer.announce_pod(namespace, name);
         }
     }
+}
+
+/// Whether the pod's capture steers its traffic (`Enabled`, `Served`):
+/// only then is it verified.
+fn steers(dp: &Dataplane, cookie: u64) -> bool {
+    dp.maps()
+        .entry(cookie)
+        .and_then(|e| e.state())
+        .is_some_and(|s| matches!(s, PodState::Enabled | PodState::Served))
 }
 
 /// A number in [0, 1) from the clock's nanoseconds: jitter needs no more.
