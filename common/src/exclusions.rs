@@ -142,8 +142,17 @@ impl Exclusions {
     }
 
     /// Whether a new inbound connection to `port` stays out of capture.
+    /// ztunnel's own ports never do: an include list that leaves them out
+    /// would otherwise let a client reach ztunnel's in-pod listeners as if
+    /// they were the app's (15001 would proxy for it as the pod).
     #[inline(always)]
     pub fn excludes_inbound(&self, port: u16) -> bool {
+        if matches!(
+            port,
+            crate::PORT_OUTBOUND | crate::PORT_INBOUND | crate::PORT_HBONE | crate::PORT_DNS_PROXY
+        ) {
+            return false;
+        }
         if has_port(&self.in_ports, self.n_in_ports, port) {
             return true;
         }

@@ -144,6 +144,9 @@ pub fn egress<const L2: usize>(ctx: &TcContext) -> i32 {
         // state (it never meets ztunnel).
         if exclusions::outbound(cookie, &t) {
             w.count_excluded(cookie, |c: &mut ExcludedCounters| &mut c.outbound);
+            // An older hint for this 4-tuple (a captured connection whose
+            // handshake ended in a SYN cookie) would steer its packets.
+            w.forget_hint(&flow_key(&t));
             return TC_OK;
         }
         if !pod.steers() {

@@ -7,18 +7,21 @@
 //! unhinted SYN: fail closed), released with the handshake. A pod without exclusions costs
 //! one map lookup per SYN.
 
-use sluice_common::{ExcludedCounters, PORT_DNS};
+use sluice_common::{ExcludedCounters, Role, PORT_DNS};
 
 use crate::{
     dns::dns_on,
     maps::{EXCLUDED, POD_EXCLUSIONS},
     packet::Tcp,
+    tc::listener_present,
 };
 
 /// Whether the pod's new outbound connection `t` stays out of capture. A
-/// pod's captured DNS (TCP to port 53) is not subject to its address
-/// ranges: only an excluded port 53 takes it out, and user space turns
-/// the pod's DNS capture off for that.
+/// pod's captured DNS (TCP to port 53, with DNS capture on and ztunnel's
+/// proxy listening) is not subject to its address ranges: only an
+/// excluded port 53 takes it out, and user space turns the pod's DNS
+/// capture off for that. Without the proxy, TCP to 53 is plain outbound
+/// (row D4), and excluded as any other.
 #[inline(always)]
 pub fn outbound(cookie: u64, t: &Tcp) -> bool {
     let a = t.daddr;
@@ -50,7 +53,7 @@ pub extern "C" fn sluice_excluded_outbound(cookie: u64, fam_port: u64, a01: u64,
         return 0;
     };
     let (family, port) = ((fam_port >> 16) as u8, fam_port as u16);
-    if port == PORT_DNS && dns_on(cookie) {
+    if port == PORT_DNS && dns_on(cookie) && listener_present(cookie, Role::DnsTcp, family) {
         return 0;
     }
     let addr = [

@@ -1,12 +1,77 @@
 //! The five exclusion annotations (`traffic.sidecar.istio.io/*`), as a pod
 //! could carry them: parsing never panics; what parses stays within the
-//! per-pod limit, survives the trip through its pinned-map form, and the
-//! destinations a verification picks are ones the map value captures.
+//! per-pod limit, survives the trip through its pinned-map form, decides
+//! as the annotations say at every edge of each range (the kernel's words,
+//! masks and families against `IpNet::contains`), and the destinations a
+//! verification picks are ones the map value captures.
 #![no_main]
 
+use std::net::IpAddr;
+
+use ipnet::IpNet;
 use libfuzzer_sys::fuzz_target;
-use sluice::exclusions::{parse, ANNOTATIONS};
+use sluice::exclusions::{parse, Include, PodExclusions, ANNOTATIONS};
 use sluice_common::EXCLUSIONS_MAX;
+
+/// The family and address words the programs see for `a`.
+fn words(a: IpAddr) -> (u8, [u32; 4]) {
+    match a {
+        IpAddr::V4(a) => (2, [u32::from_ne_bytes(a.octets()), 0, 0, 0]),
+        IpAddr::V6(a) => {
+            let o = a.octets();
+            let w = |i: usize| u32::from_ne_bytes([o[i], o[i + 1], o[i + 2], o[i + 3]]);
+            (10, [w(0), w(4), w(8), w(12)])
+        }
+    }
+}
+
+/// What the annotations say of an outbound connection to `a`:`port`.
+fn excluded(x: &PodExclusions, a: IpAddr, port: u16) -> bool {
+    let within = |nets: &[IpNet]| nets.iter().any(|n| n.contains(&a));
+    x.exclude_outbound_ports.contains(&port)
+        || within(&x.exclude_outbound_ip_ranges)
+        || matches!(&x.include_outbound_ip_ranges, Include::Only(v) if !within(v))
+}
+
+/// Each range's first and last address and the ones just outside it.
+fn edges(x: &PodExclusions) -> Vec<IpAddr> {
+    let mut nets = x.exclude_outbound_ip_ranges.clone();
+    if let Include::Only(v) = &x.include_outbound_ip_ranges {
+        nets.extend(v);
+    }
+    let step = |a: IpAddr, up: bool| -> Option<IpAddr> {
+        Some(match a {
+            IpAddr::V4(a) => {
+                let n = u32::from(a);
+                IpAddr::from(std::net::Ipv4Addr::from(if up {
+                    n.checked_add(1)?
+                } else {
+                    n.checked_sub(1)?
+                }))
+            }
+            IpAddr::V6(a) => {
+                let n = u128::from(a);
+                IpAddr::from(std::net::Ipv6Addr::from(if up {
+                    n.checked_add(1)?
+                } else {
+                    n.checked_sub(1)?
+                }))
+            }
+        })
+    };
+    nets.iter()
+        .flat_map(|n| {
+            let (first, last) = (n.network(), n.broadcast());
+            [
+                Some(first),
+                Some(last),
+                step(first, false),
+                step(last, true),
+            ]
+        })
+        .flatten()
+        .collect()
+}
 
 fuzz_target!(|data: &[u8]| {
     let text = String::from_utf8_lossy(data);
@@ -21,18 +86,21 @@ fuzz_target!(|data: &[u8]| {
     };
     assert!(x.ports() <= EXCLUSIONS_MAX && x.ranges() <= EXCLUSIONS_MAX);
     let value = x.to_value();
-    assert_eq!(sluice::exclusions::PodExclusions::from_value(&value), x);
+    assert_eq!(PodExclusions::from_value(&value), x);
+    for a in edges(&x) {
+        for port in [80, 5432] {
+            let (family, w) = words(a);
+            assert_eq!(
+                value.excludes_outbound(family, &w, port),
+                excluded(&x, a, port),
+                "{a}:{port}"
+            );
+        }
+    }
     for preferred in ["192.0.2.1:80", "[2001:db8::1]:80"] {
         if let Some(d) = x.captured_outbound(preferred.parse().unwrap()) {
-            let (family, words) = match d.ip() {
-                std::net::IpAddr::V4(a) => (2, [u32::from_ne_bytes(a.octets()), 0, 0, 0]),
-                std::net::IpAddr::V6(a) => {
-                    let o = a.octets();
-                    let w = |i: usize| u32::from_ne_bytes([o[i], o[i + 1], o[i + 2], o[i + 3]]);
-                    (10, [w(0), w(4), w(8), w(12)])
-                }
-            };
-            assert!(!value.excludes_outbound(family, &words, d.port()));
+            let (family, w) = words(d.ip());
+            assert!(!value.excludes_outbound(family, &w, d.port()));
         }
     }
     if let Some(p) = x.captured_inbound_port(80) {

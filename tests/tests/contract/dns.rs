@@ -146,16 +146,19 @@ impl DnsPod {
 
 /// Row E3: a pod's exclusions leave its DNS captured — an address range
 /// holding the resolver, another port excluded — unless they name port 53,
-/// which turns its DNS capture off (UDP and TCP go to the resolver).
+/// which turns its DNS capture off (UDP and TCP go to the resolver). With
+/// no DNS proxy to capture to (row D4), TCP to 53 is plain outbound, and
+/// the resolver's range takes it out of capture as any other connection.
 fn excluded_53() -> TestResult {
     let fam = Family::V4;
     let resolver_range = IpNet::new(fam.client(), 24)?.trunc();
     let cases = [
-        ("dnex", vec![9090], DnsMode::Captured),
-        ("dnex53", vec![53, 9090], DnsMode::Off),
+        ("dnex", true, vec![9090], DnsMode::Captured),
+        ("dnex53", true, vec![53, 9090], DnsMode::Off),
+        ("dnexnp", false, vec![9090], DnsMode::PassThrough),
     ];
-    for (tag, ports, want) in cases {
-        let p = DnsPod::new(tag, true)?;
+    for (tag, proxy, ports, want) in cases {
+        let p = DnsPod::new(tag, proxy)?;
         p.enroll(
             PodOptions {
                 exclusions: PodExclusions {
@@ -176,6 +179,13 @@ fn excluded_53() -> TestResult {
                 "{ports:?}, {client:?}: answered {got:?}"
             );
         }
+        // The TCP query is excluded unless the proxy captures it.
+        let excluded = p.f.pod_record()?.excluded.outbound;
+        let want_excluded = u64::from(want != DnsMode::Captured);
+        ensure!(
+            excluded == want_excluded,
+            "{tag}: {excluded} excluded, want {want_excluded}"
+        );
     }
     Ok(())
 }

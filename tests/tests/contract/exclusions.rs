@@ -216,6 +216,13 @@ fn inbound(fam: Family) -> TestResult {
             want: vec![
                 (app, None, "nothing included"),
                 (hbone, HBONE, "HBONE is never excluded"),
+                // Left out of the include list, ztunnel's outbound port
+                // would take the client as the pod's own app.
+                (
+                    to(15001),
+                    Some(Role::Inbound),
+                    "ztunnel's ports are never excluded",
+                ),
             ],
             excluded: (1, 0),
         },

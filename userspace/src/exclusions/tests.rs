@@ -39,6 +39,10 @@ fn no_annotation_is_none_and_sidecar_syntax_parses() {
     let none_in = parsed(&[(INCLUDE_INBOUND_PORTS, "")]).unwrap().unwrap();
     assert_eq!(none_in.include_inbound_ports, Include::Only(vec![]));
     assert!(none_in.to_value().excludes_inbound(80));
+    // ztunnel's own ports stay captured whatever the include list says.
+    for port in [15001, 15006, 15008, 15053] {
+        assert!(!none_in.to_value().excludes_inbound(port), "{port}");
+    }
 }
 
 #[test]
