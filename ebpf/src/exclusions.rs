@@ -24,6 +24,9 @@ use crate::{
 /// (row D4), and excluded as any other.
 #[inline(always)]
 pub fn outbound(cookie: u64, t: &Tcp) -> bool {
+    if cfg!(feature = "bench-no-exclusions") {
+        return false;
+    }
     let a = t.daddr;
     let fam_port = (t.family as u64) << 16 | t.dport as u64;
     let a01 = a[0] as u64 | (a[1] as u64) << 32;
@@ -35,6 +38,9 @@ pub fn outbound(cookie: u64, t: &Tcp) -> bool {
 /// (never HBONE's: the caller does not ask for it).
 #[inline(always)]
 pub fn inbound(cookie: u64, port: u16) -> bool {
+    if cfg!(feature = "bench-no-exclusions") {
+        return false;
+    }
     sluice_excluded_inbound(cookie, port as u64) != 0
 }
 

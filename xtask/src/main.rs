@@ -221,6 +221,9 @@ pub fn build_ebpf() -> Result<()> {
 /// with another map layout.
 pub const VARIANT_TARGET_DIR: &str = "target/ebpf-variant";
 pub const LAYOUT_TARGET_DIR: &str = "target/ebpf-layout";
+/// The programs without the exclusion checks, for the bench (scenario
+/// `exclusions`) to measure them against.
+pub const NO_EXCLUSIONS_TARGET_DIR: &str = "target/ebpf-no-exclusions";
 
 /// The programs with the `upgrade-variant` feature (different instructions,
 /// same maps and behaviour), in a target dir of their own.
@@ -398,6 +401,15 @@ fn demo() -> Result<()> {
 fn bench() -> Result<()> {
     setup::run(setup::Scope::Everything)?;
     build_ebpf()?;
+    ebpf_cargo(
+        "build",
+        &[
+            "--features",
+            "bench-no-exclusions",
+            "--target-dir",
+            NO_EXCLUSIONS_TARGET_DIR,
+        ],
+    )?;
     // The memory and served scenarios run the release `sluice agent` and the
     // ZDS peer beside the bench binary.
     cargo(&["build", "--release", "-p", "sluice", "--bins"])?;

@@ -3,9 +3,18 @@
 //! repeated) on an outbound SYN, as a verification's (which writes no map,
 //! so a million runs change nothing), once for the pod without exclusions
 //! and once with 64 excluded address ranges none of which holds the
-//! destination (the most a SYN walks), alternating rounds.
+//! destination (the most a SYN walks), alternating rounds. What the checks
+//! cost a pod without exclusions is measured against the same program
+//! built without them (`cargo xtask bench` builds it), loaded over the same
+//! pinned maps and run on the same SYN in the same rounds.
 
-use anyhow::ensure;
+use std::{
+    os::fd::{AsFd as _, OwnedFd},
+    path::PathBuf,
+};
+
+use anyhow::{ensure, Context as _};
+use aya::{programs::SchedClassifier, EbpfLoader};
 use rand::rngs::StdRng;
 use sluice::{
     dataplane::{
@@ -53,6 +62,13 @@ fn measure(
         packets::remote(false, 80),
     );
     let egress = testrun::prog_by_id(dp.program_ids()[&Program::Egress])?;
+    let without = match without_checks(&dp, pins) {
+        Ok(w) => Some(w),
+        Err(e) => {
+            eprintln!("exclusions: no build without the checks to compare with: {e:#}");
+            None
+        }
+    };
     let netns = Netns::open(&ns_path(&p.name))?;
     let sixty_four = PodExclusions {
         exclude_outbound_ip_ranges: (0..64)
@@ -66,16 +82,21 @@ fn measure(
     };
     let runs: u32 = if cfg.smoke { 10_000 } else { 1_000_000 };
     let rounds = if cfg.smoke { 2 } else { 9 };
-    let (mut none, mut with) = (Vec::new(), Vec::new());
+    let no_exclusions = PodExclusions::default();
+    let (mut none, mut with, mut unchecked) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..rounds {
-        for (x, into) in [
-            (&PodExclusions::default(), &mut none),
-            (&sixty_four, &mut with),
-        ] {
+        let mut runs_of = vec![
+            (&no_exclusions, &egress, &mut none),
+            (&sixty_four, &egress, &mut with),
+        ];
+        if let Some(w) = &without {
+            runs_of.push((&no_exclusions, w, &mut unchecked));
+        }
+        for (x, prog, into) in runs_of {
             dp.set_exclusions(cookie, x)?;
-            let (verdict, ns) = netns.run(|| testrun::time_tc(&egress, &syn, ctx, runs))??;
+            let (verdict, ns) = netns.run(|| testrun::time_tc(prog, &syn, ctx, runs))??;
             // Pending (no ztunnel): the SYN is dropped after the
-            // exclusions are looked at, in both cases.
+            // exclusions are looked at, in every case.
             ensure!(
                 verdict == 2,
                 "the bench SYN got verdict {verdict}, not a drop"
@@ -87,5 +108,37 @@ fn measure(
     report.put("exclusions_syn_ns_none", none);
     report.put("exclusions_ns_per_syn_64", with);
     report.put("exclusions_ns_added_per_syn_64", with - none);
+    // NaN (null) without the comparison build.
+    let unchecked = if unchecked.is_empty() {
+        f64::NAN
+    } else {
+        percentile(unchecked, 0.5)
+    };
+    report.put("exclusions_syn_ns_without_checks", unchecked);
+    report.put("exclusions_ns_added_per_syn_none", none - unchecked);
     Ok(())
+}
+
+/// The egress program of the build without the exclusion checks
+/// (target/ebpf-no-exclusions, beside this binary's target dir), loaded
+/// over the node's pinned maps, neither pinned nor attached: only run.
+fn without_checks(dp: &Dataplane, pins: &Pins) -> anyhow::Result<OwnedFd> {
+    let exe = std::env::current_exe()?;
+    let target = exe
+        .parent()
+        .and_then(std::path::Path::parent)
+        .context("the bench binary is not in a target dir")?;
+    let path: PathBuf = target.join("ebpf-no-exclusions/bpfel-unknown-none/release/sluice-ebpf");
+    let object = std::fs::read(&path).with_context(|| format!("{}", path.display()))?;
+    let cookie_in_tc = [u8::from(dp.features().netns_cookie_in_tc)];
+    let mut ebpf = EbpfLoader::new()
+        .override_global("NETNS_COOKIE_IN_TC", &cookie_in_tc, true)
+        .default_map_pin_directory(pins.maps())
+        .load(&object)?;
+    let prog: &mut SchedClassifier = ebpf
+        .program_mut(Program::Egress.name())
+        .context("no egress program")?
+        .try_into()?;
+    prog.load()?;
+    Ok(prog.fd()?.as_fd().try_clone_to_owned()?)
 }
