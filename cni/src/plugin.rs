@@ -69,6 +69,18 @@ pub fn run(env: &Env, stdin: &[u8], call: &Call<'_>) -> Result<Option<String>, C
                 ips: conf.pod_ips(),
             });
             match ask(call, &socket, &req, &pod)? {
+                // A capture being torn down is none: the pod must not start.
+                Some(Answer::Enrolled {
+                    state: Some(sluice_common::PodState::Draining),
+                    ..
+                }) => Err(CniError::new(
+                    Code::EnrollFailed,
+                    format!(
+                        "sluice could not capture pod {}/{}",
+                        pod.namespace, pod.name
+                    ),
+                    "the agent answered with a capture being torn down (Draining)",
+                )),
                 None | Some(Answer::Enrolled { .. } | Answer::Skipped { .. }) => {
                     Ok(Some(prev.to_string()))
                 }
@@ -276,6 +288,17 @@ mod tests {
         let e = run(&env("ADD", POD), CONF, &refuses).unwrap_err();
         assert_eq!(e.code, Code::EnrollFailed);
         assert_eq!(e.details, "boom");
+        // An answer naming a capture being torn down is no capture.
+        let draining = |_: &Path, _: &PluginRequest| {
+            Ok(Some(Answer::Enrolled {
+                uid: "u1".into(),
+                cookie: 1,
+                state: Some(sluice_common::PodState::Draining),
+                note: None,
+            }))
+        };
+        let e = run(&env("ADD", POD), CONF, &draining).unwrap_err();
+        assert_eq!(e.code, Code::EnrollFailed);
     }
 
     #[test]

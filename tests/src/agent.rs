@@ -446,3 +446,40 @@ pub fn http_get(port: u16, path: &str) -> anyhow::Result<(u16, String)> {
         .parse()?;
     Ok((code, body.to_owned()))
 }
+
+/// The agent's RLIMIT_NOFILE: `Some(n)`, at most `n` more descriptors
+/// (the limit is on descriptor numbers, and a new one takes the lowest
+/// free number: the limit is set `n` above that); `None`, up to its hard
+/// limit.
+pub fn fd_limit(pid: u32, headroom: Option<u64>) -> anyhow::Result<()> {
+    if pid == 0 {
+        return Ok(());
+    }
+    let pid = pid as libc::pid_t;
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: prlimit writes the current limit into `limit`.
+    if unsafe { libc::prlimit(pid, libc::RLIMIT_NOFILE, std::ptr::null(), &mut limit) } != 0 {
+        // The agent exited meanwhile (another fault): nothing to limit.
+        return Ok(());
+    }
+    limit.rlim_cur = match headroom {
+        Some(n) => {
+            let held: std::collections::BTreeSet<u64> =
+                std::fs::read_dir(format!("/proc/{pid}/fd"))?
+                    .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+                    .collect();
+            let lowest_free = (0..).find(|fd| !held.contains(fd)).unwrap_or(0);
+            (lowest_free + n).min(limit.rlim_max)
+        }
+        None => limit.rlim_max,
+    };
+    // SAFETY: prlimit reads `limit`.
+    let rc = unsafe { libc::prlimit(pid, libc::RLIMIT_NOFILE, &limit, std::ptr::null_mut()) };
+    if rc != 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH) {
+        anyhow::bail!("prlimit: {}", std::io::Error::last_os_error());
+    }
+    Ok(())
+}

@@ -70,7 +70,7 @@ pub fn trials() -> Vec<Trial> {
 /// The plugin binary the suite runs: the static build `cargo xtask test`
 /// names in `SLUICE_CNI_BIN` (what the image ships), else the debug build
 /// beside `sluice`.
-fn sluice_cni() -> PathBuf {
+pub(crate) fn sluice_cni() -> PathBuf {
     std::env::var_os(STATIC_CNI_ENV)
         .map(PathBuf::from)
         .unwrap_or_else(|| sluice_bin().with_file_name("sluice-cni"))
@@ -116,15 +116,15 @@ fn plugin_is_static() -> TestResult {
 }
 
 /// A node netns, a pod netns, a bpffs root and a temp dir; all removed on drop.
-struct Node {
+pub(crate) struct Node {
     node: String,
-    pod: String,
-    pins: Pins,
+    pub(crate) pod: String,
+    pub(crate) pins: Pins,
     dir: PathBuf,
 }
 
 impl Node {
-    fn new(tag: &str) -> anyhow::Result<Self> {
+    pub(crate) fn new(tag: &str) -> anyhow::Result<Self> {
         let id = format!("{}-{tag}", std::process::id());
         let n = Self {
             node: format!("slcn-{id}"),
@@ -140,11 +140,11 @@ impl Node {
         Ok(n)
     }
 
-    fn pod_path(&self) -> PathBuf {
+    pub(crate) fn pod_path(&self) -> PathBuf {
         PathBuf::from(format!("/run/netns/{}", self.pod))
     }
 
-    fn ptp_conf(&self) -> serde_json::Value {
+    pub(crate) fn ptp_conf(&self) -> serde_json::Value {
         json!({
             "cniVersion": "1.0.0",
             "name": "sluice-test",
@@ -154,7 +154,7 @@ impl Node {
         })
     }
 
-    fn exec<'a>(
+    pub(crate) fn exec<'a>(
         &'a self,
         plugin: &'a Path,
         command: &'a str,

@@ -38,7 +38,7 @@ pub fn apply(run: &mut Run, fault: &Fault) -> anyhow::Result<()> {
             // limit until the pods are Served again after the restore.
             l.touch(None, kind, Opens::Failures);
             let headroom = matches!(fault, Fault::FdLimit).then_some(8);
-            fd_limit(run.node.agent_pid.load(Ordering::SeqCst), headroom)?;
+            sluice_tests::agent::fd_limit(run.node.agent_pid.load(Ordering::SeqCst), headroom)?;
         }
         Fault::ControlFlood => {
             l.touch(None, kind, Opens::Nothing);
@@ -185,39 +185,8 @@ pub fn apply(run: &mut Run, fault: &Fault) -> anyhow::Result<()> {
 /// violation has no healing events): the agent's fd limit back up, held
 /// acks released.
 pub fn heal_lasting(run: &Run) {
-    let _ = fd_limit(run.node.agent_pid.load(Ordering::SeqCst), None);
+    let _ = sluice_tests::agent::fd_limit(run.node.agent_pid.load(Ordering::SeqCst), None);
     let _ = std::fs::write(&run.node.ack_gate, "");
-}
-
-/// The agent's RLIMIT_NOFILE: `Some(n)`, `n` above the descriptors it
-/// holds; `None`, up to its hard limit.
-fn fd_limit(pid: u32, headroom: Option<u64>) -> anyhow::Result<()> {
-    if pid == 0 {
-        return Ok(());
-    }
-    let pid = pid as libc::pid_t;
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: prlimit writes the current limit into `limit`.
-    if unsafe { libc::prlimit(pid, libc::RLIMIT_NOFILE, std::ptr::null(), &mut limit) } != 0 {
-        // The agent exited meanwhile (another fault): nothing to limit.
-        return Ok(());
-    }
-    limit.rlim_cur = match headroom {
-        Some(n) => {
-            let held = std::fs::read_dir(format!("/proc/{pid}/fd"))?.count() as u64;
-            (held + n).min(limit.rlim_max)
-        }
-        None => limit.rlim_max,
-    };
-    // SAFETY: prlimit reads `limit`.
-    let rc = unsafe { libc::prlimit(pid, libc::RLIMIT_NOFILE, &limit, std::ptr::null_mut()) };
-    if rc != 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH) {
-        anyhow::bail!("prlimit: {}", std::io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 /// 200 connections to the control socket, half of them with half a

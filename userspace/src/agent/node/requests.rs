@@ -4,6 +4,7 @@
 
 use std::{path::PathBuf, sync::Arc, time::Instant};
 
+use sluice_common::PodState;
 use tracing::{info, info_span, warn, Instrument as _};
 
 use super::{
@@ -441,18 +442,33 @@ impl Requests {
         };
         if let Some(cookie) = self.book.cookie_of(&uid) {
             let same = Netns::open(&netns)?.cookie()? == cookie;
-            if same {
+            match self.book.state_of(cookie) {
                 // A retried ADD (or the first one an agent restarted since
-                // sees): this container made the enrolled sandbox.
-                self.book
-                    .pods()
-                    .apply(uid.as_str(), Event::SandboxOwned(container_id.to_owned()));
-                let (enroller, u) = (self.enroller.clone(), uid.clone());
-                tokio::task::spawn_blocking(move || enroller.claim_addrs(&u, &ips)).await?;
-                return Ok(self.enrolled(&uid, cookie));
+                // sees): this container made the enrolled sandbox, whose
+                // capture is in place.
+                Some(s) if same && s != PodState::Draining => {
+                    self.book
+                        .pods()
+                        .apply(uid.as_str(), Event::SandboxOwned(container_id.to_owned()));
+                    let (enroller, u) = (self.enroller.clone(), uid.clone());
+                    tokio::task::spawn_blocking(move || enroller.claim_addrs(&u, &ips)).await?;
+                    return Ok(self.enrolled(&uid, cookie));
+                }
+                // Only the pod's row is left, of an attempt that backed out.
+                None => self.book.pods().remove(uid.as_str()),
+                // An attempt that failed part-way left the capture being
+                // torn down (`Draining`): answering it as enrolled would
+                // let the pod start uncaptured. Its teardown is finished and
+                // the pod captured anew.
+                Some(_) if same => {
+                    info!(%uid, "retried ADD for a pod whose capture an earlier attempt left half torn down: capturing it anew");
+                    self.enroller.unenroll(uid.as_str()).await?;
+                }
+                Some(_) => {
+                    info!(%uid, "new sandbox for an enrolled pod: replacing its capture");
+                    self.enroller.unenroll(uid.as_str()).await?;
+                }
             }
-            info!(%uid, "new sandbox for an enrolled pod: replacing its capture");
-            self.enroller.unenroll(uid.as_str()).await?;
         }
         let out = self
             .enroller
