@@ -6,7 +6,7 @@
 mod agent;
 mod chaos;
 mod cni;
-mod cni_retry;
+mod cni_emfile;
 mod contract_rows;
 mod crash;
 mod cycles;
@@ -84,7 +84,7 @@ fn main() {
     trials.extend(agent::trials());
     trials.extend(crash::trials());
     trials.extend(cni::trials());
-    trials.extend(cni_retry::trials());
+    trials.extend(cni_emfile::trials());
     trials.extend(runtime::trials());
     trials.extend(kube::trials());
     trials.extend(readiness::trials());

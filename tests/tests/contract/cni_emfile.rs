@@ -1,0 +1,200 @@
+//! The runtime's requests while the agent is out of descriptors (EMFILE),
+//! for each headroom in turn, so that every step that opens one fails in
+//! some case. Both bugs were found by chaos runs, where a replayed schedule
+//! reproduces them only by chance: where EMFILE strikes depends on what else
+//! holds descriptors at that moment.
+//! - A retried ADD may only be answered once the pod is captured (seed
+//!   1795780032951110225: an ADD cut short left its capture half torn down,
+//!   `Draining`; the retry was answered as enrolled, and the pod started
+//!   uncaptured).
+//! - A late DEL for the pod's old sandbox never tears down the live capture
+//!   (seed 1795776823800260720: the guard read "cannot open the netns" as
+//!   "the sandbox is gone").
+
+use anyhow::{ensure, Context as _};
+use libtest_mimic::Trial;
+use serde_json::json;
+use sluice_common::PodState;
+use sluice_tests::{
+    agent::{fd_limit, AgentProc},
+    cni::{plugin, Exec, Invocation},
+    inspect::Hook,
+};
+
+use crate::{
+    cni::{sluice_cni, Node},
+    trial, TestResult,
+};
+
+pub fn trials() -> Vec<Trial> {
+    vec![
+        trial(
+            "cni::an_add_cut_short_by_emfile_then_retried_leaves_the_pod_captured",
+            add_retried_after_emfile,
+        ),
+        trial(
+            "cni::a_stale_del_under_emfile_keeps_the_live_capture",
+            stale_del_under_emfile,
+        ),
+    ]
+}
+
+/// A node with a pod made by `ptp`, the agent, and `sluice-cni`'s config
+/// for it.
+struct Setup {
+    n: Node,
+    agent: AgentProc,
+    ptp_conf: serde_json::Value,
+    conf: serde_json::Value,
+}
+
+impl Setup {
+    fn new(tag: &str) -> anyhow::Result<Self> {
+        let n = Node::new(tag)?;
+        let agent = AgentProc::start(&n.pins)?;
+        let ptp_conf = n.ptp_conf();
+        let ptp = n
+            .exec(&plugin("ptp"), "ADD", &ptp_conf, Some(&n.pod_path()))
+            .run()?;
+        ensure!(ptp.ok, "ptp ADD: {} {}", ptp.stdout, ptp.stderr);
+        let conf = json!({"cniVersion": "1.0.0", "name": "sluice-test", "type": "sluice-cni",
+            "agentSocket": agent.control, "prevResult": ptp.json()?});
+        Ok(Self {
+            n,
+            agent,
+            ptp_conf,
+            conf,
+        })
+    }
+
+    /// `sluice-cni <command>` for the pod's sandbox.
+    fn sluice(&self, command: &str) -> anyhow::Result<Invocation> {
+        let cni = sluice_cni();
+        let pod = self.n.pod_path();
+        self.n.exec(&cni, command, &self.conf, Some(&pod)).run()
+    }
+
+    /// `add` was answered OK, and the pod is captured.
+    fn added(&self, what: &str, add: &Invocation) -> TestResult {
+        ensure!(add.ok, "{what}: {} {}", add.stdout, add.stderr);
+        self.captured(what)
+    }
+
+    /// The pod is captured: its state attached, sluice's program at its
+    /// egress.
+    fn captured(&self, what: &str) -> TestResult {
+        let pods = sluice::status::read(&self.n.pins)?;
+        let state = pods.first().and_then(|p| p.state);
+        ensure!(
+            pods.len() == 1 && state.is_some_and(|s| s != PodState::Draining),
+            "after {what}, the pod is not captured: {pods:?}\n{}",
+            self.agent.log()
+        );
+        let egress = Hook {
+            ns: &self.n.pod,
+            dev: "eth0",
+            dir: "egress",
+        };
+        egress.program().with_context(|| {
+            format!("{what}: nothing at the pod's egress\n{}", self.agent.log())
+        })?;
+        Ok(())
+    }
+
+    fn pid(&self) -> anyhow::Result<u32> {
+        self.agent.pid().context("the agent's pid")
+    }
+
+    fn remove_pod(&self) {
+        let pod = self.n.pod_path();
+        let _ = self
+            .n
+            .exec(&plugin("ptp"), "DEL", &self.ptp_conf, Some(&pod))
+            .run();
+    }
+}
+
+/// For every descriptor headroom, from one until an ADD succeeds within
+/// it, one ADD under that limit (cut short wherever the descriptors ran
+/// out), then, the limit lifted, the runtime's retry: an ADD answered OK
+/// leaves the pod captured (its state attached, sluice's program first on
+/// its egress hook), whichever step the first attempt stopped at. DEL
+/// between headrooms.
+fn add_retried_after_emfile() -> TestResult {
+    let s = Setup::new("emf")?;
+    let pid = s.pid()?;
+    let mut cut_short = 0;
+    // From one: with none, the agent cannot even accept the plugin's
+    // connection, which then waits out its timeout (refused, not this case).
+    for headroom in 1..64 {
+        fd_limit(pid, Some(headroom))?;
+        let first = s.sluice("ADD");
+        fd_limit(pid, None)?;
+        let first = first?;
+        if first.ok {
+            s.added(
+                &format!("the ADD with {headroom} descriptors to spare"),
+                &first,
+            )?;
+        } else {
+            cut_short += 1;
+            let retry = s.sluice("ADD")?;
+            s.added(
+                &format!("the retried ADD (first with {headroom} to spare)"),
+                &retry,
+            )?;
+        }
+        let del = s.sluice("DEL")?;
+        ensure!(del.ok, "DEL: {} {}", del.stdout, del.stderr);
+        ensure!(
+            sluice::status::read(&s.n.pins)?.is_empty(),
+            "DEL left the pod"
+        );
+        if first.ok {
+            ensure!(
+                cut_short > 0,
+                "no ADD failed under any limit: nothing was tested"
+            );
+            s.remove_pod();
+            return Ok(());
+        }
+    }
+    anyhow::bail!("no ADD succeeded with up to 63 descriptors to spare")
+}
+
+/// The pod captured, then for every descriptor headroom from one until the
+/// agent can tell, a DEL for another sandbox of the pod (another container
+/// id, a netns long gone) under that limit: refused or accepted, it leaves
+/// the live capture in place.
+fn stale_del_under_emfile() -> TestResult {
+    let s = Setup::new("esd")?;
+    let pid = s.pid()?;
+    s.added("the ADD", &s.sluice("ADD")?)?;
+    let cni = sluice_cni();
+    let old = std::path::PathBuf::from(format!("{}-old", s.n.pod_path().display()));
+    let mut refused = 0;
+    for headroom in 1..64 {
+        fd_limit(pid, Some(headroom))?;
+        let del = Exec {
+            container_id: "an-old-sandbox",
+            ..s.n.exec(&cni, "DEL", &s.conf, Some(&old))
+        }
+        .run();
+        fd_limit(pid, None)?;
+        let del = del?;
+        refused += usize::from(!del.ok);
+        let what = format!("a stale DEL with {headroom} descriptors to spare");
+        s.captured(&what)?;
+        if del.ok {
+            ensure!(
+                refused > 0,
+                "no stale DEL was cut short: nothing was tested"
+            );
+            let del = s.sluice("DEL")?;
+            ensure!(del.ok, "DEL: {} {}", del.stdout, del.stderr);
+            s.remove_pod();
+            return Ok(());
+        }
+    }
+    anyhow::bail!("no stale DEL was answered with up to 63 descriptors to spare")
+}
