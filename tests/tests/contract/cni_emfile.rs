@@ -10,6 +10,8 @@
 //! - A late DEL for the pod's old sandbox never tears down the live capture
 //!   (seed 1795776823800260720: the guard read "cannot open the netns" as
 //!   "the sandbox is gone").
+//! - A DEL cut short leaves nothing behind once the agent has finished it
+//!   (found by this sweep itself).
 
 use anyhow::{ensure, Context as _};
 use libtest_mimic::Trial;
@@ -19,6 +21,7 @@ use sluice_tests::{
     agent::{fd_limit, AgentProc},
     cni::{plugin, Exec, Invocation},
     inspect::Hook,
+    wait,
 };
 
 use crate::{
@@ -35,6 +38,10 @@ pub fn trials() -> Vec<Trial> {
         trial(
             "cni::a_stale_del_under_emfile_keeps_the_live_capture",
             stale_del_under_emfile,
+        ),
+        trial(
+            "cni::a_del_cut_short_by_emfile_is_finished_by_the_agent",
+            del_cut_short_is_finished,
         ),
     ]
 }
@@ -197,4 +204,60 @@ fn stale_del_under_emfile() -> TestResult {
         }
     }
     anyhow::bail!("no stale DEL was answered with up to 63 descriptors to spare")
+}
+
+/// For every descriptor headroom from one until a DEL finishes within it:
+/// the pod captured, one DEL under that limit (cut short wherever the
+/// descriptors ran out, or refused: retried), the limit lifted. `sluice-cni`
+/// answers a DEL OK whatever the agent could not do (a runtime must be able
+/// to remove a sandbox), and the agent finishes the teardown itself, so
+/// nothing of the pod is left soon after: no state, no pins, and no filter
+/// at its hooks. (Found by this sweep: a teardown under EMFILE read "cannot
+/// look the interface up" as "the interface is gone", dropped the filter's
+/// record and left the filter running, with nothing left to say it was
+/// sluice's.)
+fn del_cut_short_is_finished() -> TestResult {
+    let s = Setup::new("edl")?;
+    let pid = s.pid()?;
+    let mut cut_short = 0;
+    for headroom in 1..64 {
+        s.added("the ADD", &s.sluice("ADD")?)?;
+        let cookie = sluice::status::read(&s.n.pins)?[0].netns_cookie;
+        fd_limit(pid, Some(headroom))?;
+        let del = s.sluice("DEL");
+        let left = sluice::status::read(&s.n.pins).map(|p| !p.is_empty());
+        fd_limit(pid, None)?;
+        let del = del?;
+        let what = format!("a DEL with {headroom} descriptors to spare");
+        // Refused (it cannot tell whether the DEL names the live sandbox):
+        // the runtime retries it.
+        let finished = del.ok && !left?;
+        cut_short += usize::from(!finished);
+        let del = if del.ok { del } else { s.sluice("DEL")? };
+        ensure!(del.ok, "{what}, retried: {} {}", del.stdout, del.stderr);
+        let pins = s.n.pins.pod(cookie);
+        let egress = Hook {
+            ns: &s.n.pod,
+            dev: "eth0",
+            dir: "egress",
+        };
+        wait::until(
+            &format!("nothing left after {what}"),
+            wait::DEADLINE,
+            || {
+                let pods = sluice::status::read(&s.n.pins).map_err(|e| e.to_string())?;
+                match (pods.is_empty(), pins.exists(), egress.program().is_ok()) {
+                    (true, false, false) => Ok(()),
+                    left => Err(format!("pod, pins, filter left: {left:?} {pods:?}")),
+                }
+            },
+        )
+        .with_context(|| s.agent.log())?;
+        if finished {
+            ensure!(cut_short > 0, "no DEL was cut short: nothing was tested");
+            s.remove_pod();
+            return Ok(());
+        }
+    }
+    anyhow::bail!("no DEL finished with up to 63 descriptors to spare")
 }

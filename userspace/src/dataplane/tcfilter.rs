@@ -183,8 +183,13 @@ pub(super) fn hook_message(index: u32, kind: TcAttachType) -> netlink_packet_rou
 /// Removes sluice's filter from `iface`'s `kind` hook, in the calling
 /// thread's netns. A filter or interface that is gone is not an error.
 pub fn detach(iface: &str, kind: TcAttachType) -> Result<(), ProgramError> {
-    let Ok(ours) = SchedClassifierLink::attached(iface, kind, PRIORITY, HANDLE, None) else {
-        return Ok(());
+    // Only an interface that is gone has nothing attached: a lookup that
+    // failed otherwise (out of descriptors: if_nametoindex opens a socket)
+    // must fail the detach, not leave the filter running.
+    let ours = match SchedClassifierLink::attached(iface, kind, PRIORITY, HANDLE, None) {
+        Ok(link) => link,
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENODEV | libc::ENXIO)) => return Ok(()),
+        Err(e) => return Err(ProgramError::IOError(e)),
     };
     match ours.detach() {
         Err(e)
@@ -234,7 +239,21 @@ pub enum Pinned {
 /// What is pinned at `path`, if anything readable. (Opening a pin does not
 /// say what it holds; the file type of the fd it gives does.)
 pub fn pinned(path: &Path) -> Option<Pinned> {
-    let cpath = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
+    pinned_or_busy(path).ok().flatten()
+}
+
+/// [`pinned`], but a pin this process could not open for want of
+/// resources (out of descriptors or memory) is an error, not "nothing
+/// readable": a teardown must not drop the record of a filter it could not
+/// look at.
+pub fn pinned_or_busy(path: &Path) -> io::Result<Option<Pinned>> {
+    let transient = |e: io::Error| match e.raw_os_error() {
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::EAGAIN) => Err(e),
+        _ => Ok(None),
+    };
+    let Ok(cpath) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
+        return Ok(None);
+    };
     // union bpf_attr, BPF_OBJ_GET: pathname, bpf_fd (0), file_flags.
     let mut attr = [0u8; 16];
     attr[0..8].copy_from_slice(&(cpath.as_ptr() as u64).to_ne_bytes());
@@ -242,19 +261,22 @@ pub fn pinned(path: &Path) -> Option<Pinned> {
     // SAFETY: a zeroed bpf_attr with the path set, valid for the call.
     let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, attr.as_mut_ptr(), attr.len()) };
     if fd < 0 {
-        return None;
+        return transient(io::Error::last_os_error());
     }
     // SAFETY: a fresh fd the kernel just returned; closed on drop.
     let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
-    let kind = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).ok()?;
+    let kind = match std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())) {
+        Ok(k) => k,
+        Err(e) => return transient(e),
+    };
     let kind = kind.to_string_lossy();
-    if kind.contains("bpf-link") {
+    Ok(if kind.contains("bpf-link") {
         Some(Pinned::Link)
     } else if kind.contains("bpf-prog") {
         prog_id(&fd).map(Pinned::Program)
     } else {
         None
-    }
+    })
 }
 
 /// The kernel id of the program open as `fd`.

@@ -57,10 +57,15 @@ fn remove_pod_side(
     node: Option<&hostside::Node>,
     cookie: u64,
 ) -> Result<(), EnrollError> {
+    // The interfaces say which filters to remove: an error here (out of
+    // descriptors, say) must fail the teardown, not leave them running.
     let ifaces: Vec<String> = match netns {
         Some(ns) => ns
             .run(interfaces)?
-            .unwrap_or_default()
+            .map_err(|source| EnrollError::Io {
+                what: "listing the pod's interfaces".into(),
+                source,
+            })?
             .into_iter()
             .filter(|i| i != "lo")
             .collect(),
@@ -170,7 +175,11 @@ fn remove_links(pins: &Pins, cookie: u64, filters: &Filters<'_>) -> Result<(), E
         let mut entries: Vec<_> = entries.flatten().collect();
         entries.sort_by_key(|e| e.file_name() != "steer");
         for e in entries {
-            match tcfilter::pinned(&e.path()) {
+            let pinned = tcfilter::pinned_or_busy(&e.path()).map_err(|source| EnrollError::Io {
+                what: format!("reading the pin {}", e.path().display()),
+                source,
+            })?;
+            match pinned {
                 // Unpinned and dropped: the last reference goes, the link
                 // detaches.
                 Some(tcfilter::Pinned::Link) => match PinnedLink::from_pin(e.path()) {
