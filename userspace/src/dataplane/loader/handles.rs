@@ -19,6 +19,9 @@ pub struct Programs {
     steer: SkLookup,
     /// The tc programs; pins of an older build may lack the optional ones.
     tc: BTreeMap<Program, SchedClassifier>,
+    /// The kernel id of each, read once: a handle's program never changes,
+    /// and every verification compares the hooks against them.
+    ids: BTreeMap<Program, u32>,
 }
 
 impl Programs {
@@ -42,7 +45,14 @@ impl Programs {
                 Err(e) => return Err(perr(p)(e)),
             }
         }
-        Ok(Self { steer, tc })
+        let mut ids = BTreeMap::from([(
+            Program::Steer,
+            steer.info().map_err(perr(Program::Steer))?.id(),
+        )]);
+        for (p, prog) in &tc {
+            ids.insert(*p, prog.info().map_err(perr(*p))?.id());
+        }
+        Ok(Self { steer, tc, ids })
     }
 
     pub fn steer(&mut self) -> &mut SkLookup {
@@ -61,16 +71,7 @@ impl Programs {
 
     /// The kernel id of every program held.
     pub fn ids(&self) -> BTreeMap<Program, u32> {
-        let mut out = BTreeMap::new();
-        if let Ok(i) = self.steer.info() {
-            out.insert(Program::Steer, i.id());
-        }
-        for (p, prog) in &self.tc {
-            if let Ok(i) = prog.info() {
-                out.insert(*p, i.id());
-            }
-        }
-        out
+        self.ids.clone()
     }
 
     /// The tag of the pinned `p`; `None` when the pins lack it.
