@@ -8,7 +8,8 @@ use std::{
     io::Write,
     os::{fd::AsRawFd, unix::process::CommandExt},
     path::{Path, PathBuf},
-    process::{Command, Stdio},
+    process::{Child, Command, Output, Stdio},
+    time::{Duration, Instant},
 };
 
 use crate::ns::netns_path;
@@ -20,6 +21,8 @@ pub struct Invocation {
     pub ok: bool,
     pub stdout: String,
     pub stderr: String,
+    /// Killed past its bound ([`Exec::run_within`]); `ok` is false.
+    pub timed_out: bool,
 }
 
 impl Invocation {
@@ -41,6 +44,36 @@ pub struct Exec<'a> {
 
 impl Exec<'_> {
     pub fn run(&self) -> anyhow::Result<Invocation> {
+        let child = self.spawn()?;
+        let out = child.wait_with_output()?;
+        Ok(Invocation::of(&out))
+    }
+
+    /// [`Exec::run`], but a plugin still running after `within` is killed
+    /// and counted as failed (`timed_out`): a runtime's call gives up too,
+    /// and retries later.
+    pub fn run_within(&self, within: Duration) -> anyhow::Result<Invocation> {
+        let mut child = self.spawn()?;
+        let deadline = Instant::now() + within;
+        let timed_out = loop {
+            if child.try_wait()?.is_some() {
+                break false;
+            }
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                break true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let out = child.wait_with_output()?;
+        let mut inv = Invocation::of(&out);
+        inv.timed_out = timed_out;
+        inv.ok &= !timed_out;
+        Ok(inv)
+    }
+
+    /// The plugin started in the node's netns, its config written to it.
+    fn spawn(&self) -> anyhow::Result<Child> {
         let node = File::open(netns_path(self.node))?;
         let fd = node.as_raw_fd();
         let mut cmd = Command::new(self.plugin);
@@ -67,18 +100,24 @@ impl Exec<'_> {
             });
         }
         let mut child = cmd.spawn()?;
+        drop(node);
         child
             .stdin
             .take()
             .unwrap()
             .write_all(serde_json::to_string(self.config)?.as_bytes())?;
-        let out = child.wait_with_output()?;
-        drop(node);
-        Ok(Invocation {
+        Ok(child)
+    }
+}
+
+impl Invocation {
+    fn of(out: &Output) -> Self {
+        Self {
             ok: out.status.success(),
             stdout: String::from_utf8_lossy(&out.stdout).trim().to_owned(),
             stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-        })
+            timed_out: false,
+        }
     }
 }
 

@@ -11,6 +11,7 @@ use std::{
         atomic::{AtomicBool, AtomicU32, Ordering},
         Arc,
     },
+    time::Duration,
 };
 
 use anyhow::{ensure, Context as _};
@@ -37,6 +38,11 @@ pub const REMOTE_PORT: u16 = 9090;
 pub const REMOTE_V4: &str = "10.252.0.2";
 pub const REMOTE_V6: &str = "fd00:252::2";
 const CNI_NAMESPACE: &str = "chaos";
+/// How long one `sluice-cni` call may take before the runner gives up on it
+/// and retries later, as a runtime does. Without it, a plugin waiting out
+/// its own 30 s on an agent that cannot accept (out of descriptors) holds
+/// the schedule, and with it the fault's own end (`fd-restore`).
+const CNI_CALL_BOUND: Duration = Duration::from_secs(3);
 /// Every ztunnel of the run opens its DNS proxy in each pod, forwarding to
 /// the remote's resolver.
 const PEER_FLAGS: [&str; 2] = ["--dns-forward", "10.252.0.2:53"];
@@ -274,7 +280,7 @@ impl Node {
             "IgnoreUnknown=1;K8S_POD_NAMESPACE={CNI_NAMESPACE};K8S_POD_NAME={uid};K8S_POD_UID={uid}"
         );
         let path = netns_path(netns);
-        Exec {
+        let exec = Exec {
             node: &self.node_ns,
             plugin,
             command,
@@ -282,8 +288,12 @@ impl Node {
             netns: Some(&path),
             args: &args,
             config,
+        };
+        if plugin == sluice_cni() {
+            exec.run_within(CNI_CALL_BOUND)
+        } else {
+            exec.run()
         }
-        .run()
     }
 
     fn ptp_conf(&self) -> serde_json::Value {

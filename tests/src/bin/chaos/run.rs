@@ -131,13 +131,19 @@ impl Run {
     /// every [`CNI_RETRY`]); one still failing after [`CNI_BOUND`] is a
     /// violation, and its sandbox is removed.
     pub fn retry(&mut self) {
+        // A call the runner gave up on (the agent is not answering) ends
+        // the pass: the others would wait as long, and the schedule with
+        // them.
+        let mut stalled = false;
         for mut r in std::mem::take(&mut self.adding) {
-            if !r.due() {
+            if stalled || !r.due() {
                 self.adding.push(r);
                 continue;
             }
             r.last = Some(Instant::now());
-            match self.node.add(&r.pod) {
+            let outcome = self.node.add(&r.pod);
+            stalled = gave_up(&outcome);
+            match outcome {
                 Ok(add) if add.ok => self.enrolled(r.pod),
                 outcome if r.since.elapsed() > CNI_BOUND => {
                     self.stuck(&r.pod, "ADD", outcome);
@@ -147,12 +153,14 @@ impl Run {
             }
         }
         for mut r in std::mem::take(&mut self.deleting) {
-            if !r.due() {
+            if stalled || !r.due() {
                 self.deleting.push(r);
                 continue;
             }
             r.last = Some(Instant::now());
-            match self.node.del(&r.pod, &r.pod.container) {
+            let outcome = self.node.del(&r.pod, &r.pod.container);
+            stalled = gave_up(&outcome);
+            match outcome {
                 Ok(del) if del.ok => self.node.remove_pod(r.pod),
                 outcome if r.since.elapsed() > CNI_BOUND => {
                     self.stuck(&r.pod, "DEL", outcome);
@@ -277,4 +285,9 @@ impl Drop for Run {
         }
         let _ = std::fs::remove_file(&self.pass_pin);
     }
+}
+
+/// Whether the runner gave up on a `sluice-cni` call (see `CNI_CALL_BOUND`).
+fn gave_up(outcome: &anyhow::Result<sluice_tests::cni::Invocation>) -> bool {
+    outcome.as_ref().is_ok_and(|inv| inv.timed_out)
 }
