@@ -43,6 +43,10 @@ pub fn trials() -> Vec<Trial> {
             "cni::a_del_cut_short_by_emfile_is_finished_by_the_agent",
             del_cut_short_is_finished,
         ),
+        trial(
+            "agent::an_unenroll_under_emfile_leaves_the_pod_captured_or_gone",
+            unenroll_under_emfile,
+        ),
     ]
 }
 
@@ -260,4 +264,68 @@ fn del_cut_short_is_finished() -> TestResult {
         }
     }
     anyhow::bail!("no DEL finished with up to 63 descriptors to spare")
+}
+
+/// Nothing of the pod at its hooks, in the state map or in its pins.
+fn gone(s: &Setup, cookie: u64) -> Result<(), String> {
+    let pods = sluice::status::read(&s.n.pins).map_err(|e| e.to_string())?;
+    let egress = Hook {
+        ns: &s.n.pod,
+        dev: "eth0",
+        dir: "egress",
+    };
+    match (
+        pods.is_empty(),
+        s.n.pins.pod(cookie).exists(),
+        egress.program().is_ok(),
+    ) {
+        (true, false, false) => Ok(()),
+        left => Err(format!("pod, pins, filter left: {left:?} {pods:?}")),
+    }
+}
+
+/// A pod enrolled over the control socket (as the agent captures a
+/// running pod, with no sandbox to guard), then for every descriptor
+/// headroom from one until an unenroll finishes within it: one unenroll
+/// under that limit, the limit lifted, and a retry while it is refused.
+/// Its capture is whole or gone, never half: once the state is gone, so is
+/// everything at its hooks (no filter left running with nothing to say it
+/// was sluice's).
+fn unenroll_under_emfile() -> TestResult {
+    let s = Setup::new("eun")?;
+    let pid = s.pid()?;
+    let uid = "5a1e-cart";
+    for headroom in 1..64 {
+        let e = s.agent.enroll(&s.n.pod_path(), uid, "shop", "cart-7f9")?;
+        ensure!(e.ok, "enroll: {} {}", e.stdout, e.stderr);
+        s.captured("the enrollment")?;
+        let cookie = sluice::status::read(&s.n.pins)?[0].netns_cookie;
+        fd_limit(pid, Some(headroom))?;
+        let first = s.agent.sluice(&["unenroll", "--uid", uid]);
+        fd_limit(pid, None)?;
+        let first = first?;
+        let what = format!("an unenroll with {headroom} descriptors to spare");
+        if first.ok {
+            gone(&s, cookie)
+                .map_err(|e| anyhow::anyhow!("{what} said done: {e}\n{}", s.agent.log()))?;
+            // Every headroom below this one cut the unenroll short.
+            ensure!(
+                headroom > 1,
+                "no unenroll was cut short: nothing was tested"
+            );
+            s.remove_pod();
+            return Ok(());
+        }
+        // What the first attempt left is whole or being torn down; the
+        // retry finishes it.
+        let retry = s.agent.sluice(&["unenroll", "--uid", uid])?;
+        ensure!(
+            retry.ok,
+            "{what}, retried: {} {}",
+            retry.stdout,
+            retry.stderr
+        );
+        gone(&s, cookie).map_err(|e| anyhow::anyhow!("{what}, retried: {e}\n{}", s.agent.log()))?;
+    }
+    anyhow::bail!("no unenroll finished with up to 63 descriptors to spare")
 }

@@ -248,7 +248,7 @@ pub fn pinned(path: &Path) -> Option<Pinned> {
 /// look at.
 pub fn pinned_or_busy(path: &Path) -> io::Result<Option<Pinned>> {
     let transient = |e: io::Error| match e.raw_os_error() {
-        Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::EAGAIN) => Err(e),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::EAGAIN | libc::EINTR) => Err(e),
         _ => Ok(None),
     };
     let Ok(cpath) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {

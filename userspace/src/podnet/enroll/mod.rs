@@ -38,7 +38,7 @@ pub use addrs::{refresh_addrs, PodAddrs};
 pub use error::EnrollError;
 pub use hostpeers::host_peers;
 pub use register::{register, register_keeping, Enrolled};
-pub use reopen::{open_pod_netns, pod_interfaces};
+pub use reopen::{open_pod_netns, open_pod_netns_unless_gone, pod_interfaces};
 pub use repair::{
     missing_after, missing_links, remove_orphan_pins, repair, repair_surveyed, survey, survey_plan,
     Repair, Survey, SurveyPlan,
@@ -218,6 +218,6 @@ pub fn unenroll(
         .ok_or_else(|| EnrollError::UnknownPod(uid.clone()))?;
     // The netns may be gone with the pod (its routes went with it), or its
     // path may now name another netns: only touch the one with our cookie.
-    let netns = open_pod_netns(maps, cookie).ok();
+    let netns = open_pod_netns_unless_gone(maps, cookie)?;
     teardown(pins, maps, netns.as_ref(), node, cookie)
 }

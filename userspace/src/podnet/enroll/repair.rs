@@ -10,6 +10,7 @@ use crate::{
         loader::{Dataplane, Pins},
         migrate,
         state::Maps,
+        tcfilter,
     },
     podnet::{
         hostside,
@@ -25,7 +26,7 @@ use super::{
     error::EnrollError,
     hostpeers::host_peers,
     links::{attach_link, attached, attached_seen_from, unseat_if_behind},
-    reopen::{open_pod_netns, pod_interfaces},
+    reopen::{open_pod_netns, open_pod_netns_unless_gone, pod_interfaces},
     teardown::{remove_stateless, teardown},
 };
 
@@ -149,7 +150,7 @@ pub fn repair_surveyed(
 ) -> Result<Repair, EnrollError> {
     let draining = dp.maps().entry(cookie).and_then(|e| e.state()) == Some(PodState::Draining);
     if draining {
-        let netns = open_pod_netns(dp.maps(), cookie).ok();
+        let netns = open_pod_netns_unless_gone(dp.maps(), cookie)?;
         let (pins, maps, node) = dp.parts_mut();
         teardown(pins, maps, netns.as_ref(), node, cookie)?;
         return Ok(Repair::TornDown);
@@ -222,7 +223,19 @@ fn relink(dp: &mut Dataplane, survey: &Survey) -> Result<Vec<String>, EnrollErro
         if survey.attached.contains(&spec.pin_name()) || attached(dp, netns, &spec, &pin_path) {
             continue;
         }
-        // A pin that does not open as a link is debris.
+        // A pin that does not open as a link is debris. One this process
+        // cannot open now (out of descriptors) may hold a live link, which
+        // removing it would detach: try again later.
+        match tcfilter::pinned_or_busy(&pin_path) {
+            Err(source) => {
+                return Err(EnrollError::Io {
+                    what: format!("reading the pin {}", pin_path.display()),
+                    source,
+                })
+            }
+            Ok(Some(tcfilter::Pinned::Link)) => continue,
+            Ok(_) => {}
+        }
         let _ = fs::remove_file(&pin_path);
         unseat_if_behind(dp, netns, &spec);
         attach_link(dp, netns, None, &dir, &spec)?;

@@ -107,8 +107,8 @@ struct Filters<'a> {
     node: Option<&'a hostside::Node>,
     ifaces: &'a [String],
     /// The host sides of the pod's interfaces, looked up at the first
-    /// host-side record (most pods have none).
-    peers: OnceCell<Vec<HostPeer>>,
+    /// host-side record (most pods have none); the error of that lookup.
+    peers: OnceCell<Result<Vec<HostPeer>, String>>,
 }
 
 impl<'a> Filters<'a> {
@@ -125,26 +125,35 @@ impl<'a> Filters<'a> {
         }
     }
 
-    /// The link the record `name` stands for, if its interface is still there.
-    fn spec(&self, name: &str) -> Option<LinkSpec> {
+    /// The link the record `name` stands for, if its interface is still
+    /// there. A host side that cannot be looked up (out of descriptors,
+    /// say) is an error: read as "no host side", the record of a filter
+    /// still running on the node would be dropped.
+    fn spec(&self, name: &str) -> Result<Option<LinkSpec>, EnrollError> {
         let named = |s: &LinkSpec| s.pin_name() == name;
         if let Some(s) = podlinks::possible_pod_links(self.ifaces)
             .into_iter()
             .find(named)
         {
-            return Some(s);
+            return Ok(Some(s));
         }
         let peers = self.peers.get_or_init(|| match (self.netns, self.node) {
-            (Some(ns), Some(node)) => hostside::peers(ns, node, self.ifaces).unwrap_or_default(),
-            _ => Vec::new(),
+            (Some(ns), Some(node)) => {
+                hostside::peers(ns, node, self.ifaces).map_err(|e| e.to_string())
+            }
+            _ => Ok(Vec::new()),
         });
-        peers.iter().cloned().map(LinkSpec::Host).find(named)
+        let peers = peers.as_ref().map_err(|reason| EnrollError::Io {
+            what: format!("looking up the host side of the record {name}"),
+            source: std::io::Error::other(reason.clone()),
+        })?;
+        Ok(peers.iter().cloned().map(LinkSpec::Host).find(named))
     }
 
     /// Removes the filter the record `name` stands for, where it can be
     /// reached.
     fn detach(&self, name: &str) -> Result<(), EnrollError> {
-        let Some(spec) = self.spec(name) else {
+        let Some(spec) = self.spec(name)? else {
             return Ok(());
         };
         let Some(hook) = spec.tc_hook() else {
