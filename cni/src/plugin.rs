@@ -73,14 +73,7 @@ pub fn run(env: &Env, stdin: &[u8], call: &Call<'_>) -> Result<Option<String>, C
                 Some(Answer::Enrolled {
                     state: Some(sluice_common::PodState::Draining),
                     ..
-                }) => Err(CniError::new(
-                    Code::EnrollFailed,
-                    format!(
-                        "sluice could not capture pod {}/{}",
-                        pod.namespace, pod.name
-                    ),
-                    "the agent answered with a capture being torn down (Draining)",
-                )),
+                }) => Err(being_torn_down(&pod.namespace, &pod.name)),
                 None | Some(Answer::Enrolled { .. } | Answer::Skipped { .. }) => {
                     Ok(Some(prev.to_string()))
                 }
@@ -130,6 +123,10 @@ pub fn run(env: &Env, stdin: &[u8], call: &Call<'_>) -> Result<Option<String>, C
                 &PluginRequest::CniCheck(CniCheck { pod: pod.clone() }),
                 &pod,
             )? {
+                Some(Answer::Enrolled {
+                    state: Some(sluice_common::PodState::Draining),
+                    ..
+                }) => Err(being_torn_down(&pod.namespace, &pod.name)),
                 None | Some(Answer::Enrolled { .. } | Answer::Skipped { .. }) => Ok(None),
                 Some(other) => Err(refused(&pod.namespace, &pod.name, other)),
             }
@@ -189,6 +186,16 @@ fn ask(
             ),
         )),
     }
+}
+
+/// The agent answered with a capture being torn down (`Draining`): no
+/// capture, for ADD and CHECK alike.
+fn being_torn_down(namespace: &str, name: &str) -> CniError {
+    CniError::new(
+        Code::EnrollFailed,
+        format!("sluice could not capture pod {namespace}/{name}"),
+        "the agent answered with a capture being torn down (Draining)",
+    )
 }
 
 fn refused(namespace: &str, name: &str, r: Answer) -> CniError {
@@ -298,6 +305,8 @@ mod tests {
             }))
         };
         let e = run(&env("ADD", POD), CONF, &draining).unwrap_err();
+        assert_eq!(e.code, Code::EnrollFailed);
+        let e = run(&env("CHECK", POD), CONF, &draining).unwrap_err();
         assert_eq!(e.code, Code::EnrollFailed);
     }
 

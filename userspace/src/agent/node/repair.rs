@@ -256,16 +256,24 @@ impl Repairer {
         failed: Option<EnrollError>,
         survey: Option<&enroll::Survey>,
     ) {
-        let lacks = failed.and_then(|e| {
-            let missing = match survey {
-                Some(s) => enroll::missing_after(dp, s),
-                None => enroll::missing_links(dp, cookie).ok()?,
-            };
-            (!missing.is_empty()).then(|| Incomplete {
-                missing,
-                reason: crate::error_line(&e),
-            })
-        });
+        let lacks = match failed {
+            None => None,
+            Some(e) => {
+                let missing = match survey {
+                    Some(s) => enroll::missing_after(dp, s),
+                    None => match enroll::missing_links(dp, cookie) {
+                        Ok(m) => m,
+                        // Cannot tell what is missing (out of descriptors,
+                        // say): what was found before stands.
+                        Err(_) => return,
+                    },
+                };
+                (!missing.is_empty()).then(|| Incomplete {
+                    missing,
+                    reason: crate::error_line(&e),
+                })
+            }
+        };
         let effects = self.book.pods().apply(uid, Event::Checked(lacks.clone()));
         if !effects.contains(&Effect::ReportCompleteness) {
             return;
