@@ -101,15 +101,20 @@ impl Setup {
             "after {what}, the pod is not captured: {pods:?}\n{}",
             self.agent.log()
         );
-        let egress = Hook {
-            ns: &self.n.pod,
-            dev: "eth0",
-            dir: "egress",
-        };
-        egress.program().with_context(|| {
+        self.egress().program().with_context(|| {
             format!("{what}: nothing at the pod's egress\n{}", self.agent.log())
         })?;
         Ok(())
+    }
+
+    /// The pod's egress hook, where sluice's filter runs while it is
+    /// captured.
+    fn egress(&self) -> Hook<'_> {
+        Hook {
+            ns: &self.n.pod,
+            dev: "eth0",
+            dir: "egress",
+        }
     }
 
     fn pid(&self) -> anyhow::Result<u32> {
@@ -239,22 +244,10 @@ fn del_cut_short_is_finished() -> TestResult {
         cut_short += usize::from(!finished);
         let del = if del.ok { del } else { s.sluice("DEL")? };
         ensure!(del.ok, "{what}, retried: {} {}", del.stdout, del.stderr);
-        let pins = s.n.pins.pod(cookie);
-        let egress = Hook {
-            ns: &s.n.pod,
-            dev: "eth0",
-            dir: "egress",
-        };
         wait::until(
             &format!("nothing left after {what}"),
             wait::DEADLINE,
-            || {
-                let pods = sluice::status::read(&s.n.pins).map_err(|e| e.to_string())?;
-                match (pods.is_empty(), pins.exists(), egress.program().is_ok()) {
-                    (true, false, false) => Ok(()),
-                    left => Err(format!("pod, pins, filter left: {left:?} {pods:?}")),
-                }
-            },
+            || gone(&s, cookie),
         )
         .with_context(|| s.agent.log())?;
         if finished {
@@ -269,15 +262,10 @@ fn del_cut_short_is_finished() -> TestResult {
 /// Nothing of the pod at its hooks, in the state map or in its pins.
 fn gone(s: &Setup, cookie: u64) -> Result<(), String> {
     let pods = sluice::status::read(&s.n.pins).map_err(|e| e.to_string())?;
-    let egress = Hook {
-        ns: &s.n.pod,
-        dev: "eth0",
-        dir: "egress",
-    };
     match (
         pods.is_empty(),
         s.n.pins.pod(cookie).exists(),
-        egress.program().is_ok(),
+        s.egress().program().is_ok(),
     ) {
         (true, false, false) => Ok(()),
         left => Err(format!("pod, pins, filter left: {left:?} {pods:?}")),
