@@ -22,7 +22,7 @@ use sluice_tests::{
     topology::{ip, Family},
 };
 
-use crate::{options::outcome, trial, TestResult};
+use crate::{lifecycle::sluice, options::outcome, trial, TestResult};
 
 /// A second port of the remote server, and of the app.
 const OTHER_PORT: u16 = 9091;
@@ -114,8 +114,44 @@ fn run(f: &Fixture, from: &str, cases: Vec<Case>) -> TestResult {
         ensure!(rec.exclusions == c.x, "in force: {:?}", rec.exclusions);
         let counted = (rec.excluded.inbound, rec.excluded.outbound);
         ensure!(counted == c.excluded, "counted {counted:?}, {:?}", c.x);
+        cli_says(f, &rec)?;
         f.unenroll()?;
     }
+    Ok(())
+}
+
+/// What `sluice status` says of the pod's exclusions: `-o json` carries
+/// the set in force and the counters, `--pod` lists them on its
+/// `exclusions:` line.
+fn cli_says(f: &Fixture, rec: &sluice::dataplane::state::PodRecord) -> TestResult {
+    let out = sluice(f, &["status", "-o", "json"])?;
+    ensure!(out.ok, "status -o json: {}", out.stderr);
+    let json: serde_json::Value = serde_json::from_str(&out.stdout)?;
+    let pod = json["pods"]
+        .as_array()
+        .and_then(|pods| pods.iter().find(|p| p["uid"] == rec.uid))
+        .ok_or_else(|| anyhow::anyhow!("status -o json has no pod {}: {json}", rec.uid))?;
+    ensure!(
+        pod["exclusions"] == serde_json::to_value(&rec.exclusions)?
+            && pod["excluded"]["outbound"] == rec.excluded.outbound
+            && pod["excluded"]["inbound"] == rec.excluded.inbound,
+        "status -o json: {pod}"
+    );
+    let out = sluice(f, &["status", "--pod", &rec.uid])?;
+    let line = out
+        .stdout
+        .lines()
+        .find(|l| l.trim_start().starts_with("exclusions:"))
+        .unwrap_or_default();
+    let counted = format!(
+        "connections excluded: inbound {}, outbound {}",
+        rec.excluded.inbound, rec.excluded.outbound
+    );
+    ensure!(
+        line.contains("traffic.sidecar.istio.io/") && line.contains(&counted),
+        "status --pod: {}",
+        out.stdout
+    );
     Ok(())
 }
 

@@ -41,6 +41,10 @@ pub fn trials() -> Vec<Trial> {
             "kube::pod_exclusions_off_the_pod_is_captured_fully_with_a_warning",
             switched_off,
         ),
+        trial(
+            "kube::pod_exclusions_outside_the_allowed_namespaces_are_ignored_with_a_warning",
+            namespace_not_allowed,
+        ),
     ]
 }
 
@@ -114,6 +118,13 @@ impl Setup {
     }
 
     fn node(&self, mode: PodExclusionsMode) -> anyhow::Result<(Arc<NodeAgent>, impl Drop)> {
+        self.node_with(Policy {
+            mode,
+            namespaces: vec![],
+        })
+    }
+
+    fn node_with(&self, exclusions: Policy) -> anyhow::Result<(Arc<NodeAgent>, impl Drop)> {
         let client = api(
             self.uid.clone(),
             pod_ips_json(&self.f),
@@ -121,10 +132,7 @@ impl Setup {
             self.events.clone(),
         );
         let selection = Selection {
-            exclusions: Policy {
-                mode,
-                namespaces: vec![],
-            },
+            exclusions,
             ..Selection::excluding(["kube-system".to_string()].into())
         };
         let (node, announcing) = cluster_node_selecting(
@@ -226,7 +234,16 @@ fn follows_annotations() -> TestResult {
 
         // Bad values change nothing and say which entry is wrong, in an
         // Event of their own each and in the status.
-        for (value, named) in [("9090,db", "\"db\""), ("15001", "15001")] {
+        // One more than the per-pod limit of 64 ports.
+        let too_many = (1..=65)
+            .map(|p| p.to_string())
+            .collect::<Vec<_>>()
+            .join(",");
+        for (value, named) in [
+            ("9090,db", "\"db\""),
+            ("15001", "15001"),
+            (too_many.as_str(), "65 ports"),
+        ] {
             s.annotate(Some(value));
             pass().await?;
             ensure!(
@@ -285,6 +302,38 @@ fn switched_off() -> TestResult {
             "PodExclusionsIgnored",
             "web",
             &["--pod-exclusions off"],
+        )
+        .await?;
+        let n = notices(&node).await?;
+        ensure!(n.len() == 1 && n[0].kind == "ignored", "{n:?}");
+        Ok(())
+    })
+}
+
+/// With `--pod-exclusions-namespaces db`, a pod of another namespace that
+/// carries exclusions is captured fully, and told why in a Warning.
+fn namespace_not_allowed() -> TestResult {
+    let s = Setup::new("exns", 3)?;
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async {
+        let (node, _announcing) = s.node_with(Policy {
+            mode: PodExclusionsMode::Annotations,
+            namespaces: vec!["db".into()],
+        })?;
+        s.annotate(Some(&REMOTE_PORT.to_string()));
+        node.relist()
+            .reconcile_once(std::time::Duration::ZERO)
+            .await?;
+        ensure!(s.excluded_ports()?.is_empty(), "{:?}", s.excluded_ports());
+        ensure!(
+            !s.reaches_remote(),
+            "excluded outside the allowed namespaces"
+        );
+        warning(
+            &s.events,
+            "PodExclusionsIgnored",
+            "web",
+            &["--pod-exclusions-namespaces"],
         )
         .await?;
         let n = notices(&node).await?;

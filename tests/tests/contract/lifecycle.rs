@@ -114,16 +114,16 @@ pub fn trials() -> Vec<Trial> {
     ]
 }
 
-struct Out {
-    ok: bool,
-    stdout: String,
-    stderr: String,
+pub(crate) struct Out {
+    pub(crate) ok: bool,
+    pub(crate) stdout: String,
+    pub(crate) stderr: String,
 }
 
 /// A control socket no agent listens on: these tests run the CLI alone.
 const NO_AGENT: &str = "/nonexistent/sluice-lifecycle/agent.sock";
 
-fn sluice(f: &Fixture, args: &[&str]) -> anyhow::Result<Out> {
+pub(crate) fn sluice(f: &Fixture, args: &[&str]) -> anyhow::Result<Out> {
     // Every path is the test's own: no agent that may run on this machine
     // (on the default control socket) may serve these commands.
     let out = Command::new(sluice_bin())
