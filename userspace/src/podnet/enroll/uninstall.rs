@@ -16,7 +16,7 @@ use crate::{
 
 use super::{
     error::EnrollError,
-    reopen::open_pod_netns,
+    reopen::open_pod_netns_unless_gone,
     teardown::{remove_stateless, teardown},
 };
 
@@ -49,7 +49,7 @@ pub fn uninstall(pins: &Pins, node: Option<&hostside::Node>) -> Result<usize, En
             std::thread::sleep(UNINSTALL_DRAIN);
         }
         for cookie in cookies {
-            let netns = open_pod_netns(maps, cookie).ok();
+            let netns = open_pod_netns_unless_gone(maps, cookie)?;
             teardown(pins, maps, netns.as_ref(), node, cookie)?;
             n += 1;
         }
