@@ -46,9 +46,24 @@ impl App {
             let l: TcpListener = s.into();
             tx.send(l.as_raw_fd()).unwrap();
             for conn in l.incoming() {
-                let Ok(c) = conn else { break };
-                let peer = canonical(c.peer_addr().unwrap());
-                seen2.lock().unwrap().push(peer);
+                let c = match conn {
+                    Ok(c) => c,
+                    // A connection reset while it waited in the queue, or
+                    // no descriptor free for it: the next one is served.
+                    Err(e)
+                        if matches!(
+                            e.raw_os_error(),
+                            Some(libc::ECONNABORTED | libc::EMFILE | libc::ENFILE | libc::EINTR)
+                        ) =>
+                    {
+                        continue
+                    }
+                    // Shut down (`Drop`): the loop ends.
+                    Err(_) => break,
+                };
+                // Reset between the accept and here: nobody to answer.
+                let Ok(peer) = c.peer_addr() else { continue };
+                seen2.lock().unwrap().push(canonical(peer));
                 std::thread::spawn(move || serve(c, port));
             }
         });
@@ -63,9 +78,11 @@ impl App {
 
 /// Answers every line with who we are and whom we see, until the peer closes.
 fn serve(c: TcpStream, port: u16) {
-    let peer = canonical(c.peer_addr().unwrap());
-    let local = canonical(c.local_addr().unwrap());
-    let mut r = BufReader::new(c.try_clone().unwrap());
+    let (Ok(peer), Ok(local), Ok(read)) = (c.peer_addr(), c.local_addr(), c.try_clone()) else {
+        return;
+    };
+    let (peer, local) = (canonical(peer), canonical(local));
+    let mut r = BufReader::new(read);
     let mut w = c;
     let mut line = String::new();
     while matches!(r.read_line(&mut line), Ok(n) if n > 0) {
