@@ -219,9 +219,9 @@ fn stale_del_under_emfile() -> TestResult {
 /// the pod captured, one DEL under that limit (cut short wherever the
 /// descriptors ran out, or refused: retried), the limit lifted. `sluice-cni`
 /// answers a DEL OK whatever the agent could not do (a runtime must be able
-/// to remove a sandbox), and the agent finishes the teardown itself, so
-/// nothing of the pod is left soon after: no state, no pins, and no filter
-/// at its hooks. (Found by this sweep: a teardown under EMFILE read "cannot
+/// to remove a sandbox), and the agent finishes the teardown itself (at
+/// once, then after 1 s, 2 s, 4 s… while it cannot), so nothing of the pod
+/// is left soon after: no state, no pins, and no filter at its hooks. (Found by this sweep: a teardown under EMFILE read "cannot
 /// look the interface up" as "the interface is gone", dropped the filter's
 /// record and left the filter running, with nothing left to say it was
 /// sluice's.)
@@ -306,9 +306,11 @@ fn unenroll_under_emfile() -> TestResult {
         }
         // What the first attempt left is whole or being torn down; the
         // retry finishes it.
+        // (The first may have finished after all, its answer lost: the
+        // agent could not write it, or the CLI gave up waiting.)
         let retry = s.agent.sluice(&["unenroll", "--uid", uid])?;
         ensure!(
-            retry.ok,
+            retry.ok || retry.stderr.contains("no enrolled pod has uid"),
             "{what}, retried: {} {}",
             retry.stdout,
             retry.stderr

@@ -299,6 +299,9 @@ pub enum Effect {
     ReportVerification,
     /// The pod is gone: drop its row and the listeners held for it.
     Forget,
+    /// The pod entered `Draining`: should its teardown be cut short (out of
+    /// descriptors, say), the repairer finishes it, retrying until done.
+    FinishTeardown,
 }
 
 /// The outcome of one event on one pod.
@@ -391,6 +394,9 @@ pub fn step(
     }
     if to == Some(PodState::Enabled) && from != to {
         effects.push(Effect::CheckServed);
+    }
+    if to == Some(PodState::Draining) && from != to {
+        effects.push(Effect::FinishTeardown);
     }
     let rest = next_track(track, event, to != from, now);
     effects.extend(rest.effects);

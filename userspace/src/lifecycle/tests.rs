@@ -301,3 +301,16 @@ fn an_incomplete_capture_is_reported_when_its_links_change() {
     assert!(!report(apply(&mut s, &mut t, Event::Checked(None), now)));
     assert_eq!(s, Some(Served), "completeness is not a state");
 }
+
+#[test]
+fn entering_draining_has_the_teardown_finished() {
+    for from in [Pending, Enabled, Served] {
+        let (mut s, mut t) = (Some(from), Track::default());
+        let st = apply(&mut s, &mut t, Event::Drain, Instant::now());
+        assert_eq!(s, Some(Draining));
+        assert!(st.effects.contains(&Effect::FinishTeardown), "{from:?}");
+        // Already Draining: no second one.
+        let st = apply(&mut s, &mut t, Event::Drain, Instant::now());
+        assert!(!st.effects.contains(&Effect::FinishTeardown));
+    }
+}

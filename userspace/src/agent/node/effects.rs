@@ -55,7 +55,9 @@ impl EffectRunner {
                 }
                 Effect::CheckServed => self.served.wake(),
                 Effect::RecheckServed => self.served.recheck_soon(),
-                Effect::Verify => self.verify.push(a.cookie),
+                // The repairer verifies a steering pod, and finishes the
+                // teardown of a `Draining` one (nothing once it is gone).
+                Effect::Verify | Effect::FinishTeardown => self.verify.push(a.cookie),
                 Effect::Forget => {
                     if let Some(p) = &a.pod {
                         self.custody.forget(&p.uid);

@@ -161,6 +161,7 @@ impl NodeAgent {
             queue,
             every: periods.verify_every,
             custody: custody.clone(),
+            teardown_tries: Default::default(),
         });
         let enroller = Arc::new(Enroller {
             book: book.clone(),

@@ -39,6 +39,8 @@ pub struct Repairer {
     /// ztunnel's listeners as the agent holds them: what sk_lookup must
     /// select.
     pub(super) custody: Arc<Custody>,
+    /// How often each unfinished teardown was tried again (its backoff).
+    pub(super) teardown_tries: std::sync::Mutex<std::collections::HashMap<u64, u32>>,
 }
 
 impl Repairer {
@@ -74,8 +76,11 @@ impl Repairer {
         self.verify(cookie, false);
     }
 
-    /// Verifies the pods queued when their listeners were registered, until
-    /// `stop`.
+    /// Verifies the pods queued when their listeners were registered, and
+    /// finishes the teardowns of those queued when they entered `Draining`,
+    /// until `stop`. A teardown that cannot finish yet (out of descriptors,
+    /// say, with no event to come) is tried again after 1 s, 2 s, 4 s… (at
+    /// most the verification period).
     pub(super) async fn run(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
         loop {
             let due = tokio::select! {
@@ -83,12 +88,40 @@ impl Repairer {
                 due = self.queue.take() => due,
             };
             let this = self.clone();
-            let _ = tokio::task::spawn_blocking(move || {
-                for cookie in due {
-                    this.verify(cookie, false);
-                }
+            let done = due.clone();
+            let unfinished = tokio::task::spawn_blocking(move || {
+                due.into_iter()
+                    .filter(|&cookie| {
+                        this.verify(cookie, false);
+                        this.book.state_of(cookie) == Some(PodState::Draining)
+                    })
+                    .collect::<Vec<_>>()
             })
-            .await;
+            .await
+            .unwrap_or_default();
+            self.retry_teardowns(&done, unfinished);
+        }
+    }
+
+    /// Queues each of `unfinished` again after its backoff; forgets the
+    /// backoff of the others of `done` (the pods just verified).
+    fn retry_teardowns(&self, done: &std::collections::BTreeSet<u64>, unfinished: Vec<u64>) {
+        let mut tries = self.teardown_tries.lock().unwrap();
+        tries.retain(|c, _| !done.contains(c) || unfinished.contains(c));
+        for cookie in unfinished {
+            let n = tries.entry(cookie).or_insert(0);
+            let backoff = Duration::from_secs(1 << (*n).min(6)).min(self.every);
+            *n += 1;
+            warn!(
+                cookie,
+                ?backoff,
+                "a pod's teardown is unfinished: trying again"
+            );
+            let queue = self.queue.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(backoff).await;
+                queue.push(cookie);
+            });
         }
     }
 
