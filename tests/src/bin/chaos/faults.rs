@@ -191,18 +191,22 @@ pub fn heal_lasting(run: &Run) {
 
 /// 200 connections to the control socket, half of them with half a
 /// request, held a second.
+/// On a thread of its own: a connect blocks while the socket's backlog is
+/// full (an agent out of descriptors accepts nothing), and the schedule,
+/// with the fault that ends that (`fd-restore`), must go on meanwhile.
 fn control_flood(socket: &std::path::Path) {
     use std::io::Write as _;
-    let conns: Vec<_> = (0..200)
-        .filter_map(|i| {
-            let mut c = std::os::unix::net::UnixStream::connect(socket).ok()?;
-            if i % 2 == 0 {
-                let _ = c.write_all(b"{\"status\":");
-            }
-            Some(c)
-        })
-        .collect();
+    let socket = socket.to_owned();
     std::thread::spawn(move || {
+        let conns: Vec<_> = (0..200)
+            .filter_map(|i| {
+                let mut c = std::os::unix::net::UnixStream::connect(&socket).ok()?;
+                if i % 2 == 0 {
+                    let _ = c.write_all(b"{\"status\":");
+                }
+                Some(c)
+            })
+            .collect();
         std::thread::sleep(Duration::from_secs(1));
         drop(conns);
     });
