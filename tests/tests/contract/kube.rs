@@ -726,6 +726,17 @@ fn relist() -> TestResult {
             &sluice::podnet::enroll::PodAddrs::Netns,
         )?;
     }
+    // The agent's selection snapshot: removed after the runtime, whose
+    // tasks may write it again until they stop (declared first, dropped
+    // last).
+    struct RemoveOnDrop(std::path::PathBuf);
+    impl Drop for RemoveOnDrop {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let dir =
+        RemoveOnDrop(std::env::temp_dir().join(format!("sluice-relist-{}", std::process::id())));
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async {
         let (svc, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
@@ -774,8 +785,7 @@ fn relist() -> TestResult {
                 mockapi::reply(send, 200, &reply);
             }
         });
-        let dir = std::env::temp_dir().join(format!("sluice-relist-{}", std::process::id()));
-        let selection = dir.join(sluice::cni::snapshot::FILE_NAME);
+        let selection = dir.0.join(sluice::cni::snapshot::FILE_NAME);
         let (node, _announcing) = cluster_node_with(
             &f,
             kube::Client::new(svc, "default"),
@@ -789,7 +799,6 @@ fn relist() -> TestResult {
         // The CNI plugin's view for when the agent is down: ambient
         // namespaces, the excluded one left out.
         let snap = sluice::cni::snapshot::read(&selection)?;
-        let _ = std::fs::remove_dir_all(&dir);
         ensure!(
             snap.ambient_namespaces == ["mesh".to_string()].into(),
             "{snap:?}"
