@@ -39,24 +39,20 @@ fn edges(x: &PodExclusions) -> Vec<IpAddr> {
     if let Include::Only(v) = &x.include_outbound_ip_ranges {
         nets.extend(v);
     }
+    // One address up or down, in the address's own family.
     let step = |a: IpAddr, up: bool| -> Option<IpAddr> {
+        let (n, max) = match a {
+            IpAddr::V4(a) => (u128::from(u32::from(a)), u128::from(u32::MAX)),
+            IpAddr::V6(a) => (u128::from(a), u128::MAX),
+        };
+        let n = if up {
+            n.checked_add(1).filter(|n| *n <= max)?
+        } else {
+            n.checked_sub(1)?
+        };
         Some(match a {
-            IpAddr::V4(a) => {
-                let n = u32::from(a);
-                IpAddr::from(std::net::Ipv4Addr::from(if up {
-                    n.checked_add(1)?
-                } else {
-                    n.checked_sub(1)?
-                }))
-            }
-            IpAddr::V6(a) => {
-                let n = u128::from(a);
-                IpAddr::from(std::net::Ipv6Addr::from(if up {
-                    n.checked_add(1)?
-                } else {
-                    n.checked_sub(1)?
-                }))
-            }
+            IpAddr::V4(_) => IpAddr::from(std::net::Ipv4Addr::from(n as u32)),
+            IpAddr::V6(_) => IpAddr::from(std::net::Ipv6Addr::from(n)),
         })
     };
     nets.iter()
