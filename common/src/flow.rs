@@ -145,11 +145,12 @@ impl DnsFlowKey {
     }
 }
 
-/// How many DNS queries one pod may have captured per second (a fixed
-/// window): `dns_flows` is node-wide, and a pod asking faster than its
-/// proxy answers would otherwise evict every other pod's queries in flight.
-/// Past it, the pod's queries are dropped (counted `dns_over_budget`) until
-/// the next window. Far above what a pod's resolver asks.
+/// How many DNS queries one pod may have captured and not yet answered per
+/// second (a fixed window; an answer gives its query's use back):
+/// `dns_flows` is node-wide, and a pod asking faster than its proxy answers
+/// would otherwise evict every other pod's queries in flight. Past it, the
+/// pod's queries are dropped (counted `dns_over_budget`) until an answer
+/// or the next window. A pod whose proxy answers is never held to a rate.
 pub const DNS_QUERIES_PER_POD_PER_S: u32 = 4096;
 /// The window of the per-pod budgets ([`DNS_QUERIES_PER_POD_PER_S`],
 /// [`HINTS_PER_POD_PER_S`]): a fixed window, reset by the first use after

@@ -172,6 +172,9 @@ pub fn restore_answer(ctx: &TcContext, u: &Udp) -> i32 {
         // again), so the node-wide map holds only queries in flight, not
         // every recent one of a pod that asks fast (issue 38, case 3).
         let _ = DNS_FLOWS.remove(key);
+        // And its use of the pod's budget is given back: the budget bounds
+        // the pod's queries in flight, never the rate its proxy answers.
+        budget::give_back(&DNS_BUDGET, flow.netns_cookie);
     }
     PASS
 }

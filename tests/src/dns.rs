@@ -40,7 +40,7 @@ pub const UPSTREAM_V6: Ipv6Addr = Ipv6Addr::new(0xfd53, 0, 0, 0, 0, 0, 0, 2);
 const READ_TIMEOUT: Duration = Duration::from_millis(200);
 /// How long a client waits for an answer: a bound for a failing test, not
 /// a speed requirement (answers take microseconds).
-const ANSWER_WAIT: Duration = Duration::from_secs(5);
+pub const ANSWER_WAIT: Duration = Duration::from_secs(5);
 
 /// A query for `name`, type `qtype`, recursion desired, with an EDNS OPT
 /// record advertising a 4096-byte UDP payload.
@@ -351,6 +351,22 @@ pub fn proxy_in(ns: Ns, forward_to: SocketAddr, delay: Duration) -> Server {
         SocketAddr::new(Ipv6Addr::LOCALHOST.into(), PORT_DNS_PROXY),
     ];
     serve(ns, addrs, true, respond)
+}
+
+/// A DNS proxy that takes every query on localhost:15053 (UDP and TCP, its
+/// sockets marked as ztunnel's) and answers none: a proxy slower than its
+/// pod asks.
+pub fn silent_proxy(ns: &str) -> Server {
+    let addrs = vec![
+        SocketAddr::new(Ipv4Addr::LOCALHOST.into(), PORT_DNS_PROXY),
+        SocketAddr::new(Ipv6Addr::LOCALHOST.into(), PORT_DNS_PROXY),
+    ];
+    serve(
+        Ns::Named(ns.to_owned()),
+        addrs,
+        true,
+        Arc::new(|_: &[u8]| None),
+    )
 }
 
 /// The proxy's own upstream query: a marked UDP socket (runs in the pod

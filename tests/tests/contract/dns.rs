@@ -81,6 +81,10 @@ pub fn trials() -> Vec<Trial> {
         || as_if_kernel(without_netns_cookie_in_tc(), over_budget),
     ));
     v.push(trial(
+        "dns::d7_answered_queries_are_not_held_to_the_budget",
+        answered_queries_are_not_held_to_the_budget,
+    ));
+    v.push(trial(
         "dns::d5_annotations_and_the_node_default_choose",
         switches,
     ));
@@ -342,14 +346,15 @@ fn differential(fam: Family) -> TestResult {
     Ok(())
 }
 
-/// Pod A sends more queries in a burst than its budget
-/// (`DNS_QUERIES_PER_POD_PER_S` a second; no privileges needed): those past
-/// it are dropped and counted (`dns_over_budget`), so it cannot evict the
-/// node's other queries in flight from the node-wide `dns_flows`; its
-/// neighbour B, asking meanwhile, is answered from its resolver. (Issue 38,
-/// case 3.)
+/// Pod A, whose proxy answers nothing, sends more queries in a burst than
+/// its budget (`DNS_QUERIES_PER_POD_PER_S` unanswered a second; no
+/// privileges needed): those past it are dropped and counted
+/// (`dns_over_budget`), so it cannot evict the node's other queries in
+/// flight from the node-wide `dns_flows`; its neighbour B, asking
+/// meanwhile, is answered from its resolver. (Issue 38, case 3.)
 fn over_budget() -> TestResult {
-    let a = DnsPod::new("dnsbud", true)?;
+    let a = DnsPod::new("dnsbud", false)?;
+    let _silent = dns::silent_proxy(&a.f.topo.pod);
     let b = Fixture::in_subnet("dnsbudb", Some(Bind::DualStack), 1)?;
     let b_resolver = SocketAddr::new(b.topo.client_ip(Family::V4), 53);
     let _b_upstream = dns::upstream(&b.topo.client, &[b_resolver.ip()]);
@@ -390,6 +395,61 @@ fn over_budget() -> TestResult {
     ensure!(
         got.from == b_resolver && got.answer.addrs == [proxy_addr(Family::V4)],
         "the neighbour's query: {got:?}"
+    );
+    Ok(())
+}
+
+/// A pod whose proxy answers each query before the next asks more than its
+/// budget within one window: every query is answered from the resolver's
+/// address and none is dropped (an answer gives its query's use back; the
+/// budget bounds queries in flight, not the rate a pod asks at). Before,
+/// the budget was a rate: a busy pod's 4,097th query of a second was
+/// dropped, and its resolver waited out its timeout.
+fn answered_queries_are_not_held_to_the_budget() -> TestResult {
+    let a = DnsPod::new("dnsrate", true)?;
+    a.enroll(PodOptions::default(), true)?;
+    let dp = a.f.dataplane()?;
+    let over = || dp.maps().drops(sluice_common::DropReason::DnsOverBudget);
+    let before = over();
+    let queries = sluice_common::DNS_QUERIES_PER_POD_PER_S as usize + 1_000;
+    let resolver = SocketAddr::new(Family::V4.client(), 53);
+    let started = std::time::Instant::now();
+    sluice_tests::ns::run_in(&a.f.topo.pod, move || -> anyhow::Result<()> {
+        let s = std::net::UdpSocket::bind("0.0.0.0:0")?;
+        s.set_read_timeout(Some(dns::ANSWER_WAIT))?;
+        s.connect(resolver)?;
+        let mut buf = [0u8; 4096];
+        for i in 0..queries {
+            let id = i as u16;
+            s.send(&dns::query(id, "rate.proxy.test", TYPE_A))?;
+            let n = s
+                .recv(&mut buf)
+                .with_context(|| format!("no answer to query {i} of {queries}"))?;
+            let got = dns::parse_answer(&buf[..n]).context("unparsable answer")?;
+            ensure!(got.id == id, "answer id {} for query {id}", got.id);
+        }
+        Ok(())
+    })?;
+    let dropped = over() - before;
+    ensure!(
+        dropped == 0,
+        "{dropped} of {queries} answered queries dropped as over budget \
+         (asked in {:?})",
+        started.elapsed()
+    );
+    // Every query was answered before the next: nothing of the budget is
+    // left in use, however many windows the queries took.
+    let budget =
+        aya::maps::HashMap::<_, u64, sluice_common::Budget>::try_from(aya::maps::Map::LruHashMap(
+            aya::maps::MapData::from_pin(a.f.topo.pins.maps().join("dns_budget"))?,
+        ))?;
+    let used: Vec<u32> = budget
+        .iter()
+        .map(|e| e.map(|(_, b)| b.used))
+        .collect::<Result<_, _>>()?;
+    ensure!(
+        used.iter().all(|u| *u == 0),
+        "budget uses left after {queries} answered queries: {used:?}"
     );
     Ok(())
 }
