@@ -12,6 +12,11 @@
 //!   "the sandbox is gone").
 //! - A DEL cut short leaves nothing behind once the agent has finished it
 //!   (found by this sweep itself).
+//! - A repair cut short is tried again once the agent has descriptors back
+//!   (seed 1795791762004746862, the first 2-hour run: a pod's pins removed
+//!   while the agent was out of descriptors; the repair the removal caused
+//!   failed, no event followed, and the pod's sk_lookup link stayed detached
+//!   until the next periodic verification, up to 60 s later).
 
 use anyhow::{ensure, Context as _};
 use libtest_mimic::Trial;
@@ -47,6 +52,10 @@ pub fn trials() -> Vec<Trial> {
             "agent::an_unenroll_under_emfile_leaves_the_pod_captured_or_gone",
             unenroll_under_emfile,
         ),
+        trial(
+            "agent::a_repair_cut_short_by_emfile_is_tried_again_without_an_event",
+            repair_retried_after_emfile,
+        ),
     ]
 }
 
@@ -61,8 +70,13 @@ struct Setup {
 
 impl Setup {
     fn new(tag: &str) -> anyhow::Result<Self> {
+        Self::with_agent_flags(tag, &[])
+    }
+
+    /// Same, the agent started with `flags`.
+    fn with_agent_flags(tag: &str, flags: &[&str]) -> anyhow::Result<Self> {
         let n = Node::new(tag)?;
-        let agent = AgentProc::start(&n.pins)?;
+        let agent = AgentProc::start_with(&n.pins, flags)?;
         let ptp_conf = n.ptp_conf();
         let ptp = n
             .exec(&plugin("ptp"), "ADD", &ptp_conf, Some(&n.pod_path()))
@@ -318,4 +332,89 @@ fn unenroll_under_emfile() -> TestResult {
         gone(&s, cookie).map_err(|e| anyhow::anyhow!("{what}, retried: {e}\n{}", s.agent.log()))?;
     }
     anyhow::bail!("no unenroll finished with up to 63 descriptors to spare")
+}
+
+/// For every descriptor headroom from one until a repair succeeds within
+/// it: the pod's sk_lookup link pin removed (which detaches the link: its
+/// inbound and outbound capture stop) while the agent is under that limit,
+/// the agent's repair of it counted as failed
+/// (`sluice_capture_repair_errors_total`), then the limit lifted and
+/// nothing else done: the link is back well before the periodic
+/// verification (set to 10 minutes here) could put it back.
+fn repair_retried_after_emfile() -> TestResult {
+    let port = sluice_tests::agent::free_port()?;
+    let metrics = format!("127.0.0.1:{port}");
+    let s = Setup::with_agent_flags(
+        "erp",
+        &["--metrics-addr", &metrics, "--verify-every", "10m"],
+    )?;
+    let add = s.sluice("ADD")?;
+    s.added("the ADD", &add)?;
+    let cookie = sluice::status::read(&s.n.pins)?[0].netns_cookie;
+    let pid = s.pid()?;
+    let pin = s.n.pins.pod(cookie).join("steer");
+    let netns = s.n.pod_path();
+    // The link pinned and attached in the pod's netns.
+    let attached = || -> Result<(), String> {
+        let running =
+            sluice_tests::inspect::sk_lookup_programs(&netns).map_err(|e| e.to_string())?;
+        match (pin.exists(), running.is_empty()) {
+            (true, false) => Ok(()),
+            seen => Err(format!("pin, nothing attached: {seen:?}")),
+        }
+    };
+    attached().map_err(anyhow::Error::msg)?;
+    // Once without a limit: its repair shows the agent watches the pod
+    // (a pod not watched yet is verified when its watch opens, which under
+    // the limit it would not).
+    std::fs::remove_file(&pin)?;
+    wait::until("the link put back", wait::DEADLINE, attached).with_context(|| s.agent.log())?;
+    for headroom in 1..64 {
+        let before = repair_errors(port)?;
+        fd_limit(pid, Some(headroom))?;
+        let removed = std::fs::remove_file(&pin);
+        // The repair the removal causes runs under the limit: it fails
+        // (counted) or puts the link back. (The count is read over a new
+        // connection, which the agent accepts once the failed repair has
+        // closed its descriptors.)
+        let repair = removed.map_err(anyhow::Error::from).and_then(|()| {
+            wait::until(
+                &format!("the repair with {headroom} descriptors to spare"),
+                wait::DEADLINE,
+                || match (attached(), repair_errors(port)) {
+                    (Ok(()), _) => Ok(false),
+                    (_, Ok(n)) if n > before => Ok(true),
+                    seen => Err(format!("{seen:?}")),
+                },
+            )
+        });
+        fd_limit(pid, None)?;
+        let failed = repair.with_context(|| s.agent.log())?;
+        if !failed {
+            // Every headroom below this one cut the repair short.
+            ensure!(headroom > 1, "no repair was cut short: nothing was tested");
+            s.remove_pod();
+            return Ok(());
+        }
+        wait::until(
+            &format!(
+                "the link put back after a repair with {headroom} descriptors to spare failed"
+            ),
+            wait::DEADLINE,
+            attached,
+        )
+        .with_context(|| s.agent.log())?;
+    }
+    anyhow::bail!("no repair succeeded with up to 63 descriptors to spare")
+}
+
+/// `sluice_capture_repair_errors_total` from the agent's metrics.
+fn repair_errors(port: u16) -> anyhow::Result<u64> {
+    let (code, body) = sluice_tests::agent::http_get(port, "/metrics")?;
+    ensure!(code == 200, "metrics: HTTP {code}");
+    let line = body
+        .lines()
+        .find_map(|l| l.strip_prefix("sluice_capture_repair_errors_total "))
+        .context("no sluice_capture_repair_errors_total")?;
+    Ok(line.trim().parse()?)
 }

@@ -44,6 +44,7 @@ pub struct Metrics {
     served_recheck: Gauge,
     captured_late: Counter,
     repairs: Counter,
+    repair_errors: Counter,
     claims_evicted: Counter,
     build_info: Family<Vec<(&'static str, String)>, Gauge>,
     cni_requests: Family<Labels, Counter>,
@@ -71,6 +72,7 @@ impl Metrics {
             served_recheck: Gauge::default(),
             captured_late: Counter::default(),
             repairs: Counter::default(),
+            repair_errors: Counter::default(),
             claims_evicted: Counter::default(),
             build_info: Family::default(),
             cni_requests: Family::default(),
@@ -134,6 +136,11 @@ impl Metrics {
             "capture_repairs",
             "Enrolled pods whose capture verification found incomplete (a link or filter gone, an interface added) and completed",
             self.repairs.clone(),
+        );
+        self.registry.register(
+            "capture_repair_errors",
+            "Verifications of a pod's capture that could not complete it (out of descriptors, its netns unreadable, a kernel error): the pod is tried again after 1 s, 2 s, 4 s… up to the verification period",
+            self.repair_errors.clone(),
         );
         self.registry.register(
             "address_claims_evicted",
@@ -227,6 +234,10 @@ impl Metrics {
     /// An enrolled pod's capture was found incomplete and completed.
     pub fn capture_repaired(&self) {
         self.repairs.inc();
+    }
+
+    pub fn capture_repair_error(&self) {
+        self.repair_errors.inc();
     }
 
     pub fn failed(&self, why: Failure) {

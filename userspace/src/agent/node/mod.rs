@@ -161,7 +161,7 @@ impl NodeAgent {
             queue,
             every: periods.verify_every,
             custody: custody.clone(),
-            teardown_tries: Default::default(),
+            retries: Default::default(),
         });
         let enroller = Arc::new(Enroller {
             book: book.clone(),

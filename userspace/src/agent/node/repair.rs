@@ -39,8 +39,9 @@ pub struct Repairer {
     /// ztunnel's listeners as the agent holds them: what sk_lookup must
     /// select.
     pub(super) custody: Arc<Custody>,
-    /// How often each unfinished teardown was tried again (its backoff).
-    pub(super) teardown_tries: std::sync::Mutex<std::collections::HashMap<u64, u32>>,
+    /// How often each pod left unsettled by its last verification was
+    /// tried again (its backoff).
+    pub(super) retries: std::sync::Mutex<std::collections::HashMap<u64, u32>>,
 }
 
 impl Repairer {
@@ -76,11 +77,9 @@ impl Repairer {
         self.verify(cookie, false);
     }
 
-    /// Verifies the pods queued when their listeners were registered, and
-    /// finishes the teardowns of those queued when they entered `Draining`,
-    /// until `stop`. A teardown that cannot finish yet (out of descriptors,
-    /// say, with no event to come) is tried again after 1 s, 2 s, 4 s… (at
-    /// most the verification period).
+    /// Verifies the pods queued when their listeners were registered, when
+    /// they entered `Draining` (to finish their teardown), and those queued
+    /// again by [`Self::settle`], until `stop`.
     pub(super) async fn run(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
         loop {
             let due = tokio::select! {
@@ -88,41 +87,41 @@ impl Repairer {
                 due = self.queue.take() => due,
             };
             let this = self.clone();
-            let done = due.clone();
-            let unfinished = tokio::task::spawn_blocking(move || {
-                due.into_iter()
-                    .filter(|&cookie| {
-                        this.verify(cookie, false);
-                        this.book.state_of(cookie) == Some(PodState::Draining)
-                    })
-                    .collect::<Vec<_>>()
+            let _ = tokio::task::spawn_blocking(move || {
+                for cookie in due {
+                    this.verify(cookie, false);
+                }
             })
-            .await
-            .unwrap_or_default();
-            self.retry_teardowns(&done, unfinished);
+            .await;
         }
     }
 
-    /// Queues each of `unfinished` again after its backoff; forgets the
-    /// backoff of the others of `done` (the pods just verified).
-    fn retry_teardowns(&self, done: &std::collections::BTreeSet<u64>, unfinished: Vec<u64>) {
-        let mut tries = self.teardown_tries.lock().unwrap();
-        tries.retain(|c, _| !done.contains(c) || unfinished.contains(c));
-        for cookie in unfinished {
-            let n = tries.entry(cookie).or_insert(0);
-            let backoff = Duration::from_secs(1 << (*n).min(6)).min(self.every);
-            *n += 1;
-            warn!(
-                cookie,
-                ?backoff,
-                "a pod's teardown is unfinished: trying again"
-            );
-            let queue = self.queue.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(backoff).await;
-                queue.push(cookie);
-            });
-        }
+    /// After a verification of the pod: when it left something to do (a
+    /// repair that failed, a teardown unfinished, a capture that failed its
+    /// verification), the pod is queued again after 1 s, 2 s, 4 s… (at most
+    /// the verification period), since nothing else may come to retry it:
+    /// the agent out of descriptors when a pin was removed gets no second
+    /// event once it has them back. Otherwise its backoff is forgotten.
+    fn settle(&self, cookie: u64, unsettled: Option<&'static str>) {
+        let mut tries = self.retries.lock().unwrap();
+        let Some(what) = unsettled else {
+            tries.remove(&cookie);
+            return;
+        };
+        // Called off the runtime's workers, within it; a caller outside it
+        // (none today) leaves the retry to the next event or pass.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let n = tries.entry(cookie).or_insert(0);
+        let backoff = Duration::from_secs(1 << (*n).min(6)).min(self.every);
+        *n += 1;
+        warn!(cookie, ?backoff, "{what}: trying again");
+        let queue = self.queue.clone();
+        runtime.spawn(async move {
+            tokio::time::sleep(backoff).await;
+            queue.push(cookie);
+        });
     }
 
     /// Verifies one pod, if it is still enrolled. What is linear in its
@@ -134,22 +133,33 @@ impl Repairer {
         let survey = self.book.survey(cookie);
         let mut guard = self.book.dataplane();
         if guard.maps().entry(cookie).is_none() {
-            return;
+            drop(guard);
+            return self.settle(cookie, None);
         }
-        self.verify_pod(&mut guard, cookie, at_start, survey);
+        let repaired = self.verify_pod(&mut guard, cookie, at_start, survey);
         drop(guard);
-        self.run_capture(cookie);
+        let verified = self.run_capture(cookie);
+        let unsettled = if self.book.state_of(cookie) == Some(PodState::Draining) {
+            Some("a pod's teardown is unfinished")
+        } else if !repaired {
+            Some("a pod's capture could not be repaired")
+        } else if !verified {
+            Some("a pod's capture failed its verification")
+        } else {
+            None
+        };
+        self.settle(cookie, unsettled);
     }
 
     /// Runs the capture of a pod that steers (`Enabled`, `Served`) on
     /// synthetic packets (see [`verify`]): what its readiness gate waits
     /// for. The plan is read under the node-wide lock, the runs are made
-    /// without it.
-    fn run_capture(&self, cookie: u64) {
+    /// without it. False when the capture failed its verification.
+    fn run_capture(&self, cookie: u64) -> bool {
         let (plan, uid, pod) = {
             let dp = self.book.dataplane();
             let Some(meta) = dp.maps().meta(cookie).filter(|_| steers(&dp, cookie)) else {
-                return;
+                return true;
             };
             let pod = format!("{}/{}", meta.workload.namespace, meta.workload.name);
             (verify::plan(&dp, cookie), meta.uid, pod)
@@ -174,7 +184,9 @@ impl Repairer {
                 detail: f.detail,
             },
         };
+        let passed = !matches!(found, Verification::Failed { .. });
         self.record(&uid, &pod, found);
+        passed
     }
 
     /// What a verification of the pod found: counted, put on its track,
@@ -204,14 +216,15 @@ impl Repairer {
     }
 
     /// Verifies and completes one pod's capture (see [`enroll::repair`]),
-    /// with an Event and a count when something was missing.
+    /// with an Event and a count when something was missing. False when the
+    /// repair failed (it is retried, see [`Self::settle`]).
     fn verify_pod(
         &self,
         dp: &mut Dataplane,
         cookie: u64,
         at_start: bool,
         survey: Option<enroll::Survey>,
-    ) {
+    ) -> bool {
         let (uid, pod) = dp
             .maps()
             .meta(cookie)
@@ -257,10 +270,14 @@ impl Repairer {
             }
             Ok(enroll::Repair::TornDown) => {
                 info!("finished an interrupted teardown");
-                return;
+                return true;
             }
-            Err(e) => warn!(error = %e, "could not verify the pod's capture; will retry"),
+            Err(e) => {
+                warn!(error = %e, "could not verify the pod's capture; will retry");
+                self.metrics.capture_repair_error();
+            }
         }
+        let repaired = outcome.is_ok();
         // A pod an earlier agent enrolled: open its netns once, now.
         if let Some(meta) = dp.maps().meta(cookie) {
             let pods = self.book.pods();
@@ -271,6 +288,7 @@ impl Repairer {
         }
         let survey = survey.filter(|s| s.is_of(dp, cookie));
         self.note_completeness(dp, cookie, &uid, &pod, outcome.err(), survey.as_ref());
+        repaired
     }
 
     /// After a repair of the pod (`failed`: its error, if it failed):
