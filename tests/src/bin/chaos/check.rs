@@ -5,8 +5,9 @@
 //! memory and descriptors stay bounded (every second).
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     net::SocketAddr,
+    path::{Path, PathBuf},
     sync::{
         atomic::{AtomicU32, Ordering},
         Arc, Mutex,
@@ -135,6 +136,7 @@ pub fn start(
     ledger: Arc<Ledger>,
     watch: Watch,
     pins: Pins,
+    control: PathBuf,
     agent_pid: Arc<AtomicU32>,
 ) -> JoinHandle<Resources> {
     std::thread::spawn(move || {
@@ -143,7 +145,7 @@ pub fn start(
         while !ledger.stopping() {
             watch.lock().unwrap().check(&ledger);
             if tick.is_multiple_of(10) {
-                states(&ledger, &pins);
+                states(&ledger, &pins, &control);
                 resources(&ledger, agent_pid.load(Ordering::SeqCst), &mut res);
             }
             tick += 1;
@@ -154,12 +156,18 @@ pub fn start(
 }
 
 /// Truthful state and the Served bound, for every live pod. The kernel is
-/// asked outside the ledger's lock (a `tc` run per hook).
-fn states(l: &Ledger, pins: &Pins) {
+/// asked outside the ledger's lock (a `tc` run per hook). A pod is reported
+/// Served when its pinned state is `Served` and the agent does not say its
+/// capture failed its last verification (the agent's readiness gate and
+/// `sluice status` then say it is not served); an agent that does not
+/// answer (restarting, out of descriptors, flooded) is taken to report
+/// every pinned `Served` pod as served.
+fn states(l: &Ledger, pins: &Pins, control: &Path) {
     // Unreadable while an agent restarts and takes the pins over: next time.
     let Ok(records) = sluice::status::read(pins) else {
         return;
     };
+    let unverified = failed_verifications(control, pins);
     let programs = inspect::pinned_programs(pins).unwrap_or_default();
     let id = |p: Program| programs.get(p.name()).map(|(id, _)| *id);
     let ours = [Program::Steer, Program::Egress, Program::Ingress].map(id);
@@ -171,7 +179,7 @@ fn states(l: &Ledger, pins: &Pins) {
         for (uid, p) in pods.iter_mut() {
             l.counted("truthful state");
             let record = records.iter().find(|r| &r.uid == uid);
-            if record.and_then(|r| r.state) == Some(PodState::Served) {
+            if record.and_then(|r| r.state) == Some(PodState::Served) && !unverified.contains(uid) {
                 served.push((uid.clone(), p.netns.clone()));
                 continue;
             }
@@ -208,6 +216,47 @@ fn states(l: &Ledger, pins: &Pins) {
     for (invariant, uid, detail) in violations {
         l.violate(invariant, Some(&uid), detail);
     }
+}
+
+/// The pods whose capture failed the agent's last verification of it, as
+/// the agent answers `status`; none when it does not answer within 1 s.
+fn failed_verifications(control: &Path, pins: &Pins) -> BTreeSet<String> {
+    use sluice::control::{Envelope, NodeAnswer, Request, Response, VerifyOutcome};
+    let envelope = Envelope {
+        bpf_root: Some(pins.root().to_owned()),
+        request: Request::Status,
+    };
+    let Ok(Response::More(NodeAnswer::Node(node))) = ask_within(control, &envelope) else {
+        return BTreeSet::new();
+    };
+    node.verifications
+        .into_iter()
+        .filter(|v| v.outcome == VerifyOutcome::Failed)
+        .map(|v| v.uid)
+        .collect()
+}
+
+/// One request to the agent, every step bounded by 1 s: the connect too
+/// (`SO_SNDTIMEO` bounds a unix connect's wait for the listener's backlog,
+/// which a control flood fills), so the checker never stands still.
+fn ask_within(
+    control: &Path,
+    envelope: &sluice::control::Envelope,
+) -> anyhow::Result<sluice::control::Response> {
+    use socket2::{Domain, SockAddr, Socket, Type};
+    use std::io::{BufRead, BufReader, Write};
+    let wait = Some(Duration::from_secs(1));
+    let s = Socket::new(Domain::UNIX, Type::STREAM, None)?;
+    s.set_write_timeout(wait)?;
+    s.set_read_timeout(wait)?;
+    s.connect(&SockAddr::unix(control)?)?;
+    let mut s = std::os::unix::net::UnixStream::from(std::os::fd::OwnedFd::from(s));
+    let mut out = serde_json::to_vec(envelope)?;
+    out.push(b'\n');
+    s.write_all(&out)?;
+    let mut line = String::new();
+    BufReader::new(s).read_line(&mut line)?;
+    Ok(serde_json::from_str(&line)?)
 }
 
 /// The kernel's own answer: sluice's sk_lookup program is attached in the

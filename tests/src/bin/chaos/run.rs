@@ -99,6 +99,7 @@ impl Run {
             run.ledger.clone(),
             run.watch.clone(),
             run.node.pins.clone(),
+            run.node.agent.control.clone(),
             run.node.agent_pid.clone(),
         ));
         Ok(run)
