@@ -369,19 +369,7 @@ pub fn cpu(report: &mut Report, cfg: &Config, rng: &mut StdRng) -> anyhow::Resul
 /// this runs: it costs every BPF program two clock reads), and the BPF time
 /// per connection in each direction.
 fn bpf_run_time(report: &mut Report, cfg: &Config, s: &Setup) -> anyhow::Result<()> {
-    let progs = s.topo.pins.progs();
-    let read = || -> anyhow::Result<BTreeMap<String, (u64, u64)>> {
-        let mut m = BTreeMap::new();
-        for e in std::fs::read_dir(&progs)? {
-            let e = e?;
-            let name = e.file_name().to_string_lossy().into_owned();
-            let info = aya::programs::ProgramInfo::from_pin(e.path())
-                .with_context(|| format!("program info of {name}"))?;
-            let short = name.strip_prefix("sluice_").unwrap_or(&name).to_owned();
-            m.insert(short, (info.run_time().as_nanos() as u64, info.run_count()));
-        }
-        Ok(m)
-    };
+    let read = || program_stats(s);
     let _stats =
         aya::sys::enable_stats(aya::sys::Stats::RunTime).context("BPF_ENABLE_STATS (run time)")?;
     let mut total: BTreeMap<String, (u64, u64)> = BTreeMap::new();
@@ -412,6 +400,21 @@ fn bpf_run_time(report: &mut Report, cfg: &Config, s: &Setup) -> anyhow::Result<
         }
     }
     Ok(())
+}
+
+/// Each pinned sluice program's (run time ns, run count), by its name less
+/// `sluice_` (counted only while BPF_ENABLE_STATS is on).
+fn program_stats(s: &Setup) -> anyhow::Result<BTreeMap<String, (u64, u64)>> {
+    let mut m = BTreeMap::new();
+    for e in std::fs::read_dir(s.topo.pins.progs())? {
+        let e = e?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        let info = aya::programs::ProgramInfo::from_pin(e.path())
+            .with_context(|| format!("program info of {name}"))?;
+        let short = name.strip_prefix("sluice_").unwrap_or(&name).to_owned();
+        m.insert(short, (info.run_time().as_nanos() as u64, info.run_count()));
+    }
+    Ok(m)
 }
 
 /// Scenario `latency`: connect() latency, one connection at a time, every
@@ -522,12 +525,29 @@ pub fn request_response(report: &mut Report, cfg: &Config, rng: &mut StdRng) -> 
     Ok(())
 }
 
-/// Bytes/s of one flow from `ns` to `dst` for `window`, with SO_MARK `mark`.
-fn bulk_flow(ns: &str, dst: SocketAddr, window: Duration, mark: Option<u32>) -> f64 {
+/// What one bulk flow measured: its rate and what TCP says it sent with.
+struct Flow {
+    bytes_per_s: f64,
+    /// `tcpi_snd_mss`: the payload of each segment the sender cuts.
+    snd_mss: u32,
+}
+
+/// Writes to `dst` from `ns` for `window`; `mss` caps the segment size the
+/// client asks for (`TCP_MAXSEG`).
+fn bulk_flow(
+    ns: &str,
+    dst: SocketAddr,
+    window: Duration,
+    mark: Option<u32>,
+    mss: Option<u32>,
+) -> Option<Flow> {
     spawn_in(ns, move || {
         let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).ok()?;
         if let Some(m) = mark {
             s.set_mark(m).ok()?;
+        }
+        if let Some(m) = mss {
+            s.set_mss(m).ok()?;
         }
         s.connect_timeout(&dst.into(), Duration::from_secs(2))
             .ok()?;
@@ -538,57 +558,117 @@ fn bulk_flow(ns: &str, dst: SocketAddr, window: Duration, mark: Option<u32>) -> 
         while start.elapsed() < window {
             sent += s.write(&buf).ok()? as u64;
         }
-        Some(sent as f64 / start.elapsed().as_secs_f64())
+        let bytes_per_s = sent as f64 / start.elapsed().as_secs_f64();
+        Some(Flow {
+            bytes_per_s,
+            snd_mss: tcp_info(&s)?.tcpi_snd_mss,
+        })
     })
     .join()
     .ok()
     .flatten()
-    .unwrap_or(0.0)
+}
+
+fn tcp_info(s: &TcpStream) -> Option<libc::tcp_info> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: tcp_info is plain data; the kernel fills at most `len` bytes.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    let rc = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&mut info as *mut libc::tcp_info).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0).then_some(info)
+}
+
+/// The segment size a captured outbound flow is sent with: its route is the
+/// pod's `eth0` (a veth, MTU 1500) less the IPv4 and TCP headers, while the
+/// uncaptured variant's flow crosses `lo` (MTU 65536).
+const POD_MSS: u32 = 1460;
+
+/// One measurement of the `bulk` scenario.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
+enum Bulk {
+    /// Through a variant's capture (`none`: straight to the listener).
+    Flow(Variant, Dir),
+    /// `none` outbound, its client asking for the captured flow's MSS:
+    /// what a flow routed as the captured one is costs without capture.
+    NoneAtPodMss,
+    /// A flow capture lets through (ztunnel's mark), on a variant's pod.
+    Uncaptured(Variant),
 }
 
 /// Scenario `bulk`: one bulk flow through capture in each direction (to the
-/// same discarding listener uncaptured), and a flow capture lets through
-/// (ztunnel's mark 0x539, to a server beside the pod), rounds in a random
-/// order.
+/// same discarding listener uncaptured, also at the captured flow's MSS),
+/// and a flow capture lets through (ztunnel's mark 0x539, to a server
+/// beside the pod), rounds in a random order. Then, with BPF run-time stats
+/// on, one captured outbound flow: how often each program ran per MiB and
+/// what a run cost (the per-packet share of the capture's cost).
 pub fn bulk(report: &mut Report, cfg: &Config, rng: &mut StdRng) -> anyhow::Result<()> {
     let setups = setups(&Variant::ALL, Mode::Discard)?;
     let uncaptured_dst = SocketAddr::new(Family::V4.client(), BULK_PORT);
-    let mut rounds: Vec<BTreeMap<(Variant, Option<Dir>), f64>> = Vec::new();
+    let mut rounds: Vec<BTreeMap<Bulk, f64>> = Vec::new();
+    let mut mss: BTreeMap<Bulk, u32> = BTreeMap::new();
     for _ in 0..cfg.bulk_rounds {
         let mut r = BTreeMap::new();
-        let mut order: Vec<(Variant, Option<Dir>)> = shuffled(rng)
+        let mut order: Vec<Bulk> = shuffled(rng)
             .into_iter()
-            .map(|(v, d)| (v, Some(d)))
-            .chain(Variant::ALL.iter().map(|v| (*v, None)))
+            .map(|(v, d)| Bulk::Flow(v, d))
+            .chain(Variant::ALL.iter().map(|v| Bulk::Uncaptured(*v)))
+            .chain([Bulk::NoneAtPodMss])
             .collect();
         order.shuffle(rng);
-        for (v, d) in order {
-            let s = &setups[v as usize];
-            let bps = match d {
-                Some(d) => {
+        for case in order {
+            let flow = match case {
+                Bulk::Flow(v, d) => {
+                    let s = &setups[v as usize];
                     let before = s.sink(d).accepted();
-                    let bps = bulk_flow(s.client_ns(d), s.dst(d), cfg.bulk_window, None);
+                    let flow = bulk_flow(s.client_ns(d), s.dst(d), cfg.bulk_window, None, None);
                     landed(s.sink(d), before + 1, "bulk")?;
-                    bps
+                    flow
                 }
-                None => bulk_flow(
-                    &s.topo.pod,
+                Bulk::NoneAtPodMss => {
+                    let s = &setups[Variant::None as usize];
+                    let d = Dir::Outbound;
+                    let before = s.sink(d).accepted();
+                    let flow = bulk_flow(
+                        s.client_ns(d),
+                        s.dst(d),
+                        cfg.bulk_window,
+                        None,
+                        Some(POD_MSS),
+                    );
+                    landed(s.sink(d), before + 1, "bulk")?;
+                    flow
+                }
+                Bulk::Uncaptured(v) => bulk_flow(
+                    &setups[v as usize].topo.pod,
                     uncaptured_dst,
                     cfg.bulk_window,
                     Some(MARK_ZTUNNEL),
+                    None,
                 ),
             };
-            ensure!(bps > 0.0, "bulk flow {} {d:?} failed", v.name());
-            r.insert((v, d), bps);
+            let flow = flow.filter(|f| f.bytes_per_s > 0.0);
+            let flow = flow.with_context(|| format!("bulk flow {case:?} failed"))?;
+            r.insert(case, flow.bytes_per_s);
+            mss.insert(case, flow.snd_mss);
         }
         rounds.push(r);
     }
     let gbit = |k| median(rounds.iter().map(|r| r[&k] * 8.0 / 1e9).collect());
     for v in Variant::ALL {
         for d in Dir::ALL {
+            let k = format!("{}_{}", d.name(), v.name());
+            report.put(&format!("bulk_gbit_s_{k}"), gbit(Bulk::Flow(v, d)));
             report.put(
-                &format!("bulk_gbit_s_{}_{}", d.name(), v.name()),
-                gbit((v, Some(d))),
+                &format!("bulk_snd_mss_{k}"),
+                f64::from(mss[&Bulk::Flow(v, d)]),
             );
         }
     }
@@ -596,22 +676,100 @@ pub fn bulk(report: &mut Report, cfg: &Config, rng: &mut StdRng) -> anyhow::Resu
         for v in [Variant::Sluice, Variant::Iptables] {
             report.put(
                 &format!("bulk_ratio_{}_vs_none_{}", v.name(), d.name()),
-                ratio(&rounds, (v, Some(d)), (Variant::None, Some(d))),
+                ratio(&rounds, Bulk::Flow(v, d), Bulk::Flow(Variant::None, d)),
             );
         }
     }
     report.put(
+        "bulk_gbit_s_outbound_none_at_pod_mss",
+        gbit(Bulk::NoneAtPodMss),
+    );
+    report.put(
+        "bulk_snd_mss_outbound_none_at_pod_mss",
+        f64::from(mss[&Bulk::NoneAtPodMss]),
+    );
+    report.put(
+        "bulk_ratio_none_at_pod_mss_vs_none_outbound",
+        ratio(
+            &rounds,
+            Bulk::NoneAtPodMss,
+            Bulk::Flow(Variant::None, Dir::Outbound),
+        ),
+    );
+    report.put(
+        "bulk_ratio_sluice_vs_none_at_pod_mss_outbound",
+        ratio(
+            &rounds,
+            Bulk::Flow(Variant::Sluice, Dir::Outbound),
+            Bulk::NoneAtPodMss,
+        ),
+    );
+    report.put(
         "uncaptured_throughput_gbit_s_none",
-        gbit((Variant::None, None)),
+        gbit(Bulk::Uncaptured(Variant::None)),
     );
     report.put(
         "uncaptured_throughput_ratio",
-        ratio(&rounds, (Variant::Sluice, None), (Variant::None, None)),
+        ratio(
+            &rounds,
+            Bulk::Uncaptured(Variant::Sluice),
+            Bulk::Uncaptured(Variant::None),
+        ),
     );
     report.put(
         "uncaptured_throughput_ratio_iptables",
-        ratio(&rounds, (Variant::Iptables, None), (Variant::None, None)),
+        ratio(
+            &rounds,
+            Bulk::Uncaptured(Variant::Iptables),
+            Bulk::Uncaptured(Variant::None),
+        ),
     );
+    bulk_bpf_runs(report, cfg, &setups[Variant::Sluice as usize])
+}
+
+/// With BPF run-time stats on, one captured outbound bulk flow and one
+/// uncaptured: per sluice program, runs per MiB sent and ns per run, and
+/// the programs' time per MiB (`bulk_bpf_ns_per_mib_{outbound,uncaptured}`).
+fn bulk_bpf_runs(report: &mut Report, cfg: &Config, s: &Setup) -> anyhow::Result<()> {
+    let _stats =
+        aya::sys::enable_stats(aya::sys::Stats::RunTime).context("BPF_ENABLE_STATS (run time)")?;
+    let uncaptured_dst = SocketAddr::new(Family::V4.client(), BULK_PORT);
+    for (case, ns, dst, mark) in [
+        (
+            "outbound",
+            s.client_ns(Dir::Outbound),
+            s.dst(Dir::Outbound),
+            None,
+        ),
+        (
+            "uncaptured",
+            &s.topo.pod[..],
+            uncaptured_dst,
+            Some(MARK_ZTUNNEL),
+        ),
+    ] {
+        let before = program_stats(s)?;
+        let flow = bulk_flow(ns, dst, cfg.bulk_window, mark, None)
+            .with_context(|| format!("bulk flow {case} with stats failed"))?;
+        let after = program_stats(s)?;
+        let mib = flow.bytes_per_s * cfg.bulk_window.as_secs_f64() / (1024.0 * 1024.0);
+        let mut total = 0;
+        for (name, (t1, c1)) in &after {
+            let (t0, c0) = before.get(name).copied().unwrap_or_default();
+            total += t1 - t0;
+            if c1 > &c0 {
+                report.put(
+                    &format!("bulk_bpf_runs_per_mib_{case}_{name}"),
+                    (c1 - c0) as f64 / mib,
+                );
+                report.put(
+                    &format!("bulk_bpf_ns_per_run_{case}_{name}"),
+                    (t1 - t0) as f64 / (c1 - c0) as f64,
+                );
+            }
+        }
+        report.put(&format!("bulk_bpf_ns_per_mib_{case}"), total as f64 / mib);
+    }
     Ok(())
 }
 
