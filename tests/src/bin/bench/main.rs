@@ -79,6 +79,8 @@ pub struct Config {
     /// `served`.
     pub mesh_workloads: usize,
     pub served_checks: usize,
+    /// `served`: pods enrolled at once, as at a node's start.
+    pub served_burst: usize,
     /// `verify`: pods verified, and passes over all of them.
     pub verify_pods: usize,
     pub verify_passes: usize,
@@ -120,6 +122,7 @@ impl Config {
             rate_window: Duration::from_millis(1500),
             mesh_workloads: 10_000,
             served_checks: 20,
+            served_burst: 110,
             verify_pods: 100,
             verify_passes: 5,
             flood_window: Duration::from_secs(1),
@@ -155,6 +158,7 @@ impl Config {
             rate_window: Duration::from_millis(300),
             mesh_workloads: 1_000,
             served_checks: 3,
+            served_burst: 10,
             verify_pods: 5,
             verify_passes: 1,
             flood_window: Duration::from_millis(300),
@@ -190,6 +194,7 @@ impl Config {
             "memory_pods": self.memory_pods,
             "dns_rounds": self.dns_rounds,
             "mesh_workloads": self.mesh_workloads,
+            "served_burst": self.served_burst,
         })
     }
 }

@@ -1,5 +1,6 @@
 //! Scenario `served`: the served check at mesh scale (the mesh's size and
-//! ten times it: 10,000 and 100,000 workloads), and the time to Served.
+//! ten times it: 10,000 and 100,000 workloads), the time to Served, and a
+//! node-start burst of pods to Served.
 
 use std::{
     net::{IpAddr, Ipv4Addr},
@@ -35,7 +36,7 @@ const SERVED_PODS: usize = 5;
 pub fn served(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyhow::Result<()> {
     let dir = std::env::temp_dir().join(format!("sluice-bench-served-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
-    let pods = crate::pods::bare_pods("sv", SERVED_PODS)?;
+    let pods = crate::pods::bare_pods("sv", SERVED_PODS + cfg.served_burst)?;
     let result = served_in(report, cfg, &dir, &pods);
     drop(pods);
     let _ = std::fs::remove_dir_all(&dir);
@@ -51,7 +52,7 @@ fn served_in(
     // One check's cost at the mesh's size and at ten times it (the bench
     // pods' workloads among the last ones).
     let file = check_cost(report, dir, pods, cfg.mesh_workloads, cfg.served_checks)?;
-    check_cost(
+    let file_10x = check_cost(
         report,
         dir,
         pods,
@@ -59,18 +60,47 @@ fn served_in(
         cfg.served_checks.div_ceil(4),
     )?;
     let k = cfg.mesh_workloads / 1000;
+    // Through a real agent and the stand-in: pods one at a time, then the
+    // burst; at ten times the mesh, the burst alone (another agent, after
+    // the first one's capture is gone).
+    through_agent(report, &file, k, pods, true)?;
+    through_agent(report, &file_10x, k * 10, pods, false)
+}
 
-    // Enrollment to Served through a real agent and that ztunnel stand-in.
+/// Enrollment to Served through a real agent and a ztunnel stand-in
+/// serving the workloads of `file` (`k` thousand): the first
+/// [`SERVED_PODS`] pods one at a time (with `one_by_one`), then the others
+/// at once ([`burst`]). Every capture is removed after.
+fn through_agent(
+    report: &mut Report,
+    file: &std::path::Path,
+    k: usize,
+    pods: &BarePods,
+    one_by_one: bool,
+) -> anyhow::Result<()> {
     let pins = Pins::new(format!(
         "/sys/fs/bpf/sluice-bench-sv-{}",
         std::process::id()
     ));
+    // What the stand-in serves: the mesh without the burst's pods until
+    // they are all enrolled (xDS has not told ztunnel of them yet).
+    let live = file.with_extension("live.json");
+    let burst_names: Vec<&str> = pods[SERVED_PODS..].iter().map(|p| p.name.as_str()).collect();
+    let mut mesh: Vec<serde_json::Value> = serde_json::from_slice(&std::fs::read(file)?)?;
+    mesh.retain(|w| !burst_names.iter().any(|n| w["name"] == *n));
+    std::fs::write(&live, serde_json::to_vec(&mesh)?)?;
+    let publish = || -> anyhow::Result<()> {
+        let next = file.with_extension("next.json");
+        std::fs::copy(file, &next)?;
+        std::fs::rename(&next, &live)?;
+        Ok(())
+    };
     let result = (|| -> anyhow::Result<()> {
         let agent = AgentProc::start(&pins)?;
         let _peer = PeerProc::start(
             &peer_bin(),
             &agent.zds,
-            &["--admin-workloads", file.to_str().unwrap()],
+            &["--admin-workloads", live.to_str().unwrap()],
         )?;
         wait::until(
             "the stand-in connected",
@@ -84,45 +114,144 @@ fn served_in(
                 other => Err(format!("{other:?}")),
             },
         )?;
-        let mut ms = Vec::new();
-        for (i, p) in pods.iter().enumerate() {
-            let uid = format!("sv-{i}");
-            let resp = control::call(
-                &agent.control,
-                Some(pins.root()),
-                &Request::Enroll {
-                    netns: ns_path(&p.name),
-                    uid: uid.clone(),
-                    workload: workload(&p.name),
-                },
-            )?
-            .context("agent not listening")?;
+        if one_by_one {
+            one_at_a_time(report, &agent, &pins, &pods[..SERVED_PODS], k)?;
+        }
+        burst(report, &agent, &pins, &pods[SERVED_PODS..], k, publish)
+    })();
+    let _ = enroll::uninstall(&pins, None);
+    result
+}
+
+/// `pods` enrolled one after another, each waited for until Served: the
+/// time from enrollment to Served as the pinned map records it.
+fn one_at_a_time(
+    report: &mut Report,
+    agent: &AgentProc,
+    pins: &Pins,
+    pods: &[crate::pods::BarePod],
+    k: usize,
+) -> anyhow::Result<()> {
+    let mut ms = Vec::new();
+    for (i, p) in pods.iter().enumerate() {
+        let uid = format!("sv-{i}");
+        let resp = control::call(
+            &agent.control,
+            Some(pins.root()),
+            &Request::Enroll {
+                netns: ns_path(&p.name),
+                uid: uid.clone(),
+                workload: workload(&p.name),
+            },
+        )?
+        .context("agent not listening")?;
+        ensure!(
+            matches!(resp, control::Response::Enrolled { .. }),
+            "{resp:?}"
+        );
+        let maps = Maps::open_pinned(&pins.maps())?;
+        let e = wait::until("the pod Served", wait::DEADLINE, || {
+            let cookie = maps.find_uid(&PodUid::new(&uid).map_err(|e| e.to_string())?);
+            match cookie.and_then(|c| maps.entry(c)) {
+                Some(e) if e.state() == Some(sluice_common::PodState::Served) => Ok(e),
+                other => Err(format!("{other:?}")),
+            }
+        })?;
+        ms.push((e.changed_at_ns - e.enrolled_at_ns) as f64 / 1e6);
+    }
+    report.put(
+        &format!("time_to_served_ms_p50_{k}k_workloads"),
+        percentile(ms.clone(), 0.5),
+    );
+    report.put(
+        &format!("time_to_served_ms_max_{k}k_workloads"),
+        percentile(ms, 1.0),
+    );
+    Ok(())
+}
+
+/// A node's start: `pods` enrolled through the agent all at once (one
+/// thread each, as the runtime's CNI ADDs come), acked by ztunnel, which
+/// learns their workloads only once they all are (`publish`: it then lists
+/// them in its config_dump, among `k` thousand): from that moment to each
+/// pod Served, from the pinned map's timestamps (issue 42's target: the
+/// last within 1 s).
+fn burst(
+    report: &mut Report,
+    agent: &AgentProc,
+    pins: &Pins,
+    pods: &[crate::pods::BarePod],
+    k: usize,
+    publish: impl FnOnce() -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let n = pods.len();
+    let uids: Vec<String> = (0..n).map(|i| format!("svb-{i}")).collect();
+    std::thread::scope(|s| -> anyhow::Result<()> {
+        let calls: Vec<_> = pods
+            .iter()
+            .zip(&uids)
+            .map(|(p, uid)| {
+                s.spawn(move || {
+                    control::call(
+                        &agent.control,
+                        Some(pins.root()),
+                        &Request::Enroll {
+                            netns: ns_path(&p.name),
+                            uid: uid.clone(),
+                            workload: workload(&p.name),
+                        },
+                    )
+                })
+            })
+            .collect();
+        for c in calls {
+            let resp = c
+                .join()
+                .map_err(|_| anyhow::anyhow!("an enrolling thread panicked"))??
+                .context("agent not listening")?;
             ensure!(
                 matches!(resp, control::Response::Enrolled { .. }),
                 "{resp:?}"
             );
-            let maps = Maps::open_pinned(&pins.maps())?;
-            let e = wait::until("the pod Served", wait::DEADLINE, || {
-                let cookie = maps.find_uid(&PodUid::new(&uid).map_err(|e| e.to_string())?);
-                match cookie.and_then(|c| maps.entry(c)) {
-                    Some(e) if e.state() == Some(sluice_common::PodState::Served) => Ok(e),
-                    other => Err(format!("{other:?}")),
-                }
-            })?;
-            ms.push((e.changed_at_ns - e.enrolled_at_ns) as f64 / 1e6);
         }
-        report.put(
-            &format!("time_to_served_ms_p50_{k}k_workloads"),
-            percentile(ms.clone(), 0.5),
-        );
-        report.put(
-            &format!("time_to_served_ms_max_{k}k_workloads"),
-            percentile(ms, 1.0),
-        );
         Ok(())
-    })();
-    let _ = enroll::uninstall(&pins, None);
-    result
+    })?;
+    let known_at = sluice::dataplane::state::boottime_ns();
+    publish()?;
+    let maps = Maps::open_pinned(&pins.maps())?;
+    let entries = wait::until(
+        &format!("{n} pods enrolled at once Served"),
+        wait::DEADLINE,
+        || {
+            let mut served = Vec::new();
+            for uid in &uids {
+                let cookie = maps.find_uid(&PodUid::new(uid).map_err(|e| e.to_string())?);
+                match cookie.and_then(|c| maps.entry(c)) {
+                    Some(e) if e.state() == Some(sluice_common::PodState::Served) => served.push(e),
+                    other => return Err(format!("{uid}: {other:?}")),
+                }
+            }
+            Ok(served)
+        },
+    )?;
+    let ms: Vec<f64> = entries
+        .iter()
+        .map(|e| e.changed_at_ns.saturating_sub(known_at) as f64 / 1e6)
+        .collect();
+    let first = entries.iter().map(|e| e.enrolled_at_ns).min().unwrap_or(0);
+    report.put(
+        &format!("served_burst_{n}_enroll_ms_{k}k_workloads"),
+        known_at.saturating_sub(first) as f64 / 1e6,
+    );
+    report.put(
+        &format!("served_burst_{n}_after_known_ms_p50_{k}k_workloads"),
+        percentile(ms.clone(), 0.5),
+    );
+    report.put(
+        &format!("served_burst_{n}_after_known_ms_max_{k}k_workloads"),
+        percentile(ms, 1.0),
+    );
+    Ok(())
 }
 
 /// One served check, as the agent makes it, against a ztunnel stand-in
@@ -139,7 +268,7 @@ fn check_cost(
     checks: usize,
 ) -> anyhow::Result<std::path::PathBuf> {
     let k = n / 1000;
-    let mut mesh: Vec<serde_json::Value> = (0..n - SERVED_PODS)
+    let mut mesh: Vec<serde_json::Value> = (0..n - pods.len())
         .map(|i| {
             let ip = IpAddr::V4(Ipv4Addr::new(
                 10,
