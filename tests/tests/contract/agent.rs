@@ -69,6 +69,10 @@ pub fn trials() -> Vec<Trial> {
             "agent::a_slow_iptables_tool_holds_up_only_its_own_pod",
             slow_takeover_check,
         ),
+        trial(
+            "agent::a_pod_whose_own_nft_rules_iptables_cannot_parse_is_enrolled",
+            unparsable_nft_rules,
+        ),
         needs_fault_injection(trial(
             "agent::a_pods_repair_held_in_its_netlink_work_holds_up_only_that_pod",
             held_repair,
@@ -2353,6 +2357,36 @@ fn slow_takeover_check() -> TestResult {
     })();
     let _ = std::fs::remove_dir_all(&dir);
     result
+}
+
+/// The pod holds nftables rules of its own in a table of iptables' names
+/// that `iptables-nft-save` cannot parse (it exits 3): the take-over check
+/// cannot read the whole rule set, finds no Istio chains in what it read,
+/// and the pod is enrolled. Refusing it would leave a pod that uses its own
+/// nftables uncaptured for good.
+fn unparsable_nft_rules() -> TestResult {
+    let a = Fixture::new("tf", None)?;
+    for rule in [
+        &["add", "table", "ip", "filter"][..],
+        &[
+            "add",
+            "chain",
+            "ip",
+            "filter",
+            "INPUT",
+            "{ type filter hook input priority 0; }",
+        ],
+        &[
+            "add", "rule", "ip", "filter", "INPUT", "meta", "cpu", "0", "counter",
+        ],
+    ] {
+        sluice_tests::ns::exec(&a.topo.pod, &[&["nft"][..], rule].concat())?;
+    }
+    let save = sluice_tests::ns::exec(&a.topo.pod, &["iptables-nft-save"]);
+    ensure!(save.is_err(), "iptables-nft-save read the rules: {save:?}");
+    let agent = AgentProc::start(&a.topo.pins)?;
+    let _peer = peer(&agent)?;
+    ensure_steering("the pod", &enroll(&agent, &a)?, &agent)
 }
 
 /// Issue 38, case 5: a repair reads the pod's interfaces and checks each of

@@ -807,14 +807,15 @@ fn nf_tables_counted() -> TestResult {
     use sluice::dataplane::migrate::{legacy_tables, nf_tables_count, LEGACY_V4, LEGACY_V6};
     let f = Fixture::new("nft", None)?;
     let netns = sluice::podnet::netns::Netns::open(&f.topo.pod_netns_path())?;
-    let seen = || {
-        netns.run(|| {
+    let seen = || -> anyhow::Result<(Option<usize>, bool, bool)> {
+        let (n, v4, v6) = netns.run(|| {
             (
                 nf_tables_count(),
                 legacy_tables(LEGACY_V4),
                 legacy_tables(LEGACY_V6),
             )
-        })
+        })?;
+        Ok((n, v4?, v6?))
     };
     ensure!(
         seen()? == (Some(0), false, false),

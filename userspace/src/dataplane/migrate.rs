@@ -23,6 +23,11 @@ pub enum MigrateError {
     Exec { cmd: String, source: std::io::Error },
     #[error("{cmd} failed in the pod netns: {stderr}")]
     Failed { cmd: String, stderr: String },
+    #[error("reading {path} in the pod netns: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("{cmd} did not finish within {secs} s in the pod netns: killed", secs = CHILD_TIMEOUT.as_secs())]
     TimedOut { cmd: String },
 }
@@ -84,9 +89,23 @@ pub const LEGACY_V4: &str = "ip_tables_names";
 pub const LEGACY_V6: &str = "ip6_tables_names";
 
 /// Whether `tool`'s rule set holds Istio's chains; `None`: not installed.
+/// A tool that fails still prints the tables it read before failing, and
+/// Istio's chains there count. It is not an error: `iptables-nft-save`
+/// fails on any table of iptables' names holding rules it cannot parse, as
+/// a pod's own nftables rules may (`meta cpu`, sets), and refusing such a
+/// pod would leave it uncaptured for good. Left: a failure before the tool
+/// reached Istio's tables reads as none (istio-cni's rules would then stay
+/// beside sluice's capture, both sending to ztunnel); it is logged.
 fn has_istio_chains(tool: &str) -> Result<Option<bool>, MigrateError> {
-    Ok(run(&format!("{tool}-save"), &[])?
-        .map(|(ok, out, _)| ok && (out.contains(":ISTIO_PRERT") || out.contains(":ISTIO_OUTPUT"))))
+    let cmd = format!("{tool}-save");
+    let Some((ok, out, err)) = run(&cmd, &[])? else {
+        return Ok(None);
+    };
+    let found = out.contains(":ISTIO_PRERT") || out.contains(":ISTIO_OUTPUT");
+    if !ok && !found {
+        tracing::warn!(%cmd, stderr = %err.trim(), "cannot read the pod's whole iptables rule set: taken as without istio-cni's rules");
+    }
+    Ok(Some(found))
 }
 
 /// Whether the calling thread's netns has legacy iptables tables of the
@@ -94,9 +113,14 @@ fn has_istio_chains(tool: &str) -> Result<Option<bool>, MigrateError> {
 /// their first use there, so a netns no legacy tool ever touched lists none
 /// (and a kernel without legacy iptables has no list). `/proc/thread-self`:
 /// `/proc/net` is the netns of the process's main thread, not this one's.
-pub fn legacy_tables(names: &str) -> bool {
-    std::fs::read(format!("/proc/thread-self/net/{names}"))
-        .is_ok_and(|list| !list.iter().all(u8::is_ascii_whitespace))
+/// An error other than the list missing (out of descriptors, say) cannot
+/// tell.
+pub fn legacy_tables(names: &str) -> std::io::Result<bool> {
+    match std::fs::read(format!("/proc/thread-self/net/{names}")) {
+        Ok(list) => Ok(!list.iter().all(u8::is_ascii_whitespace)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    }
 }
 
 /// The iptables tools whose rule set in `netns` holds Istio's chains. istio-cni's
@@ -114,7 +138,10 @@ pub fn istio_rules(netns: &Netns) -> Result<Vec<&'static str>, MigrateError> {
                 let skip = if tool == nft {
                     no_nft_rules
                 } else {
-                    !legacy_tables(legacy_names)
+                    !legacy_tables(legacy_names).map_err(|source| MigrateError::Read {
+                        path: format!("/proc/thread-self/net/{legacy_names}"),
+                        source,
+                    })?
                 };
                 if skip {
                     continue;
