@@ -85,7 +85,10 @@ fn through_agent(
     // What the stand-in serves: the mesh without the burst's pods until
     // they are all enrolled (xDS has not told ztunnel of them yet).
     let live = file.with_extension("live.json");
-    let burst_names: Vec<&str> = pods[SERVED_PODS..].iter().map(|p| p.name.as_str()).collect();
+    let burst_names: Vec<&str> = pods[SERVED_PODS..]
+        .iter()
+        .map(|p| p.name.as_str())
+        .collect();
     let mut mesh: Vec<serde_json::Value> = serde_json::from_slice(&std::fs::read(file)?)?;
     mesh.retain(|w| !burst_names.iter().any(|n| w["name"] == *n));
     std::fs::write(&live, serde_json::to_vec(&mesh)?)?;
