@@ -138,27 +138,10 @@ fn one_at_a_time(
     let mut ms = Vec::new();
     for (i, p) in pods.iter().enumerate() {
         let uid = format!("sv-{i}");
-        let resp = control::call(
-            &agent.control,
-            Some(pins.root()),
-            &Request::Enroll {
-                netns: ns_path(&p.name),
-                uid: uid.clone(),
-                workload: workload(&p.name),
-            },
-        )?
-        .context("agent not listening")?;
-        ensure!(
-            matches!(resp, control::Response::Enrolled { .. }),
-            "{resp:?}"
-        );
+        enroll_through(agent, pins, p, &uid)?;
         let maps = Maps::open_pinned(&pins.maps())?;
         let e = wait::until("the pod Served", wait::DEADLINE, || {
-            let cookie = maps.find_uid(&PodUid::new(&uid).map_err(|e| e.to_string())?);
-            match cookie.and_then(|c| maps.entry(c)) {
-                Some(e) if e.state() == Some(sluice_common::PodState::Served) => Ok(e),
-                other => Err(format!("{other:?}")),
-            }
+            served_entry(&maps, &uid)
         })?;
         ms.push((e.changed_at_ns - e.enrolled_at_ns) as f64 / 1e6);
     }
@@ -171,6 +154,39 @@ fn one_at_a_time(
         percentile(ms, 1.0),
     );
     Ok(())
+}
+
+/// Enrolls `pod` as `uid` through the agent (answered once ztunnel acked).
+fn enroll_through(
+    agent: &AgentProc,
+    pins: &Pins,
+    pod: &crate::pods::BarePod,
+    uid: &str,
+) -> anyhow::Result<()> {
+    let resp = control::call(
+        &agent.control,
+        Some(pins.root()),
+        &Request::Enroll {
+            netns: ns_path(&pod.name),
+            uid: uid.to_owned(),
+            workload: workload(&pod.name),
+        },
+    )?
+    .context("agent not listening")?;
+    ensure!(
+        matches!(resp, control::Response::Enrolled { .. }),
+        "{resp:?}"
+    );
+    Ok(())
+}
+
+/// Pod `uid`'s pinned entry once it is Served.
+fn served_entry(maps: &Maps, uid: &str) -> Result<sluice_common::PodEntry, String> {
+    let cookie = maps.find_uid(&PodUid::new(uid).map_err(|e| e.to_string())?);
+    match cookie.and_then(|c| maps.entry(c)) {
+        Some(e) if e.state() == Some(sluice_common::PodState::Served) => Ok(e),
+        other => Err(format!("{other:?}")),
+    }
 }
 
 /// A node's start: `pods` enrolled through the agent all at once (one
@@ -193,29 +209,11 @@ fn burst(
         let calls: Vec<_> = pods
             .iter()
             .zip(&uids)
-            .map(|(p, uid)| {
-                s.spawn(move || {
-                    control::call(
-                        &agent.control,
-                        Some(pins.root()),
-                        &Request::Enroll {
-                            netns: ns_path(&p.name),
-                            uid: uid.clone(),
-                            workload: workload(&p.name),
-                        },
-                    )
-                })
-            })
+            .map(|(p, uid)| s.spawn(move || enroll_through(agent, pins, p, uid)))
             .collect();
         for c in calls {
-            let resp = c
-                .join()
-                .map_err(|_| anyhow::anyhow!("an enrolling thread panicked"))??
-                .context("agent not listening")?;
-            ensure!(
-                matches!(resp, control::Response::Enrolled { .. }),
-                "{resp:?}"
-            );
+            c.join()
+                .map_err(|_| anyhow::anyhow!("an enrolling thread panicked"))??;
         }
         Ok(())
     })?;
@@ -226,15 +224,9 @@ fn burst(
         &format!("{n} pods enrolled at once Served"),
         wait::DEADLINE,
         || {
-            let mut served = Vec::new();
-            for uid in &uids {
-                let cookie = maps.find_uid(&PodUid::new(uid).map_err(|e| e.to_string())?);
-                match cookie.and_then(|c| maps.entry(c)) {
-                    Some(e) if e.state() == Some(sluice_common::PodState::Served) => served.push(e),
-                    other => return Err(format!("{uid}: {other:?}")),
-                }
-            }
-            Ok(served)
+            uids.iter()
+                .map(|uid| served_entry(&maps, uid).map_err(|e| format!("{uid}: {e}")))
+                .collect::<Result<Vec<_>, _>>()
         },
     )?;
     let ms: Vec<f64> = entries
