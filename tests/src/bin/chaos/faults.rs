@@ -34,10 +34,17 @@ pub fn apply(run: &mut Run, fault: &Fault) -> anyhow::Result<()> {
         }
         Fault::FdLimit | Fault::FdRestore => {
             // An agent out of descriptors cannot take a new ztunnel's
-            // listeners (it duplicates them) and fails closed: from the
-            // limit until the pods are Served again after the restore.
-            l.touch(None, kind, Opens::Failures);
-            let headroom = matches!(fault, Fault::FdLimit).then_some(8);
+            // connection or listeners (it accepts and duplicates) and
+            // fails closed: from the limit until the pods are Served again
+            // after the restore, however often they are Served between.
+            let limit = matches!(fault, Fault::FdLimit);
+            if limit {
+                l.touch_until_released(None, kind, Opens::Failures);
+            } else {
+                l.touch(None, kind, Opens::Failures);
+                l.release(Fault::FdLimit.kind());
+            }
+            let headroom = limit.then_some(8);
             sluice_tests::agent::fd_limit(run.node.agent_pid.load(Ordering::SeqCst), headroom)?;
         }
         Fault::ControlFlood => {

@@ -79,6 +79,11 @@ struct Window {
     /// When the fault's injection finished (a ztunnel's drain takes
     /// seconds): the pod's state before then says nothing of it.
     applied: Option<Ms>,
+    /// The fault stays in effect until another releases it (an fd limit
+    /// until its restore): no Served closes the window meanwhile, since
+    /// the next fault may meet it (a ztunnel upgrade the agent cannot take
+    /// while out of descriptors).
+    held: bool,
     end: Option<Ms>,
 }
 
@@ -225,12 +230,34 @@ impl Ledger {
     /// within the bound from now, and until then the fault may do what
     /// `opens` says to its connections.
     pub fn touch(&self, uid: Option<&str>, fault: &'static str, opens: Opens) {
+        self.touch_with(uid, fault, opens, false);
+    }
+
+    /// [`Self::touch`] for a fault that stays in effect until
+    /// [`Self::release`]d.
+    pub fn touch_until_released(&self, uid: Option<&str>, fault: &'static str, opens: Opens) {
+        self.touch_with(uid, fault, opens, true);
+    }
+
+    /// `fault`'s windows may close again (the pods' next Served).
+    pub fn release(&self, fault: &'static str) {
+        let mut pods = self.pods.lock().unwrap();
+        let windows = pods.values_mut().flat_map(|p| p.windows.iter_mut());
+        for w in windows.chain(self.global.lock().unwrap().iter_mut()) {
+            if w.fault == fault {
+                w.held = false;
+            }
+        }
+    }
+
+    fn touch_with(&self, uid: Option<&str>, fault: &'static str, opens: Opens, held: bool) {
         let now = self.now();
         let window = Window {
             fault,
             opens,
             start: now,
             applied: None,
+            held,
             end: None,
         };
         if uid.is_none() && opens != Opens::Nothing {
@@ -270,7 +297,7 @@ impl Ledger {
         if let Some(p) = self.pods.lock().unwrap().get_mut(uid) {
             p.served_since.get_or_insert(now);
             p.untrue_since = None;
-            for w in p.windows.iter_mut().filter(|w| w.end.is_none()) {
+            for w in p.windows.iter_mut().filter(|w| w.end.is_none() && !w.held) {
                 if w.applied.is_some_and(|a| now >= a + notice) {
                     w.end = Some(now + GRACE.as_millis() as Ms);
                 }
@@ -366,5 +393,50 @@ impl Ledger {
 
     pub fn tallies(&self) -> BTreeMap<&'static str, Tally> {
         self.tallies.lock().unwrap().clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A run 10 s in, with pod `a` whose windows were all put in place at
+    /// its start (so that a Served now may close them).
+    fn ten_seconds_in() -> Ledger {
+        let l = Ledger {
+            start: Instant::now() - Duration::from_secs(10),
+            ..Ledger::new()
+        };
+        l.with_pods(|p| p.insert("a".into(), PodEntry::default()));
+        l
+    }
+
+    fn put_in_place_at_start(l: &Ledger) {
+        l.with_pods(|p| {
+            for w in p.values_mut().flat_map(|p| p.windows.iter_mut()) {
+                w.applied = Some(0);
+            }
+        });
+    }
+
+    /// An fd limit owns the pods' failures until its restore, however often
+    /// they are Served meanwhile (seed 1795793498233835030: a ztunnel
+    /// upgrade 3.4 s into a limit, which the agent could not take, failed a
+    /// pod's connections after the pod had been Served under the limit).
+    #[test]
+    fn an_fd_limit_owns_failures_until_its_restore_whatever_is_served_between() {
+        let l = ten_seconds_in();
+        l.touch_until_released(None, "fd-limit", Opens::Failures);
+        l.touch(None, "peer-kill", Opens::Failures);
+        put_in_place_at_start(&l);
+        l.served("a");
+        let later = l.now() + 60_000;
+        assert_eq!(
+            l.owner_of_failure("a", "outbound", later, later + 1),
+            Some("fd-limit")
+        );
+        l.release("fd-limit");
+        l.served("a");
+        assert_eq!(l.owner_of_failure("a", "outbound", later, later + 1), None);
     }
 }
