@@ -13,6 +13,7 @@
 //!   and custody, the ZDS server's `Handler`;
 //! - `repair`: verifying and completing every pod's capture;
 //! - `verify_queue`: pods due for a verification of their capture;
+//!   `retries`: when one its last verification left unsettled is due again;
 //! - `supervise`: listeners gone → Pending, retries with backoff;
 //! - `linkwatch`: interfaces a pod gains, captured as the kernel announces
 //!   them, and changes at a pod's hooks, repaired at once (`hostwatch`: the
@@ -53,6 +54,7 @@ mod pods;
 mod relist;
 mod repair;
 mod requests;
+mod retries;
 mod rtevents;
 mod served_check;
 mod supervise;

@@ -11,7 +11,7 @@ use tracing::{info, info_span, warn};
 use sluice_common::PodState;
 use tokio::sync::watch;
 
-use super::{announce::Announcer, book::PodBook, verify_queue::VerifyQueue};
+use super::{announce::Announcer, book::PodBook, retries::Retries, verify_queue::VerifyQueue};
 use crate::agent::custody::Custody;
 use crate::{
     dataplane::loader::Dataplane,
@@ -39,9 +39,8 @@ pub struct Repairer {
     /// ztunnel's listeners as the agent holds them: what sk_lookup must
     /// select.
     pub(super) custody: Arc<Custody>,
-    /// How often each pod left unsettled by its last verification was
-    /// tried again (its backoff).
-    pub(super) retries: std::sync::Mutex<std::collections::HashMap<u64, u32>>,
+    /// When pods left unsettled by their last verification are tried again.
+    pub(super) retries: Arc<Retries>,
 }
 
 impl Repairer {
@@ -103,23 +102,28 @@ impl Repairer {
     /// the agent out of descriptors when a pin was removed gets no second
     /// event once it has them back. Otherwise its backoff is forgotten.
     fn settle(&self, cookie: u64, unsettled: Option<&'static str>) {
-        let mut tries = self.retries.lock().unwrap();
-        let Some(what) = unsettled else {
-            tries.remove(&cookie);
+        let Some(backoff) =
+            self.retries
+                .after_verification(cookie, unsettled.is_some(), self.every)
+        else {
             return;
         };
         // Called off the runtime's workers, within it; a caller outside it
         // (none today) leaves the retry to the next event or pass.
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            self.retries.fired(cookie);
             return;
         };
-        let n = tries.entry(cookie).or_insert(0);
-        let backoff = Duration::from_secs(1 << (*n).min(6)).min(self.every);
-        *n += 1;
-        warn!(cookie, ?backoff, "{what}: trying again");
-        let queue = self.queue.clone();
+        warn!(
+            cookie,
+            ?backoff,
+            "{}: trying again",
+            unsettled.unwrap_or_default()
+        );
+        let (queue, retries) = (self.queue.clone(), self.retries.clone());
         runtime.spawn(async move {
             tokio::time::sleep(backoff).await;
+            retries.fired(cookie);
             queue.push(cookie);
         });
     }
