@@ -145,13 +145,16 @@ impl DnsFlowKey {
     }
 }
 
-/// How many DNS queries one pod may have captured and not yet answered per
-/// second (a fixed window; an answer gives its query's use back):
-/// `dns_flows` is node-wide, and a pod asking faster than its proxy answers
-/// would otherwise evict every other pod's queries in flight. Past it, the
-/// pod's queries are dropped (counted `dns_over_budget`) until an answer
-/// or the next window. A pod whose proxy answers is never held to a rate.
-pub const DNS_QUERIES_PER_POD_PER_S: u32 = 4096;
+/// How many DNS queries one pod may have captured and not yet answered in
+/// one window of a second (an answer within the window gives its query's
+/// use back): `dns_flows` is node-wide, and a pod asking faster than its
+/// proxy answers would otherwise evict every other pod's queries in
+/// flight. Past it, the pod's queries are dropped (counted
+/// `dns_over_budget`) until an answer or the next window. Across a window's
+/// end a pod may have twice this in flight (the old window's are not given
+/// back to the new one): 4,096 at most, half the shared map. A pod whose
+/// proxy answers keeps up is held to no rate.
+pub const DNS_QUERIES_PER_POD_PER_S: u32 = 2048;
 /// The window of the per-pod budgets ([`DNS_QUERIES_PER_POD_PER_S`],
 /// [`HINTS_PER_POD_PER_S`]): a fixed window, reset by the first use after
 /// it ends.
@@ -166,7 +169,9 @@ pub struct Budget {
     /// CLOCK_MONOTONIC (`bpf_ktime_get_ns`) when the window began.
     pub window_ns: u64,
     pub used: u32,
-    pub _pad: u32,
+    /// Which window this is, counted from 1 (wrapping, never 0), so that a
+    /// use given back is given to the window it was taken in.
+    pub window: u32,
 }
 
 /// Value of the DNS flow map: where the query was addressed, so that the
@@ -180,5 +185,9 @@ pub struct DnsFlow {
     pub netns_cookie: u64,
     /// The resolver's port (host byte order; 53).
     pub resolver_port: u16,
-    pub _pad: [u8; 6],
+    pub _pad: u16,
+    /// The pod's `dns_budget` window the query's use was taken in
+    /// ([`Budget::window`]): its answer gives the use back only in that
+    /// window (0: none to give back).
+    pub budget_window: u32,
 }

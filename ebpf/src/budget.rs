@@ -10,38 +10,54 @@ use aya_ebpf::{helpers::bpf_ktime_get_ns, maps::LruHashMap};
 use sluice_common::{Budget, BUDGET_WINDOW_NS};
 
 /// Takes one use of the pod's budget in `map` (at most `limit` a window):
-/// false, taking nothing, once they are spent.
+/// the window it was taken in ([`Budget::window`]), or `None`, taking
+/// nothing, once they are spent.
 #[inline(always)]
-pub fn take(map: &LruHashMap<u64, Budget>, cookie: u64, limit: u32) -> bool {
+pub fn take(map: &LruHashMap<u64, Budget>, cookie: u64, limit: u32) -> Option<u32> {
     let now = unsafe { bpf_ktime_get_ns() };
     let Some(b) = map.get_ptr_mut(cookie) else {
         let fresh = Budget {
             window_ns: now,
             used: 1,
-            _pad: 0,
+            window: 1,
         };
         let _ = map.insert(cookie, fresh, 0);
-        return true;
+        return Some(1);
     };
     let b = unsafe { &mut *b };
     if now.wrapping_sub(b.window_ns) >= BUDGET_WINDOW_NS {
         b.window_ns = now;
         b.used = 1;
-        return true;
+        b.window = b.window.wrapping_add(1).max(1);
+        return Some(b.window);
     }
     if b.used >= limit {
-        return false;
+        return None;
     }
     b.used += 1;
-    true
+    Some(b.window)
 }
 
 /// Gives one use back to the pod's budget in `map` (what it took has been
-/// released). A use taken in an earlier window is already forgotten.
+/// released), whichever window it was taken in.
 #[inline(always)]
 pub fn give_back(map: &LruHashMap<u64, Budget>, cookie: u64) {
     if let Some(b) = map.get_ptr_mut(cookie) {
         let b = unsafe { &mut *b };
         b.used = b.used.saturating_sub(1);
+    }
+}
+
+/// Gives one use back to the pod's budget in `map` if it was taken in the
+/// window still running (`window`, from [`take`]): a use of an earlier
+/// window was forgotten when the window reset, and giving it to this one
+/// would let the pod hold more than its budget unanswered.
+#[inline(always)]
+pub fn give_back_in(map: &LruHashMap<u64, Budget>, cookie: u64, window: u32) {
+    if let Some(b) = map.get_ptr_mut(cookie) {
+        let b = unsafe { &mut *b };
+        if b.window == window {
+            b.used = b.used.saturating_sub(1);
+        }
     }
 }

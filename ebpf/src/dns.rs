@@ -111,16 +111,17 @@ pub fn egress_udp<const L2: usize>(ctx: &TcContext, u: &Udp) -> i32 {
         w.put_hint(ctx, cookie, &hint, HintVerdict::DnsUdp);
         return redirect_to_self::<L2>(ctx);
     }
-    if !budget::take(&DNS_BUDGET, cookie, DNS_QUERIES_PER_POD_PER_S) {
+    let Some(budget_window) = budget::take(&DNS_BUDGET, cookie, DNS_QUERIES_PER_POD_PER_S) else {
         w.count_drop(DropReason::DnsOverBudget);
         return DROP;
-    }
+    };
     let key = DnsFlowKey::new(u.family, u.saddr, u.sport, id);
     let flow = DnsFlow {
         resolver_addr: u.daddr,
         netns_cookie: cookie,
         resolver_port: u.dport,
-        _pad: [0; 6],
+        _pad: 0,
+        budget_window,
     };
     if DNS_FLOWS.insert(key, flow, 0).is_err() {
         w.count_dns(cookie, |c: &mut DnsCounters| &mut c.passthrough);
@@ -172,9 +173,10 @@ pub fn restore_answer(ctx: &TcContext, u: &Udp) -> i32 {
         // again), so the node-wide map holds only queries in flight, not
         // every recent one of a pod that asks fast (issue 38, case 3).
         let _ = DNS_FLOWS.remove(key);
-        // And its use of the pod's budget is given back: the budget bounds
-        // the pod's queries in flight, never the rate its proxy answers.
-        budget::give_back(&DNS_BUDGET, flow.netns_cookie);
+        // And its use of the pod's budget is given back, if taken in this
+        // window: the budget bounds the pod's unanswered queries, not the
+        // rate its proxy answers.
+        budget::give_back_in(&DNS_BUDGET, flow.netns_cookie, flow.budget_window);
     }
     PASS
 }

@@ -47,7 +47,7 @@ pub fn put_hint(cookie: u64, key: &FlowKey, verdict: HintVerdict) {
 /// already set); past the share, to the overflow map.
 #[inline(always)]
 pub fn put_charged_hint(cookie: u64, key: &FlowKey, verdict: HintVerdict, flags: u32) {
-    if budget::take(&HINT_BUDGET, cookie, HINTS_PER_POD_PER_S) {
+    if budget::take(&HINT_BUDGET, cookie, HINTS_PER_POD_PER_S).is_some() {
         let _ = FLOW_HINTS.insert(key, hint(cookie, verdict, flags | HINT_CHARGED), 0);
         return;
     }

@@ -229,9 +229,13 @@ fn burst(
                 .collect::<Result<Vec<_>, _>>()
         },
     )?;
+    ensure!(
+        entries.iter().all(|e| e.changed_at_ns >= known_at),
+        "a pod was Served before ztunnel knew its workload (acks counted as served?)"
+    );
     let ms: Vec<f64> = entries
         .iter()
-        .map(|e| e.changed_at_ns.saturating_sub(known_at) as f64 / 1e6)
+        .map(|e| (e.changed_at_ns - known_at) as f64 / 1e6)
         .collect();
     let first = entries.iter().map(|e| e.enrolled_at_ns).min().unwrap_or(0);
     report.put(
