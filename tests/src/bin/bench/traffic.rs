@@ -528,6 +528,8 @@ pub fn request_response(report: &mut Report, cfg: &Config, rng: &mut StdRng) -> 
 /// What one bulk flow measured: its rate and what TCP says it sent with.
 struct Flow {
     bytes_per_s: f64,
+    /// What was written in all.
+    bytes: u64,
     /// `tcpi_snd_mss`: the payload of each segment the sender cuts.
     snd_mss: u32,
 }
@@ -561,6 +563,7 @@ fn bulk_flow(
         let bytes_per_s = sent as f64 / start.elapsed().as_secs_f64();
         Some(Flow {
             bytes_per_s,
+            bytes: sent,
             snd_mss: tcp_info(&s)?.tcpi_snd_mss,
         })
     })
@@ -571,9 +574,11 @@ fn bulk_flow(
 
 fn tcp_info(s: &TcpStream) -> Option<libc::tcp_info> {
     use std::os::fd::AsRawFd;
-    // SAFETY: tcp_info is plain data; the kernel fills at most `len` bytes.
+    // SAFETY: tcp_info is plain data, for which all zeroes is a value.
     let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: `info` outlives the call, and the kernel writes at most `len`
+    // bytes (its size) to it.
     let rc = unsafe {
         libc::getsockopt(
             s.as_raw_fd(),
@@ -752,7 +757,7 @@ fn bulk_bpf_runs(report: &mut Report, cfg: &Config, s: &Setup) -> anyhow::Result
         let flow = bulk_flow(ns, dst, cfg.bulk_window, mark, None)
             .with_context(|| format!("bulk flow {case} with stats failed"))?;
         let after = program_stats(s)?;
-        let mib = flow.bytes_per_s * cfg.bulk_window.as_secs_f64() / (1024.0 * 1024.0);
+        let mib = flow.bytes as f64 / (1024.0 * 1024.0);
         let mut total = 0;
         for (name, (t1, c1)) in &after {
             let (t0, c0) = before.get(name).copied().unwrap_or_default();
