@@ -122,6 +122,36 @@ pub fn pin_pass_program(path: &std::path::Path) -> anyhow::Result<()> {
 
 /// Attaches, in the netns at `netns`, an sk_lookup program that passes every
 /// lookup and selects nothing (another tool's, for tests of what sluice's
+/// Attaches the program pinned at `pass` (see [`pin_pass_program`]) as a tcx
+/// link first on `iface`'s `kind` hook in netns `ns`: another tool's program
+/// ahead of sluice's. Detached when the link is dropped.
+pub fn attach_tcx_first(
+    ns: &str,
+    iface: &'static str,
+    kind: aya::programs::TcAttachType,
+    pass: &std::path::Path,
+) -> anyhow::Result<aya::programs::links::FdLink> {
+    use aya::programs::{links::FdLink, tc::TcAttachOptions, LinkOrder};
+    let pass = pass.to_owned();
+    crate::ns::run_in(ns, move || -> anyhow::Result<FdLink> {
+        let mut p = SchedClassifier::from_pin(&pass)?;
+        let id =
+            p.attach_with_options(iface, kind, TcAttachOptions::TcxOrder(LinkOrder::first()))?;
+        Ok(FdLink::try_from(p.take_link(id)?)?)
+    })
+}
+
+/// The tcx programs on `iface`'s `kind` hook in netns `ns`, in run order.
+pub fn tcx_programs(
+    ns: &str,
+    iface: &'static str,
+    kind: aya::programs::TcAttachType,
+) -> anyhow::Result<Vec<u32>> {
+    Ok(crate::ns::run_in(ns, move || {
+        sluice::dataplane::hookview::tcx_programs(iface, kind)
+    })?)
+}
+
 /// verification says of it). Attached while the returned link is open.
 pub fn attach_pass_sk_lookup(netns: &std::path::Path) -> anyhow::Result<std::os::fd::OwnedFd> {
     use std::os::fd::{AsRawFd as _, FromRawFd as _};

@@ -217,6 +217,10 @@ pub fn trials() -> Vec<Trial> {
             "agent::another_tools_filter_ahead_of_sluices_is_found_and_sluice_put_first",
             foreign_filter_ahead,
         ),
+        tcx_trial(
+            "agent::tcx::another_tools_tcx_program_ahead_of_sluices_is_found_and_sluice_put_first",
+            foreign_tcx_ahead,
+        ),
         trial(
             "agent::no_netns_cookie_in_tc::an_interface_added_after_enrollment_is_captured_at_once",
             || {
@@ -1858,6 +1862,77 @@ fn foreign_filter_ahead() -> TestResult {
         )?;
         hook.tc_handle("del", "0x2", None)?;
     }
+    Ok(())
+}
+
+/// With `--tc-attach tcx`: another tool's tcx program attached first on the
+/// pod's egress hook (a pass-all, which would let the pod's SYNs leave
+/// uncaptured) is found by the next verification (no netlink event
+/// announces a tcx attach; the period here is 1 s), which counts it as a
+/// failed verification while the repair detaches sluice's link and attaches
+/// it again, first; the pod's outbound reaches ztunnel again with the other
+/// program still there, behind sluice's.
+fn foreign_tcx_ahead() -> TestResult {
+    use aya::programs::TcAttachType;
+    let f = Fixture::new("fta", None)?;
+    let port = free_port()?;
+    let addr = format!("127.0.0.1:{port}");
+    let agent = AgentProc::start_with(
+        &f.topo.pins,
+        &["--verify-every", "1s", "--metrics-addr", &addr],
+    )?;
+    let p = peer(&agent)?;
+    enroll_enabled(&agent, &f)?;
+    let egress = f
+        .topo
+        .pins
+        .pod(f.pod_record()?.netns_cookie)
+        .join("egress_eth0");
+    let ours = || sluice::dataplane::tcfilter::link_program(&egress).context("no egress link");
+    let first = || {
+        sluice_tests::inspect::tcx_programs(&f.topo.pod, "eth0", TcAttachType::Egress)
+            .map(|ids| ids.first().copied())
+    };
+    ensure!(
+        first()? == Some(ours()?),
+        "sluice's program is not first after enrollment"
+    );
+    let failed = || -> anyhow::Result<u64> {
+        let (_, metrics) = http_get(port, "/metrics")?;
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("sluice_capture_verifications_total{result=\"failed\"} "))
+            .map_or(Ok(0), |n| n.trim().parse().context("the count"))
+    };
+    let before = failed()?;
+    let pass = f.topo.pins.progs().join("foreign_tcx_pass");
+    sluice_tests::inspect::pin_pass_program(&pass)?;
+    let foreign =
+        sluice_tests::inspect::attach_tcx_first(&f.topo.pod, "eth0", TcAttachType::Egress, &pass)?;
+    wait::until("sluice's program first again", wait::DEADLINE, || {
+        match (first(), ours()) {
+            (Ok(Some(a)), Ok(b)) if a == b => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .with_context(|| agent.log())?;
+    wait::until("the break counted", wait::DEADLINE, || match failed() {
+        Ok(n) if n > before => Ok(()),
+        other => Err(format!("{other:?}")),
+    })
+    .with_context(|| agent.log())?;
+    let all = sluice_tests::inspect::tcx_programs(&f.topo.pod, "eth0", TcAttachType::Egress)?;
+    ensure!(
+        all.len() == 2,
+        "the other tool's program is gone too: {all:?}"
+    );
+    outbound_through_peer(
+        &f.topo.pod,
+        f.topo.client_ip(Family::V4),
+        &p,
+        "with the foreign tcx program behind sluice's",
+    )?;
+    drop(foreign);
     Ok(())
 }
 

@@ -384,21 +384,15 @@ fn host_side() -> TestResult {
 /// netlink event announces it): whatever sluice attaches there, a
 /// cls_bpf filter or a tcx link, runs after it, and the case names it.
 fn tcx_ahead(tag: &str) -> TestResult {
-    use aya::programs::{
-        links::FdLink, tc::TcAttachOptions, LinkOrder, SchedClassifier, TcAttachType,
-    };
     let (f, cookie) = captured(tag)?;
     let pass = f.topo.pins.progs().join("tcx_pass");
     sluice_tests::inspect::pin_pass_program(&pass)?;
-    let link = sluice_tests::ns::run_in(&f.topo.pod, move || -> anyhow::Result<FdLink> {
-        let mut p = SchedClassifier::from_pin(&pass)?;
-        let id = p.attach_with_options(
-            "eth0",
-            TcAttachType::Egress,
-            TcAttachOptions::TcxOrder(LinkOrder::first()),
-        )?;
-        Ok(FdLink::try_from(p.take_link(id)?)?)
-    })?;
+    let link = sluice_tests::inspect::attach_tcx_first(
+        &f.topo.pod,
+        "eth0",
+        aya::programs::TcAttachType::Egress,
+        &pass,
+    )?;
     match run(&f, cookie)? {
         Err(e) if e.case == "egress eth0" && e.detail.contains("runs first") => {}
         other => anyhow::bail!("a foreign tcx program first: {other:?}"),

@@ -138,6 +138,23 @@ pub fn standing_at(iface: &str, kind: TcAttachType) -> io::Result<Standing> {
     hook_filters(iface, kind).map(|f| standing(&f))
 }
 
+/// The tcx programs at `iface`'s `kind` hook in the calling thread's
+/// netns, in the order they run (before every cls_bpf filter); empty on a
+/// kernel without tcx (which answers EINVAL) or without the device.
+pub fn tcx_programs(iface: &str, kind: TcAttachType) -> io::Result<Vec<u32>> {
+    let Ok(index) = nix::net::if_::if_nametoindex(iface) else {
+        return Ok(Vec::new());
+    };
+    let tcx_type = match kind {
+        TcAttachType::Egress => BPF_TCX_EGRESS,
+        _ => BPF_TCX_INGRESS,
+    };
+    match prog_query(index, tcx_type) {
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENODEV)) => Ok(Vec::new()),
+        other => other,
+    }
+}
+
 /// `BPF_PROG_QUERY`'s attach types for the hooks a pod depends on.
 pub const BPF_SK_LOOKUP: u32 = 36;
 pub const BPF_TCX_INGRESS: u32 = 46;

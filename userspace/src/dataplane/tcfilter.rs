@@ -251,20 +251,11 @@ pub fn pinned_or_busy(path: &Path) -> io::Result<Option<Pinned>> {
         Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::EAGAIN | libc::EINTR) => Err(e),
         _ => Ok(None),
     };
-    let Ok(cpath) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
-        return Ok(None);
+    let fd = match obj_get(path) {
+        Ok(Some(fd)) => fd,
+        Ok(None) => return Ok(None),
+        Err(e) => return transient(e),
     };
-    // union bpf_attr, BPF_OBJ_GET: pathname, bpf_fd (0), file_flags.
-    let mut attr = [0u8; 16];
-    attr[0..8].copy_from_slice(&(cpath.as_ptr() as u64).to_ne_bytes());
-    const BPF_OBJ_GET: libc::c_long = 7;
-    // SAFETY: a zeroed bpf_attr with the path set, valid for the call.
-    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, attr.as_mut_ptr(), attr.len()) };
-    if fd < 0 {
-        return transient(io::Error::last_os_error());
-    }
-    // SAFETY: a fresh fd the kernel just returned; closed on drop.
-    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
     let kind = match std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())) {
         Ok(k) => k,
         Err(e) => return transient(e),
@@ -279,15 +270,50 @@ pub fn pinned_or_busy(path: &Path) -> io::Result<Option<Pinned>> {
     })
 }
 
+/// The kernel id of the program the link pinned at `path` runs (`None`:
+/// no link there, or it cannot be read now).
+pub fn link_program(path: &Path) -> Option<u32> {
+    let fd = obj_get(path).ok().flatten()?;
+    // struct bpf_link_info begins with type, id and prog_id.
+    let mut info = [0u32; 3];
+    info_by_fd(&fd, &mut info).then_some(info[2])
+}
+
+/// Opens the BPF object pinned at `path` (`None`: a path the kernel cannot
+/// be given).
+fn obj_get(path: &Path) -> io::Result<Option<std::os::fd::OwnedFd>> {
+    let Ok(cpath) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
+        return Ok(None);
+    };
+    // union bpf_attr, BPF_OBJ_GET: pathname, bpf_fd (0), file_flags.
+    let mut attr = [0u8; 16];
+    attr[0..8].copy_from_slice(&(cpath.as_ptr() as u64).to_ne_bytes());
+    const BPF_OBJ_GET: libc::c_long = 7;
+    // SAFETY: a zeroed bpf_attr with the path set, valid for the call.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, attr.as_mut_ptr(), attr.len()) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh fd the kernel just returned; closed on drop.
+    Ok(Some(unsafe {
+        std::os::fd::OwnedFd::from_raw_fd(fd as i32)
+    }))
+}
+
 /// The kernel id of the program open as `fd`.
 fn prog_id(fd: &std::os::fd::OwnedFd) -> Option<u32> {
-    // struct bpf_prog_info begins with type and id; the kernel fills what
-    // fits in the length given.
+    // struct bpf_prog_info begins with type and id.
     let mut info = [0u32; 2];
+    info_by_fd(fd, &mut info).then_some(info[1])
+}
+
+/// `BPF_OBJ_GET_INFO_BY_FD` into `info`: the kernel fills what fits in its
+/// length.
+fn info_by_fd(fd: &std::os::fd::OwnedFd, info: &mut [u32]) -> bool {
     // union bpf_attr, BPF_OBJ_GET_INFO_BY_FD: bpf_fd, info_len, info.
     let mut attr = [0u8; 16];
     attr[0..4].copy_from_slice(&(fd.as_raw_fd() as u32).to_ne_bytes());
-    attr[4..8].copy_from_slice(&(std::mem::size_of_val(&info) as u32).to_ne_bytes());
+    attr[4..8].copy_from_slice(&(std::mem::size_of_val(info) as u32).to_ne_bytes());
     attr[8..16].copy_from_slice(&(info.as_mut_ptr() as u64).to_ne_bytes());
     const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
     // SAFETY: a zeroed bpf_attr naming a live fd and a buffer of the length
@@ -300,7 +326,7 @@ fn prog_id(fd: &std::os::fd::OwnedFd) -> Option<u32> {
             attr.len(),
         )
     };
-    (r == 0).then_some(info[1])
+    r == 0
 }
 
 /// The OS error at the bottom of `e`'s causes, if any.

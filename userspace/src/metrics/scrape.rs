@@ -29,6 +29,8 @@ pub struct Sample {
     pub hints_over_share: u64,
     /// Enrolled pods whose capture the last repair could not complete.
     pub capture_incomplete: u64,
+    /// Held pods whose last verification failed (not served meanwhile).
+    pub capture_unverified: u64,
 }
 
 /// Where samples come from (the agent's node view).
@@ -65,6 +67,13 @@ impl Collector for MapCollector {
             "Enrolled pods whose capture lacks links the last repair could not attach (part of their traffic bypasses ztunnel)",
             None,
             incomplete.metric_type(),
+        )?)?;
+        let unverified = ConstGauge::new(s.capture_unverified as i64);
+        unverified.encode(enc.encode_descriptor(
+            "pods_capture_unverified",
+            "Enrolled pods whose last verification of their capture failed (their traffic may bypass ztunnel; their readiness gate is False)",
+            None,
+            unverified.metric_type(),
         )?)?;
         let k = &s.kernel;
         let captured = [

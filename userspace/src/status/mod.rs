@@ -225,8 +225,9 @@ pub(crate) fn age(ns: u64, now: u64) -> String {
 }
 
 /// Whether ztunnel can serve the pod: "yes (verified 12s ago)", "no
-/// (waiting 12s)" for a steering pod ztunnel does not know, "no
-/// (unverified: CASE)" for one whose capture failed its verification, "-"
+/// (waiting 12s)" for a steering pod ztunnel does not know, "no (not
+/// verified yet)" or "no (unverified: CASE)" for one whose capture has not
+/// passed a verification yet or failed its last one, "-"
 /// for a pod not steering. `v`: the agent's last verification of the pod
 /// (`None` without an agent: plain "yes").
 fn served(p: &PodRecord, now: u64, v: Option<&PodVerification>) -> String {
@@ -234,7 +235,9 @@ fn served(p: &PodRecord, now: u64, v: Option<&PodVerification>) -> String {
         (Some(PodState::Served), None) => "yes".into(),
         (Some(PodState::Served), Some(v)) => match v.outcome {
             VerifyOutcome::Failed => format!("no (unverified: {})", v.case),
-            VerifyOutcome::NotYet => "yes (not verified yet)".into(),
+            // The readiness gate stays `False` until the first verification
+            // passes: the column says the same.
+            VerifyOutcome::NotYet => "no (not verified yet)".into(),
             VerifyOutcome::Verified => format!("yes (verified {} ago)", ago(v)),
             VerifyOutcome::Partial => format!("yes (verified in part {} ago)", ago(v)),
         },

@@ -284,6 +284,7 @@ impl metrics::Source for MapSource {
                 .collect(),
             hints_over_share: dp.maps().hints_over_share(),
             capture_incomplete: book.pods.incomplete().len() as u64,
+            capture_unverified: book.pods.unverified() as u64,
         }
     }
 }

@@ -230,6 +230,16 @@ impl PodTable {
         out
     }
 
+    /// How many held pods failed their last verification.
+    pub(super) fn unverified(&self) -> usize {
+        self.by_uid
+            .lock()
+            .unwrap()
+            .values()
+            .filter(|p| matches!(p.track.verification, Verification::Failed { .. }))
+            .count()
+    }
+
     /// Pods whose capture the last repair could not complete.
     pub(super) fn incomplete(&self) -> Vec<IncompletePod> {
         let mut out: Vec<IncompletePod> = self

@@ -49,15 +49,14 @@ pub fn attach_link(
             let id = steer.attach(netns).map_err(aerr)?;
             pin(FdLink::from(steer.take_link(id).map_err(aerr)?), &path)
         }
-        // In the node netns, first in the chain: it only writes hints and
-        // passes every packet on (TCX_NEXT), so the primary CNI's programs
-        // on the same device still see everything.
+        // In the node netns: it only writes hints and passes every packet
+        // on (TCX_NEXT), so the primary CNI's programs after it on the same
+        // device still see everything.
         LinkSpec::Host(peer) => {
             let Some((node, prog)) = dp.host_side_mut() else {
                 return Err(lacking("no node netns or host-side program"));
             };
             Tc {
-                order: LinkOrder::first(),
                 over: Some((&node.nl, peer.host_index)),
                 ..Tc::new(&peer.host_iface, TcAttachType::Egress, tcx)
             }
@@ -88,11 +87,11 @@ pub fn attach_link(
 }
 
 /// One tc attachment: sluice's cls_bpf filter (`tcfilter`), or with
-/// `--tc-attach tcx` a tcx link (at `order` in the device's chain).
+/// `--tc-attach tcx` a tcx link, first in the device's chain: a program
+/// ahead of sluice's could end the packet's walk before it runs.
 struct Tc<'a> {
     iface: &'a str,
     kind: TcAttachType,
-    order: LinkOrder,
     tcx: bool,
     /// A socket in the hook's netns and the interface's index there: a
     /// filter goes over it (no visit of the netns).
@@ -100,12 +99,10 @@ struct Tc<'a> {
 }
 
 impl<'a> Tc<'a> {
-    /// After the device's other programs.
     fn new(iface: &'a str, kind: TcAttachType, tcx: bool) -> Self {
         Self {
             iface,
             kind,
-            order: LinkOrder::default(),
             tcx,
             over: None,
         }
@@ -149,10 +146,9 @@ impl<'a> Tc<'a> {
             }
             return Ok(());
         }
-        let order = self.order;
         let link = ns.run(|| -> Result<FdLink, EnrollError> {
             let id = prog
-                .attach_with_options(iface, kind, TcAttachOptions::TcxOrder(order))
+                .attach_with_options(iface, kind, TcAttachOptions::TcxOrder(LinkOrder::first()))
                 .map_err(aerr)?;
             let link = prog.take_link(id).map_err(aerr)?;
             FdLink::try_from(link).map_err(|e| EnrollError::Pin {
@@ -183,21 +179,43 @@ pub fn attached_seen_from(
 ) -> bool {
     match tcfilter::pinned(path) {
         None => false,
-        Some(tcfilter::Pinned::Link) => true,
+        Some(tcfilter::Pinned::Link) => tcx_ahead(netns, node, spec, path).is_none(),
         Some(tcfilter::Pinned::Program(id)) => {
             let Some(hook) = spec.tc_hook() else {
                 return false;
             };
-            let ns = match hook.side {
-                Side::Pod => netns,
-                Side::Node => match node {
-                    Some(node) => node,
-                    None => return false,
-                },
+            let Some(ns) = hook_netns(hook.side, netns, node) else {
+                return false;
             };
             let standing = ns.run(|| hookview::standing_at(hook.iface, hook.kind));
             matches!(standing, Ok(Ok(Standing::First(running))) if running == id)
         }
+    }
+}
+
+/// The program that runs ahead of `spec`'s tcx link (pinned at `path`) on
+/// its hook, when the kernel says one does: another tool's program first
+/// could end the packet's walk before sluice's runs. `None` also when it
+/// cannot be told (a link not on a tc hook, the node's netns unknown, a
+/// query failing): a link is only ever detached on the kernel's word.
+pub fn tcx_ahead(netns: &Netns, node: Option<&Netns>, spec: &LinkSpec, path: &Path) -> Option<u32> {
+    let hook = spec.tc_hook()?;
+    let ns = hook_netns(hook.side, netns, node)?;
+    let ours = tcfilter::link_program(path)?;
+    let first = ns
+        .run(|| hookview::tcx_programs(hook.iface, hook.kind))
+        .ok()?
+        .ok()?
+        .first()
+        .copied()?;
+    (first != ours).then_some(first)
+}
+
+/// The netns a hook on `side` is in (`None`: the node's, not known here).
+fn hook_netns<'a>(side: Side, pod: &'a Netns, node: Option<&'a Netns>) -> Option<&'a Netns> {
+    match side {
+        Side::Pod => Some(pod),
+        Side::Node => node,
     }
 }
 
@@ -211,12 +229,8 @@ pub fn unseat_if_behind(dp: &Dataplane, netns: &Netns, spec: &LinkSpec) {
     let Some(hook) = spec.tc_hook().filter(|_| dp.tc_attach() != TcAttach::Tcx) else {
         return;
     };
-    let ns = match hook.side {
-        Side::Pod => netns,
-        Side::Node => match dp.node() {
-            Some(node) => &node.netns,
-            None => return,
-        },
+    let Some(ns) = hook_netns(hook.side, netns, dp.node().map(|n| &n.netns)) else {
+        return;
     };
     let _ = ns.run(|| {
         if let Ok(Standing::Behind { ahead, .. }) = hookview::standing_at(hook.iface, hook.kind) {

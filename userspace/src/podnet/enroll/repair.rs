@@ -25,7 +25,7 @@ use super::{
     addrs::refresh_addrs,
     error::EnrollError,
     hostpeers::host_peers,
-    links::{attach_link, attached, attached_seen_from, unseat_if_behind},
+    links::{attach_link, attached, attached_seen_from, tcx_ahead, unseat_if_behind},
     reopen::{open_pod_netns, open_pod_netns_unless_gone, pod_interfaces},
     teardown::{remove_stateless, teardown},
 };
@@ -233,7 +233,17 @@ fn relink(dp: &mut Dataplane, survey: &Survey) -> Result<Vec<String>, EnrollErro
                     source,
                 })
             }
-            Ok(Some(tcfilter::Pinned::Link)) => continue,
+            Ok(Some(tcfilter::Pinned::Link)) => {
+                // A tcx link another tool's program runs ahead of: its pin
+                // is its only holder, so removing it detaches it, and the
+                // attach below puts sluice's first. Traffic through the hook
+                // bypassed sluice's program already.
+                let Some(ahead) = tcx_ahead(netns, dp.node().map(|n| &n.netns), &spec, &pin_path)
+                else {
+                    continue;
+                };
+                tracing::warn!(link = %spec.pin_name(), ahead, "another tool's tcx program ran ahead of sluice's: putting sluice's first again");
+            }
             Ok(_) => {}
         }
         let _ = fs::remove_file(&pin_path);

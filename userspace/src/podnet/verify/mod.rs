@@ -350,17 +350,11 @@ impl Run<'_> {
     /// The id of the program that runs first at `iface`'s `kind` hook, or
     /// why there is none of sluice's to run.
     fn first_at(&self, iface: &str, kind: TcAttachType) -> Result<u32, String> {
-        let index = nix::net::if_::if_nametoindex(iface).map_err(|e| e.to_string())?;
-        let tcx_type = match kind {
-            TcAttachType::Egress => hookview::BPF_TCX_EGRESS,
-            _ => hookview::BPF_TCX_INGRESS,
-        };
-        // tcx runs before cls_bpf; a kernel without tcx says EINVAL.
-        let tcx = match hookview::prog_query(index, tcx_type) {
-            Ok(ids) => ids,
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Vec::new(),
-            Err(e) => return Err(format!("cannot ask the kernel for its tcx programs: {e}")),
-        };
+        // A device gone is named as such, not as a hook without programs.
+        nix::net::if_::if_nametoindex(iface).map_err(|e| e.to_string())?;
+        // tcx runs before cls_bpf.
+        let tcx = hookview::tcx_programs(iface, kind)
+            .map_err(|e| format!("cannot ask the kernel for its tcx programs: {e}"))?;
         if let Some(&first) = tcx.first() {
             return Ok(first);
         }
