@@ -252,7 +252,7 @@ fn peer(agent: &AgentProc) -> anyhow::Result<PeerProc> {
     peer_with(agent, &[])
 }
 
-fn peer_with(agent: &AgentProc, flags: &[&str]) -> anyhow::Result<PeerProc> {
+pub(crate) fn peer_with(agent: &AgentProc, flags: &[&str]) -> anyhow::Result<PeerProc> {
     let p = PeerProc::start(Path::new(PEER), &agent.zds, flags)?;
     let pid = p.pid().context("peer has no pid")?;
     agent.wait_ztunnel(pid, "the agent to report the peer connected", |z| {
@@ -262,7 +262,7 @@ fn peer_with(agent: &AgentProc, flags: &[&str]) -> anyhow::Result<PeerProc> {
 }
 
 /// Enrolls through the agent and requires it steering (Enabled or Served), with the agent's log if not.
-fn enroll_enabled(agent: &AgentProc, f: &Fixture) -> TestResult {
+pub(crate) fn enroll_enabled(agent: &AgentProc, f: &Fixture) -> TestResult {
     let out = enroll(agent, f)?;
     ensure!(
         out.ok && steering(&out.stdout),
@@ -536,7 +536,7 @@ impl Clients {
     }
 }
 
-fn inbound_accepts(p: &PeerProc) -> usize {
+pub(crate) fn inbound_accepts(p: &PeerProc) -> usize {
     p.events()
         .iter()
         .filter(|e| e["event"] == "accepted" && e["role"] == "inbound")
@@ -1938,7 +1938,12 @@ fn foreign_tcx_ahead() -> TestResult {
 
 /// A connection from netns `pod` to the remote app at `to` gets the app's
 /// answer and is one more outbound connection the peer accepted.
-fn outbound_through_peer(pod: &str, to: std::net::IpAddr, p: &PeerProc, what: &str) -> TestResult {
+pub(crate) fn outbound_through_peer(
+    pod: &str,
+    to: std::net::IpAddr,
+    p: &PeerProc,
+    what: &str,
+) -> TestResult {
     let outbound = |p: &PeerProc| {
         p.events()
             .iter()

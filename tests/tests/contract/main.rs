@@ -24,6 +24,7 @@ mod runtime;
 mod served;
 mod syncookies;
 mod verify;
+mod verify_agent;
 
 use libtest_mimic::{Arguments, Failed, Trial};
 use sluice_tests::harness::{
@@ -93,5 +94,6 @@ fn main() {
     trials.extend(metrics::trials());
     trials.extend(syncookies::trials());
     trials.extend(verify::trials());
+    trials.extend(verify_agent::trials());
     libtest_mimic::run(&args, trials).exit();
 }

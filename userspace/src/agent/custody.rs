@@ -28,12 +28,17 @@ use std::{
     time::{Duration, Instant},
 };
 
-use sluice_common::Role;
+use sluice_common::{ListenerKey, Role};
 
-use crate::podnet::sockets::{owner_holds, Listener};
+use crate::{
+    dataplane::state::Maps,
+    podnet::sockets::{owner_holds, Listener},
+};
 
 struct Held {
     role: Role,
+    /// The families it serves: its keys in the socket map.
+    families: Vec<u8>,
     pid: i32,
     owner_fd: i32,
     fd: OwnedFd,
@@ -78,6 +83,7 @@ impl Custody {
             *mine = kept;
             mine.extend(taken.into_iter().map(|l| Held {
                 role: l.role,
+                families: l.families,
                 pid: l.pid,
                 owner_fd: l.owner_fd,
                 fd: l.fd,
@@ -86,6 +92,43 @@ impl Custody {
             gone
         };
         drop(replaced);
+    }
+
+    /// Puts back into the socket map, from the duplicates held for `uid`
+    /// (the pod of netns `cookie`), the entries it lacks: taken out behind
+    /// the agent's back (only root on the node can write the map), which
+    /// nothing else would put back for the DNS proxy's sockets (the
+    /// supervisor sends a pod without its capture listeners back to
+    /// ztunnel). Withdrawn listeners, and ones their owner no longer holds,
+    /// stay out. Returns the roles put back.
+    pub fn restore(&self, uid: &str, cookie: u64, maps: &mut Maps) -> Vec<Role> {
+        let held = self.held.lock().unwrap();
+        let Some(mine) = held.get(uid) else {
+            return Vec::new();
+        };
+        let present = maps.listeners_of(cookie);
+        let mut restored = Vec::new();
+        for h in mine.iter().filter(|h| h.withdrawn.is_none()) {
+            let missing: Vec<ListenerKey> = h
+                .families
+                .iter()
+                .map(|f| ListenerKey::new(cookie, h.role, *f))
+                .filter(|k| !present.contains(k))
+                .collect();
+            if missing.is_empty() || !h.owner_holds() {
+                continue;
+            }
+            for key in missing {
+                match maps.insert_listener(key, &h.fd) {
+                    Ok(()) if !restored.contains(&h.role) => restored.push(h.role),
+                    Ok(()) => {}
+                    Err(e) => {
+                        tracing::warn!(%uid, role = ?h.role, error = %e, "could not put ztunnel's listener back in the socket map")
+                    }
+                }
+            }
+        }
+        restored
     }
 
     /// Withdraws the listeners whose owner no longer holds them, for `only`

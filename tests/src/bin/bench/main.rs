@@ -123,7 +123,7 @@ impl Config {
             mesh_workloads: 10_000,
             served_checks: 20,
             served_burst: 110,
-            verify_pods: 100,
+            verify_pods: 250,
             verify_passes: 5,
             flood_window: Duration::from_secs(1),
             isolation_conns: 200,

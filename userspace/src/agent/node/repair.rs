@@ -281,6 +281,7 @@ impl Repairer {
                 self.metrics.capture_repair_error();
             }
         }
+        self.restore_listeners(dp, cookie, &uid, &pod);
         let repaired = outcome.is_ok();
         // A pod an earlier agent enrolled: open its netns once, now.
         if let Some(meta) = dp.maps().meta(cookie) {
@@ -293,6 +294,38 @@ impl Repairer {
         let survey = survey.filter(|s| s.is_of(dp, cookie));
         self.note_completeness(dp, cookie, &uid, &pod, outcome.err(), survey.as_ref());
         repaired
+    }
+
+    /// A steering pod's listeners the agent holds but the socket map lacks
+    /// (taken out behind its back) are put back, and reported as a failed
+    /// verification as hooks put back are: its sockets were not reachable
+    /// until now.
+    fn restore_listeners(&self, dp: &mut Dataplane, cookie: u64, uid: &str, pod: &str) {
+        if !steers(dp, cookie) {
+            return;
+        }
+        let restored = self.custody.restore(uid, cookie, dp.maps_mut());
+        if restored.is_empty() {
+            return;
+        }
+        warn!(
+            ?restored,
+            "ztunnel's listeners were gone from the socket map (behind sluice's back): put back"
+        );
+        let detail = format!(
+            "{restored:?} not in the socket map (removed behind sluice's back); put back from the agent's duplicates"
+        );
+        self.record(
+            uid,
+            pod,
+            Verification::Failed {
+                case: "listeners".into(),
+                detail: detail.clone(),
+            },
+        );
+        self.announcer
+            .pod_event(uid, Reason::CaptureRepaired, &detail);
+        self.metrics.capture_repaired();
     }
 
     /// After a repair of the pod (`failed`: its error, if it failed):
