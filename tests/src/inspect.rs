@@ -120,8 +120,6 @@ pub fn pin_pass_program(path: &std::path::Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Attaches, in the netns at `netns`, an sk_lookup program that passes every
-/// lookup and selects nothing (another tool's, for tests of what sluice's
 /// Attaches the program pinned at `pass` (see [`pin_pass_program`]) as a tcx
 /// link first on `iface`'s `kind` hook in netns `ns`: another tool's program
 /// ahead of sluice's. Detached when the link is dropped.
@@ -152,6 +150,8 @@ pub fn tcx_programs(
     })?)
 }
 
+/// Attaches, in the netns at `netns`, an sk_lookup program that passes every
+/// lookup and selects nothing (another tool's, for tests of what sluice's
 /// verification says of it). Attached while the returned link is open.
 pub fn attach_pass_sk_lookup(netns: &std::path::Path) -> anyhow::Result<std::os::fd::OwnedFd> {
     use std::os::fd::{AsRawFd as _, FromRawFd as _};

@@ -221,6 +221,10 @@ pub fn trials() -> Vec<Trial> {
             "agent::tcx::another_tools_tcx_program_ahead_of_sluices_is_found_and_sluice_put_first",
             foreign_tcx_ahead,
         ),
+        tcx_trial(
+            "agent::tcx::an_interface_deleted_and_made_again_under_its_name_is_captured_again",
+            interface_made_again,
+        ),
         trial(
             "agent::no_netns_cookie_in_tc::an_interface_added_after_enrollment_is_captured_at_once",
             || {
@@ -1888,7 +1892,11 @@ fn foreign_tcx_ahead() -> TestResult {
         .pins
         .pod(f.pod_record()?.netns_cookie)
         .join("egress_eth0");
-    let ours = || sluice::dataplane::tcfilter::link_program(&egress).context("no egress link");
+    let ours = || {
+        sluice::dataplane::tcfilter::link_info(&egress)
+            .map(|i| i.prog)
+            .context("no egress link")
+    };
     let first = || {
         sluice_tests::inspect::tcx_programs(&f.topo.pod, "eth0", TcAttachType::Egress)
             .map(|ids| ids.first().copied())
@@ -1936,6 +1944,100 @@ fn foreign_tcx_ahead() -> TestResult {
     Ok(())
 }
 
+/// A second interface `net1` in netns `pod`, a veth whose peer
+/// (10.199.0.2/24) is in netns `client`, both up (no address in the pod).
+fn add_net1(pod: &str, client: &str) -> TestResult {
+    use sluice_tests::topology::ip;
+    ip(&[
+        "link",
+        "add",
+        "net1",
+        "netns",
+        pod,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "net1-peer",
+        "netns",
+        client,
+    ])?;
+    ip(&[
+        "-n",
+        client,
+        "addr",
+        "add",
+        "10.199.0.2/24",
+        "dev",
+        "net1-peer",
+    ])?;
+    ip(&["-n", client, "link", "set", "net1-peer", "up"])?;
+    ip(&["-n", pod, "link", "set", "net1", "up"])
+}
+
+/// Waits until the pod's pin directory `dir` has net1's capture links.
+fn wait_net1_pinned(dir: &Path) -> TestResult {
+    wait::until("net1's capture links pinned", wait::DEADLINE, || {
+        let pins: Vec<String> = std::fs::read_dir(dir)
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        if pins.iter().any(|n| n == "egress_net1") && pins.iter().any(|n| n == "ingress_net1") {
+            Ok(())
+        } else {
+            Err(pins)
+        }
+    })
+}
+
+/// With `--tc-attach tcx`: a pod's interface deleted and made again under
+/// its name leaves sluice's pinned tcx link detached (the kernel detaches a
+/// link whose device goes); the repair at the new interface's event finds
+/// it detached and attaches the program to the new device, and the pod's
+/// outbound over it reaches ztunnel.
+fn interface_made_again() -> TestResult {
+    use aya::programs::TcAttachType;
+    use sluice_tests::topology::ip;
+    let f = Fixture::new("ima", None)?;
+    let agent = AgentProc::start(&f.topo.pins)?;
+    let p = peer(&agent)?;
+    enroll_enabled(&agent, &f)?;
+    let dir = f.topo.pins.pod(f.pod_record()?.netns_cookie);
+    let (pod, client) = (f.topo.pod.as_str(), f.topo.client.as_str());
+    let egress = dir.join("egress_net1");
+    let ours_first = || {
+        let info = sluice::dataplane::tcfilter::link_info(&egress);
+        let first = sluice_tests::inspect::tcx_programs(pod, "net1", TcAttachType::Egress)
+            .map(|ids| ids.first().copied());
+        match (info, first) {
+            (Some(i), Ok(Some(id))) if i.tcx_ifindex != 0 && i.prog == id => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    };
+    for round in ["added", "made again"] {
+        add_net1(pod, client)?;
+        ip(&["-n", pod, "addr", "add", "10.199.0.1/24", "dev", "net1"])?;
+        wait_net1_pinned(&dir)?;
+        wait::until(
+            &format!("sluice's program on net1 ({round})"),
+            wait::DEADLINE,
+            ours_first,
+        )
+        .with_context(|| agent.log())?;
+        outbound_through_peer(
+            pod,
+            [10, 199, 0, 2].into(),
+            &p,
+            &format!("over net1 ({round})"),
+        )?;
+        ip(&["-n", pod, "link", "del", "net1"])?;
+    }
+    Ok(())
+}
+
 /// A connection from netns `pod` to the remote app at `to` gets the app's
 /// answer and is one more outbound connection the peer accepted.
 pub(crate) fn outbound_through_peer(
@@ -1979,45 +2081,8 @@ fn interface_added() -> TestResult {
         "net1 linked before it exists"
     );
     let (pod, client) = (f.topo.pod.as_str(), f.topo.client.as_str());
-    ip(&[
-        "link",
-        "add",
-        "net1",
-        "netns",
-        pod,
-        "type",
-        "veth",
-        "peer",
-        "name",
-        "net1-peer",
-        "netns",
-        client,
-    ])?;
-    ip(&[
-        "-n",
-        client,
-        "addr",
-        "add",
-        "10.199.0.2/24",
-        "dev",
-        "net1-peer",
-    ])?;
-    ip(&["-n", client, "link", "set", "net1-peer", "up"])?;
-    ip(&["-n", pod, "link", "set", "net1", "up"])?;
-    wait::until("net1's capture links pinned", wait::DEADLINE, || {
-        let pins: Vec<String> = std::fs::read_dir(&dir)
-            .map(|d| {
-                d.flatten()
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .collect()
-            })
-            .unwrap_or_default();
-        if pins.iter().any(|n| n == "egress_net1") && pins.iter().any(|n| n == "ingress_net1") {
-            Ok(())
-        } else {
-            Err(pins)
-        }
-    })?;
+    add_net1(pod, client)?;
+    wait_net1_pinned(&dir)?;
     // An address added to an interface already up (no link event, only the
     // address's) names the pod to the programs from its event on, not from
     // the next verification or ztunnel's next ack (without netns cookies in

@@ -99,29 +99,27 @@ impl Custody {
     /// the agent's back (only root on the node can write the map), which
     /// nothing else would put back for the DNS proxy's sockets (the
     /// supervisor sends a pod without its capture listeners back to
-    /// ztunnel). Withdrawn listeners, and ones their owner no longer holds,
-    /// stay out. Returns the roles put back.
+    /// ztunnel). Withdrawn listeners, ones their owner no longer holds and
+    /// ones of another netns (an earlier sandbox of the same pod) stay out,
+    /// and a key the map has (a newer ztunnel's) is left alone. Returns the
+    /// roles put back.
     pub fn restore(&self, uid: &str, cookie: u64, maps: &mut Maps) -> Vec<Role> {
         let held = self.held.lock().unwrap();
         let Some(mine) = held.get(uid) else {
             return Vec::new();
         };
-        let present = maps.listeners_of(cookie);
         let mut restored = Vec::new();
         for h in mine.iter().filter(|h| h.withdrawn.is_none()) {
-            let missing: Vec<ListenerKey> = h
-                .families
-                .iter()
-                .map(|f| ListenerKey::new(cookie, h.role, *f))
-                .filter(|k| !present.contains(k))
-                .collect();
-            if missing.is_empty() || !h.owner_holds() {
+            use std::os::fd::AsFd as _;
+            let here = crate::podnet::netns::socket_netns_cookie(h.fd.as_fd()).ok() == Some(cookie);
+            if !here || !h.owner_holds() {
                 continue;
             }
-            for key in missing {
-                match maps.insert_listener(key, &h.fd) {
-                    Ok(()) if !restored.contains(&h.role) => restored.push(h.role),
-                    Ok(()) => {}
+            for family in &h.families {
+                let key = ListenerKey::new(cookie, h.role, *family);
+                match maps.insert_listener_if_absent(key, &h.fd) {
+                    Ok(true) if !restored.contains(&h.role) => restored.push(h.role),
+                    Ok(_) => {}
                     Err(e) => {
                         tracing::warn!(%uid, role = ?h.role, error = %e, "could not put ztunnel's listener back in the socket map")
                     }

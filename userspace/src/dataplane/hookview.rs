@@ -142,8 +142,12 @@ pub fn standing_at(iface: &str, kind: TcAttachType) -> io::Result<Standing> {
 /// netns, in the order they run (before every cls_bpf filter); empty on a
 /// kernel without tcx (which answers EINVAL) or without the device.
 pub fn tcx_programs(iface: &str, kind: TcAttachType) -> io::Result<Vec<u32>> {
-    let Ok(index) = nix::net::if_::if_nametoindex(iface) else {
-        return Ok(Vec::new());
+    // Only a device the kernel does not know is a hook without programs:
+    // the lookup needs a socket, and under EMFILE it fails otherwise.
+    let index = match nix::net::if_::if_nametoindex(iface) {
+        Ok(i) => i,
+        Err(nix::errno::Errno::ENODEV) => return Ok(Vec::new()),
+        Err(e) => return Err(e.into()),
     };
     let tcx_type = match kind {
         TcAttachType::Egress => BPF_TCX_EGRESS,

@@ -33,7 +33,7 @@ fn bpf(cmd: libc::c_long, attr: &mut [u64; 2]) -> io::Result<libc::c_long> {
 }
 
 /// Opens a pinned BPF object (here: a link) by its bpffs path.
-fn open_pin(path: &Path) -> io::Result<OwnedFd> {
+pub(crate) fn open_pin(path: &Path) -> io::Result<OwnedFd> {
     let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in a pin path"))?;
     // struct { __aligned_u64 pathname; __u32 bpf_fd; __u32 file_flags; }

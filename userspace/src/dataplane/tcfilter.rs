@@ -12,7 +12,7 @@
 
 use std::{
     io,
-    os::fd::{AsFd as _, AsRawFd as _, FromRawFd as _},
+    os::fd::{AsFd as _, AsRawFd as _},
     path::Path,
 };
 
@@ -251,9 +251,9 @@ pub fn pinned_or_busy(path: &Path) -> io::Result<Option<Pinned>> {
         Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::EAGAIN | libc::EINTR) => Err(e),
         _ => Ok(None),
     };
-    let fd = match obj_get(path) {
-        Ok(Some(fd)) => fd,
-        Ok(None) => return Ok(None),
+    // A path with a NUL in it is no pin (InvalidInput: not transient).
+    let fd = match super::relink::open_pin(path) {
+        Ok(fd) => fd,
         Err(e) => return transient(e),
     };
     let kind = match std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())) {
@@ -270,34 +270,50 @@ pub fn pinned_or_busy(path: &Path) -> io::Result<Option<Pinned>> {
     })
 }
 
-/// The kernel id of the program the link pinned at `path` runs (`None`:
-/// no link there, or it cannot be read now).
-pub fn link_program(path: &Path) -> Option<u32> {
-    let fd = obj_get(path).ok().flatten()?;
-    // struct bpf_link_info begins with type, id and prog_id.
-    let mut info = [0u32; 3];
-    info_by_fd(&fd, &mut info).then_some(info[2])
+/// What the link pinned at `path` says of itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinkInfo {
+    /// The kernel id of the program it runs.
+    pub prog: u32,
+    /// For a tcx link, its device's index: 0 once detached (the device
+    /// deleted, or `BPF_LINK_DETACH`).
+    pub tcx_ifindex: u32,
 }
 
-/// Opens the BPF object pinned at `path` (`None`: a path the kernel cannot
-/// be given).
-fn obj_get(path: &Path) -> io::Result<Option<std::os::fd::OwnedFd>> {
-    let Ok(cpath) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
-        return Ok(None);
+/// [`LinkInfo`] of the link pinned at `path` (`None`: no link there, or it
+/// cannot be read now).
+pub fn link_info(path: &Path) -> Option<LinkInfo> {
+    let fd = super::relink::open_pin(path).ok()?;
+    // struct bpf_link_info: type, id, prog_id, then (8-aligned) the union,
+    // whose tcx member begins with ifindex.
+    let mut info = [0u32; 6];
+    info_by_fd(&fd, &mut info).then_some(LinkInfo {
+        prog: info[2],
+        tcx_ifindex: info[4],
+    })
+}
+
+/// Detaches the link pinned at `path` (`BPF_LINK_DETACH`), whoever else
+/// holds it open; its pin stays, to be removed by the caller.
+pub fn detach_link(path: &Path) -> io::Result<()> {
+    let fd = super::relink::open_pin(path)?;
+    // union bpf_attr, link_detach: link_fd.
+    let mut attr = [0u8; 8];
+    attr[0..4].copy_from_slice(&(fd.as_raw_fd() as u32).to_ne_bytes());
+    const BPF_LINK_DETACH: libc::c_long = 34;
+    // SAFETY: a zeroed bpf_attr naming a live fd, valid for the call.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_LINK_DETACH,
+            attr.as_mut_ptr(),
+            attr.len(),
+        )
     };
-    // union bpf_attr, BPF_OBJ_GET: pathname, bpf_fd (0), file_flags.
-    let mut attr = [0u8; 16];
-    attr[0..8].copy_from_slice(&(cpath.as_ptr() as u64).to_ne_bytes());
-    const BPF_OBJ_GET: libc::c_long = 7;
-    // SAFETY: a zeroed bpf_attr with the path set, valid for the call.
-    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, attr.as_mut_ptr(), attr.len()) };
-    if fd < 0 {
+    if r < 0 {
         return Err(io::Error::last_os_error());
     }
-    // SAFETY: a fresh fd the kernel just returned; closed on drop.
-    Ok(Some(unsafe {
-        std::os::fd::OwnedFd::from_raw_fd(fd as i32)
-    }))
+    Ok(())
 }
 
 /// The kernel id of the program open as `fd`.

@@ -317,15 +317,24 @@ fn check_cost(
         wall.push(t.elapsed().as_secs_f64() * 1e3);
         ensure!(known.len() == 1, "the pod not found among {n} workloads");
     }
-    report.put(
-        &format!("served_check_cpu_ms_{k}k"),
-        (cpu_ms_self() - cpu0) / checks as f64,
+    let agent_ms = (cpu_ms_self() - cpu0) / checks as f64;
+    let standin_ms = (cpu_ms_of(pid)? - peer0) / checks as f64;
+    let wall_ms = percentile(wall, 0.5);
+    report.put(&format!("served_check_cpu_ms_{k}k"), agent_ms);
+    report.put(&format!("served_standin_cpu_ms_per_dump_{k}k"), standin_ms);
+    report.put(&format!("served_check_ms_{k}k"), wall_ms);
+    // Steady checking (no pod waiting): one read per recheck, at the period
+    // the agent picks after a read that took this long; the CPU of both
+    // sides as a share of one core, in percent.
+    let period = sluice::agent::node::recheck_period(
+        sluice::agent::node::DEFAULT_RECHECK,
+        std::time::Duration::from_secs_f64(wall_ms / 1e3),
     );
+    report.put(&format!("served_recheck_s_{k}k"), period.as_secs_f64());
     report.put(
-        &format!("served_standin_cpu_ms_per_dump_{k}k"),
-        (cpu_ms_of(pid)? - peer0) / checks as f64,
+        &format!("served_steady_cpu_share_{k}k"),
+        (agent_ms + standin_ms) / (period.as_secs_f64() * 1e3) * 100.0,
     );
-    report.put(&format!("served_check_ms_{k}k"), percentile(wall, 0.5));
     peer.kill();
     Ok(file)
 }

@@ -65,7 +65,7 @@ mod ztunnels;
 pub use relist::Relist;
 pub use repair::Repairer;
 pub use requests::Requests;
-pub use served_check::{ServedConfig, DEFAULT_RECHECK, FALLBACK_AFTER};
+pub use served_check::{recheck_period, ServedConfig, DEFAULT_RECHECK, FALLBACK_AFTER};
 pub use uninstall::{Uninstall, Uninstaller};
 
 use announce::Announcer;

@@ -298,10 +298,15 @@ impl Repairer {
 
     /// A steering pod's listeners the agent holds but the socket map lacks
     /// (taken out behind its back) are put back, and reported as a failed
-    /// verification as hooks put back are: its sockets were not reachable
-    /// until now.
+    /// verification of case `listeners`, as hooks put back are.
     fn restore_listeners(&self, dp: &mut Dataplane, cookie: u64, uid: &str, pod: &str) {
-        if !steers(dp, cookie) {
+        // Only after a failed verification (a missing socket fails its
+        // case), so that passing pods cost nothing here.
+        let failed = matches!(
+            self.book.pods().verification(uid),
+            Verification::Failed { .. }
+        );
+        if !failed || !steers(dp, cookie) {
             return;
         }
         let restored = self.custody.restore(uid, cookie, dp.maps_mut());

@@ -40,14 +40,18 @@ const WAIT_MAX: Duration = Duration::from_secs(5);
 pub const DEFAULT_RECHECK: Duration = Duration::from_secs(30);
 /// The recheck's share of one core at most: a recheck whose reads took
 /// longer than this share of `recheck` (a config_dump of a big mesh) waits
-/// longer, so that steady checking stays within it. A read's time, not
-/// the agent's CPU: it is mostly ztunnel building and serialising the
-/// dump (at 100k workloads ≈ 1 s of ztunnel's CPU against ≈ 150 ms of the
-/// agent's parse, bench `served`), on the cores that carry traffic.
+/// longer, so that steady checking stays within it. The agent times a read,
+/// not its CPU: it is mostly ztunnel building and serialising the dump (at
+/// 100k workloads ≈ 1 s of ztunnel's CPU against ≈ 150 ms of the agent's
+/// parse, bench `served`), on the cores that carry traffic, while the agent
+/// parses what has come so far. So a read counts for two cores busy for
+/// its time.
 const RECHECK_SHARE: u32 = 1000; // 0.1 %
+const READ_CORES: u32 = 2;
 /// But never longer than this between rechecks (a workload lost from xDS
-/// is still noticed).
-const RECHECK_MAX: Duration = Duration::from_secs(20 * 60);
+/// is still noticed). Reached at about 900 ms a read: a mesh of some 80,000
+/// workloads and more.
+const RECHECK_MAX: Duration = Duration::from_secs(60 * 60);
 /// How long a ztunnel's admin API may fail, on `FALLBACK_FAILURES` asks in a
 /// row, before its acks count as served. Longer than one ask may take
 /// (`fetch::TIMEOUT`), so one slow dump on a big mesh never switches it.
@@ -410,11 +414,12 @@ impl ServedChecker {
 
 /// When served pods are checked again after a recheck whose reads took
 /// `read`: at the configured period, or, when that would take more than
-/// 1/`RECHECK_SHARE` of a core, as much later as keeps it within that
-/// (rounded up to whole seconds, so that the period does not move at every
-/// recheck), up to `RECHECK_MAX`.
-fn recheck_period(configured: Duration, read: Duration) -> Duration {
-    let within = Duration::from_secs((read * RECHECK_SHARE).as_secs_f64().ceil() as u64);
+/// 1/`RECHECK_SHARE` of a core (a read keeping `READ_CORES` busy), as much
+/// later as keeps it within that (rounded up to whole seconds, so that the
+/// period does not move at every recheck), up to `RECHECK_MAX`.
+pub fn recheck_period(configured: Duration, read: Duration) -> Duration {
+    let within =
+        Duration::from_secs((read * RECHECK_SHARE * READ_CORES).as_secs_f64().ceil() as u64);
     configured.max(within.min(RECHECK_MAX))
 }
 
@@ -435,13 +440,13 @@ mod tests {
         let ms = Duration::from_millis;
         let s = Duration::from_secs;
         // A small mesh: as configured.
-        assert_eq!(recheck_period(s(30), ms(20)), s(30));
-        // 10k workloads (a read ≈ 104 ms): every 104 s.
-        assert_eq!(recheck_period(s(30), ms(104)), s(104));
-        // 100k workloads (≈ 1.1 s): every 1,100 s.
-        assert_eq!(recheck_period(s(30), ms(1100)), s(1100));
-        // Never past 20 minutes, never below what was asked for.
-        assert_eq!(recheck_period(s(30), s(5)), s(1200));
+        assert_eq!(recheck_period(s(30), ms(15)), s(30));
+        // 10k workloads (a read ≈ 104 ms): every 208 s.
+        assert_eq!(recheck_period(s(30), ms(104)), s(208));
+        // 100k workloads (≈ 1.1 s): every 37 minutes.
+        assert_eq!(recheck_period(s(30), ms(1100)), s(2200));
+        // Never past an hour, never below what was asked for.
+        assert_eq!(recheck_period(s(30), s(5)), s(3600));
         assert_eq!(recheck_period(s(1500), ms(1)), s(1500));
     }
 }

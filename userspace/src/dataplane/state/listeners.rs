@@ -45,6 +45,34 @@ impl ListenerMaps {
         }
     }
 
+    /// [`insert`](Self::insert), unless the key is there already: true when
+    /// it was put in (no walk of the map to find out).
+    pub fn insert_if_absent(
+        &mut self,
+        key: ListenerKey,
+        fd: &impl std::os::fd::AsRawFd,
+    ) -> Result<bool, StateError> {
+        const BPF_NOEXIST: u64 = 1;
+        let map = match (key.is_dns(), &mut self.dns) {
+            (false, _) => &mut self.listeners,
+            (true, Some(m)) => m,
+            (true, None) => return Ok(false),
+        };
+        match map.insert(key, fd.as_raw_fd(), BPF_NOEXIST) {
+            Ok(()) => Ok(true),
+            Err(aya::maps::MapError::SyscallError(e))
+                if e.io_error.raw_os_error() == Some(libc::EEXIST) =>
+            {
+                Ok(false)
+            }
+            Err(e) => Err(merr(if key.is_dns() {
+                "dns_listeners"
+            } else {
+                "listeners"
+            })(e)),
+        }
+    }
+
     /// Takes a pod's listener for `role` (both families) out of its map.
     pub fn remove(&mut self, cookie: u64, role: Role) {
         for family in [FAMILY_V4, FAMILY_V6] {

@@ -363,6 +363,16 @@ impl Maps {
         self.listeners.insert(key, fd)
     }
 
+    /// [`insert_listener`](Self::insert_listener) unless the key is there:
+    /// true when it was put in.
+    pub fn insert_listener_if_absent(
+        &mut self,
+        key: ListenerKey,
+        fd: &impl std::os::fd::AsRawFd,
+    ) -> Result<bool, StateError> {
+        self.listeners.insert_if_absent(key, fd)
+    }
+
     /// Takes a pod's listener for `role` (both families) out of the socket map.
     pub fn remove_listener(&mut self, cookie: u64, role: Role) {
         self.listeners.remove(cookie, role)

@@ -179,7 +179,10 @@ pub fn attached_seen_from(
 ) -> bool {
     match tcfilter::pinned(path) {
         None => false,
-        Some(tcfilter::Pinned::Link) => tcx_ahead(netns, node, spec, path).is_none(),
+        Some(tcfilter::Pinned::Link) => !matches!(
+            tcx_standing(netns, node, spec, path),
+            Some(TcxStanding::Behind(_) | TcxStanding::Detached)
+        ),
         Some(tcfilter::Pinned::Program(id)) => {
             let Some(hook) = spec.tc_hook() else {
                 return false;
@@ -193,22 +196,46 @@ pub fn attached_seen_from(
     }
 }
 
-/// The program that runs ahead of `spec`'s tcx link (pinned at `path`) on
-/// its hook, when the kernel says one does: another tool's program first
-/// could end the packet's walk before sluice's runs. `None` also when it
-/// cannot be told (a link not on a tc hook, the node's netns unknown, a
-/// query failing): a link is only ever detached on the kernel's word.
-pub fn tcx_ahead(netns: &Netns, node: Option<&Netns>, spec: &LinkSpec, path: &Path) -> Option<u32> {
+/// Where `spec`'s tcx link (pinned at `path`) stands on its hook, as the
+/// kernel says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TcxStanding {
+    /// Its program runs first.
+    First,
+    /// Another program (this id) runs ahead of it and could end the
+    /// packet's walk before sluice's runs.
+    Behind(u32),
+    /// The link is detached (its device was deleted; a device of the same
+    /// name made since has no program of sluice's).
+    Detached,
+}
+
+/// [`TcxStanding`] of `spec`'s link, `None` when it cannot be told (a link
+/// not on a tc hook, the node's netns unknown, a read or query failing):
+/// a link is only ever replaced on the kernel's word.
+pub fn tcx_standing(
+    netns: &Netns,
+    node: Option<&Netns>,
+    spec: &LinkSpec,
+    path: &Path,
+) -> Option<TcxStanding> {
     let hook = spec.tc_hook()?;
     let ns = hook_netns(hook.side, netns, node)?;
-    let ours = tcfilter::link_program(path)?;
+    let ours = tcfilter::link_info(path)?;
+    if ours.tcx_ifindex == 0 {
+        return Some(TcxStanding::Detached);
+    }
     let first = ns
         .run(|| hookview::tcx_programs(hook.iface, hook.kind))
         .ok()?
         .ok()?
         .first()
         .copied()?;
-    (first != ours).then_some(first)
+    Some(if first == ours.prog {
+        TcxStanding::First
+    } else {
+        TcxStanding::Behind(first)
+    })
 }
 
 /// The netns a hook on `side` is in (`None`: the node's, not known here).

@@ -25,7 +25,9 @@ use super::{
     addrs::refresh_addrs,
     error::EnrollError,
     hostpeers::host_peers,
-    links::{attach_link, attached, attached_seen_from, tcx_ahead, unseat_if_behind},
+    links::{
+        attach_link, attached, attached_seen_from, tcx_standing, unseat_if_behind, TcxStanding,
+    },
     reopen::{open_pod_netns, open_pod_netns_unless_gone, pod_interfaces},
     teardown::{remove_stateless, teardown},
 };
@@ -234,15 +236,29 @@ fn relink(dp: &mut Dataplane, survey: &Survey) -> Result<Vec<String>, EnrollErro
                 })
             }
             Ok(Some(tcfilter::Pinned::Link)) => {
-                // A tcx link another tool's program runs ahead of: its pin
-                // is its only holder, so removing it detaches it, and the
-                // attach below puts sluice's first. Traffic through the hook
-                // bypassed sluice's program already.
-                let Some(ahead) = tcx_ahead(netns, dp.node().map(|n| &n.netns), &spec, &pin_path)
-                else {
-                    continue;
-                };
-                tracing::warn!(link = %spec.pin_name(), ahead, "another tool's tcx program ran ahead of sluice's: putting sluice's first again");
+                match tcx_standing(netns, dp.node().map(|n| &n.netns), &spec, &pin_path) {
+                    // Its pin is debris: removed below, and attached anew.
+                    Some(TcxStanding::Detached) => {
+                        tracing::warn!(link = %spec.pin_name(), "sluice's tcx link was detached (its interface replaced?): attaching it again")
+                    }
+                    // Another tool's tcx program runs ahead of sluice's link:
+                    // sluice's is detached (explicitly: the pin may not be
+                    // its only holder) and attached again, first. Packets
+                    // meeting the hook in between skip sluice's program;
+                    // with the other program first they could skip it
+                    // anyway. Never on a cls_bpf node, where sluice's
+                    // filter could not run ahead of it either.
+                    Some(TcxStanding::Behind(ahead))
+                        if dp.tc_attach() == crate::dataplane::features::TcAttach::Tcx =>
+                    {
+                        tracing::warn!(link = %spec.pin_name(), ahead, "another tool's tcx program ran ahead of sluice's: putting sluice's first again");
+                        tcfilter::detach_link(&pin_path).map_err(|source| EnrollError::Io {
+                            what: format!("detaching {}", pin_path.display()),
+                            source,
+                        })?;
+                    }
+                    _ => continue,
+                }
             }
             Ok(_) => {}
         }
