@@ -427,6 +427,21 @@ pub fn free_port() -> anyhow::Result<u16> {
         .port())
 }
 
+/// The sum of the agent's metric samples (its `--metrics-addr` on `port`)
+/// whose line begins with `prefix` (a name and the start of its labels):
+/// 0 when none is exported yet.
+pub fn metric_sum(port: u16, prefix: &str) -> anyhow::Result<u64> {
+    let (_, text) = http_get(port, "/metrics")?;
+    Ok(text
+        .lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum())
+}
+
+/// The prefix of the failed verifications' counter, for [`metric_sum`].
+pub const FAILED_VERIFICATIONS: &str = "sluice_capture_verifications_total{result=\"failed\"}";
+
 /// A plain HTTP/1.1 GET on loopback: status code and body.
 pub fn http_get(port: u16, path: &str) -> anyhow::Result<(u16, String)> {
     use std::io::{Read as _, Write as _};

@@ -1905,13 +1905,8 @@ fn foreign_tcx_ahead() -> TestResult {
         first()? == Some(ours()?),
         "sluice's program is not first after enrollment"
     );
-    let failed = || -> anyhow::Result<u64> {
-        let (_, metrics) = http_get(port, "/metrics")?;
-        metrics
-            .lines()
-            .find_map(|l| l.strip_prefix("sluice_capture_verifications_total{result=\"failed\"} "))
-            .map_or(Ok(0), |n| n.trim().parse().context("the count"))
-    };
+    let failed =
+        || sluice_tests::agent::metric_sum(port, sluice_tests::agent::FAILED_VERIFICATIONS);
     let before = failed()?;
     let pass = f.topo.pins.progs().join("foreign_tcx_pass");
     sluice_tests::inspect::pin_pass_program(&pass)?;

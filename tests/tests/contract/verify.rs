@@ -304,16 +304,8 @@ fn agent_reports_failure() -> TestResult {
     // in place) is put back within milliseconds, before a verification
     // could run on it: it is still reported, as a failed verification of
     // case `hooks` (counted, an Event), and the pod passes again.
-    let failed = || -> anyhow::Result<u64> {
-        let (_, metrics) = http_get(port, "/metrics")?;
-        metrics
-            .lines()
-            .find_map(|l| l.strip_prefix("sluice_capture_verifications_total{result=\"failed\"} "))
-            .context("no failed verifications counted")?
-            .trim()
-            .parse()
-            .context("the count")
-    };
+    let failed =
+        || sluice_tests::agent::metric_sum(port, sluice_tests::agent::FAILED_VERIFICATIONS);
     let before = failed()?;
     let hook = Hook {
         ns: &f.topo.pod,

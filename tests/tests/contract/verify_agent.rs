@@ -9,7 +9,7 @@ use libtest_mimic::Trial;
 use sluice::dataplane::state::{Maps, PodRecord};
 use sluice_common::{PodState, Role};
 use sluice_tests::{
-    agent::{free_port, http_get, AgentProc, PeerProc},
+    agent::{free_port, metric_sum, AgentProc, PeerProc, FAILED_VERIFICATIONS},
     flow::{connect as tcp, Opts},
     harness::{Fixture, APP_PORT},
     inspect::Hook,
@@ -87,21 +87,14 @@ impl Setup {
         Ok(s)
     }
 
-    /// The sum of the metric lines beginning with `prefix`.
-    fn count(&self, prefix: &str) -> anyhow::Result<u64> {
-        let (_, text) = http_get(self.metrics_port, "/metrics")?;
-        Ok(text
-            .lines()
-            .filter(|l| l.starts_with(prefix))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
-            .sum())
-    }
-
     fn reported(&self, how: Reported) -> anyhow::Result<u64> {
         match how {
-            Reported::Failed => self.count("sluice_capture_verifications_total{result=\"failed\"}"),
+            Reported::Failed => metric_sum(self.metrics_port, FAILED_VERIFICATIONS),
             Reported::FailedOrLeftServed => Ok(self.reported(Reported::Failed)?
-                + self.count("sluice_pod_transitions_total{from=\"Served\"")?),
+                + metric_sum(
+                    self.metrics_port,
+                    "sluice_pod_transitions_total{from=\"Served\"",
+                )?),
         }
     }
 
