@@ -811,8 +811,17 @@ fn relist() -> TestResult {
         );
         ensure!(pods[0].netns == f.topo.pod_netns_path().to_str().unwrap());
         ensure!(pods[0].workload.as_ref().is_some_and(|w| w.service_account == "web-sa"));
-        wait_patch(&patches, 1).await?;
-        ensure!(patches.lock().unwrap()[0].0 == "/api/v1/namespaces/mesh/pods/web/status");
+        // The captured pod's status is patched (other patches, such as the
+        // released pod's, may come first).
+        wait::until_async("web's status patched", wait::DEADLINE, || {
+            let p = patches.lock().unwrap().clone();
+            if p.iter().any(|(path, _)| path == "/api/v1/namespaces/mesh/pods/web/status") {
+                Ok(())
+            } else {
+                Err(p)
+            }
+        })
+        .await?;
         // Events: the stale pod's capture was released, and web was
         // captured with no ztunnel to hand it to.
         wait::until_async("the release and no-ztunnel events", wait::DEADLINE, || {
