@@ -61,20 +61,18 @@ impl Collector for MapCollector {
             let labels = [("state", *state)];
             ConstGauge::new(*n as i64).encode(m.encode_family(&labels)?)?;
         }
-        let incomplete = ConstGauge::new(s.capture_incomplete as i64);
-        incomplete.encode(enc.encode_descriptor(
+        gauge(
+            &mut enc,
             "pods_capture_incomplete",
             "Enrolled pods whose capture lacks links the last repair could not attach (part of their traffic bypasses ztunnel)",
-            None,
-            incomplete.metric_type(),
-        )?)?;
-        let unverified = ConstGauge::new(s.capture_unverified as i64);
-        unverified.encode(enc.encode_descriptor(
+            s.capture_incomplete,
+        )?;
+        gauge(
+            &mut enc,
             "pods_capture_unverified",
             "Enrolled pods whose last verification of their capture failed (their traffic may bypass ztunnel; their readiness gate is False)",
-            None,
-            unverified.metric_type(),
-        )?)?;
+            s.capture_unverified,
+        )?;
         let k = &s.kernel;
         let captured = [
             ("inbound", k.captured_inbound),
@@ -88,24 +86,18 @@ impl Collector for MapCollector {
             "listener",
             &captured,
         )?;
-        let failures = ConstCounter::new(
-            crate::accept_errors::TOTAL.load(std::sync::atomic::Ordering::Relaxed),
-        );
-        let m = enc.encode_descriptor(
+        counter(
+            &mut enc,
             "accept_failures",
             "Failed accepts on the agent's sockets (control, ZDS, admin), e.g. out of descriptors",
-            None,
-            failures.metric_type(),
+            crate::accept_errors::TOTAL.load(std::sync::atomic::Ordering::Relaxed),
         )?;
-        failures.encode(m)?;
-        let over = ConstCounter::new(s.hints_over_share);
-        let m = enc.encode_descriptor(
+        counter(
+            &mut enc,
             "flow_hints_over_share",
             "Flow hints written to the overflow map because their pod had left more than its share (256 a second) unreleased: SYN-cookie handshakes or unanswered SYNs, its own or a flood against it (node-wide)",
-            None,
-            over.metric_type(),
+            s.hints_over_share,
         )?;
-        over.encode(m)?;
         let d = &s.dns;
         counters(
             &mut enc,
@@ -173,6 +165,28 @@ impl Collector for MapCollector {
         )?;
         Ok(())
     }
+}
+
+/// One unlabelled counter.
+fn counter(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    value: u64,
+) -> Result<(), fmt::Error> {
+    let c = ConstCounter::new(value);
+    c.encode(enc.encode_descriptor(name, help, None, c.metric_type())?)
+}
+
+/// One unlabelled gauge.
+fn gauge(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    value: u64,
+) -> Result<(), fmt::Error> {
+    let g = ConstGauge::new(value as i64);
+    g.encode(enc.encode_descriptor(name, help, None, g.metric_type())?)
 }
 
 fn counters(

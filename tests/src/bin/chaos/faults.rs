@@ -12,6 +12,10 @@ use sluice_tests::ns;
 
 use crate::{ledger::Opens, run::Run, schedule::Fault};
 
+/// How long a new peer is given to get its snapshot before the old one
+/// goes: the bound of the runner's other calls that wait on the agent.
+const SNAPSHOT_WITHIN: std::time::Duration = std::time::Duration::from_secs(3);
+
 /// Applies `fault`; an error is the run's own failure to inject it (not a
 /// violation of sluice's).
 pub fn apply(run: &mut Run, fault: &Fault) -> anyhow::Result<()> {
@@ -79,10 +83,25 @@ pub fn apply(run: &mut Run, fault: &Fault) -> anyhow::Result<()> {
             drop(run.node.new_peer()?);
         }
         Fault::PeerUpgradeNewFirst => {
-            // The old peer drains: only what it still holds may fail.
+            // The old peer drains once the new one has its snapshot: only
+            // what it still holds may fail. An agent out of descriptors may
+            // give the new one none for a while: the old one goes anyway
+            // (as Kubernetes ends it after its grace), and until the new
+            // peer has the pods their new connections may fail too. Waiting
+            // longer would hold the schedule, and with it the fd limit's
+            // restore (a 2-hour run stopped on that after 99 minutes).
             l.touch(None, kind, Opens::LongLivedFailures);
             let mut old = run.node.new_peer()?;
-            run.node.peer.wait_snapshot()?;
+            let snapshot = sluice_tests::wait::until_seen(
+                "the new peer's snapshot",
+                SNAPSHOT_WITHIN,
+                || run.node.peer.events(),
+                |e| e.iter().any(|e| e["event"] == "snapshot_sent"),
+            );
+            if snapshot.is_err() {
+                eprintln!("chaos: the new peer got no snapshot within {SNAPSHOT_WITHIN:?}: the old one goes anyway");
+                l.touch(None, kind, Opens::Failures);
+            }
             old.terminate();
         }
         Fault::PeerUpgradeOldFirst => {
