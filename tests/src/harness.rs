@@ -218,12 +218,16 @@ impl Fixture {
     pub fn unenroll(&self) -> anyhow::Result<()> {
         let mut maps = Maps::open_pinned(&self.topo.pins.maps())?;
         let node = sluice::podnet::hostside::Node::open(&crate::ns::netns_path(&self.topo.client))?;
-        Ok(enroll::unenroll(
-            &self.topo.pins,
-            &mut maps,
-            Some(&node),
-            &self.uid,
-        )?)
+        enroll::unenroll(&self.topo.pins, &mut maps, Some(&node), &self.uid)?;
+        // Detached by the time unenroll returns, not later in the kernel's
+        // deferred work: an sk_lookup program outliving the tc programs
+        // would refuse the pod's inbound SYNs meanwhile.
+        let left = crate::inspect::sk_lookup_programs(&self.topo.pod_netns_path())?;
+        anyhow::ensure!(
+            left.is_empty(),
+            "sk_lookup programs left in the pod's netns after unenroll: {left:?}"
+        );
+        Ok(())
     }
 
     pub fn pod_record(&self) -> anyhow::Result<PodRecord> {

@@ -189,12 +189,21 @@ fn remove_links(pins: &Pins, cookie: u64, filters: &Filters<'_>) -> Result<(), E
                 source,
             })?;
             match pinned {
-                // Unpinned and dropped: the last reference goes, the link
-                // detaches.
-                Some(tcfilter::Pinned::Link) => match PinnedLink::from_pin(e.path()) {
-                    Ok(link) => drop(link.unpin()),
-                    Err(_) => drop(fs::remove_file(e.path())),
-                },
+                // Detached now (`BPF_LINK_DETACH`), then unpinned and
+                // dropped. Dropping the last reference alone detaches it
+                // only when the kernel frees the link, in deferred work: an
+                // sk_lookup program could then outlive the tc programs whose
+                // hints it reads, and refuse (reset) the pod's inbound SYNs
+                // meanwhile (seen under load in an uninstall). A detach that
+                // fails (a kernel without it for this link) leaves the unpin
+                // to do it, as before.
+                Some(tcfilter::Pinned::Link) => {
+                    let _ = tcfilter::detach_link(&e.path());
+                    match PinnedLink::from_pin(e.path()) {
+                        Ok(link) => drop(link.unpin()),
+                        Err(_) => drop(fs::remove_file(e.path())),
+                    }
+                }
                 Some(tcfilter::Pinned::Program(_)) => {
                     filters.detach(&e.file_name().to_string_lossy())?;
                     drop(fs::remove_file(e.path()));
