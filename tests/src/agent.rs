@@ -53,6 +53,17 @@ impl AgentProc {
         Self::start_wrapped(pins, &[], extra)
     }
 
+    /// An agent that verifies every pod every second (`--verify-every 1s`)
+    /// and serves its metrics on a free port, returned with it; `extra`
+    /// flags after.
+    pub fn start_verifying(pins: &Pins, extra: &[&str]) -> anyhow::Result<(Self, u16)> {
+        let port = free_port()?;
+        let addr = format!("127.0.0.1:{port}");
+        let mut flags = vec!["--verify-every", "1s", "--metrics-addr", &addr];
+        flags.extend_from_slice(extra);
+        Ok((Self::start_with(pins, &flags)?, port))
+    }
+
     /// Same, run under `wrapper` (see [`AgentProc::wrapper`]).
     pub fn start_wrapped(pins: &Pins, wrapper: &[&str], extra: &[&str]) -> anyhow::Result<Self> {
         Self::launch(pins, wrapper, extra, &[])

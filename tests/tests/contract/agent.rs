@@ -1879,12 +1879,7 @@ fn foreign_filter_ahead() -> TestResult {
 fn foreign_tcx_ahead() -> TestResult {
     use aya::programs::TcAttachType;
     let f = Fixture::new("fta", None)?;
-    let port = free_port()?;
-    let addr = format!("127.0.0.1:{port}");
-    let agent = AgentProc::start_with(
-        &f.topo.pins,
-        &["--verify-every", "1s", "--metrics-addr", &addr],
-    )?;
+    let (agent, port) = AgentProc::start_verifying(&f.topo.pins, &[])?;
     let p = peer(&agent)?;
     enroll_enabled(&agent, &f)?;
     let egress = f

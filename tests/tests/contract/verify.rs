@@ -12,7 +12,7 @@ use sluice::{
 };
 use sluice_common::{Budget, Counters, DropReason, FlowHint, FlowKey, Role};
 use sluice_tests::{
-    agent::{free_port, http_get, AgentProc, PeerProc},
+    agent::{http_get, AgentProc, PeerProc},
     harness::{as_if_kernel, peer_bin, without_netns_cookie_in_tc, Fixture},
     inspect::Hook,
     ns::netns_path,
@@ -218,12 +218,7 @@ fn breaks_named() -> TestResult {
 /// once it is gone, the pod passes again.
 fn agent_reports_failure() -> TestResult {
     let f = Fixture::new("vag", None)?;
-    let port = free_port()?;
-    let addr = format!("127.0.0.1:{port}");
-    let agent = AgentProc::start_with(
-        &f.topo.pins,
-        &["--verify-every", "1s", "--metrics-addr", &addr],
-    )?;
+    let (agent, port) = AgentProc::start_verifying(&f.topo.pins, &[])?;
     let _peer = PeerProc::start(&peer_bin(), &agent.zds, &[])?;
     let out = agent.enroll(&f.topo.pod_netns_path(), f.uid.as_str(), "default", "vag")?;
     ensure!(

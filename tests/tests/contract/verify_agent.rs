@@ -9,7 +9,7 @@ use libtest_mimic::Trial;
 use sluice::dataplane::state::{Maps, PodRecord};
 use sluice_common::{PodState, Role};
 use sluice_tests::{
-    agent::{free_port, metric_sum, AgentProc, PeerProc, FAILED_VERIFICATIONS},
+    agent::{metric_sum, AgentProc, PeerProc, FAILED_VERIFICATIONS},
     flow::{connect as tcp, Opts},
     harness::{Fixture, APP_PORT},
     inspect::Hook,
@@ -59,14 +59,10 @@ impl Setup {
     /// pod are then the node's own (kubelet probes), not captured.
     fn new(tag: &str, node: bool) -> anyhow::Result<Self> {
         let f = Fixture::new(tag, None)?;
-        let metrics_port = free_port()?;
-        let metrics = format!("127.0.0.1:{metrics_port}");
         let node_path = netns_path(&f.topo.client);
-        let mut args = vec!["--verify-every", "1s", "--metrics-addr", &metrics];
-        if node {
-            args.extend(["--node-netns", node_path.to_str().context("netns path")?]);
-        }
-        let agent = AgentProc::start_with(&f.topo.pins, &args)?;
+        let node_flags = ["--node-netns", node_path.to_str().context("netns path")?];
+        let extra: &[&str] = if node { &node_flags } else { &[] };
+        let (agent, metrics_port) = AgentProc::start_verifying(&f.topo.pins, extra)?;
         let resolver = format!("{}:53", f.topo.client_ip(Family::V4));
         let peer = peer_with(&agent, &["--dns-forward", &resolver])?;
         enroll_enabled(&agent, &f)?;

@@ -144,11 +144,15 @@ pub fn standing_at(iface: &str, kind: TcAttachType) -> io::Result<Standing> {
 pub fn tcx_programs(iface: &str, kind: TcAttachType) -> io::Result<Vec<u32>> {
     // Only a device the kernel does not know is a hook without programs:
     // the lookup needs a socket, and under EMFILE it fails otherwise.
-    let index = match nix::net::if_::if_nametoindex(iface) {
-        Ok(i) => i,
-        Err(nix::errno::Errno::ENODEV) => return Ok(Vec::new()),
-        Err(e) => return Err(e.into()),
-    };
+    match nix::net::if_::if_nametoindex(iface) {
+        Ok(index) => tcx_programs_at(index, kind),
+        Err(nix::errno::Errno::ENODEV) => Ok(Vec::new()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// [`tcx_programs`] of the device with index `index`.
+pub fn tcx_programs_at(index: u32, kind: TcAttachType) -> io::Result<Vec<u32>> {
     let tcx_type = match kind {
         TcAttachType::Egress => BPF_TCX_EGRESS,
         _ => BPF_TCX_INGRESS,

@@ -3,7 +3,9 @@
 //! replaces the programs of pods enrolled by an older one without detaching
 //! anything, so no packet meets a pod without capture. aya exposes the call
 //! only through per-program-type wrappers that need the link's original
-//! handle, which a pin does not give back; two raw `bpf(2)` commands do.
+//! handle, which a pin does not give back; raw `bpf(2)` commands do. The
+//! other raw commands on pinned objects live here too: detaching a link
+//! (`BPF_LINK_DETACH`) and reading an object's info.
 
 use std::{
     io,
@@ -12,7 +14,9 @@ use std::{
 };
 
 const BPF_OBJ_GET: libc::c_long = 7;
+const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
 const BPF_LINK_UPDATE: libc::c_long = 29;
+const BPF_LINK_DETACH: libc::c_long = 34;
 
 fn bpf(cmd: libc::c_long, attr: &mut [u64; 2]) -> io::Result<libc::c_long> {
     // SAFETY: `attr` is a zeroed prefix of `union bpf_attr` laid out for
@@ -51,4 +55,25 @@ pub fn update(pin: &Path, prog: BorrowedFd<'_>) -> io::Result<()> {
     let lo = link.as_raw_fd() as u32 as u64 | (prog.as_raw_fd() as u32 as u64) << 32;
     let mut attr = [lo, 0];
     bpf(BPF_LINK_UPDATE, &mut attr).map(drop)
+}
+
+/// Detaches the link pinned at `pin` (`BPF_LINK_DETACH`), whoever else
+/// holds it open; the pin stays, to be removed by the caller.
+pub fn detach(pin: &Path) -> io::Result<()> {
+    let link = open_pin(pin)?;
+    // struct { __u32 link_fd; }
+    let mut attr = [link.as_raw_fd() as u32 as u64, 0];
+    bpf(BPF_LINK_DETACH, &mut attr).map(drop)
+}
+
+/// `BPF_OBJ_GET_INFO_BY_FD` into `info` (the kernel fills what fits in its
+/// length): a program's or a link's info, as `u32` words.
+pub fn obj_info(fd: BorrowedFd<'_>, info: &mut [u32]) -> io::Result<()> {
+    // struct { __u32 bpf_fd; __u32 info_len; __aligned_u64 info; }
+    let len = std::mem::size_of_val(info) as u32 as u64;
+    let mut attr = [
+        fd.as_raw_fd() as u32 as u64 | len << 32,
+        info.as_mut_ptr() as u64,
+    ];
+    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr).map(drop)
 }

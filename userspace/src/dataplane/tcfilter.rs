@@ -287,62 +287,21 @@ pub fn link_info(path: &Path) -> Option<LinkInfo> {
     // struct bpf_link_info: type, id, prog_id, then (8-aligned) the union,
     // whose tcx member begins with ifindex.
     let mut info = [0u32; 6];
-    info_by_fd(&fd, &mut info).then_some(LinkInfo {
-        prog: info[2],
-        tcx_ifindex: info[4],
-    })
-}
-
-/// Detaches the link pinned at `path` (`BPF_LINK_DETACH`), whoever else
-/// holds it open; its pin stays, to be removed by the caller.
-pub fn detach_link(path: &Path) -> io::Result<()> {
-    let fd = super::relink::open_pin(path)?;
-    // union bpf_attr, link_detach: link_fd.
-    let mut attr = [0u8; 8];
-    attr[0..4].copy_from_slice(&(fd.as_raw_fd() as u32).to_ne_bytes());
-    const BPF_LINK_DETACH: libc::c_long = 34;
-    // SAFETY: a zeroed bpf_attr naming a live fd, valid for the call.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_LINK_DETACH,
-            attr.as_mut_ptr(),
-            attr.len(),
-        )
-    };
-    if r < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+    super::relink::obj_info(fd.as_fd(), &mut info)
+        .ok()
+        .map(|()| LinkInfo {
+            prog: info[2],
+            tcx_ifindex: info[4],
+        })
 }
 
 /// The kernel id of the program open as `fd`.
 fn prog_id(fd: &std::os::fd::OwnedFd) -> Option<u32> {
     // struct bpf_prog_info begins with type and id.
     let mut info = [0u32; 2];
-    info_by_fd(fd, &mut info).then_some(info[1])
-}
-
-/// `BPF_OBJ_GET_INFO_BY_FD` into `info`: the kernel fills what fits in its
-/// length.
-fn info_by_fd(fd: &std::os::fd::OwnedFd, info: &mut [u32]) -> bool {
-    // union bpf_attr, BPF_OBJ_GET_INFO_BY_FD: bpf_fd, info_len, info.
-    let mut attr = [0u8; 16];
-    attr[0..4].copy_from_slice(&(fd.as_raw_fd() as u32).to_ne_bytes());
-    attr[4..8].copy_from_slice(&(std::mem::size_of_val(info) as u32).to_ne_bytes());
-    attr[8..16].copy_from_slice(&(info.as_mut_ptr() as u64).to_ne_bytes());
-    const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
-    // SAFETY: a zeroed bpf_attr naming a live fd and a buffer of the length
-    // given, valid for the call.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_OBJ_GET_INFO_BY_FD,
-            attr.as_mut_ptr(),
-            attr.len(),
-        )
-    };
-    r == 0
+    super::relink::obj_info(fd.as_fd(), &mut info)
+        .ok()
+        .map(|()| info[1])
 }
 
 /// The OS error at the bottom of `e`'s causes, if any.

@@ -252,9 +252,11 @@ fn relink(dp: &mut Dataplane, survey: &Survey) -> Result<Vec<String>, EnrollErro
                         if dp.tc_attach() == crate::dataplane::features::TcAttach::Tcx =>
                     {
                         tracing::warn!(link = %spec.pin_name(), ahead, "another tool's tcx program ran ahead of sluice's: putting sluice's first again");
-                        tcfilter::detach_link(&pin_path).map_err(|source| EnrollError::Io {
-                            what: format!("detaching {}", pin_path.display()),
-                            source,
+                        crate::dataplane::relink::detach(&pin_path).map_err(|source| {
+                            EnrollError::Io {
+                                what: format!("detaching {}", pin_path.display()),
+                                source,
+                            }
                         })?;
                     }
                     _ => continue,

@@ -198,7 +198,7 @@ fn remove_links(pins: &Pins, cookie: u64, filters: &Filters<'_>) -> Result<(), E
                 // fails (a kernel without it for this link) leaves the unpin
                 // to do it, as before.
                 Some(tcfilter::Pinned::Link) => {
-                    let _ = tcfilter::detach_link(&e.path());
+                    let _ = crate::dataplane::relink::detach(&e.path());
                     match PinnedLink::from_pin(e.path()) {
                         Ok(link) => drop(link.unpin()),
                         Err(_) => drop(fs::remove_file(e.path())),

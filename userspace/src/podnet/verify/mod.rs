@@ -351,9 +351,9 @@ impl Run<'_> {
     /// why there is none of sluice's to run.
     fn first_at(&self, iface: &str, kind: TcAttachType) -> Result<u32, String> {
         // A device gone is named as such, not as a hook without programs.
-        nix::net::if_::if_nametoindex(iface).map_err(|e| e.to_string())?;
+        let index = nix::net::if_::if_nametoindex(iface).map_err(|e| e.to_string())?;
         // tcx runs before cls_bpf.
-        let tcx = hookview::tcx_programs(iface, kind)
+        let tcx = hookview::tcx_programs_at(index, kind)
             .map_err(|e| format!("cannot ask the kernel for its tcx programs: {e}"))?;
         if let Some(&first) = tcx.first() {
             return Ok(first);
