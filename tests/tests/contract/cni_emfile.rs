@@ -17,6 +17,11 @@
 //!   while the agent was out of descriptors; the repair the removal caused
 //!   failed, no event followed, and the pod's sk_lookup link stayed detached
 //!   until the next periodic verification, up to 60 s later).
+//! - A pod is offered to a new ztunnel once the agent has descriptors back
+//!   (seed 1795811323619444927: ztunnel restarted while the agent was out of
+//!   descriptors; the add that could not open the pod's netns stayed "in
+//!   flight" for good, so the pod was never offered again and stayed
+//!   `Pending`).
 
 use anyhow::{ensure, Context as _};
 use libtest_mimic::Trial;
@@ -28,6 +33,8 @@ use sluice_tests::{
     inspect::Hook,
     wait,
 };
+
+use sluice_tests::harness::Fixture;
 
 use crate::{
     cni::{sluice_cni, Node},
@@ -55,6 +62,10 @@ pub fn trials() -> Vec<Trial> {
         trial(
             "agent::a_repair_cut_short_by_emfile_is_tried_again_without_an_event",
             repair_retried_after_emfile,
+        ),
+        trial(
+            "agent::a_ztunnel_restart_under_emfile_offers_the_pod_again",
+            ztunnel_restart_under_emfile,
         ),
     ]
 }
@@ -417,4 +428,82 @@ fn repair_errors(port: u16) -> anyhow::Result<u64> {
         .find_map(|l| l.strip_prefix("sluice_capture_repair_errors_total "))
         .context("no sluice_capture_repair_errors_total")?;
     Ok(line.trim().parse()?)
+}
+
+/// A pod Served, then for every descriptor headroom from one until ztunnel's
+/// snapshot can carry the pod: ztunnel gone (the pod `Pending`, its
+/// listeners closed at once: `--orphan-grace 0s`), a new one started while
+/// the agent is under that limit, which its snapshot and the adds after it
+/// may not be able to open the pod's netns for (`keep`, then attempts
+/// counted as `netns_unavailable`), and the limit lifted: the pod is
+/// offered to the new ztunnel and `Served` again.
+fn ztunnel_restart_under_emfile() -> TestResult {
+    use sluice_tests::agent::{free_port, metric_sum, PeerProc};
+    const UNAVAILABLE: &str = "sluice_enrollment_failures_total{reason=\"netns_unavailable\"}";
+    let port = free_port()?;
+    let metrics = format!("127.0.0.1:{port}");
+    let f = Fixture::new("ezr", None)?;
+    let agent = AgentProc::start_with(
+        &f.topo.pins,
+        &["--metrics-addr", &metrics, "--orphan-grace", "0s"],
+    )?;
+    let mut peer = crate::agent::peer_with(&agent, &[])?;
+    crate::agent::enroll_enabled(&agent, &f)?;
+    f.wait_state("Served")?;
+    let pid = agent.pid().context("the agent's pid")?;
+    let offered = |p: &PeerProc| {
+        let events = p.events();
+        let snapshot = events.split(|e| e["event"] == "snapshot_sent").next();
+        (
+            snapshot.is_some_and(|s| {
+                s.iter()
+                    .any(|e| e["event"] == "add" && e["uid"] == f.uid.as_str())
+            }),
+            events
+                .iter()
+                .any(|e| e["event"] == "add" && e["uid"] == f.uid.as_str()),
+        )
+    };
+    let mut cut_short = 0;
+    for headroom in 1..64 {
+        peer.kill();
+        f.wait_state("Pending")?;
+        wait::until("no ztunnel connected", wait::DEADLINE, || {
+            let n = agent.node_status().map_err(|e| e.to_string())?;
+            match n["ztunnels"].as_array() {
+                Some(z) if z.iter().all(|z| z["connected"] != true) => Ok(()),
+                _ => Err(n["ztunnels"].to_string()),
+            }
+        })?;
+        let before = metric_sum(port, UNAVAILABLE)?;
+        fd_limit(pid, Some(headroom))?;
+        // Under the limit: the snapshot, and the attempt the agent makes
+        // right after it for a pod the snapshot could not carry. (Nothing
+        // the agent serves can be read under the limit: its interface
+        // watch retries take the last descriptors.)
+        let next = PeerProc::start(&sluice_tests::harness::peer_bin(), &agent.zds, &[]);
+        let snapshot = next
+            .as_ref()
+            .map_err(|e| anyhow::anyhow!("{e}"))
+            .and_then(PeerProc::wait_snapshot);
+        fd_limit(pid, None)?;
+        peer = next?;
+        snapshot.with_context(|| agent.log())?;
+        let what = format!("a ztunnel restart with {headroom} descriptors to spare");
+        peer.wait_for(&format!("the pod offered after {what}"), |_| {
+            offered(&peer).1
+        })
+        .with_context(|| agent.log())?;
+        f.wait_state("Served")
+            .with_context(|| format!("after {what}\n{}", agent.log()))?;
+        cut_short += usize::from(metric_sum(port, UNAVAILABLE)? > before);
+        if offered(&peer).0 {
+            ensure!(
+                cut_short > 0,
+                "no attempt failed to open the netns: nothing was tested"
+            );
+            return Ok(());
+        }
+    }
+    anyhow::bail!("no snapshot carried the pod with up to 63 descriptors to spare")
 }

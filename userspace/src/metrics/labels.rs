@@ -15,6 +15,8 @@ pub enum Failure {
     Zds,
     /// ztunnel acked but its listeners did not appear.
     NoListeners,
+    /// The pod's netns could not be opened to hand to ztunnel.
+    Netns,
 }
 
 impl Failure {
@@ -24,6 +26,7 @@ impl Failure {
             Failure::Nack => "ztunnel_nack",
             Failure::Zds => "zds_error",
             Failure::NoListeners => "no_listeners",
+            Failure::Netns => "netns_unavailable",
         }
     }
 }

@@ -102,7 +102,7 @@ impl Metrics {
         );
         self.registry.register(
             "enrollment_failures",
-            "Failed enrollment attempts, by reason (attach, ztunnel_nack, zds_error, no_listeners)",
+            "Failed enrollment attempts, by reason (attach, ztunnel_nack, zds_error, no_listeners, netns_unavailable)",
             self.failures.clone(),
         );
         self.registry.register_with_unit(
@@ -314,6 +314,7 @@ impl Metrics {
             Failure::Nack,
             Failure::Zds,
             Failure::NoListeners,
+            Failure::Netns,
         ] {
             let _ = self.failures.get_or_create(&vec![("reason", f.label())]);
         }

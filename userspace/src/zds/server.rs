@@ -313,6 +313,38 @@ async fn connection(
     handler.disconnected(id);
 }
 
+/// Sends the snapshot's entries until one fails the connection; what is
+/// left of `entries` was not sent.
+async fn send_snapshot(
+    fd: &AsyncFd<OwnedFd>,
+    pid: Option<i32>,
+    handler: &Arc<dyn Handler>,
+    entries: &mut impl Iterator<Item = SnapshotEntry>,
+) -> Result<(), ZdsError> {
+    for e in entries {
+        match e {
+            SnapshotEntry::Add {
+                uid,
+                workload,
+                netns,
+            } => {
+                let out = exchange(fd, &WorkloadRequest::add(&uid, &workload), Some(&netns)).await;
+                handler.add_outcome(&uid, pid, &out);
+                match out {
+                    Err(e) if e.is_fatal() => return Err(e),
+                    _ => {}
+                }
+            }
+            SnapshotEntry::Keep { uid } => {
+                if let Answer::Nack(t) = exchange(fd, &WorkloadRequest::keep(&uid), None).await? {
+                    warn!(%uid, nack = %t, "ztunnel nacked keep");
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 async fn run_connection(
     fd: &AsyncFd<OwnedFd>,
     id: u64,
@@ -332,27 +364,17 @@ async fn run_connection(
         .await
         .map_err(|e| ZdsError::Protocol(format!("building the snapshot failed: {e}")))?;
     let n = entries.len();
-    for e in entries {
-        match e {
-            SnapshotEntry::Add {
-                uid,
-                workload,
-                netns,
-            } => {
-                let out = exchange(fd, &WorkloadRequest::add(&uid, &workload), Some(&netns)).await;
-                handler.add_outcome(&uid, pid, &out);
-                if let Err(e) = out {
-                    if e.is_fatal() {
-                        return Err(e);
-                    }
-                }
-            }
-            SnapshotEntry::Keep { uid } => {
-                if let Answer::Nack(t) = exchange(fd, &WorkloadRequest::keep(&uid), None).await? {
-                    warn!(%uid, nack = %t, "ztunnel nacked keep");
-                }
+    let mut entries = entries.into_iter();
+    if let Err(e) = send_snapshot(fd, pid, handler, &mut entries).await {
+        // Each add the snapshot promised gets an answer, so that its pod
+        // is retried (the handler counts it in flight).
+        for entry in entries {
+            if let SnapshotEntry::Add { uid, .. } = entry {
+                let lost = ZdsError::Protocol(format!("not sent: the snapshot stopped: {e}"));
+                handler.add_outcome(&uid, pid, &Err(lost));
             }
         }
+        return Err(e);
     }
     if let Answer::Nack(t) = exchange(fd, &WorkloadRequest::snapshot_sent(), None).await? {
         warn!(nack = %t, "ztunnel nacked snapshot_sent");

@@ -19,10 +19,7 @@ use crate::{
     kube::events::Reason,
     lifecycle::{Cause, Event, Ztunnel},
     metrics::{Failure, Metrics},
-    podnet::{
-        enroll::{self, EnrollError},
-        netns::Netns,
-    },
+    podnet::enroll::{self, EnrollError},
     uid::PodUid,
     workload::Workload,
     zds::{
@@ -95,13 +92,26 @@ impl Ztunnels {
         uid: &str,
         w: &Workload,
     ) -> Result<(), String> {
-        let fd = self
-            .book
-            .netns_of(cookie)
-            .map(Netns::into_fd)
-            .map_err(|e| e.to_string())?;
+        let fd = match self.book.netns_of(cookie) {
+            Ok(ns) => ns.into_fd(),
+            Err(e) => {
+                // Nothing to hand ztunnel (out of descriptors, say): this
+                // attempt failed, and the backoff schedules the next one.
+                // (Left in flight, the pod would never be offered again.)
+                self.metrics.failed(Failure::Netns);
+                let why = format!("the pod's netns could not be opened for ztunnel: {e}");
+                self.failed(uid, Cause::Other, why.clone());
+                return Err(why);
+            }
+        };
         let out = conn.request(WorkloadRequest::add(uid, w), Some(fd)).await;
         self.after_add(uid, cookie, conn.pid, out).await
+    }
+
+    /// An attempt for the pod failed: retried with exponential backoff.
+    fn failed(&self, uid: &str, cause: Cause, why: String) {
+        self.book.pods().apply(uid, Event::AddFailed { cause, why });
+        self.release_orphans(Some(uid));
     }
 
     async fn after_add(
@@ -149,15 +159,7 @@ impl Ztunnels {
                 (Cause::Other, format!("add failed: {e}"))
             }
         };
-        // Schedules a retry with exponential backoff.
-        pods.apply(
-            uid,
-            Event::AddFailed {
-                cause,
-                why: why.clone(),
-            },
-        );
-        self.release_orphans(Some(uid));
+        self.failed(uid, cause, why.clone());
         Err(why)
     }
 
