@@ -24,10 +24,16 @@ use crate::{
 };
 
 pub fn trials() -> Vec<Trial> {
-    vec![trial(
-        "verify::through_the_agent::each_break_is_reported_repaired_and_captured_again",
-        breaks,
-    )]
+    vec![
+        trial(
+            "verify::through_the_agent::each_break_is_reported_repaired_and_captured_again",
+            breaks,
+        ),
+        trial(
+            "verify::through_the_agent::a_rule_and_route_removed_in_the_pod_are_put_back_by_a_full_pass",
+            routing_removed,
+        ),
+    ]
 }
 
 /// How a break keeps the pod from being served until it is put back.
@@ -244,4 +250,59 @@ fn breaks() -> TestResult {
         "a connection of the node's own was captured after {what}"
     );
     Ok(())
+}
+
+/// The pod's policy rule and local route, which make a redirected packet
+/// local, removed in its netns (what a pod holding `NET_ADMIN` can do to
+/// its own traffic): no event announces it and the programs still pass
+/// every verification, so the next full pass (one in `FULL_PASS_EVERY`,
+/// here within 10 s) puts both back, and outbound reaches ztunnel again.
+fn routing_removed() -> TestResult {
+    let s = Setup::new("vrt", false)?;
+    let pod = s.f.topo.pod.as_str();
+    let shown = |what: &[&str]| -> anyhow::Result<String> {
+        let out = std::process::Command::new("ip")
+            .args(["-n", pod])
+            .args(what)
+            .output()?;
+        ensure!(out.status.success(), "ip {what:?}: {out:?}");
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let rule = ["rule", "show", "table", "100"];
+    let route = ["route", "show", "table", "100"];
+    ensure!(
+        shown(&rule)?.contains("lookup 100") && shown(&route)?.contains("local default"),
+        "no rule or route to remove: {} {}",
+        shown(&rule)?,
+        shown(&route)?
+    );
+    // After the verifications that enrolling queued: from here on only the
+    // periodic passes verify the pod.
+    let verifications = |at_least: u64| {
+        wait::until(
+            "two more verifications",
+            wait::DEADLINE,
+            || match metric_sum(s.metrics_port, "sluice_capture_verifications_total{") {
+                Ok(n) if n >= at_least => Ok(()),
+                other => Err(format!("{other:?}")),
+            },
+        )
+    };
+    verifications(metric_sum(s.metrics_port, "sluice_capture_verifications_total{")? + 2)?;
+    sluice_tests::topology::ip(&["-n", pod, "rule", "del", "table", "100"])?;
+    sluice_tests::topology::ip(&["-n", pod, "route", "flush", "table", "100"])?;
+    ensure!(shown(&rule)?.is_empty() && shown(&route)?.is_empty());
+    wait::until("the rule and route put back", wait::DEADLINE, || {
+        match (shown(&rule), shown(&route)) {
+            (Ok(ru), Ok(ro)) if ru.contains("lookup 100") && ro.contains("local default") => Ok(()),
+            seen => Err(format!("{seen:?}")),
+        }
+    })
+    .with_context(|| s.agent.log())?;
+    outbound_through_peer(
+        &s.f.topo.pod,
+        s.f.topo.client_ip(Family::V4),
+        &s.peer,
+        "after the rule and route were put back",
+    )
 }

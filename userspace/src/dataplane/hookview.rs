@@ -17,6 +17,7 @@ use std::io;
 use aya::programs::TcAttachType;
 
 use super::tcfilter::{HANDLE, PRIORITY};
+use crate::podnet::rtnl::Rtnl;
 
 /// One filter on a hook, as the kernel dumps it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -78,23 +79,28 @@ pub fn standing(filters: &[HookFilter]) -> Standing {
 /// The filters of chain 0 on `iface`'s `kind` hook in the calling thread's
 /// netns, in run order; empty without a clsact qdisc (or device).
 pub fn hook_filters(iface: &str, kind: TcAttachType) -> io::Result<Vec<HookFilter>> {
+    let Ok(index) = nix::net::if_::if_nametoindex(iface) else {
+        return Ok(Vec::new());
+    };
+    hook_filters_over(&Rtnl::open()?, index, kind)
+}
+
+/// [`hook_filters`] of the device with index `index` in `nl`'s netns (no
+/// netns entered, no socket made).
+pub fn hook_filters_over(nl: &Rtnl, index: u32, kind: TcAttachType) -> io::Result<Vec<HookFilter>> {
     use netlink_packet_route::{
         tc::{TcAttribute, TcFilterBpfOption, TcOption},
         RouteNetlinkMessage,
     };
-    let Ok(index) = nix::net::if_::if_nametoindex(iface) else {
-        return Ok(Vec::new());
-    };
     let msg = super::tcfilter::hook_message(index, kind);
-    let answer =
-        match crate::podnet::rtnl::Rtnl::open()?.dump(RouteNetlinkMessage::GetTrafficFilter(msg)) {
-            Ok(a) => a,
-            // No clsact qdisc on the device (any more).
-            Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENODEV)) => {
-                return Ok(Vec::new())
-            }
-            Err(e) => return Err(e),
-        };
+    let answer = match nl.dump(RouteNetlinkMessage::GetTrafficFilter(msg)) {
+        Ok(a) => a,
+        // No clsact qdisc on the device (any more).
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENODEV)) => {
+            return Ok(Vec::new())
+        }
+        Err(e) => return Err(e),
+    };
     Ok(answer
         .into_iter()
         .filter_map(|m| match m {
@@ -136,6 +142,11 @@ pub fn hook_filters(iface: &str, kind: TcAttachType) -> io::Result<Vec<HookFilte
 /// thread's netns.
 pub fn standing_at(iface: &str, kind: TcAttachType) -> io::Result<Standing> {
     hook_filters(iface, kind).map(|f| standing(&f))
+}
+
+/// [`standing_at`] of the device with index `index` in `nl`'s netns.
+pub fn standing_over(nl: &Rtnl, index: u32, kind: TcAttachType) -> io::Result<Standing> {
+    hook_filters_over(nl, index, kind).map(|f| standing(&f))
 }
 
 /// The tcx programs at `iface`'s `kind` hook in the calling thread's

@@ -64,11 +64,21 @@ impl PodView {
     /// over it.
     pub fn open(netns: &Netns) -> Result<Self, ViewError> {
         let path = netns.path().display().to_string();
+        let nl = netns.run(Rtnl::open)?.map_err(|source| ViewError::Io {
+            what: "rtnetlink socket",
+            path: path.clone(),
+            source,
+        })?;
+        Self::over(nl, &path)
+    }
+
+    /// Reads the view over `nl`, a socket already made in the netns at
+    /// `path` (named in errors).
+    pub fn over(nl: Rtnl, path: &str) -> Result<Self, ViewError> {
         let io = |what: &'static str| {
-            let path = path.clone();
+            let path = path.to_owned();
             move |source| ViewError::Io { what, path, source }
         };
-        let nl = netns.run(Rtnl::open)?.map_err(io("rtnetlink socket"))?;
         let cookie = nl.netns_cookie().map_err(io("reading the netns cookie"))?;
         let links = nl
             .dump(RouteNetlinkMessage::GetLink(LinkMessage::default()))

@@ -63,7 +63,7 @@ mod verify_queue;
 mod ztunnels;
 
 pub use relist::Relist;
-pub use repair::Repairer;
+pub use repair::{Repairer, FULL_PASS_EVERY};
 pub use requests::Requests;
 pub use served_check::{recheck_period, ServedConfig, DEFAULT_RECHECK, FALLBACK_AFTER};
 pub use uninstall::{Uninstall, Uninstaller};
@@ -164,6 +164,7 @@ impl NodeAgent {
             every: periods.verify_every,
             custody: custody.clone(),
             retries: Default::default(),
+            passes: Default::default(),
         });
         let enroller = Arc::new(Enroller {
             book: book.clone(),

@@ -28,6 +28,16 @@ use crate::{
 /// default (`--verify-every`).
 pub const VERIFY_EVERY: Duration = Duration::from_secs(60);
 
+/// One periodic pass in this many (the first included) also surveys and
+/// repairs every pod's netns (routes, rules, sysctls, addresses, links)
+/// before verifying it; the others only verify, and survey a pod only when
+/// its verification fails. What a verification runs covers every hook;
+/// what only the survey sees (a route, rule or sysctl the pod changed
+/// itself, which affects only its own traffic) sends no event, and waits
+/// for the next full pass. Changes that send events (links, addresses, tc)
+/// are repaired as they come.
+pub const FULL_PASS_EVERY: u64 = 10;
+
 pub struct Repairer {
     pub(super) book: Arc<PodBook>,
     pub(super) announcer: Arc<Announcer>,
@@ -41,6 +51,8 @@ pub struct Repairer {
     pub(super) custody: Arc<Custody>,
     /// When pods left unsettled by their last verification are tried again.
     pub(super) retries: Arc<Retries>,
+    /// Periodic passes made: which are full (see [`FULL_PASS_EVERY`]).
+    pub(super) passes: std::sync::atomic::AtomicU64,
 }
 
 impl Repairer {
@@ -55,9 +67,15 @@ impl Repairer {
     /// Verifies and completes every pod's capture; removes pins no pod owns.
     /// Blocking: run it off the async workers.
     pub fn verify_all(&self, at_start: bool) {
+        let pass = self
+            .passes
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let full = at_start || pass.is_multiple_of(FULL_PASS_EVERY);
         let cookies = self.book.dataplane().maps().cookies();
         for &cookie in &cookies {
-            self.verify(cookie, at_start);
+            if full || !self.verified_alone(cookie) {
+                self.verify(cookie, at_start);
+            }
         }
         let dp = self.book.dataplane();
         if let Some(node) = dp.node() {
@@ -126,6 +144,19 @@ impl Repairer {
             retries.fired(cookie);
             queue.push(cookie);
         });
+    }
+
+    /// A pod that steers verified without its survey: true when that
+    /// passed (nothing more to do); false for a pod that does not steer
+    /// (a Pending pod's capture fails closed only when whole: it is
+    /// surveyed) and for one that failed (surveyed, repaired and verified
+    /// again).
+    fn verified_alone(&self, cookie: u64) -> bool {
+        if !steers(&self.book.dataplane(), cookie) || !self.run_capture(cookie) {
+            return false;
+        }
+        self.settle(cookie, None);
+        true
     }
 
     /// Verifies one pod, if it is still enrolled. What is linear in its

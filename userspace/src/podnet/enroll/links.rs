@@ -165,15 +165,17 @@ impl<'a> Tc<'a> {
 /// only while the kernel still runs that program in sluice's filter on the
 /// hook (a filter can be deleted behind the record's back).
 pub fn attached(dp: &Dataplane, netns: &Netns, spec: &LinkSpec, path: &Path) -> bool {
-    attached_seen_from(netns, dp.node().map(|n| &n.netns), spec, path)
+    attached_seen_from(netns, dp.node().map(|n| &n.netns), None, spec, path)
 }
 
 /// [`attached`] with the node's netns given (`None`: a node-side filter
-/// counts as not attached). Needs no dataplane: what a repair's survey
-/// asks without the node-wide lock.
+/// counts as not attached), and, when `view` is given, a pod-side filter
+/// asked about over its socket (no netns entered, no socket made). Needs no
+/// dataplane: what a repair's survey asks without the node-wide lock.
 pub fn attached_seen_from(
     netns: &Netns,
     node: Option<&Netns>,
+    view: Option<&PodView>,
     spec: &LinkSpec,
     path: &Path,
 ) -> bool {
@@ -187,11 +189,18 @@ pub fn attached_seen_from(
             let Some(hook) = spec.tc_hook() else {
                 return false;
             };
-            let Some(ns) = hook_netns(hook.side, netns, node) else {
-                return false;
+            let over = view
+                .filter(|_| hook.side == Side::Pod)
+                .and_then(|v| Some((&v.nl, v.index(hook.iface)?)));
+            let standing = match (over, hook_netns(hook.side, netns, node)) {
+                (Some((nl, index)), _) => hookview::standing_over(nl, index, hook.kind),
+                (None, Some(ns)) => match ns.run(|| hookview::standing_at(hook.iface, hook.kind)) {
+                    Ok(s) => s,
+                    Err(_) => return false,
+                },
+                (None, None) => return false,
             };
-            let standing = ns.run(|| hookview::standing_at(hook.iface, hook.kind));
-            matches!(standing, Ok(Ok(Standing::First(running))) if running == id)
+            matches!(standing, Ok(Standing::First(running)) if running == id)
         }
     }
 }

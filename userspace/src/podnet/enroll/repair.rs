@@ -103,7 +103,15 @@ pub fn survey(plan: &SurveyPlan) -> Result<Survey, EnrollError> {
     let (names, l3) = (view.names(), view.l3_names());
     let attached = expected_links(&names, &l3, &[], &plan.reroute)
         .into_iter()
-        .filter(|spec| attached_seen_from(&netns, None, spec, &plan.dir.join(spec.pin_name())))
+        .filter(|spec| {
+            attached_seen_from(
+                &netns,
+                None,
+                Some(&view),
+                spec,
+                &plan.dir.join(spec.pin_name()),
+            )
+        })
         .map(|spec| spec.pin_name())
         .collect();
     Ok(Survey {

@@ -40,8 +40,10 @@ use crate::{
     podnet::{
         enroll::{host_peers, open_pod_netns, pod_interfaces},
         hostside::HostPeer,
-        netns::{self, Netns},
+        netns::Netns,
         podlinks::{expected_links, LinkSpec},
+        podview::PodView,
+        rtnl::Rtnl,
         sockets,
     },
 };
@@ -256,11 +258,12 @@ impl Run<'_> {
     /// hinted as the node's own and passed on.
     fn host(&mut self, peers: &[HostPeer]) -> Result<(), Failed> {
         let want = self.plan.ours.get(&Program::Host).copied().unwrap_or(0);
+        let nl = Rtnl::open().map_err(|e| failed("node netns", e.to_string()))?;
         for peer in peers {
             self.cases += 1;
             let case = format!("host side {}", peer.host_iface);
             let first = self
-                .first_at(&peer.host_iface, TcAttachType::Egress)
+                .first_at(&nl, peer.host_index, TcAttachType::Egress)
                 .map_err(|d| failed(case.clone(), d))?;
             if first != want {
                 return Err(failed(
@@ -303,12 +306,14 @@ impl Run<'_> {
     /// program for it. Returns the programs to run, from an Ethernet
     /// interface (`None`: the pod has none).
     fn hooks(&mut self) -> Result<Option<Runnable>, Failed> {
-        let ifaces: Vec<String> = netns::interfaces()
-            .map_err(|e| failed("interfaces", e.to_string()))?
-            .into_iter()
-            .filter(|i| i != "lo")
-            .collect();
-        let l3 = netns::l3_interfaces(&ifaces).map_err(|e| failed("interfaces", e.to_string()))?;
+        // One socket in the pod's netns for every question about it.
+        let view = Rtnl::open()
+            .map_err(|e| failed("interfaces", e.to_string()))
+            .and_then(|nl| {
+                let path = self.plan.netns.path().display().to_string();
+                PodView::over(nl, &path).map_err(|e| failed("interfaces", e.to_string()))
+            })?;
+        let (ifaces, l3) = (view.names(), view.l3_names());
         let mut ingress = None;
         let mut egress = None;
         for spec in expected_links(&ifaces, &l3, &[], &self.plan.reroute) {
@@ -324,8 +329,12 @@ impl Run<'_> {
                 };
                 format!("{dir} {}", hook.iface)
             };
-            let first = self
-                .first_at(hook.iface, hook.kind)
+            // An interface gone since the dump is named as such, not as a
+            // hook without programs.
+            let first = view
+                .index(hook.iface)
+                .ok_or_else(|| "no such device".to_owned())
+                .and_then(|index| self.first_at(&view.nl, index, hook.kind))
                 .map_err(|d| failed(case(), d))?;
             if first != want {
                 return Err(failed(
@@ -349,9 +358,9 @@ impl Run<'_> {
 
     /// The id of the program that runs first at `iface`'s `kind` hook, or
     /// why there is none of sluice's to run.
-    fn first_at(&self, iface: &str, kind: TcAttachType) -> Result<u32, String> {
-        // A device gone is named as such, not as a hook without programs.
-        let index = nix::net::if_::if_nametoindex(iface).map_err(|e| e.to_string())?;
+    /// `nl`: a socket in the calling thread's netns, where the device with
+    /// index `index` is.
+    fn first_at(&self, nl: &Rtnl, index: u32, kind: TcAttachType) -> Result<u32, String> {
         // tcx runs before cls_bpf.
         let tcx = hookview::tcx_programs_at(index, kind)
             .map_err(|e| format!("cannot ask the kernel for its tcx programs: {e}"))?;
@@ -361,7 +370,7 @@ impl Run<'_> {
         if self.plan.tcx {
             return Err("no tcx program".into());
         }
-        match hookview::standing_at(iface, kind) {
+        match hookview::standing_over(nl, index, kind) {
             Ok(Standing::First(id)) => Ok(id),
             Ok(Standing::Missing) => Err("no filter of sluice's".into()),
             Ok(Standing::Behind { ahead, .. }) => {
