@@ -116,6 +116,13 @@ fn main() -> anyhow::Result<()> {
     let path = report.write(&o.out)?;
     println!("{}", serde_json::to_string_pretty(&report)?);
     eprintln!("chaos: report in {}", path.display());
+    if let Some(why) = &report.runner_error {
+        anyhow::bail!(
+            "the runner failed (not a violation of sluice's): {why} (seed {}; --replay {})",
+            report.seed,
+            report.schedule_file.as_deref().unwrap_or("-")
+        );
+    }
     ensure!(
         !ledger::interrupted(),
         "interrupted after {} s (torn down; the report covers the run so far)",
@@ -157,6 +164,9 @@ fn run(
     let now = |run: &Run| Duration::from_millis(run.ledger.now());
     let mut faults: BTreeMap<&'static str, u64> = BTreeMap::new();
     let mut bypass_at = None;
+    // A fault the runner itself could not make ends the run (torn down and
+    // reported like any other) and fails it.
+    let mut runner_error = None;
     for e in &schedule.events {
         let at = Duration::from_millis(e.at_ms);
         while now(&run) < at && !run.ledger.stopping() {
@@ -170,20 +180,25 @@ fn run(
         if matches!(e.fault, Fault::InjectBypass { .. }) {
             bypass_at = Some(run.ledger.now());
         }
-        faults::apply(&mut run, &e.fault)
-            .with_context(|| format!("injecting {:?} at {} ms", e.fault, e.at_ms))?;
+        if let Err(err) = faults::apply(&mut run, &e.fault) {
+            let why = format!("injecting {:?} at {} ms: {err:#}", e.fault, e.at_ms);
+            eprintln!("chaos: the runner failed: {why}");
+            runner_error = Some((e.at_ms, why));
+            break;
+        }
         run.ledger.applied();
         *faults.entry(e.fault.kind()).or_default() += 1;
     }
     faults::heal_lasting(&run);
     let end = Duration::from_millis(schedule.duration_ms);
-    while now(&run) < end && !run.ledger.stopping() {
+    let finishing = |run: &Run| !run.ledger.stopping() && runner_error.is_none();
+    while now(&run) < end && finishing(&run) {
         run.retry();
         std::thread::sleep(Duration::from_millis(50));
     }
     // The last check of the bound: every pod Served (the checker stops the
     // run when one is not, within the bound after its last fault).
-    while !run.ledger.stopping()
+    while finishing(&run)
         && !run
             .ledger
             .with_pods(|p| p.values().all(|p| p.served_since.is_some()))
@@ -193,22 +208,12 @@ fn run(
     }
     let agent = run.stop_traffic();
     let violations = run.ledger.violations();
-    let schedule_file = match violations.first() {
-        Some(v) => {
-            std::fs::create_dir_all(out)?;
-            let f = out.join(format!("schedule-{}.json", schedule.seed));
-            let seen = schedule.until(v.at_ms);
-            std::fs::write(&f, serde_json::to_string_pretty(&seen)?)?;
-            eprintln!("chaos: the schedule up to the violation: {}", f.display());
-            // What the agent said, for whoever reads the violation.
-            let log = out.join(format!("agent-{}.log", schedule.seed));
-            std::fs::write(&log, run.node.agent.log())?;
-            eprintln!("chaos: the agent's log: {}", log.display());
-            for e in &seen.events {
-                eprintln!("chaos:   {:>7} ms {:?}", e.at_ms, e.fault);
-            }
-            Some(f.display().to_string())
-        }
+    let stopped_at = violations
+        .first()
+        .map(|v| v.at_ms)
+        .or(runner_error.as_ref().map(|(at, _)| *at));
+    let schedule_file = match stopped_at {
+        Some(at) => Some(keep_schedule(out, schedule, at, &run)?),
         None => None,
     };
     let bypass_caught_after_ms = bypass_at.and_then(|at| {
@@ -235,7 +240,34 @@ fn run(
         agent,
         bypass_caught_after_ms,
         schedule_file,
+        runner_error: runner_error.map(|(_, why)| why),
     })
+}
+
+/// Writes the schedule up to `at_ms` (a violation, or the fault the runner
+/// failed at) and the agent's log beside it; returns the schedule's path.
+fn keep_schedule(
+    out: &std::path::Path,
+    schedule: &Schedule,
+    at_ms: u64,
+    run: &Run,
+) -> anyhow::Result<String> {
+    std::fs::create_dir_all(out)?;
+    let f = out.join(format!("schedule-{}.json", schedule.seed));
+    let seen = schedule.until(at_ms);
+    std::fs::write(&f, serde_json::to_string_pretty(&seen)?)?;
+    eprintln!(
+        "chaos: the schedule up to where it stopped: {}",
+        f.display()
+    );
+    // What the agent said, for whoever reads the violation.
+    let log = out.join(format!("agent-{}.log", schedule.seed));
+    std::fs::write(&log, run.node.agent.log())?;
+    eprintln!("chaos: the agent's log: {}", log.display());
+    for e in &seen.events {
+        eprintln!("chaos:   {:>7} ms {:?}", e.at_ms, e.fault);
+    }
+    Ok(f.display().to_string())
 }
 
 /// Every pod deleted through the CNI, `sluice uninstall` through the agent,

@@ -35,6 +35,9 @@ pub struct Report {
     pub bypass_caught_after_ms: Option<u64>,
     /// Where the schedule up to a violation was written (`--replay` it).
     pub schedule_file: Option<String>,
+    /// A fault the runner itself could not make, which ended the run (the
+    /// run fails; its figures cover it up to there).
+    pub runner_error: Option<String>,
 }
 
 impl Report {
