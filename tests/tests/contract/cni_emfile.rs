@@ -465,7 +465,11 @@ fn ztunnel_restart_under_emfile() -> TestResult {
         )
     };
     let mut cut_short = 0;
-    for headroom in 1..64 {
+    // A descriptor the agent held only for a moment when the limit was set
+    // (a status or metrics connection) raises the headroom by one: a first
+    // headroom whose snapshot carried the pod anyway is tried again.
+    let headrooms = std::iter::repeat_n(1, 5).chain(2..64);
+    for headroom in headrooms {
         peer.kill();
         f.wait_state("Pending")?;
         wait::until("no ztunnel connected", wait::DEADLINE, || {
@@ -497,13 +501,13 @@ fn ztunnel_restart_under_emfile() -> TestResult {
         f.wait_state("Served")
             .with_context(|| format!("after {what}\n{}", agent.log()))?;
         cut_short += usize::from(metric_sum(port, UNAVAILABLE)? > before);
-        if offered(&peer).0 {
-            ensure!(
-                cut_short > 0,
-                "no attempt failed to open the netns: nothing was tested"
-            );
+        if offered(&peer).0 && cut_short > 0 {
             return Ok(());
         }
+        ensure!(
+            headroom == 1 || cut_short > 0,
+            "no attempt failed to open the netns: nothing was tested"
+        );
     }
     anyhow::bail!("no snapshot carried the pod with up to 63 descriptors to spare")
 }

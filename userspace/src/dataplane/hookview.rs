@@ -174,6 +174,44 @@ pub fn tcx_programs_at(index: u32, kind: TcAttachType) -> io::Result<Vec<u32>> {
     }
 }
 
+/// The program and link ids of the first tcx program at `iface`'s `kind`
+/// hook in the calling thread's netns (link id 0: attached without a
+/// link); `None` when none runs there (or the kernel has no tcx).
+pub fn tcx_first(iface: &str, kind: TcAttachType) -> io::Result<Option<(u32, u32)>> {
+    const BPF_PROG_QUERY: libc::c_long = 16;
+    let index = match nix::net::if_::if_nametoindex(iface) {
+        Ok(index) => index,
+        Err(nix::errno::Errno::ENODEV) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    let tcx_type = match kind {
+        TcAttachType::Egress => BPF_TCX_EGRESS,
+        _ => BPF_TCX_INGRESS,
+    };
+    let (mut progs, mut links) = ([0u32; 64], [0u32; 64]);
+    // union bpf_attr, query (Linux ≥ 6.6, as tcx): target_ifindex,
+    // attach_type, query_flags, attach_flags, prog_ids, count, a hole,
+    // prog_attach_flags, link_ids, link_attach_flags, revision.
+    let mut attr = [0u8; 64];
+    attr[0..4].copy_from_slice(&index.to_ne_bytes());
+    attr[4..8].copy_from_slice(&tcx_type.to_ne_bytes());
+    attr[16..24].copy_from_slice(&(progs.as_mut_ptr() as u64).to_ne_bytes());
+    attr[24..28].copy_from_slice(&(progs.len() as u32).to_ne_bytes());
+    attr[40..48].copy_from_slice(&(links.as_mut_ptr() as u64).to_ne_bytes());
+    // SAFETY: a zeroed bpf_attr with the query fields set; `progs` and
+    // `links` outlive the call and hold `count` entries each.
+    let r = unsafe { libc::syscall(libc::SYS_bpf, BPF_PROG_QUERY, attr.as_mut_ptr(), attr.len()) };
+    if r < 0 {
+        let e = io::Error::last_os_error();
+        return match e.raw_os_error() {
+            Some(libc::EINVAL | libc::ENODEV) => Ok(None),
+            _ => Err(e),
+        };
+    }
+    let n = u32::from_ne_bytes([attr[24], attr[25], attr[26], attr[27]]);
+    Ok((n > 0).then(|| (progs[0], links[0])))
+}
+
 /// `BPF_PROG_QUERY`'s attach types for the hooks a pod depends on.
 pub const BPF_SK_LOOKUP: u32 = 36;
 pub const BPF_TCX_INGRESS: u32 = 46;

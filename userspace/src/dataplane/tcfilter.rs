@@ -273,6 +273,8 @@ pub fn pinned_or_busy(path: &Path) -> io::Result<Option<Pinned>> {
 /// What the link pinned at `path` says of itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LinkInfo {
+    /// The link's own kernel id.
+    pub id: u32,
     /// The kernel id of the program it runs.
     pub prog: u32,
     /// For a tcx link, its device's index: 0 once detached (the device
@@ -290,6 +292,7 @@ pub fn link_info(path: &Path) -> Option<LinkInfo> {
     super::relink::obj_info(fd.as_fd(), &mut info)
         .ok()
         .map(|()| LinkInfo {
+            id: info[1],
             prog: info[2],
             tcx_ifindex: info[4],
         })

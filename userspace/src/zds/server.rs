@@ -84,6 +84,9 @@ pub trait Handler: Send + Sync + 'static {
     /// ztunnel answered (or failed to answer) an `add` for `uid` on a
     /// connection whose peer is `pid`.
     fn add_outcome(&self, uid: &str, pid: Option<i32>, outcome: &Result<Answer, ZdsError>);
+    /// A snapshot's `add` for `uid` was never sent (the snapshot stopped
+    /// before it): the attempt failed without being made.
+    fn add_not_sent(&self, uid: &str, why: &str);
     /// A connection finished its snapshot and is live.
     fn connected(&self, id: u64, pid: Option<i32>);
     /// A connection is gone.
@@ -368,11 +371,16 @@ async fn run_connection(
     if let Err(e) = send_snapshot(fd, pid, handler, &mut entries).await {
         // Each add the snapshot promised gets an answer, so that its pod
         // is retried (the handler counts it in flight).
+        let why = format!("not sent: ztunnel's snapshot stopped: {e}");
+        let mut unsent = 0;
         for entry in entries {
             if let SnapshotEntry::Add { uid, .. } = entry {
-                let lost = ZdsError::Protocol(format!("not sent: the snapshot stopped: {e}"));
-                handler.add_outcome(&uid, pid, &Err(lost));
+                handler.add_not_sent(&uid, &why);
+                unsent += 1;
             }
+        }
+        if unsent > 0 {
+            warn!(pods = unsent, error = %e, "snapshot stopped: its adds not sent are retried");
         }
         return Err(e);
     }

@@ -2,12 +2,13 @@
 //! agent. Pods enrolled as the agent enrolls them (with the host side), each
 //! with the ztunnel stand-in's listeners registered, so every case runs to
 //! its end (a pod without listeners fails at its first case and would
-//! flatter the figure). Each pass verifies every pod once, as the agent's
-//! periodic pass does: the plan read (under the agent's lock), then the hook
-//! queries and test runs in the pod's netns (`verify_us_cpu_per_pod`). One
-//! pass in `FULL_PASS_EVERY` first surveys each pod's interfaces and links
-//! and makes the repair pass over it; `_full` adds that, and the CPU share
-//! per period counts one full pass in `FULL_PASS_EVERY`.
+//! flatter the figure). Each round makes two passes over every pod, as the
+//! agent's periodic passes do: one as most are, the plan read (under the
+//! agent's lock), then the hook queries and test runs in the pod's netns
+//! (`verify_us_cpu_per_pod`); then a full one, as one in `FULL_PASS_EVERY`
+//! is, which first surveys each pod's interfaces and links and makes the
+//! repair pass over it (`_full`). The CPU share per period counts one full
+//! pass in `FULL_PASS_EVERY`.
 
 use std::time::Instant;
 
@@ -19,6 +20,7 @@ use sluice::{
     podnet::{enroll, verify},
     uid::PodUid,
 };
+use sluice_common::Role;
 use sluice_tests::{
     ns::Ns,
     standin::{Bind, StandIn},
@@ -90,12 +92,22 @@ fn verify_in(
         let mut wall_us = Vec::new();
         let (mut light_pass_ms, mut full_pass_ms) = (Vec::new(), Vec::new());
         for _ in 0..cfg.verify_passes {
-            let (mut light_pass, mut full_pass) = (0, 0);
+            // A pass as most are: each pod verified, nothing else.
+            let mut light_pass = 0;
             for (&cookie, held) in cookies.iter().zip(&listeners) {
-                // A full pass's extra (one pass in FULL_PASS_EVERY): the
-                // survey of the pod's interfaces and links (without the
-                // agent's lock), then the repair pass over it (under the
-                // lock), which finds nothing to put back here.
+                let (c0, t0) = (thread_cpu_ns(), Instant::now());
+                verify_one(&dp, cookie, held)?;
+                let (cpu, wall) = (thread_cpu_ns() - c0, t0.elapsed());
+                verify_cpu_us.push(cpu as f64 / 1e3);
+                wall_us.push(wall.as_secs_f64() * 1e6);
+                light_pass += cpu;
+            }
+            // A full pass (one in FULL_PASS_EVERY): first the survey of
+            // each pod's interfaces and links (without the agent's lock),
+            // then the repair pass over it (under the lock), which finds
+            // nothing to put back here, then the verification.
+            let mut full_pass = 0;
+            for (&cookie, held) in cookies.iter().zip(&listeners) {
                 let c0 = thread_cpu_ns();
                 let survey = enroll::survey_plan(&dp, cookie)
                     .context("no survey plan")
@@ -107,21 +119,10 @@ fn verify_in(
                     "pod {cookie}: the repair put something back: {repaired:?}"
                 );
                 drop(survey);
-                let extra = thread_cpu_ns() - c0;
-                // The verification every pass makes: its plan (under the
-                // lock), then the hook queries and runs.
-                let (c1, t1) = (thread_cpu_ns(), Instant::now());
-                let mut plan = verify::plan(&dp, cookie).context("no verification plan")?;
-                plan.listeners = held.clone();
-                let v = verify::verify(&plan);
-                drop(plan);
-                let (c2, t2) = (thread_cpu_ns(), t1.elapsed());
-                ensure!(v.is_ok(), "pod {cookie} failed its verification: {v:?}");
-                verify_cpu_us.push((c2 - c1) as f64 / 1e3);
-                full_cpu_us.push((extra + c2 - c1) as f64 / 1e3);
-                wall_us.push(t2.as_secs_f64() * 1e6);
-                light_pass += c2 - c1;
-                full_pass += extra + c2 - c1;
+                verify_one(&dp, cookie, held)?;
+                let cpu = thread_cpu_ns() - c0;
+                full_cpu_us.push(cpu as f64 / 1e3);
+                full_pass += cpu;
             }
             light_pass_ms.push(light_pass as f64 / 1e6);
             full_pass_ms.push(full_pass as f64 / 1e6);
@@ -161,6 +162,17 @@ fn verify_in(
     }
     rtnl_per_pod(report, cfg, &dp, &cookies)?;
     drop(standins);
+    Ok(())
+}
+
+/// One verification as the agent makes it: the plan (under its lock), then
+/// the hook queries and runs; `held`: ztunnel's sockets as the agent's
+/// duplicates name them (`None`: listed with sock_diag).
+fn verify_one(dp: &Dataplane, cookie: u64, held: &Option<Vec<(Role, u64)>>) -> anyhow::Result<()> {
+    let mut plan = verify::plan(dp, cookie).context("no verification plan")?;
+    plan.listeners = held.clone();
+    let v = verify::verify(&plan);
+    ensure!(v.is_ok(), "pod {cookie} failed its verification: {v:?}");
     Ok(())
 }
 

@@ -152,7 +152,7 @@ impl Repairer {
     /// surveyed) and for one that failed (surveyed, repaired and verified
     /// again).
     fn verified_alone(&self, cookie: u64) -> bool {
-        if !steers(&self.book.dataplane(), cookie) || !self.run_capture(cookie) {
+        if self.run_capture(cookie) != Some(true) {
             return false;
         }
         self.settle(cookie, None);
@@ -173,7 +173,7 @@ impl Repairer {
         }
         let repaired = self.verify_pod(&mut guard, cookie, at_start, survey);
         drop(guard);
-        let verified = self.run_capture(cookie);
+        let verified = self.run_capture(cookie) != Some(false);
         let unsettled = if self.book.state_of(cookie) == Some(PodState::Draining) {
             Some("a pod's teardown is unfinished")
         } else if !repaired {
@@ -189,13 +189,12 @@ impl Repairer {
     /// Runs the capture of a pod that steers (`Enabled`, `Served`) on
     /// synthetic packets (see [`verify`]): what its readiness gate waits
     /// for. The plan is read under the node-wide lock, the runs are made
-    /// without it. False when the capture failed its verification.
-    fn run_capture(&self, cookie: u64) -> bool {
+    /// without it. Whether the capture passed; `None`: not run (the pod
+    /// does not steer, or is gone).
+    fn run_capture(&self, cookie: u64) -> Option<bool> {
         let (plan, uid, pod) = {
             let dp = self.book.dataplane();
-            let Some(meta) = dp.maps().meta(cookie).filter(|_| steers(&dp, cookie)) else {
-                return true;
-            };
+            let meta = dp.maps().meta(cookie).filter(|_| steers(&dp, cookie))?;
             let pod = format!("{}/{}", meta.workload.namespace, meta.workload.name);
             (verify::plan(&dp, cookie), meta.uid, pod)
         };
@@ -221,7 +220,7 @@ impl Repairer {
         };
         let passed = !matches!(found, Verification::Failed { .. });
         self.record(&uid, &pod, found);
-        passed
+        Some(passed)
     }
 
     /// What a verification of the pod found: counted, put on its track,
@@ -287,7 +286,13 @@ impl Repairer {
                 // A steering pod's hooks were not as the capture needs them
                 // until now: it failed its verification, whose run right
                 // after the repair (see `verify`) can pass it again.
-                if !relinked.is_empty() && steers(dp, cookie) {
+                // (A pod whose last verification failed already says so,
+                // with the case that found it.)
+                let failed = matches!(
+                    self.book.pods().verification(&uid),
+                    Verification::Failed { .. }
+                );
+                if !relinked.is_empty() && steers(dp, cookie) && !failed {
                     let detail = format!("{} not in place or not first at its hook (changed behind sluice's back); put back", relinked.join(", "));
                     self.record(
                         &uid,

@@ -295,6 +295,10 @@ impl Handler for Ztunnels {
         });
     }
 
+    fn add_not_sent(&self, uid: &str, why: &str) {
+        self.failed(uid, Cause::Other, why.to_owned());
+    }
+
     fn connected(&self, id: u64, pid: Option<i32>) {
         info!(conn = id, pid = pid.unwrap_or(0), "ztunnel live");
         self.changed.notify_one();

@@ -234,13 +234,13 @@ pub fn tcx_standing(
     if ours.tcx_ifindex == 0 {
         return Some(TcxStanding::Detached);
     }
-    let first = ns
-        .run(|| hookview::tcx_programs(hook.iface, hook.kind))
+    // By link, not program: an upgrade swapping the program in sluice's
+    // link between the two reads leaves it first.
+    let (first, link) = ns
+        .run(|| hookview::tcx_first(hook.iface, hook.kind))
         .ok()?
-        .ok()?
-        .first()
-        .copied()?;
-    Some(if first == ours.prog {
+        .ok()??;
+    Some(if link == ours.id {
         TcxStanding::First
     } else {
         TcxStanding::Behind(first)

@@ -38,7 +38,7 @@ use crate::{
         testrun::{self, Lookup, SkbCtx},
     },
     podnet::{
-        enroll::{host_peers, open_pod_netns, pod_interfaces},
+        enroll::host_peers,
         hostside::HostPeer,
         netns::Netns,
         podlinks::{expected_links, LinkSpec},
@@ -86,6 +86,9 @@ pub struct Plan {
     /// netns (a walk of the kernel's socket tables, which the agent's
     /// duplicates spare).
     pub listeners: Option<Vec<(Role, u64)>>,
+    /// The pod's netns as the plan read it, over a socket made inside it:
+    /// the runs ask about its hooks over the same socket.
+    pub view: PodView,
 }
 
 /// The host side of a pod's veths: where the host-side program runs.
@@ -125,13 +128,16 @@ fn failed(case: impl Into<String>, detail: impl Into<String>) -> Failed {
 /// or its netns cannot be opened.
 pub fn plan(dp: &Dataplane, cookie: u64) -> Option<Plan> {
     let maps = dp.maps();
-    let netns = open_pod_netns(maps, cookie).ok()?;
-    let options = maps.options(cookie);
     let path = maps.meta(cookie)?.netns;
+    let netns = Netns::open(std::path::Path::new(&path)).ok()?;
+    // One visit of the netns: its socket's cookie shows it is still the
+    // pod's, its link dump names the interfaces (for the runs too) and their
+    // host-side peers.
+    let view = PodView::open(&netns).ok().filter(|v| v.cookie == cookie)?;
+    let options = maps.options(cookie);
     let host = match dp.node().filter(|_| dp.has_program(Program::Host)) {
         Some(node) => {
-            let ifaces = pod_interfaces(&netns, &path).ok()?;
-            let (peers, _held) = host_peers(dp, cookie, &netns, None, &ifaces, false);
+            let (peers, _held) = host_peers(dp, cookie, &netns, Some(&view), &view.names(), false);
             Some(HostPlan {
                 netns: node.netns.try_clone().ok()?,
                 peers,
@@ -157,6 +163,7 @@ pub fn plan(dp: &Dataplane, cookie: u64) -> Option<Plan> {
         maps_dir: dp.pins().maps(),
         host,
         listeners: None,
+        view,
     })
 }
 
@@ -306,13 +313,8 @@ impl Run<'_> {
     /// program for it. Returns the programs to run, from an Ethernet
     /// interface (`None`: the pod has none).
     fn hooks(&mut self) -> Result<Option<Runnable>, Failed> {
-        // One socket in the pod's netns for every question about it.
-        let view = Rtnl::open()
-            .map_err(|e| failed("interfaces", e.to_string()))
-            .and_then(|nl| {
-                let path = self.plan.netns.path().display().to_string();
-                PodView::over(nl, &path).map_err(|e| failed("interfaces", e.to_string()))
-            })?;
+        // The plan's socket in the pod's netns for every question about it.
+        let view = &self.plan.view;
         let (ifaces, l3) = (view.names(), view.l3_names());
         let mut ingress = None;
         let mut egress = None;
