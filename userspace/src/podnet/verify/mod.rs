@@ -331,8 +331,6 @@ impl Run<'_> {
                 };
                 format!("{dir} {}", hook.iface)
             };
-            // An interface gone since the dump is named as such, not as a
-            // hook without programs.
             let first = view
                 .index(hook.iface)
                 .ok_or_else(|| "no such device".to_owned())
@@ -369,12 +367,22 @@ impl Run<'_> {
         if let Some(&first) = tcx.first() {
             return Ok(first);
         }
+        let missing = |what: &str| {
+            // A device deleted since the plan's dump has no hooks either:
+            // named as such, not as a hook without sluice's program.
+            let mut get = netlink_packet_route::link::LinkMessage::default();
+            get.header.index = index;
+            match nl.request(netlink_packet_route::RouteNetlinkMessage::GetLink(get)) {
+                Ok(None) => format!("the interface (index {index}) is gone"),
+                _ => what.to_owned(),
+            }
+        };
         if self.plan.tcx {
-            return Err("no tcx program".into());
+            return Err(missing("no tcx program"));
         }
         match hookview::standing_over(nl, index, kind) {
             Ok(Standing::First(id)) => Ok(id),
-            Ok(Standing::Missing) => Err("no filter of sluice's".into()),
+            Ok(Standing::Missing) => Err(missing("no filter of sluice's")),
             Ok(Standing::Behind { ahead, .. }) => {
                 Err(format!("{ahead} runs before sluice's filter"))
             }
