@@ -225,8 +225,10 @@ pub fn prog_query(target: u32, attach_type: u32) -> io::Result<Vec<u32>> {
     const BPF_PROG_QUERY: libc::c_long = 16;
     let mut ids = [0u32; 64];
     // union bpf_attr, query: target_fd, attach_type, query_flags,
-    // attach_flags, prog_ids, prog_cnt (then fields left zero).
-    let mut attr = [0u8; 48];
+    // attach_flags, prog_ids, prog_cnt (then fields left zero). 64 bytes:
+    // a tcx query (Linux ≥ 6.6) writes `revision` at 56..64 whatever size
+    // it is given.
+    let mut attr = [0u8; 64];
     attr[0..4].copy_from_slice(&target.to_ne_bytes());
     attr[4..8].copy_from_slice(&attach_type.to_ne_bytes());
     attr[16..24].copy_from_slice(&(ids.as_mut_ptr() as u64).to_ne_bytes());
