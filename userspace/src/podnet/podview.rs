@@ -63,20 +63,23 @@ impl PodView {
     /// Opens the socket inside `netns` (its only visit) and reads the rest
     /// over it.
     pub fn open(netns: &Netns) -> Result<Self, ViewError> {
+        Self::read(netns, true)
+    }
+
+    /// [`PodView::open`] without the address dump: `addrs` is empty.
+    pub fn open_links(netns: &Netns) -> Result<Self, ViewError> {
+        Self::read(netns, false)
+    }
+
+    fn read(netns: &Netns, with_addrs: bool) -> Result<Self, ViewError> {
         let path = netns.path().display().to_string();
         let nl = netns.run(Rtnl::open)?.map_err(|source| ViewError::Io {
             what: "rtnetlink socket",
             path: path.clone(),
             source,
         })?;
-        Self::over(nl, &path)
-    }
-
-    /// Reads the view over `nl`, a socket already made in the netns at
-    /// `path` (named in errors).
-    pub fn over(nl: Rtnl, path: &str) -> Result<Self, ViewError> {
         let io = |what: &'static str| {
-            let path = path.to_owned();
+            let path = path.clone();
             move |source| ViewError::Io { what, path, source }
         };
         let cookie = nl.netns_cookie().map_err(io("reading the netns cookie"))?;
@@ -112,9 +115,13 @@ impl PodView {
         ifaces.sort_by(|a, b| a.name.cmp(&b.name));
         let lo =
             lo.ok_or_else(|| io("finding lo")(std::io::Error::from(std::io::ErrorKind::NotFound)))?;
-        let mut addrs: Vec<IpAddr> = nl
-            .dump(RouteNetlinkMessage::GetAddress(AddressMessage::default()))
-            .map_err(io("listing the pod's addresses"))?
+        let addrs = match with_addrs {
+            true => nl
+                .dump(RouteNetlinkMessage::GetAddress(AddressMessage::default()))
+                .map_err(io("listing the pod's addresses"))?,
+            false => Vec::new(),
+        };
+        let mut addrs: Vec<IpAddr> = addrs
             .into_iter()
             .filter_map(|m| match m {
                 RouteNetlinkMessage::NewAddress(m) if m.header.index != lo => address_of(&m),

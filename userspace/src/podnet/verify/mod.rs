@@ -133,7 +133,9 @@ pub fn plan(dp: &Dataplane, cookie: u64) -> Option<Plan> {
     // One visit of the netns: its socket's cookie shows it is still the
     // pod's, its link dump names the interfaces (for the runs too) and their
     // host-side peers.
-    let view = PodView::open(&netns).ok().filter(|v| v.cookie == cookie)?;
+    let view = PodView::open_links(&netns)
+        .ok()
+        .filter(|v| v.cookie == cookie)?;
     let options = maps.options(cookie);
     let host = match dp.node().filter(|_| dp.has_program(Program::Host)) {
         Some(node) => {
