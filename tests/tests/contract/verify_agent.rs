@@ -30,8 +30,12 @@ pub fn trials() -> Vec<Trial> {
             breaks,
         ),
         trial(
-            "verify::through_the_agent::a_rule_and_route_removed_in_the_pod_are_put_back_by_a_full_pass",
+            "verify::through_the_agent::a_rule_and_route_removed_in_the_pod_are_put_back_at_their_event",
             routing_removed,
+        ),
+        trial(
+            "verify::through_the_agent::accept_local_cleared_in_the_pod_is_set_again_by_a_full_pass",
+            accept_local_cleared,
         ),
     ]
 }
@@ -69,6 +73,23 @@ impl Setup {
         let node_flags = ["--node-netns", node_path.to_str().context("netns path")?];
         let extra: &[&str] = if node { &node_flags } else { &[] };
         let (agent, metrics_port) = AgentProc::start_verifying(&f.topo.pins, extra)?;
+        Self::enrolled(f, agent, metrics_port)
+    }
+
+    /// Without the node netns, verifying every `every`.
+    fn with_period(tag: &str, every: &str) -> anyhow::Result<Self> {
+        let f = Fixture::new(tag, None)?;
+        let metrics_port = sluice_tests::agent::free_port()?;
+        let addr = format!("127.0.0.1:{metrics_port}");
+        let agent = AgentProc::start_with(
+            &f.topo.pins,
+            &["--verify-every", every, "--metrics-addr", &addr],
+        )?;
+        Self::enrolled(f, agent, metrics_port)
+    }
+
+    /// The peer started, the pod enrolled, verified and served.
+    fn enrolled(f: Fixture, agent: AgentProc, metrics_port: u16) -> anyhow::Result<Self> {
         let resolver = format!("{}:53", f.topo.client_ip(Family::V4));
         let peer = peer_with(&agent, &["--dns-forward", &resolver])?;
         enroll_enabled(&agent, &f)?;
@@ -254,47 +275,34 @@ fn breaks() -> TestResult {
 
 /// The pod's policy rule and local route, which make a redirected packet
 /// local, removed in its netns (what a pod holding `NET_ADMIN` can do to
-/// its own traffic): no event announces it and the programs still pass
-/// every verification, so the next full pass (one in `FULL_PASS_EVERY`,
-/// here within 10 s) puts both back, and outbound reaches ztunnel again.
+/// its own traffic): the programs still pass every verification, but the
+/// deletions are announced (`RTM_DELRULE`, `RTM_DELROUTE`), and the pod's
+/// repair at their event puts both back, with no periodic pass in the test's
+/// time (`--verify-every 10m`); outbound reaches ztunnel again.
 fn routing_removed() -> TestResult {
-    let s = Setup::new("vrt", false)?;
+    let s = Setup::with_period("vrt", "10m")?;
     let pod = s.f.topo.pod.as_str();
-    let shown = |what: &[&str]| -> anyhow::Result<String> {
-        let out = std::process::Command::new("ip")
-            .args(["-n", pod])
-            .args(what)
-            .output()?;
-        ensure!(out.status.success(), "ip {what:?}: {out:?}");
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    };
-    let rule = ["rule", "show", "table", "100"];
-    let route = ["route", "show", "table", "100"];
+    let (rule, route) = (Routing::Rule, Routing::Route);
     ensure!(
-        shown(&rule)?.contains("lookup 100") && shown(&route)?.contains("local default"),
-        "no rule or route to remove: {} {}",
-        shown(&rule)?,
-        shown(&route)?
+        rule.shown(pod)? && route.shown(pod)?,
+        "no rule or route to remove"
     );
-    // After the verifications that enrolling queued: from here on only the
-    // periodic passes verify the pod.
-    let verifications = |at_least: u64| {
-        wait::until(
-            "two more verifications",
-            wait::DEADLINE,
-            || match metric_sum(s.metrics_port, "sluice_capture_verifications_total{") {
-                Ok(n) if n >= at_least => Ok(()),
-                other => Err(format!("{other:?}")),
-            },
-        )
-    };
-    verifications(metric_sum(s.metrics_port, "sluice_capture_verifications_total{")? + 2)?;
+    // The pod watched, and the repair its watch makes once at its start
+    // (the registration's verification and that one) done: from here on
+    // only an event repairs the pod.
+    wait::until("the pod watched and verified twice", wait::DEADLINE, || {
+        let watches = s.agent.node_status().map_err(|e| e.to_string())?["link_watches"].clone();
+        let verified = metric_sum(s.metrics_port, "sluice_capture_verifications_total{");
+        match (watches.as_u64(), verified) {
+            (Some(w), Ok(v)) if w >= 1 && v >= 2 => Ok(()),
+            seen => Err(format!("{seen:?}")),
+        }
+    })?;
     sluice_tests::topology::ip(&["-n", pod, "rule", "del", "table", "100"])?;
     sluice_tests::topology::ip(&["-n", pod, "route", "flush", "table", "100"])?;
-    ensure!(shown(&rule)?.is_empty() && shown(&route)?.is_empty());
     wait::until("the rule and route put back", wait::DEADLINE, || {
-        match (shown(&rule), shown(&route)) {
-            (Ok(ru), Ok(ro)) if ru.contains("lookup 100") && ro.contains("local default") => Ok(()),
+        match (rule.shown(pod), route.shown(pod)) {
+            (Ok(true), Ok(true)) => Ok(()),
             seen => Err(format!("{seen:?}")),
         }
     })
@@ -305,4 +313,71 @@ fn routing_removed() -> TestResult {
         &s.peer,
         "after the rule and route were put back",
     )
+}
+
+/// `accept_local` cleared on the pod's interface: no event announces it
+/// and the verification's runs do not use it, so the next full pass (one in
+/// `FULL_PASS_EVERY`, here within 10 s) sets it again.
+fn accept_local_cleared() -> TestResult {
+    let s = Setup::with_period("val", "1s")?;
+    let pod = s.f.topo.pod.as_str();
+    let accept_local = || -> anyhow::Result<String> {
+        Ok(
+            sluice_tests::ns::output(pod, &["sysctl", "-n", "net.ipv4.conf.eth0.accept_local"])?
+                .trim()
+                .to_owned(),
+        )
+    };
+    ensure!(accept_local()? == "1", "accept_local: {}", accept_local()?);
+    // After the verifications that enrolling queued: from here on only the
+    // periodic passes verify the pod.
+    let total = "sluice_capture_verifications_total{";
+    let two_more = metric_sum(s.metrics_port, total)? + 2;
+    wait::until(
+        "two more verifications",
+        wait::DEADLINE,
+        || match metric_sum(s.metrics_port, total) {
+            Ok(n) if n >= two_more => Ok(()),
+            other => Err(format!("{other:?}")),
+        },
+    )?;
+    sluice_tests::ns::output(pod, &["sysctl", "-w", "net.ipv4.conf.eth0.accept_local=0"])?;
+    wait::until(
+        "accept_local set again",
+        wait::DEADLINE,
+        || match accept_local() {
+            Ok(v) if v == "1" => Ok(()),
+            seen => Err(format!("{seen:?}")),
+        },
+    )
+    .with_context(|| s.agent.log())?;
+    outbound_through_peer(
+        &s.f.topo.pod,
+        s.f.topo.client_ip(Family::V4),
+        &s.peer,
+        "after accept_local was set again",
+    )
+}
+
+/// sluice's policy rule and route in a pod's netns.
+#[derive(Debug, Clone, Copy)]
+enum Routing {
+    Rule,
+    Route,
+}
+
+impl Routing {
+    /// Whether the pod's netns has it.
+    fn shown(self, pod: &str) -> anyhow::Result<bool> {
+        let (what, want) = match self {
+            Routing::Rule => (["rule", "show", "table", "100"], "lookup 100"),
+            Routing::Route => (["route", "show", "table", "100"], "local default"),
+        };
+        let out = std::process::Command::new("ip")
+            .args(["-n", pod])
+            .args(what)
+            .output()?;
+        ensure!(out.status.success(), "ip {what:?}: {out:?}");
+        Ok(String::from_utf8_lossy(&out.stdout).contains(want))
+    }
 }

@@ -79,7 +79,7 @@ pub struct Args {
     /// besides after every registration, repair and change at its hooks.
     /// tcx attachments and sk_lookup links send no event: a foreign one is
     /// found within this period. Every tenth pass also surveys and repairs
-    /// each pod's routes, rules and sysctls (which the runs do not use).
+    /// each pod's sysctls (which the runs do not use and no event announces).
     #[arg(long, default_value = "60s", value_parser = parse_duration, env = "SLUICE_VERIFY_EVERY")]
     verify_every: Duration,
     /// The agents' DaemonSet, read every 5 s and at SIGTERM: marked

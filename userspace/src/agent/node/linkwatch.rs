@@ -2,14 +2,15 @@
 //! the app creates) are captured as soon as the kernel announces them, not
 //! at the next verification, and a change at the pod's tc hooks is repaired
 //! as soon as it is made: one rtnetlink socket per held pod, opened in the
-//! pod's netns and subscribed to its link, address and tc events. A tc event
-//! (a filter or chain added, replaced or deleted, a qdisc deleted: another
-//! tool swapping the program of sluice's filter in place, or deleting it) runs
-//! that pod's repair (`Repairer::verify_one`), which reads what the kernel
-//! runs at each hook and puts back what differs. A link or address event
-//! runs the repair when an interface lacks its links; otherwise it publishes
-//! the pod's addresses as they are now. A socket that overflowed (events
-//! lost) counts as both. The host side of each pod's veths is watched the
+//! pod's netns and subscribed to its link, address, route, rule and tc
+//! events. A tc event (a filter or chain added, replaced or deleted, a qdisc
+//! deleted: another tool swapping the program of sluice's filter in place,
+//! or deleting it) or a route or rule deleted (perhaps sluice's, which make
+//! a redirected packet local) runs that pod's repair
+//! (`Repairer::verify_one`), which reads what the kernel runs at each hook
+//! and puts back what differs. A link or address event runs the repair when
+//! an interface lacks its links; otherwise it publishes the pod's addresses
+//! as they are now. A socket that overflowed (events lost) counts as all. The host side of each pod's veths is watched the
 //! same way from one socket in the node's netns (`hostwatch`), and a pod's
 //! pins from an inotify watch on the bpffs root (`pinwatch`). tcx
 //! attachments send no netlink event: a foreign tcx program is found by the
@@ -43,9 +44,11 @@ use super::{
 };
 use crate::podnet::podlinks::LinkSpec;
 
-/// rtnetlink's multicast groups of link, tc and address events
-/// (`RTMGRP_LINK | RTMGRP_TC | RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR`).
-const RTMGRP_LINK_TC_AND_ADDRS: u32 = 0x1 | 0x8 | 0x10 | 0x100;
+/// rtnetlink's multicast groups of link, tc, address, route and rule events
+/// (`RTMGRP_LINK | RTMGRP_TC | RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR`,
+/// `RTMGRP_IPV4_ROUTE | RTMGRP_IPV4_RULE | RTMGRP_IPV6_ROUTE`, and
+/// `RTNLGRP_IPV6_RULE` (group 19), which has no `RTMGRP_` name).
+const RTMGRP_LINK_TC_AND_ADDRS: u32 = 0x1 | 0x8 | 0x10 | 0x100 | 0x40 | 0x80 | 0x400 | 1 << 18;
 
 /// How often pods held since the last look get their socket.
 const SUBSCRIBE_EVERY: Duration = Duration::from_millis(200);
@@ -148,7 +151,7 @@ impl LinkWatch {
                     let this = self.clone();
                     let _ = tokio::task::spawn_blocking(move || {
                         for (cookie, what) in due {
-                            if what.tc || this.has_unlinked_interface(cookie) {
+                            if what.tc || what.routing || this.has_unlinked_interface(cookie) {
                                 this.repair.verify_one(cookie);
                             } else {
                                 this.publish_addrs_of(cookie);
@@ -271,6 +274,7 @@ impl LinkWatch {
                 Changed {
                     links: unlinked,
                     tc: true,
+                    routing: false,
                 },
             ));
             watched.insert(cookie, tokio::spawn(relay(fd, cookie, tx.clone())));

@@ -32,10 +32,10 @@ pub const VERIFY_EVERY: Duration = Duration::from_secs(60);
 /// repairs every pod's netns (routes, rules, sysctls, addresses, links)
 /// before verifying it; the others only verify, and survey a pod only when
 /// its verification fails. What a verification runs covers every hook;
-/// what only the survey sees (a route, rule or sysctl the pod changed
-/// itself, which affects only its own traffic) sends no event, and waits
-/// for the next full pass. Changes that send events (links, addresses, tc)
-/// are repaired as they come.
+/// what only the survey sees and no event announces (a sysctl the pod
+/// changed itself, which affects only its own traffic) waits for the next
+/// full pass. Changes that send events (links, addresses, tc, a route or
+/// rule deleted) are repaired as they come.
 pub const FULL_PASS_EVERY: u64 = 10;
 
 pub struct Repairer {

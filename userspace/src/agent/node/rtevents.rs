@@ -18,16 +18,21 @@ pub(super) struct Changed {
     pub(super) links: bool,
     /// A qdisc, filter or chain (`RTM_*QDISC`, `RTM_*TFILTER`, `RTM_*CHAIN`).
     pub(super) tc: bool,
+    /// A route or policy rule deleted (`RTM_DELROUTE`, `RTM_DELRULE`):
+    /// perhaps sluice's, which make a redirected packet local.
+    pub(super) routing: bool,
 }
 
 impl Changed {
     pub(super) const ALL: Changed = Changed {
         links: true,
         tc: true,
+        routing: true,
     };
     pub(super) const TC: Changed = Changed {
         links: false,
         tc: true,
+        routing: false,
     };
 
     /// What an event of message type `t` is about; `None`: nothing to
@@ -35,18 +40,37 @@ impl Changed {
     /// every qdisc GET (a repair asks which qdisc holds a hook it cannot
     /// attach to), so heeding it would have a pod verify itself in a loop;
     /// and a qdisc added or changed takes nothing from sluice's filters
-    /// (taking the hook from them starts with `RTM_DELQDISC`).
+    /// (taking the hook from them starts with `RTM_DELQDISC`). Of routes
+    /// and rules only deletions count: what is added takes nothing from
+    /// sluice's (and a repair's own additions would have it repair again).
     pub(super) fn of_message_type(t: u16) -> Option<Changed> {
         const RTM_NEWQDISC: u16 = 36;
+        const RTM_DELROUTE: u16 = 25;
+        const RTM_DELRULE: u16 = 33;
+        // RTM_NEWROUTE..RTM_GETROUTE is 24..=26; RTM_NEWRULE..RTM_GETRULE 32..=34.
+        if t == RTM_DELROUTE || t == RTM_DELRULE {
+            return Some(Changed {
+                routing: true,
+                ..Changed::default()
+            });
+        }
+        if (24..=26).contains(&t) || (32..=34).contains(&t) {
+            return None;
+        }
         // RTM_DELQDISC..RTM_GETTFILTER is 37..=47; RTM_NEWCHAIN..RTM_GETCHAIN 100..=102.
         let tc = (37..=47).contains(&t) || (100..=102).contains(&t);
-        (t != RTM_NEWQDISC).then_some(Changed { links: !tc, tc })
+        (t != RTM_NEWQDISC).then_some(Changed {
+            links: !tc,
+            tc,
+            routing: false,
+        })
     }
 
     pub(super) fn or(self, o: Changed) -> Changed {
         Changed {
             links: self.links || o.links,
             tc: self.tc || o.tc,
+            routing: self.routing || o.routing,
         }
     }
 }
@@ -101,14 +125,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn tc_messages_are_told_from_link_and_address_ones() {
-        let tc = Changed {
-            links: false,
-            tc: true,
-        };
+    fn tc_messages_are_told_from_link_address_and_routing_ones() {
+        let tc = Changed::TC;
         let links = Changed {
             links: true,
-            tc: false,
+            ..Changed::default()
         };
         // RTM_DELQDISC, RTM_NEWTFILTER, RTM_DELTFILTER, RTM_NEWCHAIN.
         for t in [37, 44, 45, 100] {
@@ -120,6 +141,12 @@ mod tests {
         }
         // What every qdisc GET broadcasts: not a change.
         assert_eq!(Changed::of_message_type(36), None);
-        assert_eq!(tc.or(links), Changed::ALL);
+        // RTM_DELROUTE, RTM_DELRULE; not RTM_NEWROUTE, RTM_NEWRULE.
+        let routing = Changed::of_message_type(25);
+        assert!(routing.is_some_and(|c| c.routing && !c.tc && !c.links));
+        assert_eq!(Changed::of_message_type(33), routing);
+        assert_eq!(Changed::of_message_type(24), None);
+        assert_eq!(Changed::of_message_type(32), None);
+        assert_eq!(tc.or(links).or(routing.unwrap()), Changed::ALL);
     }
 }
