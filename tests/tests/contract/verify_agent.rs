@@ -287,26 +287,29 @@ fn routing_removed() -> TestResult {
         rule.shown(pod)? && route.shown(pod)?,
         "no rule or route to remove"
     );
-    // The pod watched, and the repair its watch makes once at its start
-    // (the registration's verification and that one) done: from here on
-    // only an event repairs the pod.
-    wait::until("the pod watched and verified twice", wait::DEADLINE, || {
-        let watches = s.agent.node_status().map_err(|e| e.to_string())?["link_watches"].clone();
-        let verified = metric_sum(s.metrics_port, "sluice_capture_verifications_total{");
-        match (watches.as_u64(), verified) {
-            (Some(w), Ok(v)) if w >= 1 && v >= 2 => Ok(()),
+    wait::until("the pod watched", wait::DEADLINE, || {
+        let n = s.agent.node_status().map_err(|e| e.to_string())?;
+        match n["link_watches"].as_u64() {
+            Some(w) if w >= 1 => Ok(()),
             seen => Err(format!("{seen:?}")),
         }
     })?;
-    sluice_tests::topology::ip(&["-n", pod, "rule", "del", "table", "100"])?;
-    sluice_tests::topology::ip(&["-n", pod, "route", "flush", "table", "100"])?;
-    wait::until("the rule and route put back", wait::DEADLINE, || {
-        match (rule.shown(pod), route.shown(pod)) {
-            (Ok(true), Ok(true)) => Ok(()),
-            seen => Err(format!("{seen:?}")),
-        }
-    })
-    .with_context(|| s.agent.log())?;
+    // Twice: the first may be put back by the repair a pod's watch makes
+    // once at its start, which the second finds done (it comes before any
+    // of the pod's events), so that only an event can put it back.
+    for round in ["first", "second"] {
+        sluice_tests::topology::ip(&["-n", pod, "rule", "del", "table", "100"])?;
+        sluice_tests::topology::ip(&["-n", pod, "route", "flush", "table", "100"])?;
+        wait::until(
+            &format!("the rule and route put back ({round} time)"),
+            wait::DEADLINE,
+            || match (rule.shown(pod), route.shown(pod)) {
+                (Ok(true), Ok(true)) => Ok(()),
+                seen => Err(format!("{seen:?}")),
+            },
+        )
+        .with_context(|| s.agent.log())?;
+    }
     outbound_through_peer(
         &s.f.topo.pod,
         s.f.topo.client_ip(Family::V4),
