@@ -144,6 +144,17 @@ pub fn standing_at(iface: &str, kind: TcAttachType) -> io::Result<Standing> {
     hook_filters(iface, kind).map(|f| standing(&f))
 }
 
+/// Whether `nl`'s netns has no device with index `index` (any other
+/// answer, an error included, is not "gone").
+pub fn device_gone(nl: &Rtnl, index: u32) -> bool {
+    let mut get = netlink_packet_route::link::LinkMessage::default();
+    get.header.index = index;
+    matches!(
+        nl.request(netlink_packet_route::RouteNetlinkMessage::GetLink(get)),
+        Ok(None)
+    )
+}
+
 /// [`standing_at`] of the device with index `index` in `nl`'s netns.
 pub fn standing_over(nl: &Rtnl, index: u32, kind: TcAttachType) -> io::Result<Standing> {
     hook_filters_over(nl, index, kind).map(|f| standing(&f))

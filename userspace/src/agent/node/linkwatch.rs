@@ -48,7 +48,7 @@ use crate::podnet::podlinks::LinkSpec;
 /// (`RTMGRP_LINK | RTMGRP_TC | RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR`,
 /// `RTMGRP_IPV4_ROUTE | RTMGRP_IPV4_RULE | RTMGRP_IPV6_ROUTE`, and
 /// `RTNLGRP_IPV6_RULE` (group 19), which has no `RTMGRP_` name).
-const RTMGRP_LINK_TC_AND_ADDRS: u32 = 0x1 | 0x8 | 0x10 | 0x100 | 0x40 | 0x80 | 0x400 | 1 << 18;
+const RTMGRP_WATCHED: u32 = 0x1 | 0x8 | 0x10 | 0x100 | 0x40 | 0x80 | 0x400 | 1 << 18;
 
 /// How often pods held since the last look get their socket.
 const SUBSCRIBE_EVERY: Duration = Duration::from_millis(200);
@@ -187,7 +187,7 @@ impl LinkWatch {
             }
             let dir = self.book.dataplane().pins().pod(cookie);
             let opened = netns.run(|| -> std::io::Result<(Watch, bool)> {
-                let sock = Watch::open(&self.open, RTMGRP_LINK_TC_AND_ADDRS)?;
+                let sock = Watch::open(&self.open, RTMGRP_WATCHED)?;
                 // After subscribing: nothing added from here on is missed.
                 Ok((sock, unlinked_here(&dir)?))
             });
@@ -318,10 +318,7 @@ async fn relay(fd: AsyncFd<Watch>, cookie: u64, tx: mpsc::UnboundedSender<(u64, 
             match fd.get_ref().recv(&mut buf) {
                 // nlmsghdr: length (4 bytes), then the message type.
                 Ok(_) => {
-                    let kind = match buf.get(4..6) {
-                        Some(t) => Changed::of_message_type(u16::from_ne_bytes([t[0], t[1]])),
-                        None => Some(Changed::ALL),
-                    };
+                    let kind = Changed::of_message(&buf);
                     if let Some(kind) = kind {
                         changed = Some(changed.unwrap_or_default().or(kind));
                     }

@@ -10,6 +10,10 @@ use std::{
 };
 
 use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr};
+use sluice_common::ROUTE_TABLE;
+
+const RTM_DELROUTE: u16 = 25;
+const RTM_DELRULE: u16 = 33;
 
 /// What a batch of a pod's events was about.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -41,12 +45,12 @@ impl Changed {
     /// attach to), so heeding it would have a pod verify itself in a loop;
     /// and a qdisc added or changed takes nothing from sluice's filters
     /// (taking the hook from them starts with `RTM_DELQDISC`). Of routes
-    /// and rules only deletions count: what is added takes nothing from
-    /// sluice's (and a repair's own additions would have it repair again).
+    /// and rules only deletions count, and only in sluice's table (see
+    /// [`Changed::of_message`]): a repair's own additions would have it
+    /// repair again, and an address or interface removed takes its own
+    /// routes with it (its address event says so).
     pub(super) fn of_message_type(t: u16) -> Option<Changed> {
         const RTM_NEWQDISC: u16 = 36;
-        const RTM_DELROUTE: u16 = 25;
-        const RTM_DELRULE: u16 = 33;
         // RTM_NEWROUTE..RTM_GETROUTE is 24..=26; RTM_NEWRULE..RTM_GETRULE 32..=34.
         if t == RTM_DELROUTE || t == RTM_DELRULE {
             return Some(Changed {
@@ -64,6 +68,27 @@ impl Changed {
             tc,
             routing: false,
         })
+    }
+
+    /// What the event in datagram `msg` is about (see
+    /// [`Changed::of_message_type`]); a datagram too short to tell counts
+    /// as every kind. A route or rule deleted counts only in sluice's table:
+    /// `rtmsg` and `fib_rule_hdr` both carry the table in their fifth byte,
+    /// after the 16-byte `nlmsghdr`.
+    pub(super) fn of_message(msg: &[u8]) -> Option<Changed> {
+        let Some(t) = msg.get(4..6) else {
+            return Some(Changed::ALL);
+        };
+        let t = u16::from_ne_bytes([t[0], t[1]]);
+        let other_table = |m: &[u8]| {
+            ROUTE_TABLE < 256
+                && m.get(20)
+                    .is_some_and(|&table| u32::from(table) != ROUTE_TABLE)
+        };
+        if (t == RTM_DELROUTE || t == RTM_DELRULE) && other_table(msg) {
+            return None;
+        }
+        Self::of_message_type(t)
     }
 
     pub(super) fn or(self, o: Changed) -> Changed {
@@ -148,5 +173,18 @@ mod tests {
         assert_eq!(Changed::of_message_type(24), None);
         assert_eq!(Changed::of_message_type(32), None);
         assert_eq!(tc.or(links).or(routing.unwrap()), Changed::ALL);
+        // A deletion in sluice's table, and in another (an address's own
+        // routes in `local`, 255); a datagram too short to tell.
+        let deleted = |t: u16, table: u8| {
+            let mut m = vec![0u8; 28];
+            m[4..6].copy_from_slice(&t.to_ne_bytes());
+            m[20] = table;
+            Changed::of_message(&m)
+        };
+        assert_eq!(deleted(25, ROUTE_TABLE as u8), routing);
+        assert_eq!(deleted(33, ROUTE_TABLE as u8), routing);
+        assert_eq!(deleted(25, 255), None);
+        assert_eq!(deleted(33, 254), None);
+        assert_eq!(Changed::of_message(&[0; 4]), Some(Changed::ALL));
     }
 }

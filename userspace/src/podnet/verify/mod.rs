@@ -369,15 +369,11 @@ impl Run<'_> {
         if let Some(&first) = tcx.first() {
             return Ok(first);
         }
-        let missing = |what: &str| {
-            // A device deleted since the plan's dump has no hooks either:
-            // named as such, not as a hook without sluice's program.
-            let mut get = netlink_packet_route::link::LinkMessage::default();
-            get.header.index = index;
-            match nl.request(netlink_packet_route::RouteNetlinkMessage::GetLink(get)) {
-                Ok(None) => format!("the interface (index {index}) is gone"),
-                _ => what.to_owned(),
-            }
+        // A device deleted since the plan's dump has no hooks either: named
+        // as such, not as a hook without sluice's program.
+        let missing = |what: &str| match hookview::device_gone(nl, index) {
+            true => format!("the interface (index {index}) is gone"),
+            false => what.to_owned(),
         };
         if self.plan.tcx {
             return Err(missing("no tcx program"));
