@@ -110,6 +110,19 @@ impl Setup {
         Ok(s)
     }
 
+    /// Waits until `back` holds (`what` put back), then requires the pod's
+    /// outbound through ztunnel again.
+    fn put_back(&self, what: &str, back: impl Fn() -> Result<(), String>) -> TestResult {
+        wait::until(&format!("{what} put back"), wait::DEADLINE, back)
+            .with_context(|| self.agent.log())?;
+        outbound_through_peer(
+            &self.f.topo.pod,
+            self.f.topo.client_ip(Family::V4),
+            &self.peer,
+            &format!("after {what} was put back"),
+        )
+    }
+
     fn reported(&self, how: Reported) -> anyhow::Result<u64> {
         match how {
             Reported::Failed => metric_sum(self.metrics_port, FAILED_VERIFICATIONS),
@@ -300,22 +313,14 @@ fn routing_removed() -> TestResult {
     for round in ["first", "second"] {
         sluice_tests::topology::ip(&["-n", pod, "rule", "del", "table", "100"])?;
         sluice_tests::topology::ip(&["-n", pod, "route", "flush", "table", "100"])?;
-        wait::until(
-            &format!("the rule and route put back ({round} time)"),
-            wait::DEADLINE,
-            || match (rule.shown(pod), route.shown(pod)) {
+        s.put_back(&format!("the rule and route ({round} time)"), || {
+            match (rule.shown(pod), route.shown(pod)) {
                 (Ok(true), Ok(true)) => Ok(()),
                 seen => Err(format!("{seen:?}")),
-            },
-        )
-        .with_context(|| s.agent.log())?;
+            }
+        })?;
     }
-    outbound_through_peer(
-        &s.f.topo.pod,
-        s.f.topo.client_ip(Family::V4),
-        &s.peer,
-        "after the rule and route were put back",
-    )
+    Ok(())
 }
 
 /// `accept_local` cleared on the pod's interface: no event announces it
@@ -345,21 +350,10 @@ fn accept_local_cleared() -> TestResult {
         },
     )?;
     sluice_tests::ns::output(pod, &["sysctl", "-w", "net.ipv4.conf.eth0.accept_local=0"])?;
-    wait::until(
-        "accept_local set again",
-        wait::DEADLINE,
-        || match accept_local() {
-            Ok(v) if v == "1" => Ok(()),
-            seen => Err(format!("{seen:?}")),
-        },
-    )
-    .with_context(|| s.agent.log())?;
-    outbound_through_peer(
-        &s.f.topo.pod,
-        s.f.topo.client_ip(Family::V4),
-        &s.peer,
-        "after accept_local was set again",
-    )
+    s.put_back("accept_local", || match accept_local() {
+        Ok(v) if v == "1" => Ok(()),
+        seen => Err(format!("{seen:?}")),
+    })
 }
 
 /// sluice's policy rule and route in a pod's netns.
