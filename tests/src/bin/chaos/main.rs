@@ -160,6 +160,13 @@ fn run(
     out: &std::path::Path,
 ) -> anyhow::Result<Report> {
     let mut run = Run::start(pods)?;
+    // The agent logs wall-clock time; the schedule and the ledger count from
+    // here.
+    let zero = std::time::SystemTime::now() - Duration::from_millis(run.ledger.now());
+    eprintln!(
+        "chaos: 0 ms is {} (the agent's log's clock)",
+        humantime::format_rfc3339_millis(zero)
+    );
     // One clock for the schedule and the violations: the ledger's.
     let now = |run: &Run| Duration::from_millis(run.ledger.now());
     let mut faults: BTreeMap<&'static str, u64> = BTreeMap::new();
@@ -176,7 +183,14 @@ fn run(
         if run.ledger.stopping() {
             break;
         }
-        eprintln!("chaos: {:>7} ms {:?}", e.at_ms, e.fault);
+        // Late when the faults before it took long (a drain, a hog): the
+        // time it was made at is what the ledger's windows go by.
+        eprintln!(
+            "chaos: {:>7} ms {:?} (made at {} ms)",
+            e.at_ms,
+            e.fault,
+            run.ledger.now()
+        );
         if matches!(e.fault, Fault::InjectBypass { .. }) {
             bypass_at = Some(run.ledger.now());
         }
