@@ -175,52 +175,36 @@ pub fn tcx_programs(iface: &str, kind: TcAttachType) -> io::Result<Vec<u32>> {
 
 /// [`tcx_programs`] of the device with index `index`.
 pub fn tcx_programs_at(index: u32, kind: TcAttachType) -> io::Result<Vec<u32>> {
-    let tcx_type = match kind {
-        TcAttachType::Egress => BPF_TCX_EGRESS,
-        _ => BPF_TCX_INGRESS,
-    };
-    match prog_query(index, tcx_type) {
-        Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENODEV)) => Ok(Vec::new()),
-        other => other,
-    }
+    tcx_query(index, kind, false).map(|(progs, _)| progs)
 }
 
 /// The program and link ids of the first tcx program at `iface`'s `kind`
 /// hook in the calling thread's netns (link id 0: attached without a
 /// link); `None` when none runs there (or the kernel has no tcx).
 pub fn tcx_first(iface: &str, kind: TcAttachType) -> io::Result<Option<(u32, u32)>> {
-    const BPF_PROG_QUERY: libc::c_long = 16;
     let index = match nix::net::if_::if_nametoindex(iface) {
         Ok(index) => index,
         Err(nix::errno::Errno::ENODEV) => return Ok(None),
         Err(e) => return Err(e.into()),
     };
+    let (progs, links) = tcx_query(index, kind, true)?;
+    Ok(progs.first().copied().zip(links.first().copied()))
+}
+
+/// The tcx programs (and, with `links`, their link ids) at a device's hook;
+/// none on a kernel without tcx (which answers EINVAL) or without the
+/// device.
+fn tcx_query(index: u32, kind: TcAttachType, links: bool) -> io::Result<(Vec<u32>, Vec<u32>)> {
     let tcx_type = match kind {
         TcAttachType::Egress => BPF_TCX_EGRESS,
         _ => BPF_TCX_INGRESS,
     };
-    let (mut progs, mut links) = ([0u32; 64], [0u32; 64]);
-    // union bpf_attr, query (Linux ≥ 6.6, as tcx): target_ifindex,
-    // attach_type, query_flags, attach_flags, prog_ids, count, a hole,
-    // prog_attach_flags, link_ids, link_attach_flags, revision.
-    let mut attr = [0u8; 64];
-    attr[0..4].copy_from_slice(&index.to_ne_bytes());
-    attr[4..8].copy_from_slice(&tcx_type.to_ne_bytes());
-    attr[16..24].copy_from_slice(&(progs.as_mut_ptr() as u64).to_ne_bytes());
-    attr[24..28].copy_from_slice(&(progs.len() as u32).to_ne_bytes());
-    attr[40..48].copy_from_slice(&(links.as_mut_ptr() as u64).to_ne_bytes());
-    // SAFETY: a zeroed bpf_attr with the query fields set; `progs` and
-    // `links` outlive the call and hold `count` entries each.
-    let r = unsafe { libc::syscall(libc::SYS_bpf, BPF_PROG_QUERY, attr.as_mut_ptr(), attr.len()) };
-    if r < 0 {
-        let e = io::Error::last_os_error();
-        return match e.raw_os_error() {
-            Some(libc::EINVAL | libc::ENODEV) => Ok(None),
-            _ => Err(e),
-        };
+    match query(index, tcx_type, links) {
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENODEV)) => {
+            Ok(Default::default())
+        }
+        other => other,
     }
-    let n = u32::from_ne_bytes([attr[24], attr[25], attr[26], attr[27]]);
-    Ok((n > 0).then(|| (progs[0], links[0])))
 }
 
 /// `BPF_PROG_QUERY`'s attach types for the hooks a pod depends on.
@@ -233,25 +217,39 @@ pub const BPF_TCX_EGRESS: u32 = 47;
 /// tcx), in the order they run. An sk_lookup query needs Linux ≥ 5.9, a
 /// tcx one ≥ 6.6 (older kernels answer EINVAL).
 pub fn prog_query(target: u32, attach_type: u32) -> io::Result<Vec<u32>> {
+    query(target, attach_type, false).map(|(progs, _)| progs)
+}
+
+/// `BPF_PROG_QUERY`: program ids and, with `links` (Linux ≥ 6.6: an older
+/// kernel refuses the field), link ids, in run order.
+fn query(target: u32, attach_type: u32, links: bool) -> io::Result<(Vec<u32>, Vec<u32>)> {
     const BPF_PROG_QUERY: libc::c_long = 16;
-    let mut ids = [0u32; 64];
-    // union bpf_attr, query: target_fd, attach_type, query_flags,
-    // attach_flags, prog_ids, prog_cnt (then fields left zero). 64 bytes:
-    // a tcx query (Linux ≥ 6.6) writes `revision` at 56..64 whatever size
-    // it is given.
+    let (mut progs, mut link_ids) = ([0u32; 64], [0u32; 64]);
+    // union bpf_attr, query: target_fd (or ifindex), attach_type,
+    // query_flags, attach_flags, prog_ids, prog_cnt, a hole,
+    // prog_attach_flags, link_ids, link_attach_flags, revision. 64 bytes:
+    // a tcx query writes `revision` at 56..64 whatever size it is given.
     let mut attr = [0u8; 64];
     attr[0..4].copy_from_slice(&target.to_ne_bytes());
     attr[4..8].copy_from_slice(&attach_type.to_ne_bytes());
-    attr[16..24].copy_from_slice(&(ids.as_mut_ptr() as u64).to_ne_bytes());
-    attr[24..28].copy_from_slice(&(ids.len() as u32).to_ne_bytes());
-    // SAFETY: a zeroed bpf_attr with the query fields set; `ids` outlives
-    // the call and holds `prog_cnt` entries.
+    attr[16..24].copy_from_slice(&(progs.as_mut_ptr() as u64).to_ne_bytes());
+    attr[24..28].copy_from_slice(&(progs.len() as u32).to_ne_bytes());
+    if links {
+        attr[40..48].copy_from_slice(&(link_ids.as_mut_ptr() as u64).to_ne_bytes());
+    }
+    // SAFETY: a zeroed bpf_attr with the query fields set; `progs` and
+    // `link_ids` outlive the call and hold `prog_cnt` entries each.
     let r = unsafe { libc::syscall(libc::SYS_bpf, BPF_PROG_QUERY, attr.as_mut_ptr(), attr.len()) };
     if r < 0 {
         return Err(io::Error::last_os_error());
     }
-    let n = u32::from_ne_bytes([attr[24], attr[25], attr[26], attr[27]]) as usize;
-    Ok(ids[..n.min(ids.len())].to_vec())
+    let n = (u32::from_ne_bytes([attr[24], attr[25], attr[26], attr[27]]) as usize).min(64);
+    let link_ids = if links {
+        link_ids[..n].to_vec()
+    } else {
+        Vec::new()
+    };
+    Ok((progs[..n].to_vec(), link_ids))
 }
 
 #[cfg(test)]
