@@ -66,6 +66,10 @@ pub fn trials() -> Vec<Trial> {
             upgrade_old_gone_first,
         ),
         trial(
+            "agent::a_ztunnel_upgrade_across_an_agent_kill_keeps_pods_on_the_new_ztunnel",
+            upgrade_across_agent_kill,
+        ),
+        trial(
             "agent::a_slow_iptables_tool_holds_up_only_its_own_pod",
             slow_takeover_check,
         ),
@@ -695,6 +699,90 @@ fn upgrade_old_gone_first() -> TestResult {
         &old,
         &new,
     )
+}
+
+/// Chaos seed 1795815962517742895 (agent kill, ztunnel upgrade new first):
+/// the agent comes back in the middle of a ztunnel upgrade, and both
+/// ztunnels reconnect, in any order. The old one acks the snapshot after the
+/// new one (here: held until the new one owns the pod). The pod must stay on
+/// the new one's listeners: going back to the old one, which drains next,
+/// lost a DNS query queued on its socket when it closed. When the old one
+/// has drained, the pod has never left Served.
+fn upgrade_across_agent_kill() -> TestResult {
+    let f = Fixture::new("uak", None)?;
+    let port = free_port()?;
+    let metrics = format!("127.0.0.1:{port}");
+    let mut agent = AgentProc::start_with(&f.topo.pins, &["--metrics-addr", &metrics])?;
+    let gate = agent.dir.join("old-ztunnel-may-ack");
+    let gate_arg = gate.to_str().context("path")?.to_owned();
+    std::fs::write(&gate, "")?;
+    let mut old = peer_with(&agent, &["--hold-acks-until", &gate_arg])?;
+    enroll_enabled(&agent, &f)?;
+    wait_owns_pod(&agent, &old)?;
+    agent.kill()?;
+    std::fs::remove_file(&gate)?;
+    let new = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
+    agent.restart()?;
+    wait_owns_pod(&agent, &new)?;
+    old.wait_for("the old ztunnel to get the snapshot's add", |e| {
+        e.iter().filter(|e| e["event"] == "listening").count() >= 2
+    })?;
+    std::fs::write(&gate, "")?;
+    let older = "sluice_zds_older_acks_total";
+    wait::until(
+        "the old ztunnel's ack seen as older",
+        wait::DEADLINE,
+        || match sluice_tests::agent::metric_sum(port, older) {
+            Ok(n) if n >= 1 => Ok(()),
+            other => Err(format!("{other:?}")),
+        },
+    )?;
+    let owners = |a: &AgentProc| -> anyhow::Result<Vec<(u64, u64)>> {
+        let n = a.node_status()?;
+        Ok(n["ztunnels"]
+            .as_array()
+            .context("ztunnels")?
+            .iter()
+            .map(|z| {
+                (
+                    z["pid"].as_u64().unwrap_or(0),
+                    z["pods"].as_u64().unwrap_or(0),
+                )
+            })
+            .collect())
+    };
+    let (old_pid, new_pid) = (
+        u64::from(old.pid().context("pid")?),
+        u64::from(new.pid().context("pid")?),
+    );
+    let seen = owners(&agent)?;
+    ensure!(
+        seen.contains(&(new_pid, 1)) && !seen.contains(&(old_pid, 1)),
+        "the pod's listeners: {seen:?} (old {old_pid}, new {new_pid})\n{}",
+        agent.log()
+    );
+    old.terminate();
+    wait::until("the old ztunnel gone", wait::DEADLINE, || {
+        let seen = owners(&agent).map_err(|e| e.to_string())?;
+        match seen.iter().any(|(p, _)| *p == old_pid) {
+            false => Ok(()),
+            true => Err(format!("{seen:?}")),
+        }
+    })?;
+    let (_, text) = http_get(port, "/metrics")?;
+    let left_served: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("sluice_pod_transitions_total{from=\"Served\""))
+        .filter(|l| !l.ends_with(" 0"))
+        .collect();
+    ensure!(
+        left_served.is_empty() && state(&f) == Some("Served"),
+        "the pod left Served: {left_served:?}, now {:?}\n{}",
+        state(&f),
+        agent.log()
+    );
+    ensure!(owners(&agent)?.contains(&(new_pid, 1)));
+    Ok(())
 }
 
 /// A ztunnel that dies between the agent's add and its answer: the pod is

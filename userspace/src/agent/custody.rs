@@ -211,6 +211,16 @@ impl Custody {
         drop(gone);
     }
 
+    /// The ztunnel process whose listeners the pod has in the map, while it
+    /// still holds them.
+    pub fn owner(&self, uid: &str) -> Option<i32> {
+        let held = self.held.lock().unwrap();
+        held.get(uid)?
+            .iter()
+            .find(|h| h.withdrawn.is_none() && h.owner_holds())
+            .map(|h| h.pid)
+    }
+
     /// For each ztunnel process (pid), how many pods' listeners it owns
     /// (withdrawn ones not counted: their owner is gone).
     pub fn pods_by_owner(&self) -> BTreeMap<i32, usize> {

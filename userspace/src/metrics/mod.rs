@@ -33,6 +33,7 @@ pub struct Metrics {
     failures: Family<Labels, Counter>,
     attach_seconds: Histogram,
     zds_answers: Family<Labels, Counter>,
+    zds_older_acks: Counter,
     ztunnel_connected: Gauge,
     node_ready: Gauge,
     node_reason: Family<Labels, Gauge>,
@@ -60,6 +61,7 @@ impl Metrics {
             failures: Family::default(),
             attach_seconds: Histogram::new(exponential_buckets(0.005, 2.0, 10)),
             zds_answers: Family::default(),
+            zds_older_acks: Counter::default(),
             ztunnel_connected: Gauge::default(),
             node_ready: Gauge::default(),
             node_reason: Family::default(),
@@ -115,6 +117,11 @@ impl Metrics {
             "zds_answers",
             "ztunnel's answers to add/del requests, by answer (ack, nack)",
             self.zds_answers.clone(),
+        );
+        self.registry.register(
+            "zds_older_acks",
+            "Acks from a ztunnel older than the one whose listeners the pod has (an old ztunnel that reconnected during an upgrade): the pod stays on the newer one's",
+            self.zds_older_acks.clone(),
         );
         self.registry.register(
             "pod_transitions",
@@ -261,6 +268,10 @@ impl Metrics {
         self.zds_answers
             .get_or_create(&vec![("answer", answer)])
             .inc();
+    }
+
+    pub fn older_ack(&self) {
+        self.zds_older_acks.inc();
     }
 
     pub fn time_to_served(&self, d: std::time::Duration) {

@@ -5,7 +5,8 @@
 //!
 //! Conversation per connection: ztunnel sends hello → we send `add` (or `keep`)
 //! for every pod, then `snapshot_sent` → afterwards `add`s for new pods go to the
-//! newest connection and `del`s to every live one.
+//! newest ztunnel (by process start, see [`super::age`]) and `del`s to every
+//! live one.
 
 use std::{
     os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd},
@@ -103,6 +104,8 @@ struct Job {
 pub struct Conn {
     pub id: u64,
     pub pid: Option<i32>,
+    /// Its process's start time (`None`: unknown, older than any known).
+    started: Option<u64>,
     tx: mpsc::Sender<Job>,
 }
 
@@ -130,8 +133,12 @@ pub struct Hub {
 }
 
 impl Hub {
+    /// The connection of the newest ztunnel process; of one process, its
+    /// latest connection. An old ztunnel that reconnected after the new one
+    /// (across an agent restart) is not it.
     pub fn newest(&self) -> Option<Arc<Conn>> {
-        self.conns.lock().unwrap().last().cloned()
+        let conns = self.conns.lock().unwrap();
+        conns.iter().max_by_key(|c| (c.started, c.id)).cloned()
     }
 
     pub fn all(&self) -> Vec<Arc<Conn>> {
@@ -390,7 +397,13 @@ async fn run_connection(
     info!(pods = n, "snapshot sent");
 
     let (tx, mut rx) = mpsc::channel::<Job>(64);
-    hub.add(Arc::new(Conn { id, pid, tx }));
+    let started = pid.and_then(super::age::started);
+    hub.add(Arc::new(Conn {
+        id,
+        pid,
+        started,
+        tx,
+    }));
     handler.connected(id, pid);
     loop {
         tokio::select! {
@@ -414,5 +427,37 @@ async fn run_connection(
                 };
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn conn(id: u64, started: Option<u64>) -> Arc<Conn> {
+        let (tx, _) = mpsc::channel(1);
+        Arc::new(Conn {
+            id,
+            pid: None,
+            started,
+            tx,
+        })
+    }
+
+    /// The old ztunnel reconnected last (id 3): the adds still go to the
+    /// new process; one process's latest connection wins; unknown start
+    /// times fall back to connection order.
+    #[test]
+    fn the_newest_is_the_newest_process_not_the_last_connection() {
+        let hub = Hub::default();
+        hub.add(conn(2, Some(200)));
+        hub.add(conn(3, Some(100)));
+        assert_eq!(hub.newest().map(|c| c.id), Some(2));
+        hub.add(conn(4, Some(200)));
+        assert_eq!(hub.newest().map(|c| c.id), Some(4));
+        let unknown = Hub::default();
+        unknown.add(conn(1, None));
+        unknown.add(conn(2, None));
+        assert_eq!(unknown.newest().map(|c| c.id), Some(2));
     }
 }

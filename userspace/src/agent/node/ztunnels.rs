@@ -23,6 +23,7 @@ use crate::{
     uid::PodUid,
     workload::Workload,
     zds::{
+        age,
         proto::WorkloadRequest,
         server::{Answer, Conn, Handler, Hub, SnapshotEntry, ZdsError},
     },
@@ -125,6 +126,7 @@ impl Ztunnels {
         let (cause, why) = match out {
             Ok(Answer::Ack) => {
                 self.metrics.zds_answer(true);
+                let pid = self.serving(uid, pid);
                 // Before the pod can turn Enabled: the served check asks this one.
                 pods.apply(uid, Event::Acked(Ztunnel::new(pid)));
                 match self.register(uid, cookie, pid).await {
@@ -161,6 +163,24 @@ impl Ztunnels {
         };
         self.failed(uid, cause, why.clone());
         Err(why)
+    }
+
+    /// Whose listeners the pod gets after `acking`'s ack: its own, unless
+    /// the pod has those of a newer ztunnel process that still holds them.
+    /// Then `acking` is an old ztunnel that reconnected during an upgrade
+    /// (both reconnect to a restarted agent, in any order) and drains next:
+    /// the pod stays with the newer one (registered again, which ends this
+    /// attempt) rather than going back for what the old one would drop.
+    fn serving(&self, uid: &str, acking: Option<i32>) -> Option<i32> {
+        let (Some(acking), Some(owner)) = (acking, self.custody.owner(uid)) else {
+            return acking;
+        };
+        if owner == acking || !age::newer(owner, acking) {
+            return Some(acking);
+        }
+        self.metrics.older_ack();
+        info!(%uid, acking, owner, "an older ztunnel acked: the pod stays on the newer one's listeners");
+        Some(owner)
     }
 
     /// Looks for the listeners of the ztunnel that just acked (`pid`) until
