@@ -150,13 +150,11 @@ impl Repairer {
     /// passed (nothing more to do); false for a pod that does not steer
     /// (a Pending pod's capture fails closed only when whole: it is
     /// surveyed) and for one that failed (surveyed, repaired and verified
-    /// again).
+    /// again). A pass leaves the pod's repair backoff alone: it did not
+    /// survey, so it cannot say a repair that failed now has nothing left
+    /// to do (the retry already waiting does).
     fn verified_alone(&self, cookie: u64) -> bool {
-        if self.run_capture(cookie) != Some(true) {
-            return false;
-        }
-        self.settle(cookie, None);
-        true
+        self.run_capture(cookie) == Some(true)
     }
 
     /// Verifies one pod, if it is still enrolled. What is linear in its
