@@ -70,6 +70,10 @@ pub fn trials() -> Vec<Trial> {
             upgrade_across_agent_kill,
         ),
         trial(
+            "agent::a_ztunnel_upgrade_across_an_agent_kill_with_both_acks_at_once_ends_on_the_new_ztunnel",
+            upgrade_across_agent_kill_acks_together,
+        ),
+        trial(
             "agent::a_slow_iptables_tool_holds_up_only_its_own_pod",
             slow_takeover_check,
         ),
@@ -703,40 +707,75 @@ fn upgrade_old_gone_first() -> TestResult {
 
 /// Chaos seed 1795815962517742895 (agent kill, ztunnel upgrade new first):
 /// the agent comes back in the middle of a ztunnel upgrade, and both
-/// ztunnels reconnect, in any order. The old one acks the snapshot after the
-/// new one (here: held until the new one owns the pod). The pod must stay on
-/// the new one's listeners: going back to the old one, which drains next,
-/// lost a DNS query queued on its socket when it closed. When the old one
-/// has drained, the pod has never left Served.
+/// ztunnels reconnect, in any order. Here the old one reconnects first and
+/// acks the snapshot after the new one has acked it (its ack held until the
+/// new one owns the pod). The pod must stay on the new one's listeners:
+/// going back to the old one, which drains next, lost a DNS query queued on
+/// its socket when it closed. When the old one has drained, the pod has
+/// never left Served.
 fn upgrade_across_agent_kill() -> TestResult {
-    let f = Fixture::new("uak", None)?;
+    upgrade_across_agent_restart(false)
+}
+
+/// The same, with both ztunnels' acks released at once: whichever the agent
+/// takes first, the pod ends on the new one's listeners.
+fn upgrade_across_agent_kill_acks_together() -> TestResult {
+    upgrade_across_agent_restart(true)
+}
+
+fn upgrade_across_agent_restart(together: bool) -> TestResult {
+    let f = Fixture::new(if together { "uat" } else { "uak" }, None)?;
     let port = free_port()?;
     let metrics = format!("127.0.0.1:{port}");
     let mut agent = AgentProc::start_with(&f.topo.pins, &["--metrics-addr", &metrics])?;
-    let gate = agent.dir.join("old-ztunnel-may-ack");
-    let gate_arg = gate.to_str().context("path")?.to_owned();
-    std::fs::write(&gate, "")?;
-    let mut old = peer_with(&agent, &["--hold-acks-until", &gate_arg])?;
+    let gate = |who: &str| agent.dir.join(format!("{who}-ztunnel-may-ack"));
+    let (old_gate, new_gate) = (gate("old"), gate("new"));
+    let arg = |p: &Path| -> anyhow::Result<String> { Ok(p.to_str().context("path")?.to_owned()) };
+    std::fs::write(&old_gate, "")?;
+    let mut old = peer_with(&agent, &["--hold-acks-until", &arg(&old_gate)?])?;
     enroll_enabled(&agent, &f)?;
-    wait_owns_pod(&agent, &old)?;
-    agent.kill()?;
-    std::fs::remove_file(&gate)?;
-    let new = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
-    agent.restart()?;
-    wait_owns_pod(&agent, &new)?;
-    old.wait_for("the old ztunnel to get the snapshot's add", |e| {
-        e.iter().filter(|e| e["event"] == "listening").count() >= 2
+    wait::until("the pod Served", wait::DEADLINE, || match state(&f) {
+        Some("Served") => Ok(()),
+        other => Err(other),
     })?;
-    std::fs::write(&gate, "")?;
-    let older = "sluice_zds_older_acks_total";
-    wait::until(
-        "the old ztunnel's ack seen as older",
-        wait::DEADLINE,
-        || match sluice_tests::agent::metric_sum(port, older) {
-            Ok(n) if n >= 1 => Ok(()),
-            other => Err(format!("{other:?}")),
-        },
+    agent.kill()?;
+    std::fs::remove_file(&old_gate)?;
+    agent.restart()?;
+    // The agent's ack deadline (5 s) runs from here: the rest is quick.
+    let listening = |p: &PeerProc, n: usize, what: &str| {
+        p.wait_for(what, |e| {
+            e.iter().filter(|e| e["event"] == "listening").count() >= n
+        })
+    };
+    listening(&old, 2, "the old ztunnel to get the snapshot's add")?;
+    let new = PeerProc::start(
+        Path::new(PEER),
+        &agent.zds,
+        &["--hold-acks-until", &arg(&new_gate)?],
     )?;
+    let acks = || sluice_tests::agent::metric_sum(port, "sluice_zds_answers_total{answer=\"ack\"}");
+    if together {
+        listening(&new, 1, "the new ztunnel to get the snapshot's add")?;
+        std::fs::write(&new_gate, "")?;
+        std::fs::write(&old_gate, "")?;
+        wait::until("both acks taken", wait::DEADLINE, || match acks() {
+            Ok(n) if n >= 2 => Ok(()),
+            other => Err(format!("{other:?}")),
+        })?;
+    } else {
+        std::fs::write(&new_gate, "")?;
+        wait_owns_pod(&agent, &new)?;
+        std::fs::write(&old_gate, "")?;
+        let older = "sluice_zds_older_acks_total";
+        wait::until(
+            "the old ztunnel's ack seen as older",
+            wait::DEADLINE,
+            || match sluice_tests::agent::metric_sum(port, older) {
+                Ok(n) if n >= 1 => Ok(()),
+                other => Err(format!("{other:?}")),
+            },
+        )?;
+    }
     let owners = |a: &AgentProc| -> anyhow::Result<Vec<(u64, u64)>> {
         let n = a.node_status()?;
         Ok(n["ztunnels"]
@@ -755,7 +794,14 @@ fn upgrade_across_agent_kill() -> TestResult {
         u64::from(old.pid().context("pid")?),
         u64::from(new.pid().context("pid")?),
     );
-    let seen = owners(&agent)?;
+    // Both acks' registrations done: one ztunnel owns the pod.
+    let seen = wait::until("one ztunnel owning the pod", wait::DEADLINE, || {
+        let seen = owners(&agent).map_err(|e| e.to_string())?;
+        match seen.iter().filter(|(_, n)| *n == 1).count() {
+            1 => Ok(seen),
+            _ => Err(format!("{seen:?}")),
+        }
+    })?;
     ensure!(
         seen.contains(&(new_pid, 1)) && !seen.contains(&(old_pid, 1)),
         "the pod's listeners: {seen:?} (old {old_pid}, new {new_pid})\n{}",

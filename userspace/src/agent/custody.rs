@@ -211,14 +211,20 @@ impl Custody {
         drop(gone);
     }
 
-    /// The ztunnel process whose listeners the pod has in the map, while it
-    /// still holds them.
-    pub fn owner(&self, uid: &str) -> Option<i32> {
+    /// The ztunnel processes whose listeners the pod has in the map and
+    /// which still hold them.
+    pub fn holders(&self, uid: &str) -> Vec<i32> {
         let held = self.held.lock().unwrap();
-        held.get(uid)?
-            .iter()
-            .find(|h| h.withdrawn.is_none() && h.owner_holds())
+        let mut pids: Vec<i32> = held
+            .get(uid)
+            .into_iter()
+            .flatten()
+            .filter(|h| h.withdrawn.is_none() && h.owner_holds())
             .map(|h| h.pid)
+            .collect();
+        pids.sort_unstable();
+        pids.dedup();
+        pids
     }
 
     /// For each ztunnel process (pid), how many pods' listeners it owns

@@ -76,8 +76,9 @@ pub enum Event {
     AddFailed { cause: Cause, why: String },
     /// It waits for a ztunnel (none connected) from the start of the backoff.
     Wait { why: String },
-    /// This ztunnel acked it: its listeners are registered next, and it is
-    /// the one asked whether it serves the pod.
+    /// A ztunnel acked it: this one's listeners are registered next (the
+    /// acking one's, or a newer one's the pod keeps), and it is the one
+    /// asked whether it serves the pod.
     Acked(Ztunnel),
     /// This CNI container (sandbox) enrolled it, or a retried ADD named it.
     SandboxOwned(String),

@@ -129,6 +129,9 @@ impl Conn {
 #[derive(Default)]
 pub struct Hub {
     conns: Mutex<Vec<Arc<Conn>>>,
+    /// Every open connection's peer pid, from its hello on (a connection
+    /// in its snapshot is not live yet, but its acks already count).
+    attached: Mutex<Vec<(u64, i32)>>,
     next_id: AtomicU64,
 }
 
@@ -149,12 +152,25 @@ impl Hub {
         !self.conns.lock().unwrap().is_empty()
     }
 
+    /// Whether a connection of process `pid` is open (live or still
+    /// taking its snapshot).
+    pub fn attached(&self, pid: i32) -> bool {
+        self.attached.lock().unwrap().iter().any(|(_, p)| *p == pid)
+    }
+
+    fn attach(&self, id: u64, pid: Option<i32>) {
+        if let Some(pid) = pid {
+            self.attached.lock().unwrap().push((id, pid));
+        }
+    }
+
     fn add(&self, c: Arc<Conn>) {
         self.conns.lock().unwrap().push(c);
     }
 
     fn remove(&self, id: u64) {
         self.conns.lock().unwrap().retain(|c| c.id != id);
+        self.attached.lock().unwrap().retain(|(i, _)| *i != id);
     }
 }
 
@@ -365,6 +381,7 @@ async fn run_connection(
     // ztunnel speaks first.
     let hello = deadline(recv(fd, MAX_REQUEST)).await?;
     parse_hello(&hello.data, hello.fds.len())?;
+    hub.attach(id, pid);
     info!("ztunnel connected; sending snapshot");
 
     // The handler walks the pinned maps (and may wait for an enrollment):

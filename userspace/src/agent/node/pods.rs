@@ -162,7 +162,8 @@ impl PodTable {
         self.track(uid, |t| t.sandbox.clone()).flatten()
     }
 
-    /// The ztunnel that acked the pod last.
+    /// The ztunnel whose listeners the pod was last registered with: the
+    /// last to ack it, or a newer one that kept it (see `ztunnels::serving`).
     pub(super) fn ztunnel_of(&self, uid: &str) -> Option<Ztunnel> {
         self.track(uid, |t| t.ztunnel).flatten()
     }

@@ -122,13 +122,9 @@ impl Ztunnels {
         pid: Option<i32>,
         out: Result<Answer, ZdsError>,
     ) -> Result<(), String> {
-        let pods = self.book.pods();
         let (cause, why) = match out {
             Ok(Answer::Ack) => {
                 self.metrics.zds_answer(true);
-                let pid = self.serving(uid, pid);
-                // Before the pod can turn Enabled: the served check asks this one.
-                pods.apply(uid, Event::Acked(Ztunnel::new(pid)));
                 match self.register(uid, cookie, pid).await {
                     Ok(()) => {
                         // Listeners of an older ztunnel that were kept only
@@ -165,36 +161,25 @@ impl Ztunnels {
         Err(why)
     }
 
-    /// Whose listeners the pod gets after `acking`'s ack: its own, unless
-    /// the pod has those of a newer ztunnel process that still holds them.
-    /// Then `acking` is an old ztunnel that reconnected during an upgrade
-    /// (both reconnect to a restarted agent, in any order) and drains next:
-    /// the pod stays with the newer one (registered again, which ends this
-    /// attempt) rather than going back for what the old one would drop.
-    fn serving(&self, uid: &str, acking: Option<i32>) -> Option<i32> {
-        let (Some(acking), Some(owner)) = (acking, self.custody.owner(uid)) else {
-            return acking;
-        };
-        if owner == acking || !age::newer(owner, acking) {
-            return Some(acking);
-        }
-        self.metrics.older_ack();
-        info!(%uid, acking, owner, "an older ztunnel acked: the pod stays on the newer one's listeners");
-        Some(owner)
-    }
-
-    /// Looks for the listeners of the ztunnel that just acked (`pid`) until
-    /// every role has one, then the pod is Enabled.
-    async fn register(&self, uid: &str, cookie: u64, pid: Option<i32>) -> Result<(), String> {
+    /// Registers the listeners of the ztunnel that just acked (`acking`),
+    /// or of a newer one (see [`serving`]), looking until every role has
+    /// one; then the pod is Enabled.
+    async fn register(&self, uid: &str, cookie: u64, acking: Option<i32>) -> Result<(), String> {
         let start = Instant::now();
         let mut first = true;
         loop {
-            let (book, custody) = (self.book.clone(), self.custody.clone());
+            let (book, custody, hub) = (self.book.clone(), self.custody.clone(), self.hub.clone());
             let owned_uid = uid.to_owned();
-            let got = tokio::task::spawn_blocking(move || -> Result<PodState, EnrollError> {
+            let got = tokio::task::spawn_blocking(move || -> Result<_, EnrollError> {
                 let ns = book.netns_of(cookie)?;
                 let mut guard = book.dataplane();
                 let dp = &mut *guard;
+                // Under the lock that registrations take: two ztunnels'
+                // acks of one pod are decided one after the other.
+                let pid = serving(&custody, &hub, &owned_uid, acking);
+                // Before the pod can turn Enabled: the served check asks this one.
+                book.pods()
+                    .apply(&owned_uid, Event::Acked(Ztunnel::new(pid)));
                 if first {
                     enroll::refresh_addrs(dp.maps_mut(), &ns, cookie)?;
                 }
@@ -203,12 +188,16 @@ impl Ztunnels {
                 if pid.is_some() {
                     custody.keep(&owned_uid, taken);
                 }
-                Ok(e.state)
+                Ok((e.state, pid))
             })
             .await
             .map_err(|e| e.to_string())?;
             match got {
-                Ok(s) if s.steers() => {
+                Ok((s, pid)) if s.steers() => {
+                    if pid != acking {
+                        self.metrics.older_ack();
+                        info!(%uid, acking = acking.unwrap_or(0), pid = pid.unwrap_or(0), "an older ztunnel acked: the pod stays on the newer one's listeners");
+                    }
                     // Whether that ztunnel can serve the pod is asked at once
                     // (the step's effect).
                     info!(%uid, pid = pid.unwrap_or(0), state = s.as_str(), "ztunnel acked; listeners registered");
@@ -329,4 +318,21 @@ impl Handler for Ztunnels {
         self.release_orphans(None);
         self.changed.notify_one();
     }
+}
+
+/// Whose listeners a pod gets after `acking`'s ack: its own, unless the pod
+/// has those of a newer ztunnel process that still holds them and is still
+/// connected. Then `acking` is an old ztunnel that reconnected during an
+/// upgrade (both reconnect to a restarted agent, in any order) and drains
+/// next: the pod stays with the newer one (registered again, which ends
+/// this attempt) rather than going back to lose what the old one drops.
+/// An unknown start time decides nothing: the acking ztunnel's are taken.
+fn serving(custody: &Custody, hub: &Hub, uid: &str, acking: Option<i32>) -> Option<i32> {
+    let acking_pid = acking?;
+    custody
+        .holders(uid)
+        .into_iter()
+        .filter(|&p| p != acking_pid && hub.attached(p) && age::newer(p, acking_pid))
+        .max_by_key(|&p| age::started(p))
+        .or(acking)
 }
