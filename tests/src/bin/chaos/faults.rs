@@ -104,6 +104,25 @@ pub fn apply(run: &mut Run, fault: &Fault) -> anyhow::Result<()> {
             }
             old.terminate();
         }
+        Fault::PeerUpgradeAcrossAgentRestart => {
+            // The pinned dataplane and the old peer serve while no agent
+            // runs; then the pods move to the new peer, whichever of the
+            // two reconnects last (seed 1795815962517742895): only what the
+            // old one still holds may fail.
+            l.touch(None, kind, Opens::LongLivedFailures);
+            let mut old = run.node.kill_agent_around(|node| node.new_peer())?;
+            let snapshot = sluice_tests::wait::until_seen(
+                "the new peer's snapshot",
+                SNAPSHOT_WITHIN,
+                || run.node.peer.events(),
+                |e| e.iter().any(|e| e["event"] == "snapshot_sent"),
+            );
+            if snapshot.is_err() {
+                eprintln!("chaos: the new peer got no snapshot within {SNAPSHOT_WITHIN:?}: the old one goes anyway");
+                l.touch(None, kind, Opens::Failures);
+            }
+            old.terminate();
+        }
         Fault::PeerUpgradeOldFirst => {
             l.touch(None, kind, Opens::Failures);
             run.node.peer.terminate();

@@ -138,6 +138,19 @@ impl Node {
         Ok(())
     }
 
+    /// SIGKILL the agent, run `meanwhile` while none runs, start it again.
+    pub fn kill_agent_around<T>(
+        &mut self,
+        meanwhile: impl FnOnce(&mut Self) -> anyhow::Result<T>,
+    ) -> anyhow::Result<T> {
+        self.agent_pid.store(0, Ordering::SeqCst);
+        self.agent.kill()?;
+        let out = meanwhile(self);
+        self.agent.restart()?;
+        self.publish_agent_pid();
+        out
+    }
+
     pub fn term_agent(&mut self) -> anyhow::Result<()> {
         self.agent_pid.store(0, Ordering::SeqCst);
         self.agent.terminate();

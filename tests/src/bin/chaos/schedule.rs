@@ -34,6 +34,11 @@ pub enum Fault {
     PeerUpgradeNewFirst,
     /// SIGTERM the old peer, then start a new one (a gap without ztunnel).
     PeerUpgradeOldFirst,
+    /// ztunnel's rolling upgrade across an agent restart (a node's
+    /// DaemonSets rolled together): SIGKILL the agent, start a new peer,
+    /// start the agent again; both peers reconnect, in any order; the old
+    /// one is SIGTERMed once the new one has its snapshot.
+    PeerUpgradeAcrossAgentRestart,
     /// The peer replaced by one that nacks every add; `PeerHeal` ends it.
     PeerNack,
     /// The peer replaced by one that opens the listeners but holds its
@@ -122,6 +127,7 @@ impl Fault {
             Fault::PeerKill => "peer-kill",
             Fault::PeerUpgradeNewFirst => "peer-upgrade-new-first",
             Fault::PeerUpgradeOldFirst => "peer-upgrade-old-first",
+            Fault::PeerUpgradeAcrossAgentRestart => "peer-upgrade-across-agent-restart",
             Fault::PodAdd => "pod-add",
             Fault::PodDelete { .. } => "pod-delete",
             Fault::DelStorm { .. } => "del-storm",
@@ -261,6 +267,7 @@ fn draw_fault(rng: &mut StdRng, pods: usize) -> Fault {
             86..=88 => Fault::AddressAdd { slot },
             89..=90 => Fault::ForeignQdisc { slot },
             91..=93 => Fault::HintFlood { slot },
+            94..=95 => Fault::PeerUpgradeAcrossAgentRestart,
             _ => Fault::CpuHog {
                 secs: rng.random_range(1..5),
             },
