@@ -18,13 +18,16 @@ taken by the request socket via tcp_fwmark_accept, and a rule sending that
 mark to the main table).
 
 Run as root on a scratch machine: `python3 docs/experiments/local_route.py`.
-It removes its namespaces, whatever happens. Not part of the test suite.
+It removes its namespaces when it ends, fails, or gets SIGINT or SIGTERM.
+Not part of the test suite.
 """
 import ctypes
 import os
+import signal
 import socket
 import struct
 import subprocess
+import sys
 import threading
 import time
 
@@ -88,7 +91,8 @@ def listen(ns, addr, transparent, stop):
         s.close()
 
     threading.Thread(target=serve, daemon=True).start()
-    ready.wait(5)
+    if not ready.wait(5):
+        raise RuntimeError(f"no listener in {ns}")
 
 
 def drain(c):
@@ -163,9 +167,14 @@ def main():
     finally:
         stop.set()
         time.sleep(0.3)
-        sh(f"ip netns del {POD}", check=False)
-        sh(f"ip netns del {REMOTE}", check=False)
+        for ns in (POD, REMOTE):
+            try:
+                sh(f"ip netns del {ns}", check=False)
+            except subprocess.TimeoutExpired:
+                print(f"removing {ns} timed out: `ip netns del {ns}` by hand", file=sys.stderr)
 
 
 if __name__ == "__main__":
+    # SIGTERM unwinds like SIGINT, through main's cleanup.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     main()

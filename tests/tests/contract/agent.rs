@@ -794,19 +794,16 @@ fn upgrade_across_agent_restart(together: bool) -> TestResult {
         u64::from(old.pid().context("pid")?),
         u64::from(new.pid().context("pid")?),
     );
-    // Both acks' registrations done: one ztunnel owns the pod.
-    let seen = wait::until("one ztunnel owning the pod", wait::DEADLINE, || {
+    // With both acks taken, the new ztunnel owns the pod. (Were the old
+    // one's registration still to come and to take the pod back, its drain
+    // below would take the pod out of Served, which is checked.)
+    wait::until("the new ztunnel owning the pod", wait::DEADLINE, || {
         let seen = owners(&agent).map_err(|e| e.to_string())?;
-        match seen.iter().filter(|(_, n)| *n == 1).count() {
-            1 => Ok(seen),
-            _ => Err(format!("{seen:?}")),
+        match seen.contains(&(new_pid, 1)) && !seen.contains(&(old_pid, 1)) {
+            true => Ok(()),
+            false => Err(format!("{seen:?} (old {old_pid}, new {new_pid})")),
         }
     })?;
-    ensure!(
-        seen.contains(&(new_pid, 1)) && !seen.contains(&(old_pid, 1)),
-        "the pod's listeners: {seen:?} (old {old_pid}, new {new_pid})\n{}",
-        agent.log()
-    );
     old.terminate();
     wait::until("the old ztunnel gone", wait::DEADLINE, || {
         let seen = owners(&agent).map_err(|e| e.to_string())?;

@@ -22,7 +22,8 @@ fn parse_start(stat: &str) -> Option<u64> {
 }
 
 /// Whether process `a` started after process `b`; `false` when either
-/// start time is unknown (then connection order decides).
+/// start time is unknown, or both fall in the same clock tick (10 ms at
+/// the usual USER_HZ of 100): then connection order decides.
 pub fn newer(a: i32, b: i32) -> bool {
     match (started(a), started(b)) {
         (Some(a), Some(b)) => a > b,

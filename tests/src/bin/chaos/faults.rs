@@ -110,7 +110,22 @@ pub fn apply(run: &mut Run, fault: &Fault) -> anyhow::Result<()> {
             // two reconnects last (seed 1795815962517742895): only what the
             // old one still holds may fail.
             l.touch(None, kind, Opens::LongLivedFailures);
+            let connects =
+                |e: &[serde_json::Value]| e.iter().filter(|e| e["event"] == "connected").count();
+            let before = connects(&run.node.peer.events());
             let mut old = run.node.kill_agent_around(|node| node.new_peer())?;
+            // The sequence needs the old one back too (its reconnect backs
+            // off up to about a second); without it, this was a kill and a
+            // plain upgrade, which is said.
+            let back = sluice_tests::wait::until_seen(
+                "the old peer reconnecting",
+                SNAPSHOT_WITHIN,
+                || old.events(),
+                |e| connects(e) > before,
+            );
+            if back.is_err() {
+                eprintln!("chaos: the old peer did not reconnect within {SNAPSHOT_WITHIN:?}");
+            }
             let snapshot = sluice_tests::wait::until_seen(
                 "the new peer's snapshot",
                 SNAPSHOT_WITHIN,

@@ -32,7 +32,15 @@ impl Retries {
     ) -> Option<Duration> {
         let mut by_pod = self.by_pod.lock().unwrap();
         if !unsettled {
-            by_pod.remove(&cookie);
+            // The backoff is forgotten; a retry still waiting keeps its
+            // mark until it fires, or a new failure meanwhile would start
+            // a second chain beside it.
+            match by_pod.get_mut(&cookie) {
+                Some(r) if r.pending => r.tries = 0,
+                _ => {
+                    by_pod.remove(&cookie);
+                }
+            }
             return None;
         }
         let r = by_pod.entry(cookie).or_default();
@@ -74,6 +82,30 @@ mod tests {
         assert_eq!(
             r.after_verification(7, true, PERIOD),
             Some(Duration::from_secs(2))
+        );
+    }
+
+    /// Settled (a link event's verification) while its retry waits, then
+    /// unsettled again: still one chain, and the backoff starts over.
+    #[test]
+    fn settling_while_a_retry_waits_starts_no_second_chain() {
+        let r = Retries::default();
+        assert_eq!(
+            r.after_verification(7, true, PERIOD),
+            Some(Duration::from_secs(1))
+        );
+        assert_eq!(r.after_verification(7, false, PERIOD), None);
+        assert_eq!(r.after_verification(7, true, PERIOD), None);
+        r.fired(7);
+        assert_eq!(
+            r.after_verification(7, true, PERIOD),
+            Some(Duration::from_secs(1))
+        );
+        r.fired(7);
+        assert_eq!(r.after_verification(7, false, PERIOD), None);
+        assert!(
+            r.by_pod.lock().unwrap().is_empty(),
+            "nothing kept once settled"
         );
     }
 
