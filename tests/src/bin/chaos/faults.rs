@@ -91,18 +91,8 @@ pub fn apply(run: &mut Run, fault: &Fault) -> anyhow::Result<()> {
             // longer would hold the schedule, and with it the fd limit's
             // restore (a 2-hour run stopped on that after 99 minutes).
             l.touch(None, kind, Opens::LongLivedFailures);
-            let mut old = run.node.new_peer()?;
-            let snapshot = sluice_tests::wait::until_seen(
-                "the new peer's snapshot",
-                SNAPSHOT_WITHIN,
-                || run.node.peer.events(),
-                |e| e.iter().any(|e| e["event"] == "snapshot_sent"),
-            );
-            if snapshot.is_err() {
-                eprintln!("chaos: the new peer got no snapshot within {SNAPSHOT_WITHIN:?}: the old one goes anyway");
-                l.touch(None, kind, Opens::Failures);
-            }
-            old.terminate();
+            let old = run.node.new_peer()?;
+            drain_after_snapshot(run, kind, old);
         }
         Fault::PeerUpgradeAcrossAgentRestart => {
             // The pinned dataplane and the old peer serve while no agent
@@ -113,7 +103,7 @@ pub fn apply(run: &mut Run, fault: &Fault) -> anyhow::Result<()> {
             let connects =
                 |e: &[serde_json::Value]| e.iter().filter(|e| e["event"] == "connected").count();
             let before = connects(&run.node.peer.events());
-            let mut old = run.node.kill_agent_around(|node| node.new_peer())?;
+            let old = run.node.kill_agent_around(|node| node.new_peer())?;
             // The sequence needs the old one back too (its reconnect backs
             // off up to about a second); without it, this was a kill and a
             // plain upgrade, which is said.
@@ -126,17 +116,7 @@ pub fn apply(run: &mut Run, fault: &Fault) -> anyhow::Result<()> {
             if back.is_err() {
                 eprintln!("chaos: the old peer did not reconnect within {SNAPSHOT_WITHIN:?}");
             }
-            let snapshot = sluice_tests::wait::until_seen(
-                "the new peer's snapshot",
-                SNAPSHOT_WITHIN,
-                || run.node.peer.events(),
-                |e| e.iter().any(|e| e["event"] == "snapshot_sent"),
-            );
-            if snapshot.is_err() {
-                eprintln!("chaos: the new peer got no snapshot within {SNAPSHOT_WITHIN:?}: the old one goes anyway");
-                l.touch(None, kind, Opens::Failures);
-            }
-            old.terminate();
+            drain_after_snapshot(run, kind, old);
         }
         Fault::PeerUpgradeOldFirst => {
             l.touch(None, kind, Opens::Failures);
@@ -239,6 +219,24 @@ pub fn apply(run: &mut Run, fault: &Fault) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The old peer SIGTERMed (drained) once the new one has its snapshot, or
+/// after [`SNAPSHOT_WITHIN`] anyway (as Kubernetes ends it after its
+/// grace); until the new one has the pods, their new connections may then
+/// fail too.
+fn drain_after_snapshot(run: &Run, kind: &'static str, mut old: sluice_tests::agent::PeerProc) {
+    let snapshot = sluice_tests::wait::until_seen(
+        "the new peer's snapshot",
+        SNAPSHOT_WITHIN,
+        || run.node.peer.events(),
+        |e| e.iter().any(|e| e["event"] == "snapshot_sent"),
+    );
+    if snapshot.is_err() {
+        eprintln!("chaos: the new peer got no snapshot within {SNAPSHOT_WITHIN:?}: the old one goes anyway");
+        run.ledger.touch(None, kind, Opens::Failures);
+    }
+    old.terminate();
 }
 
 /// Ends what lasts at the end of a run (a replayed schedule cut at a
