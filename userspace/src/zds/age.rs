@@ -9,7 +9,9 @@
 
 /// The process's start time (clock ticks since boot, `/proc/<pid>/stat`
 /// field 22); `None` when it cannot be read (the agent without the node's
-/// pid namespace, or the process gone).
+/// pid namespace, or the process gone). Two processes started in the same
+/// tick (10 ms at the usual USER_HZ of 100) compare equal: neither is the
+/// newer, and connection order decides.
 pub fn started(pid: i32) -> Option<u64> {
     parse_start(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
 }
@@ -19,16 +21,6 @@ pub fn started(pid: i32) -> Option<u64> {
 fn parse_start(stat: &str) -> Option<u64> {
     let (_, rest) = stat.rsplit_once(')')?;
     rest.split_whitespace().nth(19)?.parse().ok()
-}
-
-/// Whether process `a` started after process `b`; `false` when either
-/// start time is unknown, or both fall in the same clock tick (10 ms at
-/// the usual USER_HZ of 100): then connection order decides.
-pub fn newer(a: i32, b: i32) -> bool {
-    match (started(a), started(b)) {
-        (Some(a), Some(b)) => a > b,
-        _ => false,
-    }
 }
 
 #[cfg(test)]
@@ -46,12 +38,10 @@ mod tests {
     }
 
     #[test]
-    fn this_process_is_newer_than_init() {
+    fn this_process_started_after_init() {
         let me = std::process::id() as i32;
-        assert!(newer(me, 1));
-        assert!(!newer(1, me));
-        assert!(!newer(me, me));
-        assert!(!newer(me, i32::MAX), "an unknown process is never older");
-        assert!(!newer(i32::MAX, 1), "nor newer");
+        assert!(started(me) > started(1));
+        assert!(started(1).is_some());
+        assert_eq!(started(i32::MAX), None, "no such process");
     }
 }

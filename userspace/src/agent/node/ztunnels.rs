@@ -328,11 +328,17 @@ impl Handler for Ztunnels {
 /// this attempt) rather than going back to lose what the old one drops.
 /// An unknown start time decides nothing: the acking ztunnel's are taken.
 fn serving(custody: &Custody, hub: &Hub, uid: &str, acking: Option<i32>) -> Option<i32> {
-    let acking_pid = acking?;
+    let Some(mine) = acking.and_then(age::started) else {
+        return acking;
+    };
+    // Each start time read once; the connection check (no syscall) first.
     custody
         .holders(uid)
         .into_iter()
-        .filter(|&p| p != acking_pid && hub.attached(p) && age::newer(p, acking_pid))
-        .max_by_key(|&p| age::started(p))
+        .filter(|&p| Some(p) != acking && hub.attached(p))
+        .filter_map(|p| Some((age::started(p)?, p)))
+        .filter(|&(started, _)| started > mine)
+        .max()
+        .map(|(_, p)| p)
         .or(acking)
 }
