@@ -189,6 +189,7 @@ FULL = {
     "controlSocket": "/run/sluice-test/agent.sock",
     "zdsSocket": "/var/run/ztunnel-test/ztunnel.sock",
     "tcAttach": "tcx",
+    "localRoute": True,
     "cni": {"install": True, "confDir": "/etc/cni/net.d.test", "binDir": "/home/kubernetes/bin",
             "ownedCNIConfig": False, "ownedCNIConfigFilename": "01-mesh.conflist",
             "excludeNamespaces": ["kube-system", "monitoring"],
@@ -379,6 +380,7 @@ def check_full(objs):
         "--pod-exclusions-namespaces=shop,db",
         '--enablement-selectors=[{"namespaceSelector":{"matchLabels":{"team":"shop"}}}]',
         "--tc-attach=tcx",
+        "--local-route=true",
     ]:
         expect("full", flag in a, f"agent args lack {flag}: {a}")
     w = args_of(ds, "watchdog")

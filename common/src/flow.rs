@@ -85,6 +85,16 @@ pub const HINT_HOST_TAKEN: u32 = 1 << 1;
 /// [`FlowHint::flags`]: the hint counts against its pod's share
 /// ([`HINTS_PER_POD_PER_S`]); releasing it gives that back.
 pub const HINT_CHARGED: u32 = 1 << 2;
+/// [`FlowHint::flags`]: written by `lo`'s egress program for a SYN the
+/// local route sent over `lo` (`--local-route`). `lo`'s ingress program
+/// keeps such a hint for one SYN of the tuple (and marks it
+/// [`HINT_LO_TAKEN`]); it removes any other hint of a SYN that is not
+/// exempt: a SYN can reach `lo`'s ingress without passing its egress (a
+/// packet socket that bypasses the qdisc).
+pub const HINT_LO_OUT: u32 = 1 << 3;
+/// [`FlowHint::flags`]: `lo`'s ingress program let the SYN of this
+/// [`HINT_LO_OUT`] hint through.
+pub const HINT_LO_TAKEN: u32 = 1 << 4;
 
 /// How many flow hints one pod may leave unreleased in `flow_hints` per
 /// window ([`BUDGET_WINDOW_NS`]): hints no answer released (a SYN answered

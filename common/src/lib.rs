@@ -22,11 +22,27 @@ pub const MARK_ZTUNNEL: u32 = 0x539;
 pub const MARK_REDIRECT: u32 = 0x111;
 /// Only these bits of the packet mark belong to the mesh (Istio uses the same mask).
 pub const MARK_MASK: u32 = 0xfff;
+/// Mark of a pod's packet that leaves by its interface under the local
+/// route (`--local-route`): an inbound SYN that reaches the app directly
+/// (its request socket takes the mark, `tcp_fwmark_accept`, so its answers
+/// skip the local route), or a packet of an uncaptured flow that `lo`'s
+/// egress program sends out (the kernel's route lookup for it must skip
+/// the local route too).
+pub const MARK_DIRECT: u32 = 0x112;
 
 /// Policy routing table holding `local default dev lo` inside the pod netns.
 pub const ROUTE_TABLE: u32 = 100;
 /// Priority of the `fwmark 0x111/0xfff lookup 100` rule (the one Istio uses).
 pub const RULE_PRIORITY: u32 = 32764;
+/// With `--local-route`: the table holding `local default dev lo src <pod
+/// address>`, which the app's TCP takes (`iif lo ipproto tcp fwmark
+/// 0/0xfff lookup 101`), so that a captured connection is routed over `lo`
+/// (loopback's MSS) instead of the pod's interface.
+pub const LOCAL_ROUTE_TABLE: u32 = 101;
+/// Priority of the local route's rule: after the pod's exclusions' rules
+/// (`LOCAL_ROUTE_PRIORITY - 1`, which send excluded flows to the main
+/// table) and before Istio's.
+pub const LOCAL_ROUTE_PRIORITY: u32 = 32763;
 
 /// Source address kubelet health probes are SNATed to on the node (IPv4).
 pub const PROBE_ADDR_V4: [u8; 4] = [169, 254, 7, 127];

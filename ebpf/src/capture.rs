@@ -26,8 +26,8 @@ use aya_ebpf::{
 use core::ffi::c_void;
 use sluice_common::{
     Counters, DropReason, ExcludedCounters, FlowKey, HintVerdict, Role, FLOW_HINT_TTL_NS,
-    HINT_HOST_TAKEN, HINT_USED, MARK_MASK, MARK_REDIRECT, MARK_ZTUNNEL, POD_FLAG_BYPASS_INBOUND,
-    PORT_DNS, PORT_HBONE, PORT_OUTBOUND,
+    HINT_HOST_TAKEN, HINT_LO_OUT, HINT_LO_TAKEN, HINT_USED, MARK_DIRECT, MARK_MASK, MARK_REDIRECT,
+    MARK_ZTUNNEL, POD_FLAG_BYPASS_INBOUND, PORT_DNS, PORT_HBONE, PORT_OUTBOUND,
 };
 
 use crate::{
@@ -35,7 +35,7 @@ use crate::{
     dns, exclusions,
     hints::{forget_hint, hint_ptr, put_charged_hint, release_hint, unshared_hint_ptr},
     lookup::{loopback, skc_lookup},
-    maps::{count, count_drop, NODE_NETNS, POD_STATE},
+    maps::{count, count_drop, LOCAL_ROUTE, NODE_NETNS, POD_STATE},
     origin::{from_its_pod, Sent},
     packet::{parse, parse_tcp, Parsed, Tcp, L2_ETH},
     tc::{
@@ -49,8 +49,8 @@ use crate::{
 /// packet goes on. Passing on with `TCX_NEXT` rather than `TC_ACT_OK` lets
 /// programs after sluice's on the hook (filters of a later priority, tcx
 /// links appended after sluice's) still see the packet.
-const TC_OK: i32 = TCX_NEXT;
-const TC_SHOT: i32 = TC_ACT_SHOT;
+pub const TC_OK: i32 = TCX_NEXT;
+pub const TC_SHOT: i32 = TC_ACT_SHOT;
 const BPF_TCP_LISTEN: u32 = 10;
 /// A request socket: a handshake the listener answered without a cookie.
 const BPF_TCP_NEW_SYN_RECV: u32 = 12;
@@ -198,6 +198,19 @@ pub fn ingress<const L2: usize>(ctx: &TcContext) -> i32 {
         }
         return TC_OK;
     };
+    let verdict = inbound_syn(ctx, w, cookie, &t);
+    // Under the local route, the app's request socket takes the SYN's mark
+    // (`tcp_fwmark_accept`): its answers leave by the main table, not the
+    // local route. (ztunnel's listeners have their own mark, which wins.)
+    if verdict == TC_OK && unsafe { LOCAL_ROUTE.get(cookie) }.is_some() {
+        ctx.set_mark((mark(ctx) & !MARK_MASK) | MARK_DIRECT);
+    }
+    verdict
+}
+
+/// [`ingress`]'s verdict on a SYN addressed to pod `cookie`.
+#[inline(always)]
+fn inbound_syn(ctx: &TcContext, w: Writes, cookie: u64, t: &Tcp) -> i32 {
     // Row I3: sk_lookup passes the probe address unhinted (no program writes
     // another verdict for it, so no older hint can be in the way).
     if is_probe(t.family, &t.saddr) {
@@ -206,7 +219,7 @@ pub fn ingress<const L2: usize>(ctx: &TcContext) -> i32 {
     }
     // Row I3h: the node's own socket sent it (the host-side program said
     // so): sk_lookup lets it through on that hint, in any pod state.
-    if !w.verifying() && host_hinted(cookie, &t) {
+    if !w.verifying() && host_hinted(cookie, t) {
         return TC_OK;
     }
     // Row I6: the pod asked for no inbound capture (Istio's "ingress mode"):
@@ -218,13 +231,13 @@ pub fn ingress<const L2: usize>(ctx: &TcContext) -> i32 {
             if !bypass {
                 w.count_excluded(cookie, |c: &mut ExcludedCounters| &mut c.inbound);
             }
-            w.put_charged_hint(ctx, cookie, &flow_key(&t), HintVerdict::Bypass, 0);
+            w.put_charged_hint(ctx, cookie, &flow_key(t), HintVerdict::Bypass, 0);
             return TC_OK;
         }
     }
     let Some(pod) = (unsafe { POD_STATE.get(cookie) }) else {
         // Being removed: sk_lookup refuses it.
-        w.forget_hint(&flow_key(&t));
+        w.forget_hint(&flow_key(t));
         return TC_OK;
     };
     if !pod.steers() {
@@ -240,7 +253,7 @@ pub fn ingress<const L2: usize>(ctx: &TcContext) -> i32 {
         w.count(cookie, |c: &mut Counters| &mut c.missing_socket);
         return TC_SHOT;
     }
-    w.put_charged_hint(ctx, cookie, &flow_key(&t), verdict, 0);
+    w.put_charged_hint(ctx, cookie, &flow_key(t), verdict, 0);
     TC_OK
 }
 
@@ -351,16 +364,26 @@ pub fn lo_ingress(ctx: &TcContext) -> i32 {
             // another, spoofed source plants no hint: it could otherwise
             // exempt a later real inbound connection with the same tuple.
             // ztunnel's mark first: it spares ztunnel's SYNs the address lookup.
-            let exempt = mark(ctx) & MARK_MASK == MARK_ZTUNNEL
+            let ztunnel = mark(ctx) & MARK_MASK == MARK_ZTUNNEL;
+            let exempt = ztunnel
                 || is_loopback(t.family, &t.saddr)
                 || (cookie != 0 && pod_of(t.family, &t.saddr) == Some(cookie));
             // A SYN that is not exempt is steered nowhere either: sk_lookup
-            // refuses it (row X3), whatever an older hint of its tuple said.
-            // (A cookie of 0, an address of no pod, is one share for all
-            // such SYNs.)
+            // refuses it (row X3), whatever an older hint of its tuple said,
+            // unless `lo`'s egress hinted this very SYN (the local route
+            // sent it here). (A cookie of 0, an address of no pod, is one
+            // share for all such SYNs.)
             if exempt {
                 put_charged_hint(cookie, &flow_key(&t), HintVerdict::Local, 0);
-            } else {
+                // Under the local route the app's request socket takes the
+                // SYN's mark (`tcp_fwmark_accept`): with ztunnel's, the
+                // app's answers would take the main table and leave the pod
+                // marked as ztunnel's own. Without a mark they take the
+                // local route back to ztunnel's socket.
+                if ztunnel && cookie != 0 && unsafe { LOCAL_ROUTE.get(cookie) }.is_some() {
+                    ctx.set_mark(mark(ctx) & !MARK_MASK);
+                }
+            } else if !take_lo_out_hint(&t) {
                 forget_hint(&flow_key(&t));
             }
         }
@@ -398,6 +421,24 @@ pub fn host_egress(ctx: &TcContext) -> i32 {
     TCX_NEXT
 }
 
+/// Did `lo`'s egress hint this SYN (the local route sent it over `lo`)?
+/// Such a hint lets one SYN in, the one it was written for; a SYN that
+/// did not pass `lo`'s egress (a packet socket that bypasses the qdisc)
+/// finds it taken, or none.
+#[inline(always)]
+fn take_lo_out_hint(t: &Tcp) -> bool {
+    let Some(h) = hint_ptr(&flow_key(t)) else {
+        return false;
+    };
+    let hint = unsafe { *h };
+    let fresh = unsafe { bpf_ktime_get_ns() }.wrapping_sub(hint.at_ns) <= FLOW_HINT_TTL_NS;
+    if hint.flags & (HINT_LO_OUT | HINT_LO_TAKEN) != HINT_LO_OUT || !fresh {
+        return false;
+    }
+    unsafe { (*h).flags = hint.flags | HINT_LO_TAKEN };
+    true
+}
+
 /// Did the host-side program hint this SYN as the node's own (for this pod)?
 /// A `Host` hint lets one SYN in, the one it was written for (it stays, for
 /// sk_lookup and a cookie ACK): a later SYN of the tuple the host side did
@@ -422,7 +463,7 @@ fn host_hinted(cookie: u64, t: &Tcp) -> bool {
 }
 
 #[inline(always)]
-fn flow_key(t: &Tcp) -> FlowKey {
+pub fn flow_key(t: &Tcp) -> FlowKey {
     crate::hints::flow_key(t.family, t.saddr, t.daddr, t.sport, t.dport)
 }
 
@@ -472,7 +513,7 @@ fn release_hint_of_request(ctx: &TcContext, t: &Tcp) {
 /// Another listener (the app's, bound to a wildcard address) is not the
 /// flow's: sk_lookup refuses unhinted lookups before one is reached.
 #[inline(always)]
-fn terminated_locally(ctx: &TcContext, t: &Tcp) -> bool {
+pub fn terminated_locally(ctx: &TcContext, t: &Tcp) -> bool {
     let Some(sk) = skc_lookup(ctx, t.family, &t.saddr, &t.daddr, t.sport, t.dport) else {
         return false;
     };

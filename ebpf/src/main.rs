@@ -8,6 +8,9 @@
 //!   IP tunnels), whose packets start with their IP header;
 //! - `sluice_lo`      (tcx ingress, pod `lo`): marks in-pod connections as
 //!   exempt; gives the DNS proxy's answers the resolver's address;
+//! - `sluice_lo_out`  (tcx egress, pod `lo`, with `--local-route`): gives
+//!   the app's SYNs that the local route sent over `lo` the verdict
+//!   `sluice_egress` gives the others (see `local_route.rs`);
 //! - `sluice_reroute` (tcx ingress, a pod's virtual interface, e.g. a VM's
 //!   tap): the VM's TCP is the pod's outbound, captured to 15001;
 //! - `sluice_host`    (tcx egress, the host side of a pod's veth, in the node
@@ -24,6 +27,7 @@ mod capture;
 mod dns;
 mod exclusions;
 mod hints;
+mod local_route;
 mod lookup;
 mod maps;
 mod origin;
@@ -90,6 +94,15 @@ pub fn sluice_lo(ctx: TcContext) -> i32 {
         return aya_ebpf::bindings::TC_ACT_OK;
     }
     capture::lo_ingress(&ctx)
+}
+
+#[classifier]
+pub fn sluice_lo_out(ctx: TcContext) -> i32 {
+    #[cfg(feature = "upgrade-variant")]
+    if ctx.len() == u32::MAX {
+        return aya_ebpf::bindings::TC_ACT_OK;
+    }
+    local_route::lo_egress(&ctx)
 }
 
 #[classifier]

@@ -105,6 +105,15 @@ pub static EXCLUDED: PerCpuHashMap<u64, ExcludedCounters> = PerCpuHashMap::pinne
 pub static POD_REROUTE: HashMap<u64, [u8; REROUTE_LEN]> =
     HashMap::pinned(MAX_PODS, BPF_F_NO_PREALLOC);
 
+/// The pods whose app TCP takes the local route (`--local-route`), by
+/// netns cookie: the index of the interface that a flow the local route
+/// sent over `lo` but no socket of the pod terminates leaves by (a
+/// connection from before enrollment, an excluded SYN the rules missed).
+/// No entry: the pod's TCP leaves by its interface as without the option.
+/// Written by user space.
+#[map(name = "local_route")]
+pub static LOCAL_ROUTE: HashMap<u64, u32> = HashMap::pinned(MAX_PODS, BPF_F_NO_PREALLOC);
+
 /// The node's netns cookie (entry 0; 0 = not set): the host-side program
 /// exempts SYNs whose socket lives there. Written by user space.
 #[map(name = "node_netns")]

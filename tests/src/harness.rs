@@ -30,6 +30,35 @@ pub fn is_root() -> bool {
 thread_local! {
     static AS_IF_KERNEL: std::cell::Cell<Option<Features>> = const { std::cell::Cell::new(None) };
     static TC_ATTACH: std::cell::Cell<TcAttach> = const { std::cell::Cell::new(TcAttach::ClsBpf) };
+    static LOCAL_ROUTE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with every [`Fixture`] and agent it makes on this thread
+/// putting pods' TCP on the local route (`--local-route`). A test of it on
+/// a kernel that cannot offer it is skipped by the caller
+/// ([`local_route_available`]).
+pub fn on_local_route<R>(f: impl FnOnce() -> R) -> R {
+    // Reset also when `f` panics: the thread runs other tests next.
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            LOCAL_ROUTE.set(false);
+        }
+    }
+    LOCAL_ROUTE.set(true);
+    let _reset = Reset;
+    f()
+}
+
+/// Whether [`on_local_route`] is in force on this thread.
+pub fn local_route_on() -> bool {
+    LOCAL_ROUTE.get()
+}
+
+/// Whether this kernel can offer the local route (tc programs that read a
+/// packet's netns: Linux ≥ 6.15).
+pub fn local_route_available() -> bool {
+    Features::get().netns_cookie_in_tc
 }
 
 /// Runs `f` with every [`Fixture`] and agent it makes on this thread
@@ -77,6 +106,9 @@ pub fn as_if_kernel_env() -> Vec<(&'static str, String)> {
     let mut env: Vec<(&'static str, String)> = features_env().into_iter().collect();
     if TC_ATTACH.get() == TcAttach::Tcx {
         env.push(("SLUICE_TC_ATTACH", "tcx".into()));
+    }
+    if LOCAL_ROUTE.get() {
+        env.push(("SLUICE_LOCAL_ROUTE", "true".into()));
     }
     env
 }
@@ -126,6 +158,8 @@ pub struct Fixture {
     features: Option<Features>,
     /// How its dataplane attaches tc programs ([`attaching_with_tcx`]).
     tc_attach: TcAttach,
+    /// Its pods' TCP takes the local route ([`on_local_route`]).
+    local_route: bool,
     pub app: App,
     pub remote: App,
     pub standin: Option<StandIn>,
@@ -146,6 +180,7 @@ impl Fixture {
             uid: PodUid::new(&format!("pod-{tag}"))?,
             features: AS_IF_KERNEL.get(),
             tc_attach: TC_ATTACH.get(),
+            local_route: LOCAL_ROUTE.get(),
             app: App::start(&topo.pod, APP_PORT),
             remote: App::start(&topo.client, REMOTE_PORT),
             standin: standin.map(|b| StandIn::start(&topo.pod, b)),
@@ -164,6 +199,7 @@ impl Fixture {
             None => Dataplane::load_or_adopt(pins)?,
         };
         dp.set_tc_attach(self.tc_attach);
+        dp.set_local_route(self.local_route);
         Ok(dp)
     }
 

@@ -90,6 +90,20 @@ pub fn has_redirect_rule(ns: &str) -> anyhow::Result<bool> {
         .any(|l| l.contains("fwmark 0x111/0xfff") && l.contains("lookup 100")))
 }
 
+/// Whether netns `ns` has the local route's rule (`--local-route`), for
+/// IPv6 with `v6`.
+pub fn has_local_route_rule(ns: &str, v6: bool) -> anyhow::Result<bool> {
+    let family = if v6 { "-6" } else { "-4" };
+    let out = Command::new("ip")
+        .args(["-n", ns, family, "rule", "show"])
+        .output_bounded()?;
+    anyhow::ensure!(out.status.success(), "ip rule show failed");
+    let text = String::from_utf8_lossy(&out.stdout);
+    Ok(text
+        .lines()
+        .any(|l| l.contains("iif lo") && l.contains("lookup 101")))
+}
+
 pub fn ip(args: &[&str]) -> anyhow::Result<()> {
     let out = Command::new("ip").args(args).output_bounded()?;
     anyhow::ensure!(

@@ -17,7 +17,7 @@ use sluice_tests::{
     wait,
 };
 
-use crate::{tcx_trial, trial, TestResult};
+use crate::{local_route_trial, tcx_trial, trial, TestResult};
 
 type Row = (&'static str, fn(Family) -> TestResult);
 
@@ -61,6 +61,11 @@ pub fn trials() -> Vec<Trial> {
             // Attached with tcx links (`--tc-attach tcx`), not filters.
             v.push(tcx_trial(
                 format!("contract::tcx::{}::{name}", fam.name()),
+                move || f(fam),
+            ));
+            // The pod's TCP on the local route (`--local-route`).
+            v.push(local_route_trial(
+                format!("contract::local_route::{}::{name}", fam.name()),
                 move || f(fam),
             ));
         }
@@ -150,6 +155,26 @@ pub fn trials() -> Vec<Trial> {
             ),
             move || as_if_kernel(without_netns_cookie_in_tc(), || x10(fam)),
         ));
+        // The hostile rows with the pod's TCP on the local route: its SYNs
+        // meet `lo`'s egress program instead of the interface's.
+        v.push(local_route_trial(
+            format!("contract::local_route::{}::{x10_name}", fam.name()),
+            move || x10(fam),
+        ));
+        v.push(local_route_trial(
+            format!(
+                "contract::local_route::{}::x3_spoofed_source_over_lo_is_not_exempt",
+                fam.name()
+            ),
+            move || x3(fam),
+        ));
+        v.push(local_route_trial(
+            format!(
+                "contract::local_route::{}::x5_syn_from_an_address_added_after_enrollment_is_captured",
+                fam.name()
+            ),
+            move || x5(fam, Cookies::InTc),
+        ));
         let x9_name = "x9_the_runtimes_address_is_the_pods_whatever_another_pod_claimed";
         v.push(trial(
             format!("contract::{}::{x9_name}", fam.name()),
@@ -163,11 +188,20 @@ pub fn trials() -> Vec<Trial> {
     v
 }
 
-/// A fixture with the stand-in, enrolled and `Enabled`.
+/// A fixture with the stand-in, enrolled and `Enabled` (on the local route
+/// in a `local_route` variant, or the variant would test nothing new).
 fn enabled(tag: &str, bind: Bind) -> anyhow::Result<Fixture> {
     let f = Fixture::new(tag, Some(bind))?;
     let e = f.enroll()?;
     ensure!(e.state == PodState::Enabled, "expected Enabled, got {e:?}");
+    if sluice_tests::harness::local_route_on() {
+        for v6 in [false, true] {
+            ensure!(
+                sluice_tests::topology::has_local_route_rule(&f.topo.pod, v6)?,
+                "no local route rule (IPv6: {v6}) in the pod"
+            );
+        }
+    }
     Ok(f)
 }
 
@@ -979,7 +1013,12 @@ fn f2(fam: Family) -> TestResult {
     ensure!(!f.topo.pins.pod(cookie).exists(), "pod pins remain");
     // No tc program of ours on the pod's interfaces (tcx links, or the
     // cls_bpf filters of kernels without tcx).
-    for (dev, hook) in [("eth0", "ingress"), ("eth0", "egress"), ("lo", "ingress")] {
+    for (dev, hook) in [
+        ("eth0", "ingress"),
+        ("eth0", "egress"),
+        ("lo", "ingress"),
+        ("lo", "egress"),
+    ] {
         let out = std::process::Command::new("ip")
             .args([
                 "netns",
@@ -1003,6 +1042,24 @@ fn f2(fam: Family) -> TestResult {
     ensure!(!maps.cookies().contains(&cookie), "map entries remain");
     let rule = sluice_tests::topology::has_redirect_rule(&f.topo.pod)?;
     ensure!(!rule, "policy rule remains");
+    for (v6, family) in [(false, "-4"), (true, "-6")] {
+        let rule = sluice_tests::topology::has_local_route_rule(&f.topo.pod, v6)?;
+        ensure!(!rule, "the local route's rule remains (IPv6: {v6})");
+        // (A table never made is an error to `ip`, and empty.)
+        let routes = std::process::Command::new("ip")
+            .args(["-n", &f.topo.pod, family, "route", "show", "table", "101"])
+            .output_bounded()?;
+        let routes = String::from_utf8_lossy(&routes.stdout);
+        ensure!(
+            routes.trim().is_empty(),
+            "the local route remains: {routes}"
+        );
+    }
+    let accept = sluice_tests::ns::output(
+        &f.topo.pod,
+        &["cat", "/proc/sys/net/ipv4/tcp_fwmark_accept"],
+    )?;
+    ensure!(accept.trim() == "0", "tcp_fwmark_accept is {accept}");
     ensure!(sluice::status::read(&f.topo.pins)?.is_empty());
     Ok(())
 }

@@ -27,7 +27,7 @@ const PEER: &str = env!("CARGO_BIN_EXE_sluice-zds-peer");
 const POD_IFACE: &str = "eth0";
 
 fn pod_links() -> Vec<LinkSpec> {
-    expected_links(&[POD_IFACE.to_owned()], &[], &[], &[])
+    expected_links(&[POD_IFACE.to_owned()], &[], &[], &[], false)
 }
 
 /// Every crash point of an enrollment, in order. A cls_bpf filter's record

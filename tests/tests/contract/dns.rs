@@ -30,7 +30,7 @@ use sluice_tests::{
     wait,
 };
 
-use crate::{trial, TestResult};
+use crate::{local_route_trial, trial, TestResult};
 
 pub fn trials() -> Vec<Trial> {
     let mut v = Vec::new();
@@ -53,6 +53,13 @@ pub fn trials() -> Vec<Trial> {
                 fam.name()
             ),
             move || as_if_kernel(without_tcx(), || captured(fam)),
+        ));
+        v.push(local_route_trial(
+            format!(
+                "dns::local_route::{}::d1_d2_queries_reach_the_proxy_answers_come_from_the_resolver",
+                fam.name()
+            ),
+            move || captured(fam),
         ));
         v.push(trial(
             name("d1_dig_gets_the_proxys_answer_over_udp_and_tcp"),

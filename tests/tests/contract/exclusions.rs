@@ -23,7 +23,7 @@ use sluice_tests::{
     wait,
 };
 
-use crate::{lifecycle::sluice, options::outcome, trial, TestResult};
+use crate::{lifecycle::sluice, local_route_trial, options::outcome, trial, TestResult};
 
 /// A second port of the remote server, and of the app.
 const OTHER_PORT: u16 = 9091;
@@ -34,6 +34,15 @@ pub fn trials() -> Vec<Trial> {
         v.push(trial(
             format!(
                 "exclusions::{}::e1_outbound_ports_and_ranges_exclude_include_restricts_exclude_wins",
+                fam.name()
+            ),
+            move || outbound(fam),
+        ));
+        // Excluded SYNs the local route sends over `lo` leave by the pod's
+        // interface (`lo`'s egress program sends them out).
+        v.push(local_route_trial(
+            format!(
+                "exclusions::local_route::{}::e1_outbound_ports_and_ranges_exclude_include_restricts_exclude_wins",
                 fam.name()
             ),
             move || outbound(fam),

@@ -16,6 +16,7 @@ mod exclusions;
 mod kube;
 mod kube_exclusions;
 mod lifecycle;
+mod local_route;
 mod metrics;
 mod options;
 mod probes;
@@ -28,7 +29,8 @@ mod verify_agent;
 
 use libtest_mimic::{Arguments, Failed, Trial};
 use sluice_tests::harness::{
-    attaching_with_tcx, has_fault_injection, is_root, sluice_bin, tcx_available,
+    attaching_with_tcx, has_fault_injection, is_root, local_route_available, on_local_route,
+    sluice_bin, tcx_available,
 };
 
 pub type TestResult = anyhow::Result<()>;
@@ -47,6 +49,15 @@ pub fn tcx_trial(
     f: impl FnOnce() -> TestResult + Send + 'static,
 ) -> Trial {
     trial(name, move || attaching_with_tcx(f)).with_ignored_flag(!is_root() || !tcx_available())
+}
+
+/// [`trial`] with pods' TCP on the local route (`--local-route`); skipped
+/// on a kernel that cannot offer it (Linux < 6.15).
+pub fn local_route_trial(
+    name: impl Into<String>,
+    f: impl FnOnce() -> TestResult + Send + 'static,
+) -> Trial {
+    trial(name, move || on_local_route(f)).with_ignored_flag(!is_root() || !local_route_available())
 }
 
 /// `t`, skipped when the `sluice` binary has no crash points (a plain
@@ -69,13 +80,21 @@ fn main() {
     }
     if !is_root() {
         eprintln!("skipping the dataplane tests: they need root (network namespaces, eBPF)");
-    } else if !tcx_available() {
-        eprintln!("skipping the tcx variants (`::tcx::`): this kernel has no tcx (Linux < 6.6)");
+    } else {
+        if !tcx_available() {
+            eprintln!(
+                "skipping the tcx variants (`::tcx::`): this kernel has no tcx (Linux < 6.6)"
+            );
+        }
+        if !local_route_available() {
+            eprintln!("skipping the local route variants (`::local_route::`): this kernel's tc programs cannot read a packet's netns (Linux < 6.15)");
+        }
     }
     let mut trials = Vec::new();
     trials.extend(contract_rows::trials());
     trials.extend(differential::trials());
     trials.extend(lifecycle::trials());
+    trials.extend(local_route::trials());
     trials.extend(probes::trials());
     trials.extend(options::trials());
     trials.extend(exclusions::trials());

@@ -20,7 +20,7 @@ use sluice_tests::{
     wait,
 };
 
-use crate::{tcx_trial, trial, TestResult};
+use crate::{local_route_trial, tcx_trial, trial, TestResult};
 use sluice_tests::harness::tcx_available;
 
 pub fn trials() -> Vec<Trial> {
@@ -36,6 +36,10 @@ pub fn trials() -> Vec<Trial> {
         tcx_trial(
             "verify::tcx::a_captured_pod_passes_and_the_test_runs_leave_no_trace",
             || passes_without_trace("vpx"),
+        ),
+        local_route_trial(
+            "verify::local_route::a_captured_pod_passes_and_los_egress_program_removed_is_named",
+            lo_out_removed,
         ),
         trial(
             "verify::each_silent_break_is_named_by_its_case",
@@ -141,6 +145,29 @@ fn passes_without_trace(tag: &str) -> TestResult {
 
 /// Each break fails the case that names it; the repair (or re-registering
 /// the listener) makes the pod pass again.
+/// On the local route: the pod passes; without `lo`'s egress program (its
+/// filter deleted by a pod with NET_ADMIN) the case names the hook, and a
+/// repair puts it back.
+fn lo_out_removed() -> TestResult {
+    let (f, cookie) = captured("vlo")?;
+    run(&f, cookie)?.map_err(|e| anyhow::anyhow!("before any break: {e}"))?;
+    let lo = Hook {
+        ns: &f.topo.pod,
+        dev: "lo",
+        dir: "egress",
+    };
+    lo.tc("del", None)?;
+    match run(&f, cookie)? {
+        Err(e) if e.case.starts_with("egress lo") => {}
+        other => anyhow::bail!("expected case \"egress lo\" to fail, got {other:?}"),
+    }
+    let mut dp = f.dataplane()?;
+    enroll::repair(&mut dp, cookie, false)?;
+    drop(dp);
+    run(&f, cookie)?.map_err(|e| anyhow::anyhow!("still failing after the repair: {e}"))?;
+    Ok(())
+}
+
 fn breaks_named() -> TestResult {
     let (f, cookie) = captured("vbn")?;
     let dir = f.topo.pins.pod(cookie);

@@ -52,6 +52,8 @@ pub struct Config {
     pub dns_capture: bool,
     /// How tc programs are attached (`--tc-attach`).
     pub tc_attach: crate::dataplane::features::TcAttach,
+    /// New pods' TCP takes the local route (`--local-route`).
+    pub local_route: bool,
     /// Start even when another node agent serves ztunnel here (replacing
     /// its ZDS socket) instead of waiting for it to go.
     pub take_over_node_agent: bool,

@@ -169,6 +169,12 @@ fn set_up_dataplane(dp: &mut Dataplane, node_netns: Option<hostside::Node>, cfg:
     } else {
         info!(tc_attach = tc_attach.as_str(), "tc programs attach");
     }
+    let local_route = dp.set_local_route(cfg.local_route);
+    if cfg.local_route && !local_route {
+        warn!("--local-route needs tc programs that can read a packet's netns (Linux ≥ 6.15), which this kernel lacks: pods' TCP keeps their interface's route");
+    } else {
+        info!(local_route, "pods' TCP route");
+    }
 }
 
 /// The Kubernetes side, when the agent runs on a node (`--node-name`).

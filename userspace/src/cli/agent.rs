@@ -141,6 +141,14 @@ pub struct Args {
     /// way keep their attachments.
     #[arg(long, default_value = "cls_bpf", env = "SLUICE_TC_ATTACH")]
     tc_attach: TcAttach,
+    /// Route pods' app TCP over their `lo` (a policy rule and a local route
+    /// in the pod), so that a captured connection gets loopback's segment
+    /// size: outbound bulk through ztunnel as fast as without capture.
+    /// Needs Linux ≥ 6.15 (off, with a warning, where the kernel lacks
+    /// it); applies to pods enrolled from then on with one interface
+    /// besides `lo`. Off by default (see docs/PERFORMANCE.md).
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, env = "SLUICE_LOCAL_ROUTE")]
+    local_route: bool,
     /// Start even when another node agent (istio-cni's) already serves
     /// ztunnel on --zds-socket, replacing its socket. Without it the agent
     /// reports `AnotherNodeAgent` and starts once the other is gone.
@@ -228,6 +236,7 @@ pub fn run(g: Globals, args: Args) -> anyhow::Result<()> {
         },
         dns_capture: args.dns_capture,
         tc_attach: args.tc_attach,
+        local_route: args.local_route,
         take_over_node_agent: args.take_over_node_agent,
         max_pod_addresses: args.max_pod_addresses.into(),
     })

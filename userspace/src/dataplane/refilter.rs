@@ -170,7 +170,13 @@ impl<'a> Refilter<'a> {
             .into_iter()
             .filter(|i| i != "lo")
             .collect();
-        let specs = podlinks::links_now(&netns, &ifaces, node, &maps.options(cookie).reroute);
+        let specs = podlinks::links_now(
+            &netns,
+            &ifaces,
+            node,
+            &maps.options(cookie).reroute,
+            maps.local_route(cookie).is_some(),
+        );
         Ok(Some(PodHooks { netns, specs }))
     }
 }

@@ -31,6 +31,8 @@ pub struct Sample {
     pub capture_incomplete: u64,
     /// Held pods whose last verification failed (not served meanwhile).
     pub capture_unverified: u64,
+    /// Enrolled pods whose TCP takes the local route (`--local-route`).
+    pub local_route: u64,
 }
 
 /// Where samples come from (the agent's node view).
@@ -61,18 +63,13 @@ impl Collector for MapCollector {
             let labels = [("state", *state)];
             ConstGauge::new(*n as i64).encode(m.encode_family(&labels)?)?;
         }
-        gauge(
-            &mut enc,
-            "pods_capture_incomplete",
-            "Enrolled pods whose capture lacks links the last repair could not attach (part of their traffic bypasses ztunnel)",
-            s.capture_incomplete,
-        )?;
-        gauge(
-            &mut enc,
-            "pods_capture_unverified",
-            "Enrolled pods whose last verification of their capture failed (their traffic may bypass ztunnel; their readiness gate is False)",
-            s.capture_unverified,
-        )?;
+        for (name, help, n) in [
+            ("pods_capture_incomplete", "Enrolled pods whose capture lacks links the last repair could not attach (part of their traffic bypasses ztunnel)", s.capture_incomplete),
+            ("pods_capture_unverified", "Enrolled pods whose last verification of their capture failed (their traffic may bypass ztunnel; their readiness gate is False)", s.capture_unverified),
+            ("pods_local_route", "Enrolled pods whose TCP takes the local route over lo (--local-route): captured connections get loopback's segment size", s.local_route),
+        ] {
+            gauge(&mut enc, name, help, n)?;
+        }
         let k = &s.kernel;
         let captured = [
             ("inbound", k.captured_inbound),

@@ -27,6 +27,7 @@ impl Source for Fixed {
             hints_over_share: 6,
             capture_incomplete: 1,
             capture_unverified: 3,
+            local_route: 2,
         }
     }
 }
@@ -53,6 +54,7 @@ fn renders_prefixed_names_with_units_and_labels() {
         "sluice_pods{state=\"Enabled\"} 2",
         "sluice_pods_capture_incomplete 1",
         "sluice_pods_capture_unverified 3",
+        "sluice_pods_local_route 2",
         "sluice_captured_connections_total{listener=\"inbound\"} 7",
         "sluice_dropped_syns_total{reason=\"not_enabled\"} 3",
         "sluice_dropped_packets_total{reason=\"malformed\"} 4",

@@ -6,6 +6,7 @@
 
 pub mod enroll;
 pub mod hostside;
+pub mod localroute;
 pub mod netns;
 pub mod podlinks;
 pub mod podns;

@@ -43,6 +43,8 @@ pub enum LinkSpec {
     IngressL3(String),
     /// tc ingress on the pod's `lo`.
     Lo,
+    /// tc egress on the pod's `lo` (a pod whose TCP takes the local route).
+    LoOut,
     /// tc egress on the host side (node netns) of a pod interface.
     Host(HostPeer),
     /// tc ingress on a pod interface whose TCP is rerouted to 15001 (in
@@ -60,6 +62,7 @@ impl LinkSpec {
             LinkSpec::EgressL3(_) => Program::EgressL3,
             LinkSpec::IngressL3(_) => Program::IngressL3,
             LinkSpec::Lo => Program::Lo,
+            LinkSpec::LoOut => Program::LoOut,
             LinkSpec::Host(_) => Program::Host,
             LinkSpec::Reroute(_) => Program::Reroute,
         }
@@ -69,7 +72,7 @@ impl LinkSpec {
     /// interface).
     pub fn pin_name(&self) -> String {
         let iface = match self {
-            LinkSpec::Steer | LinkSpec::Lo => "",
+            LinkSpec::Steer | LinkSpec::Lo | LinkSpec::LoOut => "",
             LinkSpec::Egress(i)
             | LinkSpec::Ingress(i)
             | LinkSpec::EgressL3(i)
@@ -91,6 +94,7 @@ impl LinkSpec {
                 (Side::Pod, i.as_str(), TcAttachType::Ingress)
             }
             LinkSpec::Lo => (Side::Pod, "lo", TcAttachType::Ingress),
+            LinkSpec::LoOut => (Side::Pod, "lo", TcAttachType::Egress),
             LinkSpec::Host(p) => (Side::Node, p.host_iface.as_str(), TcAttachType::Egress),
         };
         Some(TcHook { side, iface, kind })
@@ -99,13 +103,15 @@ impl LinkSpec {
 
 /// Every link a pod with interfaces `ifaces` (not `lo`; those in `l3`
 /// without an Ethernet header), node-side peers `peers` and rerouted
-/// interfaces `reroute` has, in attach order. A rerouted L3 interface is
-/// refused before this is asked ([`reroute_on_l3`]).
+/// interfaces `reroute` has, in attach order (`lo`'s egress last, with
+/// `local_route`: the pod's TCP takes the local route). A rerouted L3
+/// interface is refused before this is asked ([`reroute_on_l3`]).
 pub fn expected_links(
     ifaces: &[String],
     l3: &[String],
     peers: &[HostPeer],
     reroute: &[String],
+    local_route: bool,
 ) -> Vec<LinkSpec> {
     let mut v = vec![LinkSpec::Steer];
     for i in ifaces {
@@ -123,6 +129,9 @@ pub fn expected_links(
     }
     v.push(LinkSpec::Lo);
     v.extend(peers.iter().cloned().map(LinkSpec::Host));
+    if local_route {
+        v.push(LinkSpec::LoOut);
+    }
     v
 }
 
@@ -131,7 +140,7 @@ pub fn expected_links(
 /// matched against when it is removed (host-side links need the node's
 /// view, [`LinkSpec::Host`]).
 pub fn possible_pod_links(ifaces: &[String]) -> Vec<LinkSpec> {
-    let mut v = vec![LinkSpec::Steer, LinkSpec::Lo];
+    let mut v = vec![LinkSpec::Steer, LinkSpec::Lo, LinkSpec::LoOut];
     for i in ifaces {
         v.extend(
             [
@@ -155,11 +164,12 @@ pub fn links_now(
     ifaces: &[String],
     node: Option<&Node>,
     reroute: &[String],
+    local_route: bool,
 ) -> Vec<LinkSpec> {
     let peers = node
         .map(|n| hostside::peers(netns, n, ifaces).unwrap_or_default())
         .unwrap_or_default();
-    expected_links(ifaces, &l3_of(netns, ifaces), &peers, reroute)
+    expected_links(ifaces, &l3_of(netns, ifaces), &peers, reroute, local_route)
 }
 
 /// Which of the pod's `ifaces` have no Ethernet header; none when that
@@ -197,6 +207,7 @@ mod tests {
             [
                 "steer",
                 "lo",
+                "lo_out",
                 "egress_net1_5",
                 "ingress_net1_5",
                 "l3egress_net1_5",

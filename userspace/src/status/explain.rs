@@ -224,6 +224,13 @@ pub fn render(e: &Explanation, agent_running: bool) -> String {
             p.dns.choice.as_str()
         ),
     );
+    line(
+        "tcp route",
+        match p.local_route {
+            Some(i) => format!("local (over lo; uncaptured flows leave by interface {i})"),
+            None => "the interface's".into(),
+        },
+    );
     line("exclusions", exclusions_line(p));
     if let Some(n) = e.exclusion_notice {
         line(&format!("exclusions {}", n.kind), n.detail.clone());
@@ -311,6 +318,7 @@ mod tests {
             },
             bypass_inbound: false,
             reroute: vec![],
+            local_route: None,
             exclusions: Default::default(),
             excluded: Default::default(),
             addresses: vec![],

@@ -34,11 +34,12 @@ impl DnsSetup {
             .map(|port| Sink::ztunnel_like(&topo.pod, port, Mode::AcceptClose))
             .collect();
         match variant {
-            // (`Hooks` is the `cpu` scenario's alone.)
-            Variant::None | Variant::Hooks => {}
+            // (`Hooks` is the `cpu` scenario's alone, `LocalRoute` the
+            // `cpu` and `bulk` scenarios'.)
+            Variant::None | Variant::Hooks | Variant::LocalRoute => {}
             Variant::Iptables => istio::apply_with_dns_capture(&topo.pod)?,
             // DNS capture is on by default.
-            Variant::Sluice => enroll_enabled(&topo, "bench-dns", None)?,
+            Variant::Sluice => enroll_enabled(&topo, "bench-dns", None, false)?,
         }
         Ok(Self {
             variant,

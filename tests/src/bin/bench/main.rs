@@ -208,16 +208,25 @@ pub enum Variant {
     /// programs use in the pod: what the hooks cost without the programs'
     /// work (`cpu` only, to split sluice's added CPU).
     Hooks,
+    /// sluice with the pod's TCP on the local route (`--local-route`;
+    /// `cpu` and `bulk`, where the kernel offers it).
+    LocalRoute,
 }
 
 impl Variant {
     pub const ALL: [Variant; 3] = [Variant::None, Variant::Iptables, Variant::Sluice];
+
+    /// Whether this kernel offers the local route (Linux ≥ 6.15).
+    pub fn local_route_offered() -> bool {
+        sluice::dataplane::features::Features::get().netns_cookie_in_tc
+    }
     pub fn name(self) -> &'static str {
         match self {
             Variant::None => "none",
             Variant::Iptables => "iptables",
             Variant::Sluice => "sluice",
             Variant::Hooks => "hooks",
+            Variant::LocalRoute => "sluice_local_route",
         }
     }
 }
@@ -301,11 +310,16 @@ pub fn enroll_enabled(
     topo: &Topology,
     name: &str,
     features: Option<sluice::dataplane::features::Features>,
+    local_route: bool,
 ) -> anyhow::Result<()> {
     let mut dp = match features {
         Some(f) => Dataplane::load_or_adopt_with(topo.pins.clone(), f)?,
         None => Dataplane::load_or_adopt(topo.pins.clone())?,
     };
+    ensure!(
+        dp.set_local_route(local_route) == local_route,
+        "the local route is not offered on this kernel (Linux < 6.15)"
+    );
     let uid = PodUid::new(name)?;
     let e = enroll::enroll(&mut dp, &topo.pod_netns_path(), &uid, &workload(name))?;
     ensure!(

@@ -61,6 +61,14 @@ impl Setup {
         mode: Mode,
         features: Option<sluice::dataplane::features::Features>,
     ) -> anyhow::Result<Self> {
+        Self::make(variant, mode, features)
+    }
+
+    fn make(
+        variant: Variant,
+        mode: Mode,
+        features: Option<sluice::dataplane::features::Features>,
+    ) -> anyhow::Result<Self> {
         let topo = Topology::new(&format!("b{}", &variant.name()[..1]))?;
         let s = Self {
             variant,
@@ -73,7 +81,8 @@ impl Setup {
         match variant {
             Variant::None => {}
             Variant::Iptables => istio::apply_istio_cni(&s.topo.pod)?,
-            Variant::Sluice => enroll_enabled(&s.topo, "bench-pod", features)?,
+            Variant::Sluice => enroll_enabled(&s.topo, "bench-pod", features, false)?,
+            Variant::LocalRoute => enroll_enabled(&s.topo, "bench-pod", features, true)?,
             Variant::Hooks => pass_filters(&s.topo.pod)?,
         }
         for ns in [&s.topo.client, &s.topo.pod] {
@@ -289,12 +298,15 @@ fn cpu_snap(ksoftirqd: &[u32]) -> CpuSnap {
 /// each captured one's; mean and 95 % CI over rounds. Then, with BPF run
 /// time statistics on, each sluice program's time per run.
 pub fn cpu(report: &mut Report, cfg: &Config, rng: &mut StdRng) -> anyhow::Result<()> {
-    let variants = [
+    let mut variants = vec![
         Variant::None,
         Variant::Iptables,
         Variant::Sluice,
         Variant::Hooks,
     ];
+    if Variant::local_route_offered() {
+        variants.push(Variant::LocalRoute);
+    }
     let setups = setups(&variants, Mode::AcceptClose)?;
     let softirqd = ksoftirqd_pids();
     for s in &setups {
@@ -338,7 +350,7 @@ pub fn cpu(report: &mut Report, cfg: &Config, rng: &mut StdRng) -> anyhow::Resul
         report.put(&format!("cpu_us_per_conn_{dn}_none"), base);
         report.put(&format!("cpu_us_per_conn_{dn}_none_ci95"), base_ci);
         let mut added = BTreeMap::new();
-        for v in [Variant::Sluice, Variant::Iptables, Variant::Hooks] {
+        for &v in variants.iter().filter(|v| **v != Variant::None) {
             let vn = v.name();
             for (suffix, m) in [("", &own), ("_systemwide", &system)] {
                 let diff: Vec<f64> = m[&(v, d)]
@@ -606,6 +618,8 @@ enum Bulk {
     NoneAtPodMss,
     /// A flow capture lets through (ztunnel's mark), on a variant's pod.
     Uncaptured(Variant),
+    /// sluice outbound, the pod's TCP on the local route (`--local-route`).
+    LocalRoute,
 }
 
 /// Scenario `bulk`: one bulk flow through capture in each direction (to the
@@ -613,9 +627,15 @@ enum Bulk {
 /// and a flow capture lets through (ztunnel's mark 0x539, to a server
 /// beside the pod), rounds in a random order. Then, with BPF run-time stats
 /// on, one captured outbound flow: how often each program ran per MiB and
-/// what a run cost (the per-packet share of the capture's cost).
+/// what a run cost (the per-packet share of the capture's cost). Besides,
+/// sluice outbound with the pod's TCP on the local route, where the kernel
+/// offers it.
 pub fn bulk(report: &mut Report, cfg: &Config, rng: &mut StdRng) -> anyhow::Result<()> {
     let setups = setups(&Variant::ALL, Mode::Discard)?;
+    let local = match Variant::local_route_offered() {
+        true => Some(Setup::new(Variant::LocalRoute, Mode::Discard)?),
+        false => None,
+    };
     let uncaptured_dst = SocketAddr::new(Family::V4.client(), BULK_PORT);
     let mut rounds: Vec<BTreeMap<Bulk, f64>> = Vec::new();
     let mut mss: BTreeMap<Bulk, u32> = BTreeMap::new();
@@ -626,6 +646,7 @@ pub fn bulk(report: &mut Report, cfg: &Config, rng: &mut StdRng) -> anyhow::Resu
             .map(|(v, d)| Bulk::Flow(v, d))
             .chain(Variant::ALL.iter().map(|v| Bulk::Uncaptured(*v)))
             .chain([Bulk::NoneAtPodMss])
+            .chain(local.as_ref().map(|_| Bulk::LocalRoute))
             .collect();
         order.shuffle(rng);
         for case in order {
@@ -658,6 +679,14 @@ pub fn bulk(report: &mut Report, cfg: &Config, rng: &mut StdRng) -> anyhow::Resu
                     Some(MARK_ZTUNNEL),
                     None,
                 ),
+                Bulk::LocalRoute => {
+                    let s = local.as_ref().context("no local route setup")?;
+                    let d = Dir::Outbound;
+                    let before = s.sink(d).accepted();
+                    let flow = bulk_flow(s.client_ns(d), s.dst(d), cfg.bulk_window, None, None);
+                    landed(s.sink(d), before + 1, "bulk over the local route")?;
+                    flow
+                }
             };
             let flow = flow.filter(|f| f.bytes_per_s > 0.0);
             let flow = flow.with_context(|| format!("bulk flow {case:?} failed"))?;
@@ -709,6 +738,24 @@ pub fn bulk(report: &mut Report, cfg: &Config, rng: &mut StdRng) -> anyhow::Resu
             Bulk::NoneAtPodMss,
         ),
     );
+    if local.is_some() {
+        report.put(
+            "bulk_gbit_s_outbound_sluice_local_route",
+            gbit(Bulk::LocalRoute),
+        );
+        report.put(
+            "bulk_snd_mss_outbound_sluice_local_route",
+            f64::from(mss[&Bulk::LocalRoute]),
+        );
+        report.put(
+            "bulk_ratio_sluice_local_route_vs_none_outbound",
+            ratio(
+                &rounds,
+                Bulk::LocalRoute,
+                Bulk::Flow(Variant::None, Dir::Outbound),
+            ),
+        );
+    }
     report.put(
         "uncaptured_throughput_gbit_s_none",
         gbit(Bulk::Uncaptured(Variant::None)),
@@ -729,30 +776,54 @@ pub fn bulk(report: &mut Report, cfg: &Config, rng: &mut StdRng) -> anyhow::Resu
             Bulk::Uncaptured(Variant::None),
         ),
     );
-    bulk_bpf_runs(report, cfg, &setups[Variant::Sluice as usize])
+    bulk_bpf_runs(
+        report,
+        cfg,
+        &setups[Variant::Sluice as usize],
+        local.as_ref(),
+    )
 }
 
 /// With BPF run-time stats on, one captured outbound bulk flow and one
 /// uncaptured: per sluice program, runs per MiB sent and ns per run, and
 /// the programs' time per MiB (`bulk_bpf_ns_per_mib_{outbound,uncaptured}`).
-fn bulk_bpf_runs(report: &mut Report, cfg: &Config, s: &Setup) -> anyhow::Result<()> {
+fn bulk_bpf_runs(
+    report: &mut Report,
+    cfg: &Config,
+    s: &Setup,
+    local: Option<&Setup>,
+) -> anyhow::Result<()> {
     let _stats =
         aya::sys::enable_stats(aya::sys::Stats::RunTime).context("BPF_ENABLE_STATS (run time)")?;
     let uncaptured_dst = SocketAddr::new(Family::V4.client(), BULK_PORT);
-    for (case, ns, dst, mark) in [
+    let local = local.map(|l| {
+        (
+            "outbound_local_route",
+            l,
+            &l.topo.pod[..],
+            l.dst(Dir::Outbound),
+            None,
+        )
+    });
+    for (case, s, ns, dst, mark) in [
         (
             "outbound",
+            s,
             s.client_ns(Dir::Outbound),
             s.dst(Dir::Outbound),
             None,
         ),
         (
             "uncaptured",
+            s,
             &s.topo.pod[..],
             uncaptured_dst,
             Some(MARK_ZTUNNEL),
         ),
-    ] {
+    ]
+    .into_iter()
+    .chain(local)
+    {
         let before = program_stats(s)?;
         let flow = bulk_flow(ns, dst, cfg.bulk_window, mark, None)
             .with_context(|| format!("bulk flow {case} with stats failed"))?;

@@ -259,7 +259,9 @@ impl metrics::Source for MapSource {
         let mut excluded = *book.retired_excluded.lock().unwrap();
         let mut dns_modes = vec![("captured", 0), ("pass-through", 0), ("off", 0)];
         let with_proxy = dp.maps().pods_with_dns_listener();
+        let mut local_route = 0;
         for (cookie, e) in dp.maps().states() {
+            local_route += u64::from(dp.maps().local_route(cookie).is_some());
             let state = e.state().map(PodState::as_str).unwrap_or("Unknown");
             if let Some(p) = pods.iter_mut().find(|(s, _)| *s == state) {
                 p.1 += 1;
@@ -285,6 +287,7 @@ impl metrics::Source for MapSource {
             hints_over_share: dp.maps().hints_over_share(),
             capture_incomplete: book.pods.incomplete().len() as u64,
             capture_unverified: book.pods.unverified() as u64,
+            local_route,
         }
     }
 }

@@ -76,6 +76,8 @@ pub struct Dataplane {
     /// How new tc attachments are made ([`Dataplane::set_tc_attach`]); pods
     /// attached otherwise before keep theirs until re-enrolled.
     tc_attach: TcAttach,
+    /// New pods' TCP takes the local route ([`Dataplane::set_local_route`]).
+    local_route: bool,
 }
 
 impl Dataplane {
@@ -140,6 +142,7 @@ impl Dataplane {
             adoption,
             features,
             tc_attach: TcAttach::default(),
+            local_route: false,
         }
     }
 
@@ -163,6 +166,22 @@ impl Dataplane {
             w => w,
         };
         self.tc_attach
+    }
+
+    /// Whether pods enrolled from now on have their TCP take the local route
+    /// (`--local-route`; see `podnet::localroute`). Only where tc programs
+    /// can read a packet's netns (the verdict on `lo` goes by it) and the
+    /// pins have `lo`'s egress program. Returns whether it is on. Pods
+    /// enrolled before keep what they have.
+    pub fn set_local_route(&mut self, wanted: bool) -> bool {
+        self.local_route =
+            wanted && self.features.netns_cookie_in_tc && self.programs.has(Program::LoOut);
+        self.local_route
+    }
+
+    /// Whether pods enrolled from now on have their TCP take the local route.
+    pub fn local_route(&self) -> bool {
+        self.local_route
     }
 
     /// Sets the node's DNS capture default and applies it to every enrolled

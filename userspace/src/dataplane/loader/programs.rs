@@ -1,4 +1,4 @@
-//! The eight programs, listed once: each one's name in the object (also its
+//! The nine programs, listed once: each one's name in the object (also its
 //! pin name under `progs/`), its kind, whether pins of an older build may
 //! lack it, and how the pins of its links under `pods/<cookie>/` are named.
 //! Loading, adopting and upgrading iterate this table.
@@ -23,6 +23,9 @@ pub enum Program {
     EgressL3,
     /// tc ingress on a pod interface without an Ethernet header.
     IngressL3,
+    /// tc egress on the pod's `lo`, for a pod whose TCP takes the local
+    /// route (`--local-route`).
+    LoOut,
 }
 
 /// How a program attaches, and so which aya type holds it.
@@ -47,7 +50,7 @@ struct Spec {
 
 impl Program {
     /// Every program, in load order.
-    pub const ALL: [Program; 8] = [
+    pub const ALL: [Program; 9] = [
         Program::Steer,
         Program::Egress,
         Program::Ingress,
@@ -56,6 +59,7 @@ impl Program {
         Program::Reroute,
         Program::EgressL3,
         Program::IngressL3,
+        Program::LoOut,
     ];
 
     /// The table.
@@ -70,6 +74,7 @@ impl Program {
             Program::Reroute => ("sluice_reroute", Tc, true, "reroute_"),
             Program::EgressL3 => ("sluice_egress_l3", Tc, true, "l3egress_"),
             Program::IngressL3 => ("sluice_ingress_l3", Tc, true, "l3ingress_"),
+            Program::LoOut => ("sluice_lo_out", Tc, true, "lo_out"),
         };
         Spec {
             name,
@@ -121,7 +126,7 @@ mod tests {
         for (i, p) in Program::ALL.into_iter().enumerate() {
             assert_eq!(p as usize, i, "{p:?} out of place in Program::ALL");
         }
-        assert_eq!(Program::ALL.len(), Program::IngressL3 as usize + 1);
+        assert_eq!(Program::ALL.len(), Program::LoOut as usize + 1);
     }
 
     #[test]

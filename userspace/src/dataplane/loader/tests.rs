@@ -49,6 +49,7 @@ fn map_entries_keep_their_layout() {
         ("hint_budget", (9, 8, 16)),
         ("hints_over_share", (6, 4, 8)),
         ("listeners", (18, 16, 4)),
+        ("local_route", (1, 8, 4)),
         ("node_netns", (2, 4, 8)),
         ("pod_exclusions", (1, 8, 5004)),
         ("pod_flags", (1, 8, 4)),

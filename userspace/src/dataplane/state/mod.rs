@@ -104,6 +104,7 @@ impl Maps {
                 optional(take("pod_flags")),
                 optional(take("pod_reroute")),
                 optional(take("pod_exclusions")),
+                optional(take("local_route")),
             ),
             observer: None,
             uids: Default::default(),
@@ -452,6 +453,18 @@ impl Maps {
         self.options.dns_on(cookie)
     }
 
+    /// Puts pod `cookie` on the local route, leaving by interface `uplink`,
+    /// or (`None`) takes it off (its `local_route` entry).
+    pub fn set_local_route(&mut self, cookie: u64, uplink: Option<u32>) -> Result<(), StateError> {
+        self.options.set_local_route(cookie, uplink)
+    }
+
+    /// The interface index pod `cookie` leaves by when its TCP takes the
+    /// local route; `None`: it does not.
+    pub fn local_route(&self, cookie: u64) -> Option<u32> {
+        self.options.local_route(cookie)
+    }
+
     /// A pod's options as they were written at its enrollment.
     pub fn options(&self, cookie: u64) -> PodOptions {
         self.options.get(cookie)
@@ -515,6 +528,7 @@ impl Maps {
                     links: Vec::new(),
                     bypass_inbound: options.bypass_inbound,
                     reroute: options.reroute,
+                    local_route: self.local_route(cookie),
                     exclusions: options.exclusions,
                     excluded: self.counters.excluded(cookie),
                 }

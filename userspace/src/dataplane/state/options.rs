@@ -1,6 +1,7 @@
 //! Per-pod options as the programs read them: flags (DNS capture, inbound
-//! bypass), the rerouted interfaces and the exclusions. Absent from pins of a build before
-//! them (a CLI adopting those: the agent's upgrade creates the maps).
+//! bypass), the rerouted interfaces, the exclusions, and whether the pod's
+//! TCP takes the local route. Absent from pins of a build before them (a
+//! CLI adopting those: the agent's upgrade creates the maps).
 
 use aya::maps::{HashMap, MapData};
 use sluice_common::{Exclusions, REROUTE_LEN};
@@ -13,6 +14,9 @@ pub struct OptionMaps {
     flags: Option<HashMap<MapData, u64, u32>>,
     reroute: Option<HashMap<MapData, u64, [u8; REROUTE_LEN]>>,
     exclusions: Option<HashMap<MapData, u64, Exclusions>>,
+    /// `local_route`: the pod's interface index, for pods whose TCP takes
+    /// the local route (`--local-route`).
+    local_route: Option<HashMap<MapData, u64, u32>>,
 }
 
 impl OptionMaps {
@@ -20,12 +24,34 @@ impl OptionMaps {
         flags: Option<HashMap<MapData, u64, u32>>,
         reroute: Option<HashMap<MapData, u64, [u8; REROUTE_LEN]>>,
         exclusions: Option<HashMap<MapData, u64, Exclusions>>,
+        local_route: Option<HashMap<MapData, u64, u32>>,
     ) -> Self {
         Self {
             flags,
             reroute,
             exclusions,
+            local_route,
         }
+    }
+
+    /// Puts pod `cookie` on the local route, leaving by interface `uplink`
+    /// (its index), or (`None`) takes it off.
+    pub fn set_local_route(&mut self, cookie: u64, uplink: Option<u32>) -> Result<(), StateError> {
+        match (&mut self.local_route, uplink) {
+            (Some(m), Some(i)) => m.insert(cookie, i, 0).map_err(merr("local_route")),
+            (Some(m), None) => {
+                let _ = m.remove(&cookie);
+                Ok(())
+            }
+            (None, None) => Ok(()),
+            (None, Some(_)) => Err(StateError::Missing("local_route")),
+        }
+    }
+
+    /// The interface index pod `cookie` leaves by when its TCP takes the
+    /// local route; `None`: it does not.
+    pub fn local_route(&self, cookie: u64) -> Option<u32> {
+        self.local_route.as_ref()?.get(&cookie, 0).ok()
     }
 
     /// Writes a pod's options (nothing to write: no entry), DNS capture
@@ -92,6 +118,9 @@ impl OptionMaps {
             let _ = m.remove(&cookie);
         }
         if let Some(m) = &mut self.exclusions {
+            let _ = m.remove(&cookie);
+        }
+        if let Some(m) = &mut self.local_route {
             let _ = m.remove(&cookie);
         }
     }

@@ -33,6 +33,9 @@ pub struct PodRecord {
     /// `istio.io/reroute-virtual-interfaces`: interfaces whose TCP is the
     /// pod's outbound.
     pub reroute: Vec<String>,
+    /// Its TCP takes the local route (`--local-route`): captured
+    /// connections run over `lo`, by the interface of this index otherwise.
+    pub local_route: Option<u32>,
     /// The exclusions in force (`traffic.sidecar.istio.io/*`, as the node's
     /// policy applied them): what the programs hold.
     pub exclusions: crate::exclusions::PodExclusions,

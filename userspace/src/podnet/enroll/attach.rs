@@ -1,7 +1,7 @@
 //! Attaching a pod's capture, one durable step at a time: its state entry
 //! (`Pending`) and options, its addresses, its routes, then its links.
 
-use std::fs;
+use std::{fs, net::IpAddr};
 
 use crate::{
     dataplane::{
@@ -12,6 +12,7 @@ use crate::{
     fault::crash_point,
     options::PodOptions,
     podnet::{
+        localroute,
         netns::Netns,
         podlinks::{self, expected_links, LinkSpec},
         podview::PodView,
@@ -48,12 +49,15 @@ pub fn attach(
 ) -> Result<(Vec<String>, Published), EnrollError> {
     let cookie = view.cookie;
     let node_dns = dp.dns_capture();
+    let local_route = local_route(dp.local_route(), view, options);
     let maps = dp.maps_mut();
     maps.attach(cookie, uid, path, workload, boottime_ns())?;
     // Before any link: a pod that bypasses inbound capture never has its
     // inbound captured. (Killed right here, the pod is enrolled without its
-    // options: captured fully, the fail-closed side.)
+    // options: captured fully, the fail-closed side.) The local route's
+    // entry too: its rules come last, once `lo`'s egress program is there.
     maps.set_options(cookie, options, node_dns)?;
+    maps.set_local_route(cookie, local_route.as_ref().map(|(uplink, _)| *uplink))?;
     crash_point("enroll:state");
     let published = publish_addrs(maps, netns, cookie, addrs, &view.addrs)?;
     crash_point("enroll:addrs");
@@ -63,7 +67,33 @@ pub fn attach(
     let indexes: Vec<u32> = view.ifaces.iter().map(|i| i.index).collect();
     routes::install_over(&view.nl, &indexes, view.lo, view.ipv6)?;
     crash_point("enroll:routes");
-    Ok((attach_links(dp, netns, view, options)?, published))
+    let held = attach_links(dp, netns, view, options, local_route.is_some())?;
+    if let Some((_, sources)) = &local_route {
+        netns.run(|| localroute::accept_marks(true))??;
+        localroute::install_over(&view.nl, view.lo, sources)?;
+        crash_point("enroll:local-route");
+    }
+    Ok((held, published))
+}
+
+/// The pod's interface index and the local route's sources, where the
+/// node offers the local route (`offered`) and the pod can take it.
+fn local_route(offered: bool, view: &PodView, options: &PodOptions) -> Option<(u32, Vec<IpAddr>)> {
+    if !offered {
+        return None;
+    }
+    let sources = localroute::sources(&view.addrs);
+    match localroute::uplink(view, options) {
+        Ok(_) if sources.is_empty() => {
+            tracing::info!("the pod's TCP keeps its interface's route: it has no address");
+            None
+        }
+        Ok(uplink) => Some((uplink, sources)),
+        Err(why) => {
+            tracing::info!("the pod's TCP keeps its interface's route: {why}");
+            None
+        }
+    }
 }
 
 /// The pod's links, each pinned as soon as attached. Returns the host-side
@@ -73,6 +103,7 @@ fn attach_links(
     netns: &Netns,
     view: &PodView,
     options: &PodOptions,
+    local_route: bool,
 ) -> Result<Vec<String>, EnrollError> {
     let ifaces = &view.names();
     let dir = dp.pins().pod(view.cookie);
@@ -88,7 +119,7 @@ fn attach_links(
     if let Some(i) = podlinks::reroute_on_l3(l3, &options.reroute) {
         return Err(EnrollError::RerouteOnL3(i.clone()));
     }
-    for spec in expected_links(ifaces, l3, &peers, &options.reroute) {
+    for spec in expected_links(ifaces, l3, &peers, &options.reroute, local_route) {
         match attach_link(dp, netns, Some(view), &dir, &spec) {
             // Taken since it was asked: the host side only costs the probe
             // exemption, never the pod.

@@ -13,7 +13,7 @@ use crate::{
         tcfilter,
     },
     podnet::{
-        hostside,
+        hostside, localroute,
         netns::Netns,
         podlinks::{self, expected_links, LinkSpec},
         podview::PodView,
@@ -56,6 +56,7 @@ pub struct SurveyPlan {
     path: String,
     dir: PathBuf,
     reroute: Vec<String>,
+    local_route: bool,
 }
 
 /// What a repair reads of a pod without the node-wide lock: its link dump
@@ -91,6 +92,7 @@ pub fn survey_plan(dp: &Dataplane, cookie: u64) -> Option<SurveyPlan> {
         path: dp.maps().meta(cookie)?.netns,
         dir: dp.pins().pod(cookie),
         reroute: dp.maps().options(cookie).reroute,
+        local_route: dp.maps().local_route(cookie).is_some(),
     })
 }
 
@@ -101,7 +103,7 @@ pub fn survey(plan: &SurveyPlan) -> Result<Survey, EnrollError> {
     let (netns, view) = read_pod(plan.cookie, &plan.path)?;
     // Pod-side links only (no peers asked): the node's netns is not needed.
     let (names, l3) = (view.names(), view.l3_names());
-    let attached = expected_links(&names, &l3, &[], &plan.reroute)
+    let attached = expected_links(&names, &l3, &[], &plan.reroute, plan.local_route)
         .into_iter()
         .filter(|spec| {
             attached_seen_from(
@@ -193,6 +195,11 @@ pub fn repair_surveyed(
     netns.run(|| routes::set_migrate_req(true))??;
     routes::install_over(&view.nl, &lacking, view.lo, view.ipv6)?;
     let relinked = relink(dp, survey)?;
+    // The local route's rules last, once `lo`'s egress program is there.
+    if dp.maps().local_route(cookie).is_some() {
+        netns.run(|| localroute::accept_marks(true))??;
+        localroute::install_over(&view.nl, view.lo, &localroute::sources(&view.addrs))?;
+    }
     let mut istio_rules = Vec::new();
     if takeover {
         istio_rules = migrate::istio_rules(netns)?;
@@ -291,7 +298,8 @@ fn links_called_for(
 ) -> Vec<LinkSpec> {
     let (peers, _) = host_peers(dp, cookie, netns, view, ifaces, false);
     let reroute = dp.maps().options(cookie).reroute;
-    expected_links(ifaces, l3, &peers, &reroute)
+    let local_route = dp.maps().local_route(cookie).is_some();
+    expected_links(ifaces, l3, &peers, &reroute, local_route)
 }
 
 /// [`missing_links`] after a repair that used `survey` (of this pod: see

@@ -16,6 +16,7 @@ use crate::{
     lifecycle::Event,
     podnet::{
         hostside::{self, HostPeer},
+        localroute,
         netns::{interfaces, Netns},
         podlinks::{self, LinkSpec, Side},
         routes,
@@ -37,7 +38,8 @@ pub fn teardown(
     // (Debris without a readable state has nothing to fail closed.)
     maps.apply(cookie, Event::Drain, boottime_ns())?;
     crash_point("unenroll:draining");
-    remove_pod_side(pins, netns, node, cookie)?;
+    let local_route = maps.local_route(cookie).is_some();
+    remove_pod_side(pins, netns, node, cookie, local_route)?;
     crash_point("unenroll:routes");
     maps.apply(cookie, Event::TornDown, 0)?;
     Ok(())
@@ -51,11 +53,13 @@ pub fn teardown_in(dp: &mut Dataplane, netns: &Netns, cookie: u64) -> Result<(),
 
 /// Removes a pod's links (and their pins) and, in its netns when that is
 /// open, its filters and routes: all of a teardown but the state entry.
+/// `local_route`: the pod may have the local route's rules.
 fn remove_pod_side(
     pins: &Pins,
     netns: Option<&Netns>,
     node: Option<&hostside::Node>,
     cookie: u64,
+    local_route: bool,
 ) -> Result<(), EnrollError> {
     // The interfaces say which filters to remove: an error here (out of
     // descriptors, say) must fail the teardown, not leave them running.
@@ -71,6 +75,11 @@ fn remove_pod_side(
             .collect(),
         None => Vec::new(),
     };
+    // The local route's rules before `lo`'s egress program: no SYN takes
+    // the route without its verdict.
+    if let Some(netns) = netns.filter(|_| local_route) {
+        netns.run(localroute::remove)??;
+    }
     remove_links(pins, cookie, &Filters::new(netns, node, &ifaces))?;
     if let Some(netns) = netns {
         netns.run(|| routes::remove(&ifaces))??;
@@ -95,7 +104,7 @@ pub fn remove_stateless(
             "no netns has this cookie any more: its filters went with it"
         );
     }
-    remove_pod_side(pins, netns.as_ref(), node, cookie)
+    remove_pod_side(pins, netns.as_ref(), node, cookie, true)
 }
 
 /// What [`remove_links`] needs to remove a pod's cls_bpf filters: the netns

@@ -65,6 +65,8 @@ pub struct Plan {
     pub dns: bool,
     /// Interfaces whose TCP is rerouted to 15001.
     pub reroute: Vec<String>,
+    /// The pod's TCP takes the local route (`lo`'s egress has a program).
+    pub local_route: bool,
     /// The pod asked for no inbound capture (`bypass-inbound-capture`):
     /// its inbound SYNs but HBONE's go where they are addressed.
     pub bypass_inbound: bool,
@@ -83,11 +85,9 @@ pub struct Plan {
     pub host: Option<HostPlan>,
     /// ztunnel's sockets registered for the pod, by role and socket cookie,
     /// as the agent holds them; `None`: listed with sock_diag in the pod's
-    /// netns (a walk of the kernel's socket tables, which the agent's
-    /// duplicates spare).
+    /// netns (a walk of the socket tables the agent's duplicates spare).
     pub listeners: Option<Vec<(Role, u64)>>,
-    /// The pod's netns as the plan read it, over a socket made inside it:
-    /// the runs ask about its hooks over the same socket.
+    /// The pod's netns over a socket made inside it, for every run's question.
     pub view: PodView,
 }
 
@@ -158,6 +158,7 @@ pub fn plan(dp: &Dataplane, cookie: u64) -> Option<Plan> {
             .collect(),
         dns: maps.dns_on(cookie),
         reroute: options.reroute,
+        local_route: maps.local_route(cookie).is_some(),
         bypass_inbound: options.bypass_inbound,
         exclusions: options.exclusions,
         ours: dp.program_ids(),
@@ -320,7 +321,7 @@ impl Run<'_> {
         let (ifaces, l3) = (view.names(), view.l3_names());
         let mut ingress = None;
         let mut egress = None;
-        for spec in expected_links(&ifaces, &l3, &[], &self.plan.reroute) {
+        for spec in expected_links(&ifaces, &l3, &[], &self.plan.reroute, self.plan.local_route) {
             let Some(hook) = spec.tc_hook() else {
                 continue;
             };

@@ -1,0 +1,145 @@
+//! The local route (`--local-route`, issue 42) beyond the contract rows,
+//! which run on it too (`contract::local_route::*`): what it is for (a
+//! captured connection gets loopback's MSS), what a pod can do to it, and
+//! where it is not offered.
+
+use std::{
+    net::{SocketAddr, TcpStream},
+    time::Duration,
+};
+
+use anyhow::ensure;
+use libtest_mimic::Trial;
+use sluice_common::{PodState, Role};
+use sluice_tests::{
+    harness::{as_if_kernel, without_netns_cookie_in_tc, Fixture, REMOTE_PORT},
+    ns::{exec, run_in},
+    standin::Bind,
+    topology::{has_local_route_rule, Family},
+    wait,
+};
+
+use crate::{local_route_trial, trial, TestResult};
+
+pub fn trials() -> Vec<Trial> {
+    let mut v = Vec::new();
+    for fam in [Family::V4, Family::V6] {
+        v.push(local_route_trial(
+            format!(
+                "local_route::{}::a_captured_connection_gets_loopbacks_mss",
+                fam.name()
+            ),
+            move || captured_mss(fam),
+        ));
+        v.push(local_route_trial(
+            format!(
+                "local_route::{}::a_pod_that_deletes_the_rule_is_still_captured_and_repair_restores_it",
+                fam.name()
+            ),
+            move || rule_deleted(fam),
+        ));
+    }
+    v.push(trial(
+        "local_route::not_offered_where_tc_programs_cannot_read_the_netns",
+        || as_if_kernel(without_netns_cookie_in_tc(), not_offered),
+    ));
+    v
+}
+
+fn enabled(tag: &str) -> anyhow::Result<Fixture> {
+    let f = Fixture::new(tag, Some(Bind::DualStack))?;
+    let e = f.enroll()?;
+    ensure!(e.state == PodState::Enabled, "expected Enabled, got {e:?}");
+    Ok(f)
+}
+
+/// Connects from the pod to the "remote" server's address; the client
+/// socket's MSS.
+fn connect_mss(f: &Fixture, dst: SocketAddr) -> anyhow::Result<u32> {
+    run_in(&f.topo.pod, move || -> anyhow::Result<u32> {
+        let s = TcpStream::connect_timeout(&dst, Duration::from_secs(2))?;
+        Ok(socket2::SockRef::from(&s).mss()?)
+    })
+}
+
+/// The one connection the stand-in took is an outbound one to `dst` (its
+/// accept is recorded by the stand-in's thread: waited for).
+fn captured_once(f: &Fixture, dst: SocketAddr) -> TestResult {
+    wait::until("the stand-in's accept", wait::DEADLINE, || {
+        match f.standin().accepted().len() {
+            0 => Err("none yet"),
+            _ => Ok(()),
+        }
+    })?;
+    let acc = f.standin().accepted();
+    ensure!(
+        acc.len() == 1,
+        "expected one accepted connection, got {acc:?}"
+    );
+    ensure!(
+        acc[0].role == Role::Outbound,
+        "accepted by {:?}",
+        acc[0].role
+    );
+    ensure!(acc[0].local == dst, "15001 took it for {}", acc[0].local);
+    Ok(())
+}
+
+fn captured_mss(fam: Family) -> TestResult {
+    let f = enabled("lr-mss")?;
+    let dst = SocketAddr::new(fam.client(), REMOTE_PORT);
+    let mss = connect_mss(&f, dst)?;
+    // The veth's MTU is 1500: 1,460 (IPv4) or 1,440 (IPv6) at most over it.
+    ensure!(
+        mss > 1500,
+        "the captured connection's MSS is {mss}: not loopback's"
+    );
+    captured_once(&f, dst)?;
+    ensure!(
+        f.pod_record()?.local_route.is_some(),
+        "status does not show the local route"
+    );
+    Ok(())
+}
+
+/// A pod with NET_ADMIN deletes the rule: its TCP takes the interface's
+/// route again and is captured there, as without the local route; a
+/// repair puts the rule back.
+fn rule_deleted(fam: Family) -> TestResult {
+    let f = enabled("lr-del")?;
+    let family = if fam == Family::V6 { "-6" } else { "-4" };
+    exec(&f.topo.pod, &["ip", family, "rule", "del", "pref", "32763"])?;
+    ensure!(!has_local_route_rule(&f.topo.pod, fam == Family::V6)?);
+    let dst = SocketAddr::new(fam.client(), REMOTE_PORT);
+    let mss = connect_mss(&f, dst)?;
+    ensure!(mss <= 1460, "MSS {mss}: still over lo without the rule?");
+    captured_once(&f, dst)?;
+    let mut dp = f.dataplane()?;
+    let cookie = f.pod_record()?.netns_cookie;
+    sluice::podnet::enroll::repair(&mut dp, cookie, false)?;
+    ensure!(
+        has_local_route_rule(&f.topo.pod, fam == Family::V6)?,
+        "the repair did not restore the rule"
+    );
+    Ok(())
+}
+
+fn not_offered() -> TestResult {
+    let f = Fixture::new("lr-no", Some(Bind::DualStack))?;
+    let mut dp = f.dataplane()?;
+    ensure!(
+        !dp.set_local_route(true),
+        "offered without netns cookies in tc"
+    );
+    let e =
+        sluice::podnet::enroll::enroll(&mut dp, &f.topo.pod_netns_path(), &f.uid, &f.workload())?;
+    ensure!(e.state == PodState::Enabled, "{e:?}");
+    for v6 in [false, true] {
+        ensure!(
+            !has_local_route_rule(&f.topo.pod, v6)?,
+            "a local route rule (IPv6: {v6})"
+        );
+    }
+    ensure!(f.pod_record()?.local_route.is_none());
+    Ok(())
+}
