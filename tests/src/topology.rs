@@ -206,6 +206,15 @@ impl Drop for Topology {
         if let Err(e) = sluice::podnet::enroll::uninstall(&self.pins, None) {
             eprintln!("cleanup: uninstall {}: {e}", self.pins.root().display());
         }
+        // Whatever the uninstall left (a test of a leak fails, and must not
+        // leak itself): the root is the test's own.
+        if self.pins.root().exists() {
+            eprintln!(
+                "cleanup: the uninstall left {}: removed",
+                self.pins.root().display()
+            );
+            let _ = std::fs::remove_dir_all(self.pins.root());
+        }
         for ns in [&self.pod, &self.client] {
             let _ = ip(&["netns", "del", ns]);
         }

@@ -63,6 +63,10 @@ pub fn trials() -> Vec<Trial> {
             stateless_pins,
         ),
         trial(
+            "lifecycle::uninstall_removes_the_maps_of_a_migration_that_failed",
+            uninstall_after_failed_migration,
+        ),
+        trial(
             "lifecycle::a_hung_iptables_tool_is_killed_and_the_enroll_backs_out",
             hung_iptables,
         ),
@@ -650,6 +654,30 @@ fn uninstall_with_maps_lost() -> TestResult {
         anyhow::bail!("left in the pod after the uninstall: {left}");
     }
     ensure!(!inbound_captured(&f)?, "still captured after the uninstall");
+    Ok(())
+}
+
+/// A migration that failed (or was killed) before its renames leaves this
+/// build's maps under `maps_next/` (the next start's upgrade removes them);
+/// an uninstall in between must remove them too, and with them the root.
+fn uninstall_after_failed_migration() -> TestResult {
+    let f = Fixture::new("mnx", Some(Bind::DualStack))?;
+    f.enroll()?;
+    let next = f.topo.pins.root().join("maps_next");
+    std::fs::create_dir_all(&next)?;
+    // A second pin of a real map stands in for one the migration created.
+    aya::maps::MapData::from_pin(f.topo.pins.maps().join("pod_state"))?
+        .pin(next.join("pod_state"))?;
+    let out = sluice(&f, &["uninstall"])?;
+    ensure!(out.ok, "uninstall failed: {}{}", out.stdout, out.stderr);
+    ensure!(
+        !f.topo.pins.root().exists(),
+        "left after the uninstall: {:?}",
+        std::fs::read_dir(f.topo.pins.root())?
+            .flatten()
+            .map(|e| e.path())
+            .collect::<Vec<_>>()
+    );
     Ok(())
 }
 

@@ -10,10 +10,11 @@ use std::{
 
 use anyhow::ensure;
 use libtest_mimic::Trial;
+use sluice::{exclusions::PodExclusions, options::PodOptions};
 use sluice_common::{PodState, Role};
 use sluice_tests::{
     harness::{as_if_kernel, without_netns_cookie_in_tc, Fixture, REMOTE_PORT},
-    ns::{exec, run_in},
+    ns::{exec, output, run_in},
     standin::Bind,
     topology::{has_local_route_rule, Family},
     wait,
@@ -37,6 +38,13 @@ pub fn trials() -> Vec<Trial> {
                 fam.name()
             ),
             move || rule_deleted(fam),
+        ));
+        v.push(local_route_trial(
+            format!(
+                "local_route::{}::an_excluded_port_takes_the_interfaces_route_until_the_exclusion_goes",
+                fam.name()
+            ),
+            move || excluded(fam),
         ));
     }
     v.push(trial(
@@ -122,6 +130,56 @@ fn rule_deleted(fam: Family) -> TestResult {
         "the repair did not restore the rule"
     );
     Ok(())
+}
+
+/// A pod that excludes the remote server's port: its connection there has
+/// a rule of its own to the main table (the interface's route and MSS, not
+/// captured); once the exclusion goes, so does the rule, and the next
+/// connection is captured over `lo`.
+fn excluded(fam: Family) -> TestResult {
+    let f = Fixture::new("lr-exc", Some(Bind::DualStack))?;
+    let x = PodExclusions {
+        exclude_outbound_ports: vec![REMOTE_PORT],
+        ..Default::default()
+    };
+    let e = f.enroll_with(PodOptions {
+        exclusions: x,
+        ..PodOptions::default()
+    })?;
+    ensure!(e.state == PodState::Enabled, "expected Enabled, got {e:?}");
+    let rules = || -> anyhow::Result<usize> {
+        let family = if fam == Family::V6 { "-6" } else { "-4" };
+        let shown = output(
+            &f.topo.pod,
+            &["ip", family, "rule", "show", "pref", "32762"],
+        )?;
+        Ok(shown.lines().filter(|l| l.contains("lookup main")).count())
+    };
+    ensure!(rules()? == 1, "no exclusion rule: {}", rules()?);
+    let dst = SocketAddr::new(fam.client(), REMOTE_PORT);
+    let mss = connect_mss(&f, dst)?;
+    ensure!(
+        mss <= 1460,
+        "the excluded connection's MSS is {mss}: routed over lo"
+    );
+    ensure!(
+        f.standin().accepted().is_empty(),
+        "the excluded connection was captured"
+    );
+    let mut dp = f.dataplane()?;
+    let cookie = e.cookie;
+    ensure!(sluice::podnet::enroll::set_exclusions(
+        &mut dp,
+        cookie,
+        &PodExclusions::default()
+    )?);
+    drop(dp);
+    ensure!(rules()? == 0, "the exclusion rule stayed");
+    ensure!(
+        connect_mss(&f, dst)? > 1500,
+        "not over lo once the exclusion went"
+    );
+    captured_once(&f, dst)
 }
 
 fn not_offered() -> TestResult {

@@ -9,6 +9,13 @@
 //! sysctl net.ipv4.tcp_fwmark_accept=1
 //! ```
 //!
+//! The pod's outbound exclusions come first, to the main table (`iif lo
+//! ipproto tcp dport P lookup main`, `… to RANGE lookup main`, pref 32762),
+//! and with an include list the rule is one per included range (`… to
+//! RANGE lookup 101`): an excluded connection is routed by the interface
+//! from `connect()` on, with the interface's MSS. (The programs decide
+//! regardless: a rule missing or late only costs speed.)
+//!
 //! `iif lo` is every locally sent packet (source validation of inbound
 //! packets is not). `fwmark 0/0xfff` leaves out ztunnel's sockets (0x539),
 //! redirected packets (0x111) and `MARK_DIRECT`: the ingress program marks
@@ -25,20 +32,25 @@
 
 use std::net::IpAddr;
 
+use ipnet::IpNet;
+
 use netlink_packet_core::{NLM_F_CREATE, NLM_F_EXCL};
 use netlink_packet_route::{
     route::{RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteScope, RouteType},
-    rule::{RuleAction, RuleAttribute, RuleMessage},
+    rule::{RuleAction, RuleAttribute, RuleMessage, RulePortRange},
     AddressFamily, IpProtocol, RouteNetlinkMessage,
 };
 use sluice_common::{LOCAL_ROUTE_PRIORITY, LOCAL_ROUTE_TABLE, MARK_MASK};
 
 use crate::{
+    exclusions::{Include, PodExclusions},
     options::PodOptions,
     podnet::{podview::PodView, routes::RouteError, rtnl::Rtnl, sysctl},
 };
 
 const TCP_FWMARK_ACCEPT: &str = "net/ipv4/tcp_fwmark_accept";
+/// The main routing table's id.
+const RT_TABLE_MAIN: u32 = 254;
 
 /// Why a pod's TCP keeps its interface's route, or the index of the
 /// interface it leaves by on the local route.
@@ -69,22 +81,100 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> RouteError {
     move |source| RouteError::Io { what, source }
 }
 
-/// Installs the routes, then the rules (nothing takes a route before its
-/// rule exists), over `nl` (a socket in the pod's netns); `lo`: its index.
+/// Installs the routes, then the rules for exclusions `x` (nothing takes a
+/// route before its rule exists, and exclusions come before the local
+/// route's), over `nl` (a socket in the pod's netns); `lo`: its index.
 /// Idempotent. The sysctl is [`accept_marks`]'.
-pub fn install_over(nl: &Rtnl, lo: u32, sources: &[IpAddr]) -> Result<(), RouteError> {
+pub fn install_over(
+    nl: &Rtnl,
+    lo: u32,
+    sources: &[IpAddr],
+    x: &PodExclusions,
+) -> Result<(), RouteError> {
     for src in sources {
-        add(
-            nl,
-            RouteNetlinkMessage::NewRoute(route(lo, family(src), Some(*src))),
-        )
-        .map_err(io(format!("adding the local route from {src}")))?;
+        let route = route(lo, family(src), Some(*src));
+        add(nl, RouteNetlinkMessage::NewRoute(route))
+            .map_err(io(format!("adding the local route from {src}")))?;
     }
-    for src in sources {
-        add(nl, RouteNetlinkMessage::NewRule(rule(family(src))))
-            .map_err(io(format!("adding the local route's rule for {src}")))?;
+    for r in rules(sources, x) {
+        let what = format!("adding the local route's rule {:?}", r.attributes);
+        add(nl, RouteNetlinkMessage::NewRule(r)).map_err(io(what))?;
     }
     Ok(())
+}
+
+/// Replaces the pod's rules with those of exclusions `x` (they changed):
+/// the old ones go first, so that meanwhile the pod's TCP takes the
+/// interface's route (captured there, as without the local route).
+pub fn replace_rules(
+    nl: &Rtnl,
+    lo: u32,
+    sources: &[IpAddr],
+    x: &PodExclusions,
+) -> Result<(), RouteError> {
+    remove_rules(nl)?;
+    install_over(nl, lo, sources, x)
+}
+
+/// Every rule of the local route, by priority (the exclusions' and its
+/// own), in both families.
+fn remove_rules(nl: &Rtnl) -> Result<(), RouteError> {
+    for f in [AddressFamily::Inet, AddressFamily::Inet6] {
+        for pref in [LOCAL_ROUTE_PRIORITY - 1, LOCAL_ROUTE_PRIORITY] {
+            // One rule a request, until none of the priority is left (at
+            // most 2 × EXCLUSIONS_MAX + 1; the bound only guards against a
+            // kernel that keeps answering yes).
+            for _ in 0..=2 * sluice_common::EXCLUSIONS_MAX + 1 {
+                let mut m = RuleMessage::default();
+                m.header.family = f;
+                m.attributes = vec![RuleAttribute::Priority(pref)];
+                if !del(nl, RouteNetlinkMessage::DelRule(m))
+                    .map_err(io("removing the local route's rules"))?
+                {
+                    break;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The rules of a pod with addresses `sources` and exclusions `x`: its
+/// exclusions' (to the main table), then the local route's, per family.
+fn rules(sources: &[IpAddr], x: &PodExclusions) -> Vec<RuleMessage> {
+    let mut out = Vec::new();
+    for f in sources.iter().map(family) {
+        let of_family = |n: &&IpNet| family(&n.addr()) == f;
+        let excluded = |more| rule(f, LOCAL_ROUTE_PRIORITY - 1, RT_TABLE_MAIN, more);
+        for &port in &x.exclude_outbound_ports {
+            let range = RulePortRange {
+                start: port,
+                end: port,
+            };
+            out.push(excluded(vec![RuleAttribute::DestinationPortRange(range)]));
+        }
+        for net in x.exclude_outbound_ip_ranges.iter().filter(of_family) {
+            out.push(to(excluded(vec![]), net));
+        }
+        // `fwmark 0/0xfff`: a socket without a mark of the mesh's.
+        let unmarked = vec![RuleAttribute::FwMark(0), RuleAttribute::FwMask(MARK_MASK)];
+        let captured = || rule(f, LOCAL_ROUTE_PRIORITY, LOCAL_ROUTE_TABLE, unmarked.clone());
+        match &x.include_outbound_ip_ranges {
+            Include::All => out.push(captured()),
+            Include::Only(nets) => {
+                out.extend(nets.iter().filter(of_family).map(|n| to(captured(), n)))
+            }
+        }
+    }
+    out
+}
+
+/// `rule` for destinations in `net` only.
+fn to(mut rule: RuleMessage, net: &IpNet) -> RuleMessage {
+    rule.header.dst_len = net.prefix_len();
+    rule.attributes
+        .push(RuleAttribute::Destination(net.network()));
+    rule
 }
 
 fn add(nl: &Rtnl, msg: RouteNetlinkMessage) -> std::io::Result<()> {
@@ -108,10 +198,7 @@ pub fn accept_marks(on: bool) -> Result<(), RouteError> {
 pub fn remove() -> Result<(), RouteError> {
     let nl = Rtnl::open().map_err(io("rtnetlink socket"))?;
     let lo = nix::net::if_::if_nametoindex("lo").map_err(|e| io("finding lo")(e.into()))?;
-    for f in [AddressFamily::Inet, AddressFamily::Inet6] {
-        del(&nl, RouteNetlinkMessage::DelRule(rule(f)))
-            .map_err(io("removing the local route's rule"))?;
-    }
+    remove_rules(&nl)?;
     for f in [AddressFamily::Inet, AddressFamily::Inet6] {
         del(&nl, RouteNetlinkMessage::DelRoute(route(lo, f, None)))
             .map_err(io("removing the local route"))?;
@@ -126,10 +213,11 @@ pub fn remove() -> Result<(), RouteError> {
     }
 }
 
-fn del(nl: &Rtnl, msg: RouteNetlinkMessage) -> std::io::Result<()> {
+/// Deletes one entry; `false` when there was none.
+fn del(nl: &Rtnl, msg: RouteNetlinkMessage) -> std::io::Result<bool> {
     match nl.request(msg) {
-        Err(e) if matches!(e.raw_os_error(), Some(libc::ESRCH | libc::ENOENT)) => Ok(()),
-        r => r.map(drop),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ESRCH | libc::ENOENT)) => Ok(false),
+        r => r.map(|_| true),
     }
 }
 
@@ -148,20 +236,23 @@ fn table_byte() -> u8 {
     }
 }
 
-/// `iif lo ipproto tcp fwmark 0/0xfff lookup 101 pref 32763`.
-fn rule(family: AddressFamily) -> RuleMessage {
+/// `iif lo ipproto tcp [more] lookup TABLE pref PREF`.
+fn rule(family: AddressFamily, pref: u32, table: u32, more: Vec<RuleAttribute>) -> RuleMessage {
     let mut m = RuleMessage::default();
     m.header.family = family;
     m.header.action = RuleAction::ToTable;
-    m.header.table = table_byte();
+    m.header.table = if table < 256 {
+        table as u8
+    } else {
+        RouteHeader::RT_TABLE_UNSPEC
+    };
     m.attributes = vec![
         RuleAttribute::Iifname("lo".into()),
         RuleAttribute::IpProtocol(IpProtocol::Tcp),
-        RuleAttribute::FwMark(0),
-        RuleAttribute::FwMask(MARK_MASK),
-        RuleAttribute::Priority(LOCAL_ROUTE_PRIORITY),
-        RuleAttribute::Table(LOCAL_ROUTE_TABLE),
+        RuleAttribute::Priority(pref),
+        RuleAttribute::Table(table),
     ];
+    m.attributes.extend(more);
     m
 }
 

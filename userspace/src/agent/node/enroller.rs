@@ -132,7 +132,8 @@ impl Enroller {
             let Some(cookie) = book.cookie_of(&uid) else {
                 return Ok(false);
             };
-            Ok(book.dataplane().set_exclusions(cookie, &x)?)
+            let mut dp = book.dataplane();
+            Ok(crate::podnet::enroll::set_exclusions(&mut dp, cookie, &x)?)
         })
         .await?
     }

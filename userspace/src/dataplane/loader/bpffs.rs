@@ -52,7 +52,9 @@ pub fn lock(pins: &Pins) -> Result<nix::fcntl::Flock<fs::File>, LoadError> {
 
 /// Removes the node-wide pins (programs, maps) and the root, if no pod remains.
 pub fn remove_node_pins(pins: &Pins) -> Result<(), LoadError> {
-    for dir in [pins.progs(), pins.maps()] {
+    // With the maps of a migration that failed or was killed before its
+    // renames (the next start's upgrade would have removed them).
+    for dir in [pins.progs(), pins.maps(), super::maps_next::dir(pins)] {
         if let Ok(entries) = fs::read_dir(&dir) {
             for e in entries.flatten() {
                 fs::remove_file(e.path())

@@ -70,7 +70,7 @@ pub fn attach(
     let held = attach_links(dp, netns, view, options, local_route.is_some())?;
     if let Some((_, sources)) = &local_route {
         netns.run(|| localroute::accept_marks(true))??;
-        localroute::install_over(&view.nl, view.lo, sources)?;
+        localroute::install_over(&view.nl, view.lo, sources, &options.exclusions)?;
         crash_point("enroll:local-route");
     }
     Ok((held, published))

@@ -192,6 +192,26 @@ pub fn back_out(dp: &mut Dataplane, netns: &Netns, cookie: u64) {
     }
 }
 
+/// Puts exclusions `x` in force for enrolled pod `cookie` (for its new
+/// connections; open ones keep their path), and on the local route its
+/// rules with them. Returns whether anything changed.
+pub fn set_exclusions(
+    dp: &mut Dataplane,
+    cookie: u64,
+    x: &crate::exclusions::PodExclusions,
+) -> Result<bool, EnrollError> {
+    if !dp.set_exclusions(cookie, x)? {
+        return Ok(false);
+    }
+    if dp.maps().local_route(cookie).is_some() {
+        let netns = open_pod_netns(dp.maps(), cookie)?;
+        let view = PodView::open(&netns)?;
+        let sources = crate::podnet::localroute::sources(&view.addrs);
+        crate::podnet::localroute::replace_rules(&view.nl, view.lo, &sources, x)?;
+    }
+    Ok(true)
+}
+
 /// Re-registers the listeners of an enrolled pod (after ztunnel (re)started).
 pub fn register_uid(dp: &mut Dataplane, uid: &PodUid) -> Result<Enrolled, EnrollError> {
     let cookie = dp

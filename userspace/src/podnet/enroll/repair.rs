@@ -198,7 +198,8 @@ pub fn repair_surveyed(
     // The local route's rules last, once `lo`'s egress program is there.
     if dp.maps().local_route(cookie).is_some() {
         netns.run(|| localroute::accept_marks(true))??;
-        localroute::install_over(&view.nl, view.lo, &localroute::sources(&view.addrs))?;
+        let x = dp.maps().options(cookie).exclusions;
+        localroute::install_over(&view.nl, view.lo, &localroute::sources(&view.addrs), &x)?;
     }
     let mut istio_rules = Vec::new();
     if takeover {
