@@ -184,7 +184,16 @@ pub fn ingress<const L2: usize>(ctx: &TcContext) -> i32 {
     let Some(t) = parse_tcp::<L2>(ctx) else {
         return TC_OK;
     };
-    if !t.is_syn() || mark(ctx) & MARK_MASK == MARK_REDIRECT {
+    let mesh = mark(ctx) & MARK_MASK;
+    // Under the local route (`--local-route`) a socket the app accepts takes
+    // the mark of the segment that made it (`tcp_fwmark_accept`: the SYN, or
+    // a SYN-cookie handshake's ACK): marked, its answers leave by the main
+    // table, not the local route. (ztunnel's listeners have their own mark,
+    // which wins; without the local route the mark is read by no one.)
+    if mesh == 0 {
+        ctx.set_mark(mark(ctx) | MARK_DIRECT);
+    }
+    if !t.is_syn() || mesh == MARK_REDIRECT {
         // Established traffic, or our own egress redirect (already checked there).
         return TC_OK;
     }
@@ -198,14 +207,7 @@ pub fn ingress<const L2: usize>(ctx: &TcContext) -> i32 {
         }
         return TC_OK;
     };
-    let verdict = inbound_syn(ctx, w, cookie, &t);
-    // Under the local route, the app's request socket takes the SYN's mark
-    // (`tcp_fwmark_accept`): its answers leave by the main table, not the
-    // local route. (ztunnel's listeners have their own mark, which wins.)
-    if verdict == TC_OK && unsafe { LOCAL_ROUTE.get(cookie) }.is_some() {
-        ctx.set_mark((mark(ctx) & !MARK_MASK) | MARK_DIRECT);
-    }
-    verdict
+    inbound_syn(ctx, w, cookie, &t)
 }
 
 /// [`ingress`]'s verdict on a SYN addressed to pod `cookie`.
@@ -364,8 +366,7 @@ pub fn lo_ingress(ctx: &TcContext) -> i32 {
             // another, spoofed source plants no hint: it could otherwise
             // exempt a later real inbound connection with the same tuple.
             // ztunnel's mark first: it spares ztunnel's SYNs the address lookup.
-            let ztunnel = mark(ctx) & MARK_MASK == MARK_ZTUNNEL;
-            let exempt = ztunnel
+            let exempt = mark(ctx) & MARK_MASK == MARK_ZTUNNEL
                 || is_loopback(t.family, &t.saddr)
                 || (cookie != 0 && pod_of(t.family, &t.saddr) == Some(cookie));
             // A SYN that is not exempt is steered nowhere either: sk_lookup
@@ -375,20 +376,31 @@ pub fn lo_ingress(ctx: &TcContext) -> i32 {
             // share for all such SYNs.)
             if exempt {
                 put_charged_hint(cookie, &flow_key(&t), HintVerdict::Local, 0);
-                // Under the local route the app's request socket takes the
-                // SYN's mark (`tcp_fwmark_accept`): with ztunnel's, the
-                // app's answers would take the main table and leave the pod
-                // marked as ztunnel's own. Without a mark they take the
-                // local route back to ztunnel's socket.
-                if ztunnel && cookie != 0 && unsafe { LOCAL_ROUTE.get(cookie) }.is_some() {
-                    ctx.set_mark(mark(ctx) & !MARK_MASK);
-                }
             } else if !take_lo_out_hint(&t) {
                 forget_hint(&flow_key(&t));
             }
         }
+        unmark_ztunnels(ctx, &t);
     }
     TC_OK
+}
+
+/// Under the local route a socket the app accepts takes the mark of the
+/// segment that made it (`tcp_fwmark_accept`: ztunnel's SYN, or a
+/// SYN-cookie handshake's ACK). With ztunnel's mark, the app's answers would
+/// take the main table and leave the pod as ztunnel's own, uncaptured: the
+/// mark goes from every ztunnel segment to such a pod, and the answers take
+/// the local route back to ztunnel's socket.
+#[inline(always)]
+fn unmark_ztunnels(ctx: &TcContext, t: &Tcp) {
+    if mark(ctx) & MARK_MASK != MARK_ZTUNNEL {
+        return;
+    }
+    let on_local_route =
+        pod_of(t.family, &t.daddr).is_some_and(|pod| unsafe { LOCAL_ROUTE.get(pod) }.is_some());
+    if on_local_route {
+        ctx.set_mark(mark(ctx) & !MARK_MASK);
+    }
 }
 
 /// Egress on the host side of a pod's veth, in the node's netns: a SYN that
@@ -432,7 +444,10 @@ fn take_lo_out_hint(t: &Tcp) -> bool {
     };
     let hint = unsafe { *h };
     let fresh = unsafe { bpf_ktime_get_ns() }.wrapping_sub(hint.at_ns) <= FLOW_HINT_TTL_NS;
-    if hint.flags & (HINT_LO_OUT | HINT_LO_TAKEN) != HINT_LO_OUT || !fresh {
+    // A source that is a pod's address is that pod's hint or none (another
+    // pod's SYN with its tuple takes nothing).
+    let its = pod_of(t.family, &t.saddr).is_none_or(|owner| owner == hint.netns_cookie);
+    if hint.flags & (HINT_LO_OUT | HINT_LO_TAKEN) != HINT_LO_OUT || !fresh || !its {
         return false;
     }
     unsafe { (*h).flags = hint.flags | HINT_LO_TAKEN };

@@ -46,6 +46,13 @@ pub fn trials() -> Vec<Trial> {
             ),
             move || excluded(fam),
         ));
+        v.push(local_route_trial(
+            format!(
+                "local_route::{}::a_pod_with_connections_open_at_enrollment_keeps_its_interfaces_route",
+                fam.name()
+            ),
+            move || open_before(fam),
+        ));
     }
     v.push(trial(
         "local_route::not_offered_where_tc_programs_cannot_read_the_netns",
@@ -155,12 +162,27 @@ fn excluded(fam: Family) -> TestResult {
         )?;
         Ok(shown.lines().filter(|l| l.contains("lookup main")).count())
     };
-    ensure!(rules()? == 1, "no exclusion rule: {}", rules()?);
+    // The port's rule and the probe address's.
+    ensure!(rules()? == 2, "{} exclusion rules, want 2", rules()?);
     let dst = SocketAddr::new(fam.client(), REMOTE_PORT);
     let mss = connect_mss(&f, dst)?;
     ensure!(
         mss <= 1460,
         "the excluded connection's MSS is {mss}: routed over lo"
+    );
+    ensure!(
+        f.standin().accepted().is_empty(),
+        "the excluded connection was captured"
+    );
+    // Without its rule (a pod with NET_ADMIN deleted them), an excluded
+    // connection goes over `lo`, and `lo`'s egress program sends it out.
+    let family = if fam == Family::V6 { "-6" } else { "-4" };
+    while exec(&f.topo.pod, &["ip", family, "rule", "del", "pref", "32762"]).is_ok() {}
+    let r = sluice_tests::flow::connect(&f.topo.pod, dst, Default::default());
+    ensure!(
+        r.reply()
+            .is_some_and(|l| l.starts_with(&format!("app:{REMOTE_PORT}"))),
+        "the excluded connection without its rule: {r:?}"
     );
     ensure!(
         f.standin().accepted().is_empty(),
@@ -174,12 +196,42 @@ fn excluded(fam: Family) -> TestResult {
         &PodExclusions::default()
     )?);
     drop(dp);
-    ensure!(rules()? == 0, "the exclusion rule stayed");
+    ensure!(
+        rules()? == 1,
+        "the exclusion rule stayed (the probe address's stays)"
+    );
     ensure!(
         connect_mss(&f, dst)? > 1500,
         "not over lo once the exclusion went"
     );
     captured_once(&f, dst)
+}
+
+/// A pod enrolled with a connection open (it ran before: sluice installed
+/// under it, or taken over from istio-cni) keeps its interface's route: the
+/// rule would re-route that connection over `lo`.
+fn open_before(fam: Family) -> TestResult {
+    let f = Fixture::new("lr-open", Some(Bind::DualStack))?;
+    let dst = SocketAddr::new(fam.client(), REMOTE_PORT);
+    let mut held = sluice_tests::flow::Held::open(&f.topo.pod, dst)?;
+    ensure!(f.enroll()?.state == PodState::Enabled);
+    ensure!(
+        f.pod_record()?.local_route.is_none(),
+        "put on the local route"
+    );
+    for v6 in [false, true] {
+        ensure!(
+            !has_local_route_rule(&f.topo.pod, v6)?,
+            "a local route rule (IPv6: {v6})"
+        );
+    }
+    let r = held.exchange();
+    ensure!(
+        r.reply()
+            .is_some_and(|l| l.starts_with(&format!("app:{REMOTE_PORT}"))),
+        "the open connection: {r:?}"
+    );
+    Ok(())
 }
 
 fn not_offered() -> TestResult {

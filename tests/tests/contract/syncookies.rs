@@ -24,7 +24,7 @@ use sluice_tests::{
     wait,
 };
 
-use crate::{trial, TestResult};
+use crate::{local_route_trial, trial, TestResult};
 
 type Row = (&'static str, fn(Family) -> TestResult);
 
@@ -65,6 +65,12 @@ pub fn trials() -> Vec<Trial> {
             v.push(trial(
                 format!("syncookies::no_tcx::{}::{name}", fam.name()),
                 move || as_if_kernel(without_tcx(), || f(fam)),
+            ));
+            // On the local route: the cookie ACK makes the app's socket
+            // (which takes its mark) and ztunnel's kept hint serves it.
+            v.push(local_route_trial(
+                format!("syncookies::local_route::{}::{name}", fam.name()),
+                move || f(fam),
             ));
         }
         // Rerouting needs netns cookies in tc (refused without: options.rs).

@@ -40,12 +40,14 @@ use netlink_packet_route::{
     rule::{RuleAction, RuleAttribute, RuleMessage, RulePortRange},
     AddressFamily, IpProtocol, RouteNetlinkMessage,
 };
-use sluice_common::{LOCAL_ROUTE_PRIORITY, LOCAL_ROUTE_TABLE, MARK_MASK};
+use sluice_common::{
+    LOCAL_ROUTE_PRIORITY, LOCAL_ROUTE_TABLE, MARK_MASK, PROBE_ADDR_V4, PROBE_ADDR_V6,
+};
 
 use crate::{
     exclusions::{Include, PodExclusions},
     options::PodOptions,
-    podnet::{podview::PodView, routes::RouteError, rtnl::Rtnl, sysctl},
+    podnet::{netns::Netns, podview::PodView, routes::RouteError, rtnl::Rtnl, sysctl},
 };
 
 const TCP_FWMARK_ACCEPT: &str = "net/ipv4/tcp_fwmark_accept";
@@ -65,12 +67,66 @@ pub fn uplink(view: &PodView, options: &PodOptions) -> Result<u32, &'static str>
     }
 }
 
+/// Whether the pod can take the local route now: the index of the
+/// interface it leaves by and the route's sources, or why not. A pod with
+/// open TCP connections is not offered it (it runs already: sluice was
+/// installed under it, or it is taken over from istio-cni): the rule would
+/// re-route them over `lo` with loopback's MTU, and out of the pod by
+/// `lo`'s egress program at the peer's MSS alone, which an interface of a
+/// smaller MTU drops. Call from outside `netns`.
+pub fn offer(
+    netns: &Netns,
+    view: &PodView,
+    options: &PodOptions,
+) -> Result<(u32, Vec<IpAddr>), String> {
+    let uplink = uplink(view, options).map_err(str::to_owned)?;
+    let sources = sources(view);
+    if sources.is_empty() {
+        return Err("it has no address".into());
+    }
+    let open = netns
+        .run(open_tcp_connections)
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("cannot count its TCP connections: {e}"))?;
+    if open > 0 {
+        return Err(format!("it has {open} TCP connections open already"));
+    }
+    Ok((uplink, sources))
+}
+
+/// TCP sockets of the calling thread's netns in a state that has a peer
+/// (not listening, closed or in TIME_WAIT), from `/proc/thread-self/net`.
+fn open_tcp_connections() -> std::io::Result<usize> {
+    const LISTEN: &str = "0A";
+    const TIME_WAIT: &str = "06";
+    const CLOSE: &str = "07";
+    let mut n = 0;
+    for table in ["tcp", "tcp6"] {
+        let text = match std::fs::read_to_string(format!("/proc/thread-self/net/{table}")) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue, // no IPv6
+            r => r?,
+        };
+        n += text
+            .lines()
+            .skip(1)
+            .filter_map(|l| l.split_whitespace().nth(3))
+            .filter(|st| ![LISTEN, TIME_WAIT, CLOSE].contains(st))
+            .count();
+    }
+    Ok(n)
+}
+
 /// The source address of the local route per family: the pod's first
-/// address of it that is not link-local.
-pub fn sources(addrs: &[IpAddr]) -> Vec<IpAddr> {
-    let v4 = addrs.iter().find(|a| a.is_ipv4());
+/// address of it that is not link-local (IPv6 only where it is on for
+/// `lo`, where its route points).
+pub fn sources(view: &PodView) -> Vec<IpAddr> {
+    let (addrs, ipv6) = (&view.addrs, view.ipv6);
+    let v4 = addrs.iter().find(|a| match a {
+        IpAddr::V4(v4) => !v4.is_link_local(),
+        IpAddr::V6(_) => false,
+    });
     let v6 = addrs.iter().find(|a| match a {
-        IpAddr::V6(v6) => !v6.is_unicast_link_local(),
+        IpAddr::V6(v6) => ipv6 && !v6.is_unicast_link_local(),
         IpAddr::V4(_) => false,
     });
     v4.into_iter().chain(v6).copied().collect()
@@ -118,13 +174,16 @@ pub fn replace_rules(
 
 /// Every rule of the local route, by priority (the exclusions' and its
 /// own), in both families.
-fn remove_rules(nl: &Rtnl) -> Result<(), RouteError> {
+/// Returns how many it removed.
+fn remove_rules(nl: &Rtnl) -> Result<usize, RouteError> {
+    let mut removed = 0;
     for f in [AddressFamily::Inet, AddressFamily::Inet6] {
         for pref in [LOCAL_ROUTE_PRIORITY - 1, LOCAL_ROUTE_PRIORITY] {
-            // One rule a request, until none of the priority is left (at
-            // most 2 × EXCLUSIONS_MAX + 1; the bound only guards against a
-            // kernel that keeps answering yes).
-            for _ in 0..=2 * sluice_common::EXCLUSIONS_MAX + 1 {
+            // One rule a request, until none of the priority is left (a
+            // pod's exclusions make at most 3 × EXCLUSIONS_MAX + 1 of a
+            // family; the bound only guards against a kernel that keeps
+            // answering yes).
+            for _ in 0..3 * sluice_common::EXCLUSIONS_MAX + 2 {
                 let mut m = RuleMessage::default();
                 m.header.family = f;
                 m.attributes = vec![RuleAttribute::Priority(pref)];
@@ -133,10 +192,11 @@ fn remove_rules(nl: &Rtnl) -> Result<(), RouteError> {
                 {
                     break;
                 }
+                removed += 1;
             }
         }
     }
-    Ok(())
+    Ok(removed)
 }
 
 /// The rules of a pod with addresses `sources` and exclusions `x`: its
@@ -153,6 +213,8 @@ fn rules(sources: &[IpAddr], x: &PodExclusions) -> Vec<RuleMessage> {
             };
             out.push(excluded(vec![RuleAttribute::DestinationPortRange(range)]));
         }
+        // Row O3: the probe address is never captured.
+        out.push(to(excluded(vec![]), &probe_net(f)));
         for net in x.exclude_outbound_ip_ranges.iter().filter(of_family) {
             out.push(to(excluded(vec![]), net));
         }
@@ -167,6 +229,14 @@ fn rules(sources: &[IpAddr], x: &PodExclusions) -> Vec<RuleMessage> {
         }
     }
     out
+}
+
+/// The probe address (`PROBE_ADDR_*`) of family `f`, as a host range.
+fn probe_net(f: AddressFamily) -> IpNet {
+    match f {
+        AddressFamily::Inet6 => IpNet::from(IpAddr::from(PROBE_ADDR_V6)),
+        _ => IpNet::from(IpAddr::from(PROBE_ADDR_V4)),
+    }
 }
 
 /// `rule` for destinations in `net` only.
@@ -198,13 +268,16 @@ pub fn accept_marks(on: bool) -> Result<(), RouteError> {
 pub fn remove() -> Result<(), RouteError> {
     let nl = Rtnl::open().map_err(io("rtnetlink socket"))?;
     let lo = nix::net::if_::if_nametoindex("lo").map_err(|e| io("finding lo")(e.into()))?;
-    remove_rules(&nl)?;
+    let mut removed = remove_rules(&nl)?;
     for f in [AddressFamily::Inet, AddressFamily::Inet6] {
-        del(&nl, RouteNetlinkMessage::DelRoute(route(lo, f, None)))
-            .map_err(io("removing the local route"))?;
+        let route = RouteNetlinkMessage::DelRoute(route(lo, f, None));
+        removed += usize::from(del(&nl, route).map_err(io("removing the local route"))?);
     }
-    // A pod without its own IPv4 sysctls (none such) or a read-only
-    // /proc/sys: nothing was set.
+    // The sysctl only where the local route was (a pod never on it keeps
+    // its own); a read-only /proc/sys: nothing was set.
+    if removed == 0 {
+        return Ok(());
+    }
     match accept_marks(false) {
         Err(RouteError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
             Ok(())
@@ -213,10 +286,17 @@ pub fn remove() -> Result<(), RouteError> {
     }
 }
 
-/// Deletes one entry; `false` when there was none.
+/// Deletes one entry; `false` when there was none (also of a family the
+/// kernel has not: IPv6 off at boot).
 fn del(nl: &Rtnl, msg: RouteNetlinkMessage) -> std::io::Result<bool> {
+    let none = [
+        libc::ESRCH,
+        libc::ENOENT,
+        libc::EAFNOSUPPORT,
+        libc::EOPNOTSUPP,
+    ];
     match nl.request(msg) {
-        Err(e) if matches!(e.raw_os_error(), Some(libc::ESRCH | libc::ENOENT)) => Ok(false),
+        Err(e) if e.raw_os_error().is_some_and(|c| none.contains(&c)) => Ok(false),
         r => r.map(|_| true),
     }
 }
@@ -281,4 +361,68 @@ fn route(lo: u32, family: AddressFamily, src: Option<IpAddr>) -> RouteMessage {
         }));
     }
     m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each rule as `pref table what`.
+    fn shown(rules: &[RuleMessage]) -> Vec<String> {
+        rules
+            .iter()
+            .map(|m| {
+                let mut out = String::new();
+                for a in &m.attributes {
+                    match a {
+                        RuleAttribute::Priority(p) => out.insert_str(0, &format!("{p}")),
+                        RuleAttribute::Table(t) => out.push_str(&format!(" {t}")),
+                        RuleAttribute::DestinationPortRange(r) => {
+                            out.push_str(&format!(" dport {}", r.start))
+                        }
+                        RuleAttribute::Destination(d) => {
+                            out.push_str(&format!(" to {d}/{}", m.header.dst_len))
+                        }
+                        RuleAttribute::FwMask(m) => out.push_str(&format!(" unmarked/{m:#x}")),
+                        _ => {}
+                    }
+                }
+                out
+            })
+            .collect()
+    }
+
+    #[test]
+    fn exclusions_and_the_probe_address_come_first_and_an_include_list_narrows_the_rule() {
+        let x = PodExclusions {
+            exclude_outbound_ports: vec![9091],
+            exclude_outbound_ip_ranges: vec![
+                "10.9.0.0/16".parse().unwrap(),
+                "fd00::/8".parse().unwrap(),
+            ],
+            include_outbound_ip_ranges: Include::Only(vec!["10.0.0.0/8".parse().unwrap()]),
+            ..Default::default()
+        };
+        let v4: Vec<IpAddr> = vec!["10.1.0.5".parse().unwrap()];
+        assert_eq!(
+            shown(&rules(&v4, &x)),
+            [
+                "32762 254 dport 9091",
+                "32762 254 to 169.254.7.127/32",
+                "32762 254 to 10.9.0.0/16",
+                "32763 101 unmarked/0xfff to 10.0.0.0/8",
+            ]
+        );
+        // Both families, nothing excluded: the probe address and one rule each.
+        let both: Vec<IpAddr> = vec!["10.1.0.5".parse().unwrap(), "fd00::5".parse().unwrap()];
+        assert_eq!(
+            shown(&rules(&both, &PodExclusions::default())),
+            [
+                "32762 254 to 169.254.7.127/32",
+                "32763 101 unmarked/0xfff",
+                "32762 254 to fd16:9254:7127:1337:ffff:ffff:ffff:ffff/128",
+                "32763 101 unmarked/0xfff",
+            ]
+        );
+    }
 }

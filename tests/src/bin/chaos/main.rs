@@ -105,10 +105,15 @@ fn main() -> anyhow::Result<()> {
         None => (Schedule::draw(seed, o.duration, o.pods), false),
     };
     eprintln!(
-        "chaos: seed {} ({} faults over {} s; --seed {} draws it again)",
+        "chaos: seed {} ({} faults over {} s, pods' TCP on {}; --seed {} draws it again)",
         schedule.seed,
         schedule.events.len(),
         schedule.duration_ms / 1000,
+        if schedule.local_route {
+            "the local route"
+        } else {
+            "the interface's route"
+        },
         schedule.seed
     );
     ledger::stop_on_interrupt();
@@ -159,7 +164,7 @@ fn run(
     replayed: bool,
     out: &std::path::Path,
 ) -> anyhow::Result<Report> {
-    let mut run = Run::start(pods)?;
+    let mut run = Run::start(pods, schedule.local_route)?;
     // The agent logs wall-clock time; the schedule and the ledger count from
     // here.
     let zero = std::time::SystemTime::now() - Duration::from_millis(run.ledger.now());
@@ -242,6 +247,7 @@ fn run(
     let dns_passthrough = *run.ledger.dns_passthrough.lock().unwrap();
     Ok(Report {
         seed: schedule.seed,
+        local_route: schedule.local_route,
         duration_s: now(&run).as_secs(),
         replayed,
         faults,

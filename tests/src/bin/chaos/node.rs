@@ -85,7 +85,8 @@ pub struct Node {
 }
 
 impl Node {
-    pub fn start() -> anyhow::Result<Self> {
+    /// `local_route`: the agent puts pods' TCP on the local route.
+    pub fn start(local_route: bool) -> anyhow::Result<Self> {
         let id = std::process::id().to_string();
         let (node_ns, remote_ns) = (format!("slxn-{id}"), format!("slxr-{id}"));
         let dir = PathBuf::from(format!("/tmp/sluice-chaos-{id}"));
@@ -98,7 +99,11 @@ impl Node {
             pins: pins.clone(),
         };
         networks(&node_ns, &remote_ns)?;
-        let agent = AgentProc::start_with(&pins, &["--node-netns", &path_str(&node_ns)])?;
+        let route = if local_route { "true" } else { "false" };
+        let agent = AgentProc::start_with(
+            &pins,
+            &["--node-netns", &path_str(&node_ns), "--local-route", route],
+        )?;
         let peer = PeerProc::start(&peer_bin(), &agent.zds, &PEER_FLAGS)?;
         let agent_pid = Arc::new(AtomicU32::new(agent.pid().unwrap_or(0)));
         let remote_app = Some(App::start(&remote_ns, REMOTE_PORT));

@@ -16,6 +16,8 @@ use crate::{
 #[derive(Debug, Serialize)]
 pub struct Report {
     pub seed: u64,
+    /// Pods' TCP took the local route (`--local-route`).
+    pub local_route: bool,
     pub duration_s: u64,
     pub replayed: bool,
     pub faults: BTreeMap<&'static str, u64>,

@@ -63,8 +63,9 @@ pub struct Run {
 }
 
 impl Run {
-    pub fn start(initial_pods: usize) -> anyhow::Result<Self> {
-        let node = Node::start()?;
+    /// `local_route`: the agent puts pods' TCP on the local route.
+    pub fn start(initial_pods: usize, local_route: bool) -> anyhow::Result<Self> {
+        let node = Node::start(local_route)?;
         let ledger = Arc::new(Ledger::new());
         let watch = check::Traffic::start(&node.remote_ns, node.pins.clone())?;
         let pass_pin = node.pins.root().with_file_name(format!(

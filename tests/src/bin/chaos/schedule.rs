@@ -152,6 +152,10 @@ pub struct Event {
 pub struct Schedule {
     pub seed: u64,
     pub duration_ms: u64,
+    /// The agent puts pods' TCP on the local route (`--local-route`): odd
+    /// seeds, where the kernel offers it (schedules written before it: off).
+    #[serde(default)]
+    pub local_route: bool,
     pub events: Vec<Event>,
 }
 
@@ -210,6 +214,10 @@ impl Schedule {
         Self {
             seed,
             duration_ms,
+            // From the seed alone, not its draws: a seed's faults are the
+            // same either way.
+            local_route: seed % 2 == 1
+                && sluice::dataplane::features::Features::get().netns_cookie_in_tc,
             events,
         }
     }
@@ -219,6 +227,7 @@ impl Schedule {
         Self {
             seed,
             duration_ms: duration.as_millis() as u64,
+            local_route: false,
             events: vec![Event {
                 at_ms: at.as_millis() as u64,
                 fault: Fault::InjectBypass { slot: 0 },

@@ -10,10 +10,12 @@ use std::{
 };
 
 use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr};
-use sluice_common::ROUTE_TABLE;
+use sluice_common::{LOCAL_ROUTE_TABLE, ROUTE_TABLE};
 
 const RTM_DELROUTE: u16 = 25;
 const RTM_DELRULE: u16 = 33;
+/// The main routing table's id.
+const RT_TABLE_MAIN: u32 = 254;
 
 /// What a batch of a pod's events was about.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -80,11 +82,15 @@ impl Changed {
             return Some(Changed::ALL);
         };
         let t = u16::from_ne_bytes([t[0], t[1]]);
-        let other_table = |m: &[u8]| {
-            ROUTE_TABLE < 256
-                && m.get(20)
-                    .is_some_and(|&table| u32::from(table) != ROUTE_TABLE)
+        // sluice's tables, and the main table of the local route's
+        // exclusion rules (`lookup main`).
+        let ours = |table: u32| {
+            table == ROUTE_TABLE
+                || table == LOCAL_ROUTE_TABLE
+                || (t == RTM_DELRULE && table == RT_TABLE_MAIN)
         };
+        let other_table =
+            |m: &[u8]| ROUTE_TABLE < 256 && m.get(20).is_some_and(|&table| !ours(u32::from(table)));
         if (t == RTM_DELROUTE || t == RTM_DELRULE) && other_table(msg) {
             return None;
         }
@@ -173,8 +179,10 @@ mod tests {
         assert_eq!(Changed::of_message_type(24), None);
         assert_eq!(Changed::of_message_type(32), None);
         assert_eq!(tc.or(links).or(routing.unwrap()), Changed::ALL);
-        // A deletion in sluice's table, and in another (an address's own
-        // routes in `local`, 255); a datagram too short to tell.
+        // A deletion in sluice's tables (a rule of the local route's
+        // exclusions in main too), and in another (an address's own
+        // routes in `local`, 255; a route in main); a datagram too short
+        // to tell.
         let deleted = |t: u16, table: u8| {
             let mut m = vec![0u8; 28];
             m[4..6].copy_from_slice(&t.to_ne_bytes());
@@ -183,8 +191,11 @@ mod tests {
         };
         assert_eq!(deleted(25, ROUTE_TABLE as u8), routing);
         assert_eq!(deleted(33, ROUTE_TABLE as u8), routing);
+        assert_eq!(deleted(25, LOCAL_ROUTE_TABLE as u8), routing);
+        assert_eq!(deleted(33, LOCAL_ROUTE_TABLE as u8), routing);
+        assert_eq!(deleted(33, 254), routing);
         assert_eq!(deleted(25, 255), None);
-        assert_eq!(deleted(33, 254), None);
+        assert_eq!(deleted(25, 254), None);
         assert_eq!(Changed::of_message(&[0; 4]), Some(Changed::ALL));
     }
 }

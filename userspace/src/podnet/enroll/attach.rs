@@ -49,7 +49,7 @@ pub fn attach(
 ) -> Result<(Vec<String>, Published), EnrollError> {
     let cookie = view.cookie;
     let node_dns = dp.dns_capture();
-    let local_route = local_route(dp.local_route(), view, options);
+    let local_route = local_route(dp.local_route(), netns, view, options);
     let maps = dp.maps_mut();
     maps.attach(cookie, uid, path, workload, boottime_ns())?;
     // Before any link: a pod that bypasses inbound capture never has its
@@ -78,22 +78,18 @@ pub fn attach(
 
 /// The pod's interface index and the local route's sources, where the
 /// node offers the local route (`offered`) and the pod can take it.
-fn local_route(offered: bool, view: &PodView, options: &PodOptions) -> Option<(u32, Vec<IpAddr>)> {
+fn local_route(
+    offered: bool,
+    netns: &Netns,
+    view: &PodView,
+    options: &PodOptions,
+) -> Option<(u32, Vec<IpAddr>)> {
     if !offered {
         return None;
     }
-    let sources = localroute::sources(&view.addrs);
-    match localroute::uplink(view, options) {
-        Ok(_) if sources.is_empty() => {
-            tracing::info!("the pod's TCP keeps its interface's route: it has no address");
-            None
-        }
-        Ok(uplink) => Some((uplink, sources)),
-        Err(why) => {
-            tracing::info!("the pod's TCP keeps its interface's route: {why}");
-            None
-        }
-    }
+    localroute::offer(netns, view, options)
+        .inspect_err(|why| tracing::info!("the pod's TCP keeps its interface's route: {why}"))
+        .ok()
 }
 
 /// The pod's links, each pinned as soon as attached. Returns the host-side

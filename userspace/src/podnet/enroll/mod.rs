@@ -206,7 +206,7 @@ pub fn set_exclusions(
     if dp.maps().local_route(cookie).is_some() {
         let netns = open_pod_netns(dp.maps(), cookie)?;
         let view = PodView::open(&netns)?;
-        let sources = crate::podnet::localroute::sources(&view.addrs);
+        let sources = crate::podnet::localroute::sources(&view);
         crate::podnet::localroute::replace_rules(&view.nl, view.lo, &sources, x)?;
     }
     Ok(true)

@@ -195,12 +195,7 @@ pub fn repair_surveyed(
     netns.run(|| routes::set_migrate_req(true))??;
     routes::install_over(&view.nl, &lacking, view.lo, view.ipv6)?;
     let relinked = relink(dp, survey)?;
-    // The local route's rules last, once `lo`'s egress program is there.
-    if dp.maps().local_route(cookie).is_some() {
-        netns.run(|| localroute::accept_marks(true))??;
-        let x = dp.maps().options(cookie).exclusions;
-        localroute::install_over(&view.nl, view.lo, &localroute::sources(&view.addrs), &x)?;
-    }
+    repair_local_route(dp, cookie, netns, view)?;
     let mut istio_rules = Vec::new();
     if takeover {
         istio_rules = migrate::istio_rules(netns)?;
@@ -216,6 +211,38 @@ pub fn repair_surveyed(
             istio_rules,
         }
     })
+}
+
+/// The local route's rules and sysctl, once `lo`'s egress program is there
+/// (a pod on it). An interface it left by that is gone (replaced: another
+/// index) is found again, or, when the pod no longer has one interface to
+/// leave by, the pod is taken off the local route (its TCP takes the
+/// interface's route, captured there).
+fn repair_local_route(
+    dp: &mut Dataplane,
+    cookie: u64,
+    netns: &Netns,
+    view: &PodView,
+) -> Result<(), EnrollError> {
+    let Some(uplink) = dp.maps().local_route(cookie) else {
+        return Ok(());
+    };
+    let options = dp.maps().options(cookie);
+    if !view.ifaces.iter().any(|i| i.index == uplink) {
+        match localroute::uplink(view, &options) {
+            Ok(i) => dp.maps_mut().set_local_route(cookie, Some(i))?,
+            Err(why) => {
+                tracing::warn!("the pod's TCP leaves the local route: {why}");
+                netns.run(localroute::remove)??;
+                dp.maps_mut().set_local_route(cookie, None)?;
+                return Ok(());
+            }
+        }
+    }
+    netns.run(|| localroute::accept_marks(true))??;
+    let sources = localroute::sources(view);
+    localroute::install_over(&view.nl, view.lo, &sources, &options.exclusions)?;
+    Ok(())
 }
 
 /// Attaches every link the pod's interfaces call for that is not attached;
