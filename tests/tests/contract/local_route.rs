@@ -54,6 +54,10 @@ pub fn trials() -> Vec<Trial> {
             move || open_before(fam),
         ));
     }
+    v.push(local_route_trial(
+        "local_route::a_node_that_turns_it_off_takes_its_pods_off",
+        turned_off,
+    ));
     v.push(trial(
         "local_route::not_offered_where_tc_programs_cannot_read_the_netns",
         || as_if_kernel(without_netns_cookie_in_tc(), not_offered),
@@ -232,6 +236,33 @@ fn open_before(fam: Family) -> TestResult {
         "the open connection: {r:?}"
     );
     Ok(())
+}
+
+/// The agent starts with `--local-route=false` after it was on: its pods
+/// leave the local route (rules, route, entry), and their TCP is captured
+/// by the interface's programs again.
+fn turned_off() -> TestResult {
+    let f = enabled("lr-off")?;
+    ensure!(has_local_route_rule(&f.topo.pod, false)?);
+    let mut dp = f.dataplane()?;
+    dp.set_local_route(false);
+    let left = sluice::podnet::enroll::leave_local_route(&mut dp);
+    drop(dp);
+    ensure!(left == 1, "{left} pods left the local route, want 1");
+    for v6 in [false, true] {
+        ensure!(
+            !has_local_route_rule(&f.topo.pod, v6)?,
+            "a local route rule (IPv6: {v6})"
+        );
+    }
+    ensure!(
+        f.pod_record()?.local_route.is_none(),
+        "still on the local route"
+    );
+    let dst = SocketAddr::new(Family::V4.client(), REMOTE_PORT);
+    let mss = connect_mss(&f, dst)?;
+    ensure!(mss <= 1460, "MSS {mss}: still over lo");
+    captured_once(&f, dst)
 }
 
 fn not_offered() -> TestResult {

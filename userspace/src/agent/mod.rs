@@ -175,6 +175,13 @@ fn set_up_dataplane(dp: &mut Dataplane, node_netns: Option<hostside::Node>, cfg:
     } else {
         info!(local_route, "pods' TCP route");
     }
+    let left = crate::podnet::enroll::leave_local_route(dp);
+    if left > 0 {
+        info!(
+            pods = left,
+            "the local route is off: pods on it take their interface's route again"
+        );
+    }
 }
 
 /// The Kubernetes side, when the agent runs on a node (`--node-name`).

@@ -212,6 +212,47 @@ pub fn set_exclusions(
     Ok(true)
 }
 
+/// With the node's local route off (`--local-route=false` after it was
+/// on), takes every enrolled pod off it: its rules and route first (its TCP
+/// takes the interface's route, captured there), then its entry; `lo`'s
+/// egress program, idle without the entry, goes at its teardown. Returns
+/// how many pods left it; a pod whose netns cannot be entered now keeps it
+/// (logged; the next start tries again).
+pub fn leave_local_route(dp: &mut Dataplane) -> usize {
+    if dp.local_route() {
+        return 0;
+    }
+    let on: Vec<u64> = dp
+        .maps()
+        .states()
+        .into_iter()
+        .map(|(cookie, _)| cookie)
+        .filter(|c| dp.maps().local_route(*c).is_some())
+        .collect();
+    let mut left = 0;
+    for cookie in on {
+        let taken_off = open_pod_netns_unless_gone(dp.maps(), cookie)
+            .map_err(|e| e.to_string())
+            .and_then(|netns| match netns {
+                Some(ns) => ns
+                    .run(crate::podnet::localroute::remove)
+                    .map_err(|e| e.to_string())?
+                    .map_err(|e| e.to_string()),
+                None => Ok(()),
+            })
+            .and_then(|()| {
+                dp.maps_mut()
+                    .set_local_route(cookie, None)
+                    .map_err(|e| e.to_string())
+            });
+        match taken_off {
+            Ok(()) => left += 1,
+            Err(e) => tracing::warn!(cookie, error = %e, "the pod stays on the local route"),
+        }
+    }
+    left
+}
+
 /// Re-registers the listeners of an enrolled pod (after ztunnel (re)started).
 pub fn register_uid(dp: &mut Dataplane, uid: &PodUid) -> Result<Enrolled, EnrollError> {
     let cookie = dp
