@@ -35,7 +35,7 @@ use crate::{
     dns, exclusions,
     hints::{forget_hint, hint_ptr, put_charged_hint, release_hint, unshared_hint_ptr},
     lookup::{loopback, skc_lookup},
-    maps::{count, count_drop, LOCAL_ROUTE, NODE_NETNS, POD_STATE},
+    maps::{count, count_drop, NODE_NETNS, POD_STATE},
     origin::{from_its_pod, Sent},
     packet::{parse, parse_tcp, Parsed, Tcp, L2_ETH},
     tc::{
@@ -153,13 +153,7 @@ pub fn egress<const L2: usize>(ctx: &TcContext) -> i32 {
             w.count(cookie, |c: &mut Counters| &mut c.dropped_fail_closed);
             return TC_SHOT;
         }
-        // Row D2: TCP to port 53 goes to the DNS proxy when the pod has one.
-        let verdict = if dns::captures_tcp(w, cookie, &t) {
-            HintVerdict::DnsTcp
-        } else if listener_present(cookie, Role::Outbound, t.family) {
-            HintVerdict::Outbound
-        } else {
-            w.count(cookie, |c: &mut Counters| &mut c.missing_socket);
+        let Some(verdict) = outbound_verdict(w, cookie, &t) else {
             return TC_SHOT;
         };
         w.put_charged_hint(ctx, cookie, &flow_key(&t), verdict, 0);
@@ -176,6 +170,21 @@ pub fn egress<const L2: usize>(ctx: &TcContext) -> i32 {
     TC_OK
 }
 
+/// Where a steering pod's outbound SYN goes: row D2, TCP to port 53 to the
+/// DNS proxy when the pod has one; else 15001; `None` (counted) when the
+/// pod has no 15001 listener (fail closed).
+#[inline(always)]
+pub fn outbound_verdict(w: Writes, cookie: u64, t: &Tcp) -> Option<HintVerdict> {
+    if dns::captures_tcp(w, cookie, t) {
+        Some(HintVerdict::DnsTcp)
+    } else if listener_present(cookie, Role::Outbound, t.family) {
+        Some(HintVerdict::Outbound)
+    } else {
+        w.count(cookie, |c: &mut Counters| &mut c.missing_socket);
+        None
+    }
+}
+
 /// Ingress on the pod's interface: drop inbound SYNs that ztunnel cannot take
 /// (row F1), so the client retries instead of reaching the app or being reset;
 /// hint the others to sk_lookup (rows I1/I2).
@@ -189,7 +198,7 @@ pub fn ingress<const L2: usize>(ctx: &TcContext) -> i32 {
     // the mark of the segment that made it (`tcp_fwmark_accept`: the SYN, or
     // a SYN-cookie handshake's ACK): marked, its answers leave by the main
     // table, not the local route. (ztunnel's listeners have their own mark,
-    // which wins; without the local route the mark is read by no one.)
+    // which wins; without the local route sluice reads it nowhere.)
     if mesh == 0 {
         ctx.set_mark(mark(ctx) | MARK_DIRECT);
     }
@@ -385,20 +394,16 @@ pub fn lo_ingress(ctx: &TcContext) -> i32 {
     TC_OK
 }
 
-/// Under the local route a socket the app accepts takes the mark of the
-/// segment that made it (`tcp_fwmark_accept`: ztunnel's SYN, or a
-/// SYN-cookie handshake's ACK). With ztunnel's mark, the app's answers would
-/// take the main table and leave the pod as ztunnel's own, uncaptured: the
-/// mark goes from every ztunnel segment to such a pod, and the answers take
-/// the local route back to ztunnel's socket.
+/// With `tcp_fwmark_accept` (the local route sets it; a pod may too) a
+/// socket the app accepts takes the mark of the segment that made it
+/// (ztunnel's SYN, or a SYN-cookie handshake's ACK). With ztunnel's mark,
+/// the app's answers would take the main table and leave the pod as
+/// ztunnel's own, uncaptured: the mark goes from every ztunnel segment to
+/// an enrolled pod's address (on the local route, the answers then take it
+/// back to ztunnel's socket; otherwise the egress program redirects them).
 #[inline(always)]
 fn unmark_ztunnels(ctx: &TcContext, t: &Tcp) {
-    if mark(ctx) & MARK_MASK != MARK_ZTUNNEL {
-        return;
-    }
-    let on_local_route =
-        pod_of(t.family, &t.daddr).is_some_and(|pod| unsafe { LOCAL_ROUTE.get(pod) }.is_some());
-    if on_local_route {
+    if mark(ctx) & MARK_MASK == MARK_ZTUNNEL && pod_of(t.family, &t.daddr).is_some() {
         ctx.set_mark(mark(ctx) & !MARK_MASK);
     }
 }

@@ -17,17 +17,15 @@
 //! the local route.
 
 use aya_ebpf::{helpers::bpf_redirect_neigh, programs::TcContext};
-use sluice_common::{
-    Counters, DropReason, HintVerdict, Role, HINT_LO_OUT, MARK_DIRECT, MARK_MASK, MARK_ZTUNNEL,
-};
+use sluice_common::{Counters, DropReason, HINT_LO_OUT, MARK_DIRECT, MARK_MASK, MARK_ZTUNNEL};
 
 use crate::{
     addr::{is_loopback, is_probe},
-    capture::{flow_key, terminated_locally, TC_OK, TC_SHOT},
-    dns, exclusions,
+    capture::{flow_key, outbound_verdict, terminated_locally, TC_OK, TC_SHOT},
+    exclusions,
     maps::{LOCAL_ROUTE, POD_STATE},
     packet::{parse_tcp, Tcp, L2_ETH},
-    tc::{listener_present, mark, netns_cookie, pod_of},
+    tc::{mark, netns_cookie, pod_of},
     verify::Writes,
 };
 
@@ -94,12 +92,7 @@ fn syn(ctx: &TcContext, cookie: u64, uplink: u32, t: &Tcp) -> i32 {
         w.count(cookie, |c: &mut Counters| &mut c.dropped_fail_closed);
         return TC_SHOT;
     }
-    let verdict = if dns::captures_tcp(w, cookie, t) {
-        HintVerdict::DnsTcp
-    } else if listener_present(cookie, Role::Outbound, t.family) {
-        HintVerdict::Outbound
-    } else {
-        w.count(cookie, |c: &mut Counters| &mut c.missing_socket);
+    let Some(verdict) = outbound_verdict(w, cookie, t) else {
         return TC_SHOT;
     };
     w.put_charged_hint(ctx, cookie, &flow_key(t), verdict, HINT_LO_OUT);

@@ -31,6 +31,15 @@ thread_local! {
     static AS_IF_KERNEL: std::cell::Cell<Option<Features>> = const { std::cell::Cell::new(None) };
     static TC_ATTACH: std::cell::Cell<TcAttach> = const { std::cell::Cell::new(TcAttach::ClsBpf) };
     static LOCAL_ROUTE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Pods a [`Fixture`] put on the local route on this thread.
+    static ON_LOCAL_ROUTE: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// How many pods [`Fixture`] enrollments on this thread put on the local
+/// route since the count was last taken (a `local_route` variant that put
+/// none tested nothing new).
+pub fn take_local_route_count() -> u32 {
+    ON_LOCAL_ROUTE.replace(0)
 }
 
 /// Runs `f` with every [`Fixture`] and agent it makes on this thread
@@ -204,25 +213,29 @@ impl Fixture {
     }
 
     pub fn enroll(&self) -> anyhow::Result<Enrolled> {
-        let mut dp = self.dataplane()?;
-        Ok(enroll::enroll(
-            &mut dp,
-            &self.topo.pod_netns_path(),
-            &self.uid,
-            &self.workload(),
-        )?)
+        self.enroll_with(sluice::options::PodOptions::default())
     }
 
     /// Enrolls with the pod's capture options (its annotations).
     pub fn enroll_with(&self, options: sluice::options::PodOptions) -> anyhow::Result<Enrolled> {
         let mut dp = self.dataplane()?;
-        Ok(enroll::enroll_with(
+        let e = enroll::enroll_with(
             &mut dp,
             &self.topo.pod_netns_path(),
             &self.uid,
             &self.workload(),
             &options,
-        )?)
+        )?;
+        self.count_local_route(&dp, e.cookie);
+        Ok(e)
+    }
+
+    /// Counts pod `cookie` for [`take_local_route_count`] when it is on the
+    /// local route (for enrollments made with [`Fixture::dataplane`]).
+    pub fn count_local_route(&self, dp: &Dataplane, cookie: u64) {
+        if dp.maps().local_route(cookie).is_some() {
+            ON_LOCAL_ROUTE.set(ON_LOCAL_ROUTE.get() + 1);
+        }
     }
 
     /// Enrolls with the client netns as the node's: its sockets' connections
@@ -232,12 +245,14 @@ impl Fixture {
         dp.set_node(sluice::podnet::hostside::Node::open(
             &crate::ns::netns_path(&self.topo.client),
         )?)?;
-        Ok(enroll::enroll(
+        let e = enroll::enroll(
             &mut dp,
             &self.topo.pod_netns_path(),
             &self.uid,
             &self.workload(),
-        )?)
+        )?;
+        self.count_local_route(&dp, e.cookie);
+        Ok(e)
     }
 
     pub fn workload(&self) -> Workload {

@@ -140,6 +140,7 @@ impl DnsPod {
             &options,
         )?;
         ensure!(e.state == PodState::Enabled, "{e:?}");
+        self.f.count_local_route(&dp, e.cookie);
         Ok(())
     }
 

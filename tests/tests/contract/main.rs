@@ -30,7 +30,7 @@ mod verify_agent;
 use libtest_mimic::{Arguments, Failed, Trial};
 use sluice_tests::harness::{
     attaching_with_tcx, has_fault_injection, is_root, local_route_available, on_local_route,
-    sluice_bin, tcx_available,
+    sluice_bin, take_local_route_count, tcx_available,
 };
 
 pub type TestResult = anyhow::Result<()>;
@@ -52,12 +52,23 @@ pub fn tcx_trial(
 }
 
 /// [`trial`] with pods' TCP on the local route (`--local-route`); skipped
-/// on a kernel that cannot offer it (Linux < 6.15).
+/// on a kernel that cannot offer it (Linux < 6.15). It fails when none of
+/// its fixtures' pods was put on the local route (it would test nothing
+/// new).
 pub fn local_route_trial(
     name: impl Into<String>,
     f: impl FnOnce() -> TestResult + Send + 'static,
 ) -> Trial {
-    trial(name, move || on_local_route(f)).with_ignored_flag(!is_root() || !local_route_available())
+    trial(name, move || {
+        take_local_route_count();
+        on_local_route(f)?;
+        anyhow::ensure!(
+            take_local_route_count() > 0,
+            "no pod of this local-route variant was put on the local route"
+        );
+        Ok(())
+    })
+    .with_ignored_flag(!is_root() || !local_route_available())
 }
 
 /// `t`, skipped when the `sluice` binary has no crash points (a plain

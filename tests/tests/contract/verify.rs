@@ -143,8 +143,6 @@ fn passes_without_trace(tag: &str) -> TestResult {
     Ok(())
 }
 
-/// Each break fails the case that names it; the repair (or re-registering
-/// the listener) makes the pod pass again.
 /// On the local route: the pod passes; without `lo`'s egress program (its
 /// filter deleted by a pod with NET_ADMIN) the case names the hook, and a
 /// repair puts it back.
@@ -168,6 +166,8 @@ fn lo_out_removed() -> TestResult {
     Ok(())
 }
 
+/// Each break fails the case that names it; the repair (or re-registering
+/// the listener) makes the pod pass again.
 fn breaks_named() -> TestResult {
     let (f, cookie) = captured("vbn")?;
     let dir = f.topo.pins.pod(cookie);

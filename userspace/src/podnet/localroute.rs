@@ -14,7 +14,8 @@
 //! and with an include list the rule is one per included range (`… to
 //! RANGE lookup 101`): an excluded connection is routed by the interface
 //! from `connect()` on, with the interface's MSS. (The programs decide
-//! regardless: a rule missing or late only costs speed.)
+//! regardless: a connection no rule kept off the local route is sent out
+//! by `lo`'s egress program, at the peer's MSS.)
 //!
 //! `iif lo` is every locally sent packet (source validation of inbound
 //! packets is not). `fwmark 0/0xfff` leaves out ztunnel's sockets (0x539),
@@ -36,7 +37,7 @@ use ipnet::IpNet;
 
 use netlink_packet_core::{NLM_F_CREATE, NLM_F_EXCL};
 use netlink_packet_route::{
-    route::{RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteScope, RouteType},
+    route::{RouteAddress, RouteAttribute, RouteMessage, RouteScope, RouteType},
     rule::{RuleAction, RuleAttribute, RuleMessage, RulePortRange},
     AddressFamily, IpProtocol, RouteNetlinkMessage,
 };
@@ -47,7 +48,13 @@ use sluice_common::{
 use crate::{
     exclusions::{Include, PodExclusions},
     options::PodOptions,
-    podnet::{netns::Netns, podview::PodView, routes::RouteError, rtnl::Rtnl, sysctl},
+    podnet::{
+        netns::Netns,
+        podview::PodView,
+        routes::{table_byte, RouteError},
+        rtnl::Rtnl,
+        sysctl,
+    },
 };
 
 const TCP_FWMARK_ACCEPT: &str = "net/ipv4/tcp_fwmark_accept";
@@ -103,7 +110,7 @@ fn open_tcp_connections() -> std::io::Result<usize> {
     let mut n = 0;
     for table in ["tcp", "tcp6"] {
         let text = match std::fs::read_to_string(format!("/proc/thread-self/net/{table}")) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue, // no IPv6
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && table == "tcp6" => continue, // no IPv6
             r => r?,
         };
         n += text
@@ -125,8 +132,10 @@ pub fn sources(view: &PodView) -> Vec<IpAddr> {
         IpAddr::V4(v4) => !v4.is_link_local(),
         IpAddr::V6(_) => false,
     });
+    // A tentative IPv6 address is refused as a route's source until its
+    // duplicate address detection ends (the repair adds it then).
     let v6 = addrs.iter().find(|a| match a {
-        IpAddr::V6(v6) => ipv6 && !v6.is_unicast_link_local(),
+        IpAddr::V6(v6) => ipv6 && !v6.is_unicast_link_local() && !view.unsettled.contains(a),
         IpAddr::V4(_) => false,
     });
     v4.into_iter().chain(v6).copied().collect()
@@ -178,7 +187,9 @@ pub fn replace_rules(
 fn remove_rules(nl: &Rtnl) -> Result<usize, RouteError> {
     let mut removed = 0;
     for f in [AddressFamily::Inet, AddressFamily::Inet6] {
-        for pref in [LOCAL_ROUTE_PRIORITY - 1, LOCAL_ROUTE_PRIORITY] {
+        // The local route's rule first: excluded flows never take it
+        // meanwhile.
+        for pref in [LOCAL_ROUTE_PRIORITY, LOCAL_ROUTE_PRIORITY - 1] {
             // One rule a request, until none of the priority is left (a
             // pod's exclusions make at most 3 × EXCLUSIONS_MAX + 1 of a
             // family; the bound only guards against a kernel that keeps
@@ -262,10 +273,11 @@ pub fn accept_marks(on: bool) -> Result<(), RouteError> {
         .map_err(|(path, source)| io(path.display().to_string())(source))
 }
 
-/// Removes the rules, then the routes, and turns the sysctl off. Call
-/// inside the pod's netns. Entries already gone are no error (also the
-/// rollback of a partial install).
-pub fn remove() -> Result<(), RouteError> {
+/// Removes the rules, then the routes, and turns the sysctl off where
+/// `was_on` (the pod's entry said so) or anything was found. Call inside
+/// the pod's netns. Entries already gone are no error (also the rollback of
+/// a partial install).
+pub fn remove(was_on: bool) -> Result<(), RouteError> {
     let nl = Rtnl::open().map_err(io("rtnetlink socket"))?;
     let lo = nix::net::if_::if_nametoindex("lo").map_err(|e| io("finding lo")(e.into()))?;
     let mut removed = remove_rules(&nl)?;
@@ -275,7 +287,7 @@ pub fn remove() -> Result<(), RouteError> {
     }
     // The sysctl only where the local route was (a pod never on it keeps
     // its own); a read-only /proc/sys: nothing was set.
-    if removed == 0 {
+    if !was_on && removed == 0 {
         return Ok(());
     }
     match accept_marks(false) {
@@ -308,24 +320,12 @@ fn family(a: &IpAddr) -> AddressFamily {
     }
 }
 
-fn table_byte() -> u8 {
-    if LOCAL_ROUTE_TABLE < 256 {
-        LOCAL_ROUTE_TABLE as u8
-    } else {
-        RouteHeader::RT_TABLE_UNSPEC
-    }
-}
-
 /// `iif lo ipproto tcp [more] lookup TABLE pref PREF`.
 fn rule(family: AddressFamily, pref: u32, table: u32, more: Vec<RuleAttribute>) -> RuleMessage {
     let mut m = RuleMessage::default();
     m.header.family = family;
     m.header.action = RuleAction::ToTable;
-    m.header.table = if table < 256 {
-        table as u8
-    } else {
-        RouteHeader::RT_TABLE_UNSPEC
-    };
+    m.header.table = table_byte(table);
     m.attributes = vec![
         RuleAttribute::Iifname("lo".into()),
         RuleAttribute::IpProtocol(IpProtocol::Tcp),
@@ -345,7 +345,7 @@ fn route(lo: u32, family: AddressFamily, src: Option<IpAddr>) -> RouteMessage {
     };
     m.header.address_family = family;
     m.header.destination_prefix_length = 0;
-    m.header.table = table_byte();
+    m.header.table = table_byte(LOCAL_ROUTE_TABLE);
     m.header.kind = RouteType::Local;
     m.header.scope = RouteScope::Host;
     m.header.protocol = netlink_packet_route::route::RouteProtocol::Static;

@@ -8,7 +8,7 @@
 use std::net::IpAddr;
 
 use netlink_packet_route::{
-    address::{AddressAttribute, AddressMessage},
+    address::{AddressAttribute, AddressHeaderFlags, AddressMessage},
     link::{AfSpecInet, AfSpecInet6, AfSpecUnspec, LinkAttribute, LinkLayerType, LinkMessage},
     RouteNetlinkMessage,
 };
@@ -54,6 +54,9 @@ pub struct PodView {
     pub ipv6: bool,
     /// The addresses on every interface but `lo`, sorted.
     pub addrs: Vec<IpAddr>,
+    /// Those of `addrs` not usable as a source yet, or ever: IPv6 duplicate
+    /// address detection still running (tentative) or failed.
+    pub unsettled: Vec<IpAddr>,
     /// The link dump's messages of the interfaces besides `lo` (their
     /// peers: [`crate::podnet::hostside::peers_over`]).
     pub links: Vec<LinkMessage>,
@@ -115,19 +118,26 @@ impl PodView {
         ifaces.sort_by(|a, b| a.name.cmp(&b.name));
         let lo =
             lo.ok_or_else(|| io("finding lo")(std::io::Error::from(std::io::ErrorKind::NotFound)))?;
-        let addrs = match with_addrs {
+        let dump = match with_addrs {
             true => nl
                 .dump(RouteNetlinkMessage::GetAddress(AddressMessage::default()))
                 .map_err(io("listing the pod's addresses"))?,
             false => Vec::new(),
         };
-        let mut addrs: Vec<IpAddr> = addrs
-            .into_iter()
-            .filter_map(|m| match m {
-                RouteNetlinkMessage::NewAddress(m) if m.header.index != lo => address_of(&m),
-                _ => None,
-            })
-            .collect();
+        let (mut addrs, mut unsettled) = (Vec::new(), Vec::new());
+        for m in dump {
+            let RouteNetlinkMessage::NewAddress(m) = m else {
+                continue;
+            };
+            let Some(a) = address_of(&m).filter(|_| m.header.index != lo) else {
+                continue;
+            };
+            let dad = AddressHeaderFlags::Tentative | AddressHeaderFlags::Dadfailed;
+            if m.header.flags.intersects(dad) {
+                unsettled.push(a);
+            }
+            addrs.push(a);
+        }
         addrs.sort();
         addrs.dedup();
         Ok(Self {
@@ -137,6 +147,7 @@ impl PodView {
             lo,
             ipv6,
             addrs,
+            unsettled,
             links: others,
         })
     }

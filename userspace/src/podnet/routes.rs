@@ -183,6 +183,12 @@ fn entries(lo: u32, ipv6: bool) -> Vec<(&'static str, Entry)> {
     out
 }
 
+/// A table id as a rule's or route's header holds it: past 255 the
+/// header says "unspecified" and the `Table` attribute alone names it.
+pub fn table_byte(table: u32) -> u8 {
+    u8::try_from(table).unwrap_or(RouteHeader::RT_TABLE_UNSPEC)
+}
+
 /// Index of `lo` in the calling thread's netns.
 fn lo_index() -> Result<u32, RouteError> {
     nix::net::if_::if_nametoindex("lo").map_err(|e| RouteError::Io {
@@ -196,11 +202,7 @@ fn rule(family: AddressFamily) -> RuleMessage {
     let mut m = RuleMessage::default();
     m.header.family = family;
     m.header.action = RuleAction::ToTable;
-    m.header.table = if ROUTE_TABLE < 256 {
-        ROUTE_TABLE as u8
-    } else {
-        RouteHeader::RT_TABLE_UNSPEC
-    };
+    m.header.table = table_byte(ROUTE_TABLE);
     m.attributes = vec![
         RuleAttribute::FwMark(MARK_REDIRECT),
         RuleAttribute::FwMask(MARK_MASK),
@@ -231,11 +233,7 @@ fn local_route(family: AddressFamily, default: RouteAddress, lo: u32) -> RouteMe
     let mut m = RouteMessage::default();
     m.header.address_family = family;
     m.header.destination_prefix_length = 0;
-    m.header.table = if ROUTE_TABLE < 256 {
-        ROUTE_TABLE as u8
-    } else {
-        RouteHeader::RT_TABLE_UNSPEC
-    };
+    m.header.table = table_byte(ROUTE_TABLE);
     m.header.kind = RouteType::Local;
     m.header.scope = RouteScope::Host;
     m.header.protocol = netlink_packet_route::route::RouteProtocol::Static;

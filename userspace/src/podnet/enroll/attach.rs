@@ -69,8 +69,25 @@ pub fn attach(
     crash_point("enroll:routes");
     let held = attach_links(dp, netns, view, options, local_route.is_some())?;
     if let Some((_, sources)) = &local_route {
-        netns.run(|| localroute::accept_marks(true))??;
-        localroute::install_over(&view.nl, view.lo, sources, &options.exclusions)?;
+        // A route the kernel refuses leaves the pod on its interface's
+        // route, enrolled all the same.
+        let installed = netns
+            .run(|| localroute::accept_marks(true))
+            .map_err(EnrollError::from)
+            .and_then(|r| Ok(r?))
+            .and_then(|()| {
+                Ok(localroute::install_over(
+                    &view.nl,
+                    view.lo,
+                    sources,
+                    &options.exclusions,
+                )?)
+            });
+        if let Err(e) = installed {
+            tracing::warn!(error = %e, "the pod's TCP keeps its interface's route");
+            netns.run(|| localroute::remove(true))??;
+            dp.maps_mut().set_local_route(view.cookie, None)?;
+        }
         crash_point("enroll:local-route");
     }
     Ok((held, published))

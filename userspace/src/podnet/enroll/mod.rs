@@ -235,7 +235,7 @@ pub fn leave_local_route(dp: &mut Dataplane) -> usize {
             .map_err(|e| e.to_string())
             .and_then(|netns| match netns {
                 Some(ns) => ns
-                    .run(crate::podnet::localroute::remove)
+                    .run(|| crate::podnet::localroute::remove(true))
                     .map_err(|e| e.to_string())?
                     .map_err(|e| e.to_string()),
                 None => Ok(()),

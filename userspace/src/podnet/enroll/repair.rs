@@ -228,20 +228,32 @@ fn repair_local_route(
         return Ok(());
     };
     let options = dp.maps().options(cookie);
-    if !view.ifaces.iter().any(|i| i.index == uplink) {
-        match localroute::uplink(view, &options) {
-            Ok(i) => dp.maps_mut().set_local_route(cookie, Some(i))?,
-            Err(why) => {
-                tracing::warn!("the pod's TCP leaves the local route: {why}");
-                netns.run(localroute::remove)??;
-                dp.maps_mut().set_local_route(cookie, None)?;
-                return Ok(());
-            }
-        }
+    let uplink = match view.ifaces.iter().any(|i| i.index == uplink) {
+        true => Ok(uplink),
+        false => localroute::uplink(view, &options).map_err(str::to_owned),
+    };
+    let uplink = uplink.and_then(|i| match dp.local_route() {
+        true => Ok(i),
+        false => Err("the node's local route is off".to_owned()),
+    });
+    let installed = uplink.and_then(|i| {
+        let e = |e: &dyn std::fmt::Display| e.to_string();
+        dp.maps_mut()
+            .set_local_route(cookie, Some(i))
+            .map_err(|x| e(&x))?;
+        netns
+            .run(|| localroute::accept_marks(true))
+            .map_err(|x| e(&x))?
+            .map_err(|x| e(&x))?;
+        let sources = localroute::sources(view);
+        localroute::install_over(&view.nl, view.lo, &sources, &options.exclusions)
+            .map_err(|x| e(&x))
+    });
+    if let Err(why) = installed {
+        tracing::warn!("the pod's TCP leaves the local route: {why}");
+        netns.run(|| localroute::remove(true))??;
+        dp.maps_mut().set_local_route(cookie, None)?;
     }
-    netns.run(|| localroute::accept_marks(true))??;
-    let sources = localroute::sources(view);
-    localroute::install_over(&view.nl, view.lo, &sources, &options.exclusions)?;
     Ok(())
 }
 

@@ -38,7 +38,8 @@ pub fn teardown(
     // (Debris without a readable state has nothing to fail closed.)
     maps.apply(cookie, Event::Drain, boottime_ns())?;
     crash_point("unenroll:draining");
-    let local_route = maps.local_route(cookie).is_some();
+    // Off: never on it (its entry comes before any rule).
+    let local_route = Some(maps.local_route(cookie).is_some());
     remove_pod_side(pins, netns, node, cookie, local_route)?;
     crash_point("unenroll:routes");
     maps.apply(cookie, Event::TornDown, 0)?;
@@ -53,13 +54,14 @@ pub fn teardown_in(dp: &mut Dataplane, netns: &Netns, cookie: u64) -> Result<(),
 
 /// Removes a pod's links (and their pins) and, in its netns when that is
 /// open, its filters and routes: all of a teardown but the state entry.
-/// `local_route`: the pod may have the local route's rules.
+/// `local_route`: whether the pod was on the local route (`None`: not
+/// known, its rules are looked for).
 fn remove_pod_side(
     pins: &Pins,
     netns: Option<&Netns>,
     node: Option<&hostside::Node>,
     cookie: u64,
-    local_route: bool,
+    local_route: Option<bool>,
 ) -> Result<(), EnrollError> {
     // The interfaces say which filters to remove: an error here (out of
     // descriptors, say) must fail the teardown, not leave them running.
@@ -77,8 +79,8 @@ fn remove_pod_side(
     };
     // The local route's rules before `lo`'s egress program: no SYN takes
     // the route without its verdict.
-    if let Some(netns) = netns.filter(|_| local_route) {
-        netns.run(localroute::remove)??;
+    if let Some(netns) = netns.filter(|_| local_route != Some(false)) {
+        netns.run(|| localroute::remove(local_route == Some(true)))??;
     }
     remove_links(pins, cookie, &Filters::new(netns, node, &ifaces))?;
     if let Some(netns) = netns {
@@ -104,7 +106,7 @@ pub fn remove_stateless(
             "no netns has this cookie any more: its filters went with it"
         );
     }
-    remove_pod_side(pins, netns.as_ref(), node, cookie, true)
+    remove_pod_side(pins, netns.as_ref(), node, cookie, None)
 }
 
 /// What [`remove_links`] needs to remove a pod's cls_bpf filters: the netns
