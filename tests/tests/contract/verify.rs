@@ -143,12 +143,20 @@ fn passes_without_trace(tag: &str) -> TestResult {
     Ok(())
 }
 
-/// On the local route: the pod passes; without `lo`'s egress program (its
-/// filter deleted by a pod with NET_ADMIN) the case names the hook, and a
-/// repair puts it back.
+/// On the local route: the pod passes, `lo`'s egress program run on its
+/// SYN (without ztunnel's 15001 listener, that case fails first); without
+/// the program (its filter deleted by a pod with NET_ADMIN) the case names
+/// the hook, and a repair puts it back.
 fn lo_out_removed() -> TestResult {
     let (f, cookie) = captured("vlo")?;
     run(&f, cookie)?.map_err(|e| anyhow::anyhow!("before any break: {e}"))?;
+    Maps::open_pinned(&f.topo.pins.maps())?.remove_listener(cookie, Role::Outbound);
+    match run(&f, cookie)? {
+        Err(e) if e.case.starts_with("outbound over the local route") => {}
+        other => anyhow::bail!("expected the local route's case to fail, got {other:?}"),
+    }
+    f.register()?;
+    run(&f, cookie)?.map_err(|e| anyhow::anyhow!("after re-registering: {e}"))?;
     let lo = Hook {
         ns: &f.topo.pod,
         dev: "lo",

@@ -10,6 +10,7 @@
 //! writes, `verify_hints`, only its own sk_lookup runs read, and the entry
 //! is removed right after each run.
 
+mod outbound;
 pub mod packets;
 
 use std::{
@@ -25,8 +26,7 @@ use aya::{
 };
 use sluice_common::{
     FlowHint, FlowKey, HintVerdict, Role, FAMILY_V4, FAMILY_V6, MARK_MASK, MARK_REDIRECT,
-    MARK_ZTUNNEL, PORT_DNS, PORT_HBONE, VERIFY_CB_COOKIE_HI, VERIFY_CB_COOKIE_LO,
-    VERIFY_CB_VERDICT, VERIFY_MAGIC,
+    PORT_HBONE, VERIFY_CB_COOKIE_HI, VERIFY_CB_COOKIE_LO, VERIFY_CB_VERDICT, VERIFY_MAGIC,
 };
 
 use crate::{
@@ -225,6 +225,8 @@ struct Run<'a> {
 struct Runnable {
     ingress: u32,
     egress: u32,
+    /// `lo`'s egress program (a pod on the local route).
+    lo_out: Option<u32>,
 }
 
 impl Run<'_> {
@@ -245,8 +247,15 @@ impl Run<'_> {
             open(runnable.egress, "egress")?,
         );
         let steer = open(steer, "sk_lookup")?;
+        let lo_out = match runnable.lo_out {
+            Some(id) => Some(open(id, "egress lo")?),
+            None => None,
+        };
         let addrs = self.plan.addrs.clone();
         for addr in addrs {
+            if let Some(lo_out) = &lo_out {
+                self.local_route(lo_out, addr)?;
+            }
             self.inbound(&ingress, &steer, addr, APP_PORT, Role::Inbound)?;
             self.inbound(&ingress, &steer, addr, PORT_HBONE, Role::Hbone)?;
             self.outbound(&egress, &steer, addr)?;
@@ -319,8 +328,7 @@ impl Run<'_> {
         // The plan's socket in the pod's netns for every question about it.
         let view = &self.plan.view;
         let (ifaces, l3) = (view.names(), view.l3_names());
-        let mut ingress = None;
-        let mut egress = None;
+        let (mut ingress, mut egress, mut lo_out) = (None, None, None);
         for spec in expected_links(&ifaces, &l3, &[], &self.plan.reroute, self.plan.local_route) {
             let Some(hook) = spec.tc_hook() else {
                 continue;
@@ -348,15 +356,18 @@ impl Run<'_> {
             match &spec {
                 LinkSpec::Ingress(_) => ingress = ingress.or(Some(want)),
                 LinkSpec::Egress(_) => egress = egress.or(Some(want)),
+                LinkSpec::LoOut => lo_out = Some(want),
                 LinkSpec::EgressL3(i) => self.unrun.push(format!(
                     "{i}: no Ethernet header, its programs were not run"
                 )),
                 _ => {}
             }
         }
-        Ok(ingress
-            .zip(egress)
-            .map(|(ingress, egress)| Runnable { ingress, egress }))
+        Ok(ingress.zip(egress).map(|(ingress, egress)| Runnable {
+            ingress,
+            egress,
+            lo_out,
+        }))
     }
 
     /// The id of the program that runs first at `iface`'s `kind` hook, or
@@ -419,57 +430,6 @@ impl Run<'_> {
         let syn = packets::tcp_syn(conn.remote, conn.local);
         self.tc_case(&case, ingress, &syn, 0, TC_NEXT, Some(want))?;
         self.lookup_case(&case, steer, &conn, want, to)
-    }
-
-    /// An outbound SYN from `addr`: the egress program redirects it into
-    /// the pod with the outbound verdict, and sk_lookup gives it 15001; with
-    /// ztunnel's mark the same SYN is passed on untouched.
-    fn outbound(&mut self, egress: &OwnedFd, steer: &OwnedFd, addr: IpAddr) -> Result<(), Failed> {
-        let preferred = packets::remote(addr.is_ipv6(), APP_PORT);
-        let Some(to) = self.plan.exclusions.captured_outbound(preferred) else {
-            // The pod's exclusions leave nothing captured: the SYN leaves
-            // untouched.
-            let syn = packets::tcp_syn(SocketAddr::new(addr, 0), preferred);
-            let case = format!("excluded outbound from {addr}");
-            return self.tc_case(&case, egress, &syn, 0, TC_NEXT, None);
-        };
-        let conn = tcp(SocketAddr::new(addr, 0), to);
-        let syn = packets::tcp_syn(conn.remote, conn.local);
-        let case = format!("outbound from {addr}");
-        let want = HintVerdict::Outbound;
-        self.tc_case(&case, egress, &syn, 0, TC_ACT_REDIRECT, Some(want))?;
-        self.lookup_case(&case, steer, &conn, want, Some(Role::Outbound))?;
-        let case = format!("ztunnel's own SYN from {addr}");
-        self.tc_case(&case, egress, &syn, MARK_ZTUNNEL, TC_NEXT, None)
-    }
-
-    /// A DNS query over UDP from `addr`: redirected to the DNS proxy's
-    /// socket.
-    fn dns(&mut self, egress: &OwnedFd, steer: &OwnedFd, addr: IpAddr) -> Result<(), Failed> {
-        let conn = Lookup {
-            protocol: libc::IPPROTO_UDP as u8,
-            remote: SocketAddr::new(addr, 0),
-            local: packets::remote(addr.is_ipv6(), PORT_DNS),
-        };
-        let case = format!("DNS query from {addr}");
-        let want = HintVerdict::DnsUdp;
-        let query = packets::udp_dns(conn.remote, conn.local);
-        self.tc_case(&case, egress, &query, 0, TC_ACT_REDIRECT, Some(want))?;
-        self.lookup_case(&case, steer, &conn, want, Some(Role::DnsUdp))
-    }
-
-    /// A DNS query over TCP from `addr`: its SYN goes to the DNS proxy's
-    /// listener.
-    fn dns_tcp(&mut self, egress: &OwnedFd, steer: &OwnedFd, addr: IpAddr) -> Result<(), Failed> {
-        let conn = tcp(
-            SocketAddr::new(addr, 0),
-            packets::remote(addr.is_ipv6(), PORT_DNS),
-        );
-        let case = format!("DNS over TCP from {addr}");
-        let want = HintVerdict::DnsTcp;
-        let syn = packets::tcp_syn(conn.remote, conn.local);
-        self.tc_case(&case, egress, &syn, 0, TC_ACT_REDIRECT, Some(want))?;
-        self.lookup_case(&case, steer, &conn, want, Some(Role::DnsTcp))
     }
 
     /// Whether ztunnel has a socket for `role` in the pod's netns.
