@@ -10,8 +10,9 @@
 //! writes, `verify_hints`, only its own sk_lookup runs read, and the entry
 //! is removed right after each run.
 
-mod outbound;
 pub mod packets;
+
+use packets::{flow_key, tcp};
 
 use std::{
     collections::BTreeMap,
@@ -25,7 +26,7 @@ use aya::{
     programs::TcAttachType,
 };
 use sluice_common::{
-    FlowHint, FlowKey, HintVerdict, Role, FAMILY_V4, FAMILY_V6, MARK_MASK, MARK_REDIRECT,
+    FlowHint, FlowKey, HintVerdict, Role, MARK_MASK, MARK_REDIRECT, MARK_ZTUNNEL, PORT_DNS,
     PORT_HBONE, VERIFY_CB_COOKIE_HI, VERIFY_CB_COOKIE_LO, VERIFY_CB_VERDICT, VERIFY_MAGIC,
 };
 
@@ -34,7 +35,7 @@ use crate::{
         features::TcAttach,
         hookview::{self, Standing},
         loader::{Dataplane, Program},
-        state::{addr_key, addr_of, link_local},
+        state::{addr_of, link_local},
         testrun::{self, Lookup, SkbCtx},
     },
     podnet::{
@@ -225,8 +226,7 @@ struct Run<'a> {
 struct Runnable {
     ingress: u32,
     egress: u32,
-    /// `lo`'s egress program (a pod on the local route).
-    lo_out: Option<u32>,
+    lo_out: Option<u32>, // `lo`'s egress program, on the local route
 }
 
 impl Run<'_> {
@@ -253,12 +253,9 @@ impl Run<'_> {
         };
         let addrs = self.plan.addrs.clone();
         for addr in addrs {
-            if let Some(lo_out) = &lo_out {
-                self.local_route(lo_out, addr)?;
-            }
             self.inbound(&ingress, &steer, addr, APP_PORT, Role::Inbound)?;
             self.inbound(&ingress, &steer, addr, PORT_HBONE, Role::Hbone)?;
-            self.outbound(&egress, &steer, addr)?;
+            self.outbound(&egress, lo_out.as_ref(), &steer, addr)?;
             // Without ztunnel's DNS proxy the queries pass through (no
             // capture to verify); with it, they must reach it.
             if self.plan.dns && self.has(Role::DnsUdp) {
@@ -432,6 +429,71 @@ impl Run<'_> {
         self.lookup_case(&case, steer, &conn, want, to)
     }
 
+    /// An outbound SYN from `addr`: the egress program redirects it into the
+    /// pod with the outbound verdict (`lo`'s on the local route, `lo_out`,
+    /// leaves it on `lo`), and sk_lookup gives it 15001; with ztunnel's
+    /// mark the same SYN is passed on untouched.
+    fn outbound(
+        &mut self,
+        egress: &OwnedFd,
+        lo_out: Option<&OwnedFd>,
+        steer: &OwnedFd,
+        addr: IpAddr,
+    ) -> Result<(), Failed> {
+        let preferred = packets::remote(addr.is_ipv6(), APP_PORT);
+        let Some(to) = self.plan.exclusions.captured_outbound(preferred) else {
+            // The pod's exclusions leave nothing captured: the SYN leaves
+            // untouched.
+            let syn = packets::tcp_syn(SocketAddr::new(addr, 0), preferred);
+            let case = format!("excluded outbound from {addr}");
+            return self.tc_case(&case, egress, &syn, 0, TC_NEXT, None);
+        };
+        let conn = tcp(SocketAddr::new(addr, 0), to);
+        let syn = packets::tcp_syn(conn.remote, conn.local);
+        let want = HintVerdict::Outbound;
+        for (prog, over, verdict) in [
+            (lo_out, " over lo", TC_NEXT),
+            (Some(egress), "", TC_ACT_REDIRECT),
+        ] {
+            let Some(prog) = prog else { continue };
+            let case = format!("outbound{over} from {addr}");
+            self.tc_case(&case, prog, &syn, 0, verdict, Some(want))?;
+            let case = format!("ztunnel's own SYN{over} from {addr}");
+            self.tc_case(&case, prog, &syn, MARK_ZTUNNEL, TC_NEXT, None)?;
+        }
+        let case = format!("outbound from {addr}");
+        self.lookup_case(&case, steer, &conn, want, Some(Role::Outbound))
+    }
+
+    /// A DNS query over UDP from `addr`: redirected to the DNS proxy's
+    /// socket.
+    fn dns(&mut self, egress: &OwnedFd, steer: &OwnedFd, addr: IpAddr) -> Result<(), Failed> {
+        let conn = Lookup {
+            protocol: libc::IPPROTO_UDP as u8,
+            remote: SocketAddr::new(addr, 0),
+            local: packets::remote(addr.is_ipv6(), PORT_DNS),
+        };
+        let case = format!("DNS query from {addr}");
+        let want = HintVerdict::DnsUdp;
+        let query = packets::udp_dns(conn.remote, conn.local);
+        self.tc_case(&case, egress, &query, 0, TC_ACT_REDIRECT, Some(want))?;
+        self.lookup_case(&case, steer, &conn, want, Some(Role::DnsUdp))
+    }
+
+    /// A DNS query over TCP from `addr`: its SYN goes to the DNS proxy's
+    /// listener.
+    fn dns_tcp(&mut self, egress: &OwnedFd, steer: &OwnedFd, addr: IpAddr) -> Result<(), Failed> {
+        let conn = tcp(
+            SocketAddr::new(addr, 0),
+            packets::remote(addr.is_ipv6(), PORT_DNS),
+        );
+        let case = format!("DNS over TCP from {addr}");
+        let want = HintVerdict::DnsTcp;
+        let syn = packets::tcp_syn(conn.remote, conn.local);
+        self.tc_case(&case, egress, &syn, 0, TC_ACT_REDIRECT, Some(want))?;
+        self.lookup_case(&case, steer, &conn, want, Some(Role::DnsTcp))
+    }
+
     /// Whether ztunnel has a socket for `role` in the pod's netns.
     fn has(&self, role: Role) -> bool {
         self.listeners.iter().any(|(r, _)| *r == role)
@@ -527,15 +589,6 @@ impl Run<'_> {
     }
 }
 
-/// A TCP lookup from `remote` to `local`.
-fn tcp(remote: SocketAddr, local: SocketAddr) -> Lookup {
-    Lookup {
-        protocol: libc::IPPROTO_TCP as u8,
-        remote,
-        local,
-    }
-}
-
 fn role_name(role: Role) -> &'static str {
     match role {
         Role::Outbound => "outbound",
@@ -543,18 +596,5 @@ fn role_name(role: Role) -> &'static str {
         Role::Hbone => "HBONE",
         Role::DnsTcp => "DNS TCP",
         Role::DnsUdp => "DNS UDP",
-    }
-}
-
-/// The flow-hint key of a lookup from `from` to `to`.
-fn flow_key(from: SocketAddr, to: SocketAddr) -> FlowKey {
-    let (r, l) = (addr_key(&from.ip()), addr_key(&to.ip()));
-    FlowKey {
-        remote_addr: r.addr,
-        local_addr: l.addr,
-        remote_port: from.port(),
-        local_port: to.port(),
-        family: if from.is_ipv4() { FAMILY_V4 } else { FAMILY_V6 },
-        _pad: [0; 3],
     }
 }

@@ -1,9 +1,14 @@
 //! The synthetic frames a verification runs the tc programs on: Ethernet,
 //! then IPv4 or IPv6, then a TCP SYN or a UDP DNS query, from source port 0
 //! (see `sluice_common::verify`). Remote ends are documentation addresses
-//! (192.0.2.0/24, 2001:db8::/32), which no real peer has.
+//! (192.0.2.0/24, 2001:db8::/32), which no real peer has. And the lookups
+//! sk_lookup is run on, and their flow-hint keys.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+
+use sluice_common::{FlowKey, FAMILY_V4, FAMILY_V6};
+
+use crate::dataplane::{state::addr_key, testrun::Lookup};
 
 /// The remote end of the verification's connections, by family.
 pub fn remote(v6: bool, port: u16) -> SocketAddr {
@@ -95,6 +100,28 @@ fn checksum(bytes: &[u8]) -> u16 {
         sum = (sum & 0xffff) + (sum >> 16);
     }
     !(sum as u16)
+}
+
+/// A TCP listener lookup from `remote` to `local`.
+pub fn tcp(remote: SocketAddr, local: SocketAddr) -> Lookup {
+    Lookup {
+        protocol: libc::IPPROTO_TCP as u8,
+        remote,
+        local,
+    }
+}
+
+/// The flow-hint key of a lookup from `from` to `to`.
+pub fn flow_key(from: SocketAddr, to: SocketAddr) -> FlowKey {
+    let (r, l) = (addr_key(&from.ip()), addr_key(&to.ip()));
+    FlowKey {
+        remote_addr: r.addr,
+        local_addr: l.addr,
+        remote_port: from.port(),
+        local_port: to.port(),
+        family: if from.is_ipv4() { FAMILY_V4 } else { FAMILY_V6 },
+        _pad: [0; 3],
+    }
 }
 
 #[cfg(test)]
