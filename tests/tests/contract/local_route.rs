@@ -251,6 +251,11 @@ fn open_before(fam: Family) -> TestResult {
 fn turned_off() -> TestResult {
     let f = enabled("lr-off")?;
     ensure!(has_local_route_rule(&f.topo.pod, false)?);
+    // A rule of the pod's own at the local route's priority stays.
+    exec(
+        &f.topo.pod,
+        &["ip", "-4", "rule", "add", "pref", "32763", "lookup", "200"],
+    )?;
     let mut dp = f.dataplane()?;
     dp.set_local_route(false);
     let left = sluice::podnet::enroll::leave_local_route(&mut dp);
@@ -265,6 +270,11 @@ fn turned_off() -> TestResult {
     ensure!(
         f.pod_record()?.local_route.is_none(),
         "still on the local route"
+    );
+    let own = output(&f.topo.pod, &["ip", "-4", "rule", "show", "pref", "32763"])?;
+    ensure!(
+        own.contains("lookup 200"),
+        "the pod's own rule went: {own:?}"
     );
     let dst = SocketAddr::new(Family::V4.client(), REMOTE_PORT);
     let mss = connect_mss(&f, dst)?;

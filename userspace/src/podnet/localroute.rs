@@ -35,9 +35,9 @@ use std::net::IpAddr;
 
 use ipnet::IpNet;
 
-use netlink_packet_core::{NLM_F_CREATE, NLM_F_EXCL};
+use netlink_packet_core::{NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE};
 use netlink_packet_route::{
-    route::{RouteAddress, RouteAttribute, RouteMessage, RouteScope, RouteType},
+    route::RouteMessage,
     rule::{RuleAction, RuleAttribute, RuleMessage, RulePortRange},
     AddressFamily, IpProtocol, RouteNetlinkMessage,
 };
@@ -51,7 +51,7 @@ use crate::{
     podnet::{
         netns::Netns,
         podview::PodView,
-        routes::{table_byte, RouteError},
+        routes::{local_default, table_byte, RouteError},
         rtnl::Rtnl,
         sysctl,
     },
@@ -156,9 +156,11 @@ pub fn install_over(
     sources: &[IpAddr],
     x: &PodExclusions,
 ) -> Result<(), RouteError> {
+    // Replaced, not only added: a repair after the pod's address changed
+    // gives the route the new source.
     for src in sources {
-        let route = route(lo, family(src), Some(*src));
-        add(nl, RouteNetlinkMessage::NewRoute(route))
+        let route = RouteNetlinkMessage::NewRoute(route(lo, family(src), Some(*src)));
+        nl.change(route, NLM_F_CREATE | NLM_F_REPLACE)
             .map_err(io(format!("adding the local route from {src}")))?;
     }
     for r in rules(sources, x) {
@@ -189,15 +191,25 @@ fn remove_rules(nl: &Rtnl) -> Result<usize, RouteError> {
     for f in [AddressFamily::Inet, AddressFamily::Inet6] {
         // The local route's rule first: excluded flows never take it
         // meanwhile.
-        for pref in [LOCAL_ROUTE_PRIORITY, LOCAL_ROUTE_PRIORITY - 1] {
+        for (pref, table) in [
+            (LOCAL_ROUTE_PRIORITY, LOCAL_ROUTE_TABLE),
+            (LOCAL_ROUTE_PRIORITY - 1, RT_TABLE_MAIN),
+        ] {
             // One rule a request, until none of the priority is left (a
             // pod's exclusions make at most 3 × EXCLUSIONS_MAX + 1 of a
             // family; the bound only guards against a kernel that keeps
             // answering yes).
             for _ in 0..3 * sluice_common::EXCLUSIONS_MAX + 2 {
+                // Its priority, table and `iif lo`: a rule of the pod's own
+                // at the same priority stays.
                 let mut m = RuleMessage::default();
                 m.header.family = f;
-                m.attributes = vec![RuleAttribute::Priority(pref)];
+                m.header.table = table_byte(table);
+                m.attributes = vec![
+                    RuleAttribute::Priority(pref),
+                    RuleAttribute::Table(table),
+                    RuleAttribute::Iifname("lo".into()),
+                ];
                 if !del(nl, RouteNetlinkMessage::DelRule(m))
                     .map_err(io("removing the local route's rules"))?
                 {
@@ -338,29 +350,7 @@ fn rule(family: AddressFamily, pref: u32, table: u32, more: Vec<RuleAttribute>) 
 
 /// `local default dev lo [src SRC] table 101` of `family`.
 fn route(lo: u32, family: AddressFamily, src: Option<IpAddr>) -> RouteMessage {
-    let mut m = RouteMessage::default();
-    let default = match family {
-        AddressFamily::Inet6 => RouteAddress::Inet6(0.into()),
-        _ => RouteAddress::Inet(0.into()),
-    };
-    m.header.address_family = family;
-    m.header.destination_prefix_length = 0;
-    m.header.table = table_byte(LOCAL_ROUTE_TABLE);
-    m.header.kind = RouteType::Local;
-    m.header.scope = RouteScope::Host;
-    m.header.protocol = netlink_packet_route::route::RouteProtocol::Static;
-    m.attributes = vec![
-        RouteAttribute::Destination(default),
-        RouteAttribute::Table(LOCAL_ROUTE_TABLE),
-        RouteAttribute::Oif(lo),
-    ];
-    if let Some(src) = src {
-        m.attributes.push(RouteAttribute::PrefSource(match src {
-            IpAddr::V4(a) => RouteAddress::Inet(a),
-            IpAddr::V6(a) => RouteAddress::Inet6(a),
-        }));
-    }
-    m
+    local_default(family, lo, LOCAL_ROUTE_TABLE, src)
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@
 //! ztunnel upgrades). Set over rtnetlink and sysctl files (`sysctl`) from
 //! inside the pod netns; no `ip` command.
 
-use std::net::{Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use netlink_packet_core::{DefaultNla, NLM_F_CREATE, NLM_F_EXCL};
 use netlink_packet_route::{
@@ -213,34 +213,42 @@ fn rule(family: AddressFamily) -> RuleMessage {
 }
 
 fn route_v4(lo: u32) -> RouteMessage {
-    local_route(
-        AddressFamily::Inet,
-        RouteAddress::Inet(Ipv4Addr::UNSPECIFIED),
-        lo,
-    )
+    local_default(AddressFamily::Inet, lo, ROUTE_TABLE, None)
 }
 
 fn route_v6(lo: u32) -> RouteMessage {
-    local_route(
-        AddressFamily::Inet6,
-        RouteAddress::Inet6(Ipv6Addr::UNSPECIFIED),
-        lo,
-    )
+    local_default(AddressFamily::Inet6, lo, ROUTE_TABLE, None)
 }
 
-/// `local default dev lo table 100`.
-fn local_route(family: AddressFamily, default: RouteAddress, lo: u32) -> RouteMessage {
+/// `local default dev lo [src SRC] table TABLE` of `family` (`lo`: its
+/// index).
+pub fn local_default(
+    family: AddressFamily,
+    lo: u32,
+    table: u32,
+    src: Option<IpAddr>,
+) -> RouteMessage {
+    let addr = |a: IpAddr| match a {
+        IpAddr::V4(a) => RouteAddress::Inet(a),
+        IpAddr::V6(a) => RouteAddress::Inet6(a),
+    };
+    let default = match family {
+        AddressFamily::Inet6 => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+        _ => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+    };
     let mut m = RouteMessage::default();
     m.header.address_family = family;
     m.header.destination_prefix_length = 0;
-    m.header.table = table_byte(ROUTE_TABLE);
+    m.header.table = table_byte(table);
     m.header.kind = RouteType::Local;
     m.header.scope = RouteScope::Host;
     m.header.protocol = netlink_packet_route::route::RouteProtocol::Static;
     m.attributes = vec![
-        RouteAttribute::Destination(default),
-        RouteAttribute::Table(ROUTE_TABLE),
+        RouteAttribute::Destination(addr(default)),
+        RouteAttribute::Table(table),
         RouteAttribute::Oif(lo),
     ];
+    m.attributes
+        .extend(src.map(|s| RouteAttribute::PrefSource(addr(s))));
     m
 }
