@@ -53,7 +53,7 @@ use crate::{
         podview::PodView,
         routes::{local_default, table_byte, RouteError},
         rtnl::Rtnl,
-        sysctl,
+        sockets, sysctl,
     },
 };
 
@@ -92,35 +92,13 @@ pub fn offer(
         return Err("it has no address".into());
     }
     let open = netns
-        .run(open_tcp_connections)
+        .run(sockets::open_tcp_connections)
         .map_err(|e| e.to_string())?
         .map_err(|e| format!("cannot count its TCP connections: {e}"))?;
     if open > 0 {
         return Err(format!("it has {open} TCP connections open already"));
     }
     Ok((uplink, sources))
-}
-
-/// TCP sockets of the calling thread's netns in a state that has a peer
-/// (not listening, closed or in TIME_WAIT), from `/proc/thread-self/net`.
-fn open_tcp_connections() -> std::io::Result<usize> {
-    const LISTEN: &str = "0A";
-    const TIME_WAIT: &str = "06";
-    const CLOSE: &str = "07";
-    let mut n = 0;
-    for table in ["tcp", "tcp6"] {
-        let text = match std::fs::read_to_string(format!("/proc/thread-self/net/{table}")) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound && table == "tcp6" => continue, // no IPv6
-            r => r?,
-        };
-        n += text
-            .lines()
-            .skip(1)
-            .filter_map(|l| l.split_whitespace().nth(3))
-            .filter(|st| ![LISTEN, TIME_WAIT, CLOSE].contains(st))
-            .count();
-    }
-    Ok(n)
 }
 
 /// The source address of the local route per family: the pod's first

@@ -20,7 +20,7 @@ use netlink_packet_core::{
 };
 use netlink_packet_sock_diag::{
     constants::{AF_INET, AF_INET6, IPPROTO_TCP, IPPROTO_UDP},
-    inet::{nlas::Nla, ExtensionFlags, InetRequest, SocketId, StateFlags},
+    inet::{nlas::Nla, ExtensionFlags, InetRequest, InetResponse, SocketId, StateFlags},
     SockDiagMessage,
 };
 use netlink_sys::{protocols::NETLINK_SOCK_DIAG, Socket, SocketAddr};
@@ -90,6 +90,86 @@ fn dump_listeners(
     protocol: u8,
     states: StateFlags,
 ) -> Result<Vec<SeenListener>, SocketError> {
+    let mut out = Vec::new();
+    dump(family, protocol, states, |r| {
+        let mark = r.nlas.iter().find_map(|n| match n {
+            Nla::Mark(m) => Some(*m),
+            _ => None,
+        });
+        let port = r.header.socket_id.source_port;
+        if let (Some(role), Some(mark)) = (role_of(protocol, port), mark) {
+            if mark & MARK_MASK == MARK_ZTUNNEL {
+                out.push(SeenListener {
+                    role,
+                    inode: r.header.inode,
+                    cookie: diag_cookie(r.header.socket_id.cookie),
+                    family: if family == AF_INET {
+                        FAMILY_V4
+                    } else {
+                        FAMILY_V6
+                    },
+                });
+            }
+        }
+    })?;
+    Ok(out)
+}
+
+/// TCP sockets of the calling thread's netns in a state with a peer (not
+/// listening, closed or in TIME_WAIT). The netns's own socket counts come
+/// first (`sockstat`, O(1)): a netns with no TCP socket at all, as a new
+/// pod's at its CNI ADD, needs no dump, which walks the node's whole
+/// established hash table (≈ 1.4 ms for both families on a small VM).
+pub fn open_tcp_connections() -> Result<usize, SocketError> {
+    if tcp_in_use()? == 0 {
+        return Ok(0);
+    }
+    let peered = StateFlags::all() - StateFlags::LISTEN - StateFlags::TIME_WAIT - StateFlags::CLOSE;
+    let mut n = 0;
+    for family in [AF_INET, AF_INET6] {
+        dump(family, IPPROTO_TCP, peered.clone(), |_| n += 1)?;
+    }
+    Ok(n)
+}
+
+/// TCP sockets the calling thread's netns has hashed, both families
+/// (`TCP: inuse` of /proc/net/sockstat, `TCP6: inuse` of sockstat6):
+/// listeners and connections, not TIME_WAIT.
+fn tcp_in_use() -> Result<u64, SocketError> {
+    let mut n = 0;
+    for (file, proto) in [("sockstat", "TCP:"), ("sockstat6", "TCP6:")] {
+        let path = format!("/proc/thread-self/net/{file}");
+        let text = match fs::read_to_string(&path) {
+            // No IPv6 in this kernel: no sockets of it.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && file == "sockstat6" => continue,
+            r => r.map_err(|e| SocketError::Diag(format!("{path}: {e}")))?,
+        };
+        n += in_use(&text, proto)
+            .ok_or_else(|| SocketError::Diag(format!("{path}: no `{proto} inuse N` line")))?;
+    }
+    Ok(n)
+}
+
+/// The `inuse` count of `proto`'s line (`TCP: inuse 3 orphan 0 …`).
+fn in_use(sockstat: &str, proto: &str) -> Option<u64> {
+    let line = sockstat.lines().find(|l| l.starts_with(proto))?;
+    let mut words = line.split_whitespace().skip(1);
+    while let Some(w) = words.next() {
+        if w == "inuse" {
+            return words.next()?.parse().ok();
+        }
+    }
+    None
+}
+
+/// One sock_diag dump from the calling thread's netns: `each` sees every
+/// socket of `family` and `protocol` in one of `states`.
+fn dump(
+    family: u8,
+    protocol: u8,
+    states: StateFlags,
+    mut each: impl FnMut(&InetResponse),
+) -> Result<(), SocketError> {
     let derr = |e: std::io::Error| SocketError::Diag(e.to_string());
     let mut socket = Socket::new(NETLINK_SOCK_DIAG).map_err(derr)?;
     socket.bind_auto().map_err(derr)?;
@@ -116,7 +196,6 @@ fn dump_listeners(
     req.serialize(&mut buf);
     socket.send(&buf, 0).map_err(derr)?;
 
-    let mut out = Vec::new();
     let mut rx = vec![0u8; 64 * 1024];
     loop {
         let n = socket.recv(&mut &mut rx[..], 0).map_err(derr)?;
@@ -126,29 +205,9 @@ fn dump_listeners(
                 .map_err(|e| SocketError::Diag(e.to_string()))?;
             let len = msg.header.length as usize;
             match msg.payload {
-                NetlinkPayload::Done(_) => return Ok(out),
+                NetlinkPayload::Done(_) => return Ok(()),
                 NetlinkPayload::Error(e) => return Err(SocketError::Diag(format!("{e:?}"))),
-                NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(r)) => {
-                    let mark = r.nlas.iter().find_map(|n| match n {
-                        Nla::Mark(m) => Some(*m),
-                        _ => None,
-                    });
-                    let port = r.header.socket_id.source_port;
-                    if let (Some(role), Some(mark)) = (role_of(protocol, port), mark) {
-                        if mark & MARK_MASK == MARK_ZTUNNEL {
-                            out.push(SeenListener {
-                                role,
-                                inode: r.header.inode,
-                                cookie: diag_cookie(r.header.socket_id.cookie),
-                                family: if family == AF_INET {
-                                    FAMILY_V4
-                                } else {
-                                    FAMILY_V6
-                                },
-                            });
-                        }
-                    }
-                }
+                NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(r)) => each(&r),
                 _ => {}
             }
             if len == 0 {
@@ -416,4 +475,20 @@ pub fn take_listeners(
         });
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::in_use;
+
+    #[test]
+    fn in_use_reads_the_protocols_own_line() {
+        let v4 =
+            "sockets: used 11\nTCP: inuse 3 orphan 0 tw 2 alloc 27 mem 0\nUDP: inuse 1 mem 55\n";
+        let v6 = "TCP6: inuse 4\nUDP6: inuse 0\n";
+        assert_eq!(in_use(v4, "TCP:"), Some(3));
+        assert_eq!(in_use(v6, "TCP6:"), Some(4));
+        assert_eq!(in_use(v4, "TCP6:"), None);
+        assert_eq!(in_use("TCP: orphan 0", "TCP:"), None);
+    }
 }
