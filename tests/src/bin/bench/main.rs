@@ -56,6 +56,8 @@ pub struct Config {
     pub rr_window: Duration,
     pub bulk_rounds: usize,
     pub bulk_window: Duration,
+    /// `bulk`: rounds of the flows capture lets through (finer target).
+    pub uncaptured_rounds: usize,
     /// `enroll`: pods enrolled one by one (each variant), cold samples
     /// (fresh program load each), pods enrolled at once, pods per RTNL phase.
     pub enroll_pods: usize,
@@ -105,6 +107,7 @@ impl Config {
             rr_window: Duration::from_secs(1),
             bulk_rounds: 5,
             bulk_window: Duration::from_secs(1),
+            uncaptured_rounds: 15,
             enroll_pods: 200,
             cold_reps: 5,
             concurrent_pods: 100,
@@ -143,6 +146,7 @@ impl Config {
             rr_window: Duration::from_millis(200),
             bulk_rounds: 2,
             bulk_window: Duration::from_millis(200),
+            uncaptured_rounds: 2,
             enroll_pods: 10,
             cold_reps: 2,
             concurrent_pods: 10,
@@ -182,6 +186,7 @@ impl Config {
             "rr_window_ms": ms(self.rr_window),
             "bulk_rounds": self.bulk_rounds,
             "bulk_window_ms": ms(self.bulk_window),
+            "uncaptured_rounds": self.uncaptured_rounds,
             "enroll_pods": self.enroll_pods,
             "cold_reps": self.cold_reps,
             "concurrent_pods": self.concurrent_pods,

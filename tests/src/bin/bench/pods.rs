@@ -251,7 +251,8 @@ fn put_percentiles(report: &mut Report, what: &str, variant: &str, v: &[f64]) {
 }
 
 /// Scenario `enroll`: per-pod enrollment for sluice (cls_bpf filters, the
-/// default, and tcx links where the kernel has them: keys `_tcx`) against
+/// default; tcx links where the kernel has them: keys `_tcx`; the local
+/// route where it is offered: keys `_local_route`) against
 /// istio-cni's (the replica), cold and warm; teardown; N pods at once; and
 /// how long each enrollment holds RTNL.
 pub fn enrollment(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyhow::Result<()> {
@@ -282,8 +283,13 @@ pub fn enrollment(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyho
     let mut dp = Dataplane::load_or_adopt(pins.0.clone())?;
     let mut tx = Dataplane::load_or_adopt(tx_pins.0.clone())?;
     tx.set_tc_attach(TcAttach::Tcx);
+    // With `--local-route` (keys `_local_route`), where the kernel offers it.
+    let lr_pins = OwnPins::new("en-lr");
+    let mut lr = Dataplane::load_or_adopt(lr_pins.0.clone())?;
+    let local_route = lr.set_local_route(true);
     dp.set_node(pods.node()?)?;
     tx.set_node(pods.node()?)?;
+    lr.set_node(pods.node()?)?;
     let mut t: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     for (i, p) in pods.iter().enumerate() {
         let uid = format!("en-{i}");
@@ -300,6 +306,14 @@ pub fn enrollment(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyho
             t.entry("teardown_sluice_tcx")
                 .or_default()
                 .push(sluice_unenroll(&mut tx, &uid)?);
+        }
+        if local_route {
+            t.entry("enroll_sluice_local_route")
+                .or_default()
+                .push(sluice_enroll(&mut lr, &p.name, &uid)?);
+            t.entry("teardown_sluice_local_route")
+                .or_default()
+                .push(sluice_unenroll(&mut lr, &uid)?);
         }
         t.entry("enroll_iptables")
             .or_default()
@@ -355,7 +369,7 @@ pub fn enrollment(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyho
     drop(pods);
 
     rtnl_hold(report, cfg, &mut dp, features.tcx.then_some(&mut tx))?;
-    drop((dp, tx));
+    drop((dp, tx, lr));
     Ok(())
 }
 
