@@ -431,18 +431,26 @@ fn program_stats(s: &Setup) -> anyhow::Result<BTreeMap<String, (u64, u64)>> {
 
 /// Scenario `latency`: connect() latency, one connection at a time, every
 /// variant and direction once per round in a random order; percentiles
-/// over all rounds' samples.
+/// over all rounds' samples. sluice on the local route too (keys
+/// `_sluice_local_route`), where the kernel offers it.
 pub fn latency(report: &mut Report, cfg: &Config, rng: &mut StdRng) -> anyhow::Result<()> {
-    let setups = setups(&Variant::ALL, Mode::AcceptClose)?;
-    for s in &setups {
+    let mut variants = Variant::ALL.to_vec();
+    if Variant::local_route_offered() {
+        variants.push(Variant::LocalRoute);
+    }
+    let setups: BTreeMap<Variant, Setup> = variants
+        .iter()
+        .map(|v| Ok((*v, Setup::new(*v, Mode::AcceptClose)?)))
+        .collect::<anyhow::Result<_>>()?;
+    for s in setups.values() {
         for d in Dir::ALL {
             connect_batch(s, d, cfg.lat_samples / 4)?;
         }
     }
     let mut lat: BTreeMap<(Variant, Dir), Vec<f64>> = BTreeMap::new();
     for _ in 0..cfg.lat_rounds {
-        for (v, d) in shuffled(rng) {
-            let l = connect_batch(&setups[v as usize], d, cfg.lat_samples)?;
+        for (v, d) in shuffled_of(&variants, rng) {
+            let l = connect_batch(&setups[&v], d, cfg.lat_samples)?;
             lat.entry((v, d)).or_default().extend(l);
         }
     }
@@ -463,7 +471,7 @@ pub fn latency(report: &mut Report, cfg: &Config, rng: &mut StdRng) -> anyhow::R
         );
     }
     for (d, suffix) in [(Dir::Inbound, ""), (Dir::Outbound, "_outbound")] {
-        for v in [Variant::Sluice, Variant::Iptables] {
+        for v in variants.iter().copied().filter(|v| *v != Variant::None) {
             report.put(
                 &format!("p99_ratio_{}_vs_none{suffix}", v.name()),
                 p(v, d, 0.99) / p(Variant::None, d, 0.99),
