@@ -18,8 +18,8 @@ use sluice_tests::{
     app::App,
     cni::{plugin, Exec},
     flow::{connect, Opts},
-    harness::sluice_bin,
-    topology::ip,
+    harness::{is_root, local_route_available, local_route_on, on_local_route, sluice_bin},
+    topology::{has_local_route_rule, ip},
 };
 
 use crate::{trial, TestResult};
@@ -43,6 +43,13 @@ pub fn trials() -> Vec<Trial> {
             "cni::chain_with_reference_plugins_captures_and_cleans_up",
             chain,
         ),
+        // The same with the agent's `--local-route`: the pod its ADD
+        // enrolls takes it, and its DEL takes it off.
+        trial(
+            "cni::local_route::chain_with_reference_plugins_captures_and_cleans_up",
+            || on_local_route(chain),
+        )
+        .with_ignored_flag(!is_root() || !local_route_available()),
         trial("cni::errors_are_spec_shaped", errors),
         trial(
             "cni::with_the_agent_down_only_ambient_pods_wait",
@@ -183,7 +190,11 @@ impl Drop for Node {
 }
 
 fn chain() -> TestResult {
-    let n = Node::new("chain")?;
+    let n = Node::new(if local_route_on() {
+        "chain-lr"
+    } else {
+        "chain"
+    })?;
     let agent = AgentProc::start(&n.pins)?;
     let peer = PeerProc::start(Path::new(PEER), &agent.zds, &[])?;
     let app = App::start(&n.pod, 8080);
@@ -235,6 +246,11 @@ fn chain() -> TestResult {
         .events()
         .iter()
         .any(|e| e["event"] == "add" && e["workload"] == "shop/cart-7f9/default"));
+    ensure!(
+        has_local_route_rule(&n.pod, false)? == local_route_on(),
+        "the pod's local route rule: want it {}",
+        local_route_on()
+    );
 
     // Rows I1 and O1 through the pod the CNI chain made.
     let pod_ip: IpAddr = prev["ips"][0]["address"]
@@ -310,6 +326,10 @@ fn chain() -> TestResult {
     ensure!(
         std::fs::read_dir(n.pins.pods())?.next().is_none(),
         "pins left after DEL"
+    );
+    ensure!(
+        !has_local_route_rule(&n.pod, false)?,
+        "the local route's rule left after DEL"
     );
     ensure!(peer
         .events()

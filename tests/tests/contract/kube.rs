@@ -724,6 +724,7 @@ fn relist() -> TestResult {
             &w,
             &Default::default(),
             &sluice::podnet::enroll::PodAddrs::Netns,
+            sluice::podnet::enroll::AppStarted::Maybe,
         )?;
     }
     // The agent's selection snapshot: removed after the runtime, whose
@@ -881,6 +882,7 @@ fn enablement_selectors() -> TestResult {
             &w,
             &Default::default(),
             &sluice::podnet::enroll::PodAddrs::Netns,
+            sluice::podnet::enroll::AppStarted::Maybe,
         )?;
     }
     ensure!(sluice::status::read(&f.topo.pins)?.len() == 1);

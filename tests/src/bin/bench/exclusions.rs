@@ -48,6 +48,8 @@ fn measure(
         &workload(&p.name),
         &Default::default(),
         &enroll::PodAddrs::Netns,
+        // A new pod, as at its CNI ADD.
+        enroll::AppStarted::No,
     )?;
     let cookie = a.cookie;
     let src = dp

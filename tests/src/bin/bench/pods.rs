@@ -218,6 +218,8 @@ fn sluice_enroll(dp: &mut Dataplane, pod: &str, uid: &str) -> anyhow::Result<f64
         &workload(pod),
         &Default::default(),
         &enroll::PodAddrs::Netns,
+        // A new pod, as at its CNI ADD.
+        enroll::AppStarted::No,
     )?;
     enroll::take_over(&a.netns)?;
     Ok(ms(t))
@@ -311,6 +313,12 @@ pub fn enrollment(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyho
             t.entry("enroll_sluice_local_route")
                 .or_default()
                 .push(sluice_enroll(&mut lr, &p.name, &uid)?);
+            let on = lr.maps().find_uid(&PodUid::new(&uid)?);
+            ensure!(
+                on.and_then(|c| lr.maps().local_route(c)).is_some(),
+                "{} was not put on the local route",
+                p.name
+            );
             t.entry("teardown_sluice_local_route")
                 .or_default()
                 .push(sluice_unenroll(&mut lr, &uid)?);
@@ -354,6 +362,8 @@ pub fn enrollment(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyho
                 &workload(pod),
                 &Default::default(),
                 &enroll::PodAddrs::Netns,
+                // A new pod, as at its CNI ADD.
+                enroll::AppStarted::No,
             )?
         };
         enroll::take_over(&a.netns)?;
@@ -641,6 +651,8 @@ fn churn_with(
             &workload(pod),
             &Default::default(),
             &enroll::PodAddrs::Netns,
+            // A new pod, as at its CNI ADD.
+            enroll::AppStarted::No,
         )?;
         enroll::take_over(&a.netns)?;
         let mut d = dp.lock().unwrap();

@@ -691,6 +691,24 @@ pub fn bulk(report: &mut Report, cfg: &Config, rng: &mut StdRng) -> anyhow::Resu
         }
         rounds.push(r);
     }
+    report_bulk(report, &rounds, &mss, local.is_some());
+    uncaptured(report, cfg, rng, &setups)?;
+    bulk_bpf_runs(
+        report,
+        cfg,
+        &setups[Variant::Sluice as usize],
+        local.as_ref(),
+    )
+}
+
+/// The `bulk` rounds' keys: medians over rounds (Gbit/s, per-round
+/// ratios) and each flow's MSS.
+fn report_bulk(
+    report: &mut Report,
+    rounds: &[BTreeMap<Bulk, f64>],
+    mss: &BTreeMap<Bulk, u32>,
+    local: bool,
+) {
     let gbit = |k| median(rounds.iter().map(|r| r[&k] * 8.0 / 1e9).collect());
     for v in Variant::ALL {
         for d in Dir::ALL {
@@ -706,7 +724,7 @@ pub fn bulk(report: &mut Report, cfg: &Config, rng: &mut StdRng) -> anyhow::Resu
         for v in [Variant::Sluice, Variant::Iptables] {
             report.put(
                 &format!("bulk_ratio_{}_vs_none_{}", v.name(), d.name()),
-                ratio(&rounds, Bulk::Flow(v, d), Bulk::Flow(Variant::None, d)),
+                ratio(rounds, Bulk::Flow(v, d), Bulk::Flow(Variant::None, d)),
             );
         }
     }
@@ -721,7 +739,7 @@ pub fn bulk(report: &mut Report, cfg: &Config, rng: &mut StdRng) -> anyhow::Resu
     report.put(
         "bulk_ratio_none_at_pod_mss_vs_none_outbound",
         ratio(
-            &rounds,
+            rounds,
             Bulk::NoneAtPodMss,
             Bulk::Flow(Variant::None, Dir::Outbound),
         ),
@@ -729,12 +747,12 @@ pub fn bulk(report: &mut Report, cfg: &Config, rng: &mut StdRng) -> anyhow::Resu
     report.put(
         "bulk_ratio_sluice_vs_none_at_pod_mss_outbound",
         ratio(
-            &rounds,
+            rounds,
             Bulk::Flow(Variant::Sluice, Dir::Outbound),
             Bulk::NoneAtPodMss,
         ),
     );
-    if local.is_some() {
+    if local {
         report.put(
             "bulk_gbit_s_outbound_sluice_local_route",
             gbit(Bulk::LocalRoute),
@@ -746,19 +764,12 @@ pub fn bulk(report: &mut Report, cfg: &Config, rng: &mut StdRng) -> anyhow::Resu
         report.put(
             "bulk_ratio_sluice_local_route_vs_none_outbound",
             ratio(
-                &rounds,
+                rounds,
                 Bulk::LocalRoute,
                 Bulk::Flow(Variant::None, Dir::Outbound),
             ),
         );
     }
-    uncaptured(report, cfg, rng, &setups)?;
-    bulk_bpf_runs(
-        report,
-        cfg,
-        &setups[Variant::Sluice as usize],
-        local.as_ref(),
-    )
 }
 
 /// A flow capture lets through (ztunnel's mark 0x539, to a server beside
@@ -930,6 +941,8 @@ pub fn scale(report: &mut Report, cfg: &Config, _rng: &mut StdRng) -> anyhow::Re
             &workload(&p.name),
             &Default::default(),
             &enroll::PodAddrs::Netns,
+            // A new pod, as at its CNI ADD.
+            enroll::AppStarted::No,
         )?;
     }
     ensure!(dp.maps().pods().len() == n, "expected {n} pods enrolled");

@@ -60,6 +60,8 @@ fn verify_in(
             &workload(&p.name),
             &Default::default(),
             &enroll::PodAddrs::Netns,
+            // A new pod, as at its CNI ADD.
+            enroll::AppStarted::No,
         )?;
         standins.push(StandIn::start_in(
             Ns::Named(p.name.clone()),

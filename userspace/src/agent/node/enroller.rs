@@ -17,7 +17,7 @@ use crate::{
     lifecycle::Event,
     metrics::{Failure, Metrics},
     options::PodOptions,
-    podnet::enroll::{self, EnrollError, PodAddrs},
+    podnet::enroll::{self, AppStarted, EnrollError, PodAddrs},
     uid::PodUid,
     workload::{PodIdentity, Workload},
     zds::{proto::WorkloadRequest, server::Answer},
@@ -38,6 +38,7 @@ impl Enroller {
         workload: Workload,
         options: PodOptions,
         addrs: PodAddrs,
+        app: AppStarted,
     ) -> anyhow::Result<Response> {
         let uid = PodUid::new(uid)?;
         let workload = Workload::new(
@@ -47,9 +48,10 @@ impl Enroller {
         )?;
         let (book, w, u) = (self.book.clone(), workload.clone(), uid.clone());
         let started = Instant::now();
-        let attached =
-            tokio::task::spawn_blocking(move || attach(&book, &netns, &u, &w, &options, &addrs))
-                .await?;
+        let attached = tokio::task::spawn_blocking(move || {
+            attach(&book, &netns, &u, &w, &options, &addrs, app)
+        })
+        .await?;
         let cookie = match attached {
             Ok(Captured {
                 cookie,
@@ -258,10 +260,11 @@ fn attach(
     w: &Workload,
     options: &PodOptions,
     addrs: &PodAddrs,
+    started: AppStarted,
 ) -> Result<Captured, EnrollError> {
     let (cookie, netns, held, evicted, over_cap) = {
         let mut dp = book.dataplane();
-        let a = enroll::attach_pod(&mut dp, netns, uid, w, options, addrs)?;
+        let a = enroll::attach_pod(&mut dp, netns, uid, w, options, addrs, started)?;
         let evicted = claimers(dp.maps(), &a.addrs.evicted);
         // The netns stays open from here on: adds and registrations use it.
         if let Some(meta) = dp.maps().meta(a.cookie) {

@@ -25,7 +25,7 @@ use crate::{
     },
     metrics::{Metrics, ReconcileError},
     options::{OptionsError, PodOptions},
-    podnet::enroll::PodAddrs,
+    podnet::enroll::{AppStarted, PodAddrs},
     uid::PodUid,
     workload::Workload,
 };
@@ -320,7 +320,12 @@ impl Relist {
             Err(e) => return warn!(error = %e, "bad workload identity"),
         };
         let addrs = PodAddrs::from_runtime(ips);
-        match self.enroller.enroll(netns, &uid, w, options, addrs).await {
+        let started = AppStarted::Maybe;
+        match self
+            .enroller
+            .enroll(netns, &uid, w, options, addrs, started)
+            .await
+        {
             Ok(_) => self.metrics.captured_after_start(),
             Err(e) => {
                 let e = crate::one_line(&e);

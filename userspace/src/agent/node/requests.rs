@@ -27,7 +27,7 @@ use crate::{
     metrics::{CniCommand, CniResult},
     options::PodOptions,
     podnet::{
-        enroll::{self, PodAddrs},
+        enroll::{self, AppStarted, PodAddrs},
         netns::Netns,
     },
     uid::PodUid,
@@ -96,6 +96,7 @@ impl Requests {
                         workload,
                         PodOptions::default(),
                         PodAddrs::Netns,
+                        AppStarted::Maybe,
                     )
                     .instrument(span)
                     .await
@@ -478,6 +479,8 @@ impl Requests {
                 workload,
                 options,
                 PodAddrs::from_runtime(ips),
+                // The runtime starts the pod's containers once the ADD returns.
+                AppStarted::No,
             )
             .await?;
         // Only this sandbox's runtime may tear it down again (CNI DEL).

@@ -12,7 +12,7 @@ use crate::{
     fault::crash_point,
     options::PodOptions,
     podnet::{
-        localroute,
+        localroute::{self, AppStarted},
         netns::Netns,
         podlinks::{self, expected_links, LinkSpec},
         podview::PodView,
@@ -46,10 +46,11 @@ pub fn attach(
     workload: &Workload,
     options: &PodOptions,
     addrs: &PodAddrs,
+    started: AppStarted,
 ) -> Result<(Vec<String>, Published), EnrollError> {
     let cookie = view.cookie;
     let node_dns = dp.dns_capture();
-    let local_route = local_route(dp.local_route(), netns, view, options);
+    let local_route = local_route(dp.local_route(), netns, view, options, started);
     let maps = dp.maps_mut();
     maps.attach(cookie, uid, path, workload, boottime_ns())?;
     // Before any link: a pod that bypasses inbound capture never has its
@@ -100,11 +101,12 @@ fn local_route(
     netns: &Netns,
     view: &PodView,
     options: &PodOptions,
+    started: AppStarted,
 ) -> Option<(u32, Vec<IpAddr>)> {
     if !offered {
         return None;
     }
-    localroute::offer(netns, view, options)
+    localroute::offer(netns, view, options, started)
         .inspect_err(|why| tracing::info!("the pod's TCP keeps its interface's route: {why}"))
         .ok()
 }

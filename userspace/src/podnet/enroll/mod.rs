@@ -34,6 +34,7 @@ use crate::{
     workload::Workload,
 };
 
+pub use crate::podnet::localroute::AppStarted;
 pub use addrs::{refresh_addrs, PodAddrs};
 pub use error::EnrollError;
 pub use hostpeers::host_peers;
@@ -79,7 +80,15 @@ pub fn enroll_with_addrs(
     options: &PodOptions,
     addrs: &PodAddrs,
 ) -> Result<Enrolled, EnrollError> {
-    let a = attach_pod(dp, netns_path, uid, workload, options, addrs)?;
+    let a = attach_pod(
+        dp,
+        netns_path,
+        uid,
+        workload,
+        options,
+        addrs,
+        AppStarted::Maybe,
+    )?;
     if let Err(e) = take_over(&a.netns) {
         back_out(dp, &a.netns, a.cookie);
         return Err(e);
@@ -104,7 +113,7 @@ pub struct Attached {
 /// first link on, its new connections fail closed until listeners are
 /// registered. Returns the open netns and its cookie. The pod may still
 /// carry istio-cni's rules: [`take_over`] comes next. `addrs`: which
-/// addresses are the pod's.
+/// addresses are the pod's; `started`: whether its app may run already.
 pub fn attach_pod(
     dp: &mut Dataplane,
     netns_path: &Path,
@@ -112,6 +121,7 @@ pub fn attach_pod(
     workload: &Workload,
     options: &PodOptions,
     addrs: &PodAddrs,
+    started: AppStarted,
 ) -> Result<Attached, EnrollError> {
     let path = netns_path
         .to_str()
@@ -146,7 +156,9 @@ pub fn attach_pod(
     if dp.pins().pod(cookie).exists() {
         teardown_in(dp, &netns, cookie)?;
     }
-    let attached = attach::attach(dp, &netns, &view, uid, &path, workload, options, addrs);
+    let attached = attach::attach(
+        dp, &netns, &view, uid, &path, workload, options, addrs, started,
+    );
     let (host_hooks_held, addrs) = match attached {
         Ok(a) => a,
         Err(e) => {
