@@ -685,8 +685,18 @@ fn uninstall_after_failed_migration() -> TestResult {
 /// next dataplane loads afresh, with empty maps, and finds the pod's pins
 /// without a state entry. Its start (and every verification) removes them, and with them the
 /// pod's filters and routes, in the netns found by the directory's cookie.
+/// A setting of the pod's own that the local route also sets stays: the
+/// pod was never on it (the removal found none of its rules).
 fn stateless_pins() -> TestResult {
     let f = Fixture::new("orph", Some(Bind::DualStack))?;
+    let accept = |ns: &str| {
+        sluice_tests::ns::output(ns, &["cat", "/proc/sys/net/ipv4/tcp_fwmark_accept"])
+            .map(|v| v.trim().to_owned())
+    };
+    sluice_tests::ns::exec(
+        &f.topo.pod,
+        &["sysctl", "-qw", "net.ipv4.tcp_fwmark_accept=1"],
+    )?;
     let cookie = f.enroll()?.cookie;
     for dir in [f.topo.pins.maps(), f.topo.pins.progs()] {
         std::fs::remove_dir_all(dir)?;
@@ -703,6 +713,8 @@ fn stateless_pins() -> TestResult {
         anyhow::bail!("left in the pod: {left}");
     }
     ensure!(!inbound_captured(&f)?, "still captured");
+    let own = accept(&f.topo.pod)?;
+    ensure!(own == "1", "the pod's own tcp_fwmark_accept is {own}");
     Ok(())
 }
 

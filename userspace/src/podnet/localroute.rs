@@ -314,9 +314,11 @@ fn del(nl: &Rtnl, msg: RouteNetlinkMessage) -> std::io::Result<bool> {
         libc::EAFNOSUPPORT,
         libc::EOPNOTSUPP,
     ];
-    match nl.request(msg) {
+    // `change`, not `request`: the latter reads ENOENT as an empty answer,
+    // which a delete's success also is.
+    match nl.change(msg, 0) {
         Err(e) if e.raw_os_error().is_some_and(|c| none.contains(&c)) => Ok(false),
-        r => r.map(|_| true),
+        r => r.map(|()| true),
     }
 }
 
