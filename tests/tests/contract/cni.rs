@@ -331,6 +331,11 @@ fn chain() -> TestResult {
         !has_local_route_rule(&n.pod, false)?,
         "the local route's rule left after DEL"
     );
+    let all = sluice_tests::ns::output(&n.pod, &["ip", "route", "show", "table", "all"])?;
+    ensure!(
+        !all.lines().any(|l| l.contains("table 101")),
+        "table 101 after DEL: {all}"
+    );
     ensure!(peer
         .events()
         .iter()

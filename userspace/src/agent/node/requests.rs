@@ -441,8 +441,15 @@ impl Requests {
                 } => (uid, workload, *options),
             },
         };
+        // The runtime starts the pod's containers once the ADD returns; a
+        // netns captured before (by this pod's watch, perhaps while it ran)
+        // may hold connections all the same.
+        let mut app = AppStarted::No;
         if let Some(cookie) = self.book.cookie_of(&uid) {
             let same = Netns::open(&netns)?.cookie()? == cookie;
+            if same {
+                app = AppStarted::Maybe;
+            }
             match self.book.state_of(cookie) {
                 // A retried ADD (or the first one an agent restarted since
                 // sees): this container made the enrolled sandbox, whose
@@ -479,8 +486,7 @@ impl Requests {
                 workload,
                 options,
                 PodAddrs::from_runtime(ips),
-                // The runtime starts the pod's containers once the ADD returns.
-                AppStarted::No,
+                app,
             )
             .await?;
         // Only this sandbox's runtime may tear it down again (CNI DEL).
