@@ -205,7 +205,8 @@ fn remove_rules(nl: &Rtnl) -> Result<usize, RouteError> {
                     RuleAttribute::Table(table),
                     RuleAttribute::Iifname("lo".into()),
                 ];
-                if !del(nl, RouteNetlinkMessage::DelRule(m))
+                if !nl
+                    .delete(RouteNetlinkMessage::DelRule(m))
                     .map_err(io("removing the local route's rules"))?
                 {
                     break;
@@ -290,7 +291,7 @@ pub fn remove(was_on: bool) -> Result<(), RouteError> {
     let mut removed = remove_rules(&nl)?;
     for f in [AddressFamily::Inet, AddressFamily::Inet6] {
         let route = RouteNetlinkMessage::DelRoute(route(lo, f, None));
-        removed += usize::from(del(&nl, route).map_err(io("removing the local route"))?);
+        removed += usize::from(nl.delete(route).map_err(io("removing the local route"))?);
     }
     // The sysctl only where the local route was (a pod never on it keeps
     // its own); a read-only /proc/sys: nothing was set.
@@ -302,23 +303,6 @@ pub fn remove(was_on: bool) -> Result<(), RouteError> {
             Ok(())
         }
         r => r,
-    }
-}
-
-/// Deletes one entry; `false` when there was none (also of a family the
-/// kernel has not: IPv6 off at boot).
-fn del(nl: &Rtnl, msg: RouteNetlinkMessage) -> std::io::Result<bool> {
-    let none = [
-        libc::ESRCH,
-        libc::ENOENT,
-        libc::EAFNOSUPPORT,
-        libc::EOPNOTSUPP,
-    ];
-    // `change`, not `request`: the latter reads ENOENT as an empty answer,
-    // which a delete's success also is.
-    match nl.change(msg, 0) {
-        Err(e) if e.raw_os_error().is_some_and(|c| none.contains(&c)) => Ok(false),
-        r => r.map(|()| true),
     }
 }
 

@@ -157,10 +157,8 @@ pub fn remove(pod_ifaces: &[String]) -> Result<(), RouteError> {
             Entry::Rule(m) => RouteNetlinkMessage::DelRule(m),
             Entry::Route(m) => RouteNetlinkMessage::DelRoute(m),
         };
-        match nl.request(deleted) {
-            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
-            r => drop(r.map_err(io(format!("removing the {what}")))?),
-        }
+        nl.delete(deleted)
+            .map_err(io(format!("removing the {what}")))?;
     }
     Ok(())
 }

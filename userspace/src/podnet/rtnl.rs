@@ -51,6 +51,24 @@ impl Rtnl {
         self.exchange(msg, flags, false).map(drop)
     }
 
+    /// Deletes one entry (a rule, a route, …): `false` when there was none
+    /// (ESRCH, ENOENT, ENODEV; EAFNOSUPPORT or EOPNOTSUPP: a family the
+    /// kernel has not, IPv6 off at boot). Not [`Rtnl::request`], which
+    /// reads ENOENT as an empty answer, as a delete's success also is.
+    pub fn delete(&self, msg: RouteNetlinkMessage) -> io::Result<bool> {
+        const NONE: [i32; 5] = [
+            libc::ESRCH,
+            libc::ENOENT,
+            libc::ENODEV,
+            libc::EAFNOSUPPORT,
+            libc::EOPNOTSUPP,
+        ];
+        match self.change(msg, 0) {
+            Err(e) if e.raw_os_error().is_some_and(|c| NONE.contains(&c)) => Ok(false),
+            r => r.map(|()| true),
+        }
+    }
+
     /// [`Rtnl::request`] with `flags` besides REQUEST and ACK.
     pub fn request_with(
         &self,

@@ -320,10 +320,10 @@ impl Relist {
             Err(e) => return warn!(error = %e, "bad workload identity"),
         };
         let addrs = PodAddrs::from_runtime(ips);
-        let started = AppStarted::Maybe;
+        let app = AppStarted::Maybe;
         match self
             .enroller
-            .enroll(netns, &uid, w, options, addrs, started)
+            .enroll(netns, &uid, w, options, addrs, app)
             .await
         {
             Ok(_) => self.metrics.captured_after_start(),
