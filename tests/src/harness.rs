@@ -353,13 +353,13 @@ impl Fixture {
     }
 }
 
-/// The `sluice` binary built beside the test executable (`cargo xtask test`
-/// builds it first).
 /// The ZDS peer binary beside the running test or bench binary.
 pub fn peer_bin() -> PathBuf {
     sluice_bin().with_file_name("sluice-zds-peer")
 }
 
+/// The `sluice` binary built beside the test executable (`cargo xtask test`
+/// builds it first).
 pub fn sluice_bin() -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
     // target/<profile>/deps/<test> or target/<profile>/<bin> → target/<profile>/sluice

@@ -2,8 +2,21 @@
 //! deleted or gone): read at start (an agent restarted midway finishes the
 //! uninstall), every few seconds while the agent runs, and at SIGTERM. A
 //! DaemonSet that cannot be read says nothing: capture stays on a doubt.
+//!
+//! Only the mark is acted on at any moment. A DaemonSet being deleted or
+//! gone means uninstall only at SIGTERM, as the reason the agent is stopped:
+//! read while it runs, it may be an orphaning delete (`kubectl delete ds
+//! --cascade=orphan`, then the DaemonSet recreated; the pods stay), and
+//! "gone" counts only once this agent has read its DaemonSet, so a wrong
+//! `--daemonset` (a kustomize `namePrefix`, say) never takes capture away.
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
 
 use tokio::sync::watch;
 use tracing::{info, warn};
@@ -14,53 +27,105 @@ use crate::kube::uninstall::{decide, Reason};
 /// How often the DaemonSet is read for the uninstall mark.
 const EVERY: Duration = Duration::from_secs(5);
 
-/// Whether the DaemonSet says uninstall; `None` also when it cannot be read
-/// (capture stays on a doubt).
-async fn uninstall_reason(
-    client: &kube::Client,
-    (namespace, name): &(String, String),
-) -> Option<Reason> {
-    let read = tokio::time::timeout(
-        crate::kube::API_TIMEOUT,
-        decide(client.clone(), namespace, name),
-    )
-    .await;
-    match read {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => {
-            warn!(daemonset = %name, error = %e, "cannot read the DaemonSet: taken as not uninstalling");
-            None
-        }
-        Err(_) => {
-            warn!(daemonset = %name, "reading the DaemonSet timed out: taken as not uninstalling");
-            None
-        }
+/// When the DaemonSet is read, which decides what it may say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Moment {
+    Start,
+    Running,
+    /// At SIGTERM.
+    Stop,
+}
+
+/// Whether `reason`, read at `moment`, asks this agent to uninstall;
+/// `seen`: whether the agent has read its DaemonSet before.
+fn asks(moment: Moment, reason: Reason, seen: bool) -> bool {
+    match reason {
+        Reason::Requested | Reason::Command => true,
+        Reason::Deleting => moment == Moment::Stop,
+        Reason::Gone => moment == Moment::Stop && seen,
     }
 }
 
-/// Reads the DaemonSet once and asks for the uninstall if it says so.
-pub async fn check(client: &kube::Client, ds: &(String, String), uninstall: &Uninstaller) {
-    if let Some(r) = uninstall_reason(client, ds).await {
-        uninstall.request(r);
-    }
-}
-
-/// Reads the DaemonSet until it says uninstall, then asks the node.
-pub async fn watch_for_mark(
+/// The agents' DaemonSet, read for what it asks.
+pub struct DaemonSetMark {
     client: kube::Client,
-    ds: (String, String),
-    uninstall: Arc<Uninstaller>,
-    mut stop: watch::Receiver<bool>,
-) {
-    loop {
-        if let Some(r) = uninstall_reason(&client, &ds).await {
-            info!(why = r.as_str(), "uninstall asked");
-            uninstall.request(r);
-            return;
+    namespace: String,
+    name: String,
+    /// Whether a read found it.
+    seen: AtomicBool,
+}
+
+impl DaemonSetMark {
+    pub fn new(client: kube::Client, (namespace, name): (String, String)) -> Arc<Self> {
+        Arc::new(Self {
+            client,
+            namespace,
+            name,
+            seen: AtomicBool::new(false),
+        })
+    }
+
+    /// What the DaemonSet asks at `moment`; `None` also when it cannot be
+    /// read (capture stays on a doubt).
+    pub async fn read(&self, moment: Moment) -> Option<Reason> {
+        let read = tokio::time::timeout(
+            crate::kube::API_TIMEOUT,
+            decide(self.client.clone(), &self.namespace, &self.name),
+        )
+        .await;
+        let reason = match read {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => {
+                warn!(daemonset = %self.name, error = %e, "cannot read the DaemonSet: taken as not uninstalling");
+                return None;
+            }
+            Err(_) => {
+                warn!(daemonset = %self.name, "reading the DaemonSet timed out: taken as not uninstalling");
+                return None;
+            }
+        };
+        let seen = if reason == Some(Reason::Gone) {
+            self.seen.load(Ordering::Relaxed)
+        } else {
+            self.seen.store(true, Ordering::Relaxed);
+            true
+        };
+        match reason {
+            Some(r) if asks(moment, r, seen) => Some(r),
+            Some(Reason::Gone) if !seen && moment != Moment::Running => {
+                warn!(
+                    daemonset = %format!("{}/{}", self.namespace, self.name),
+                    "the agents' DaemonSet is not found (does --daemonset name it?): its deletion cannot be told from a wrong name, so only `sluice uninstall` or the mark removes sluice from this node"
+                );
+                None
+            }
+            _ => None,
         }
-        tokio::select! {
-            _ = stop.changed() => return,
-            _ = tokio::time::sleep(EVERY) => {}
+    }
+
+    /// Reads the DaemonSet once and asks for the uninstall if it says so.
+    pub async fn check(&self, moment: Moment, uninstall: &Uninstaller) {
+        if let Some(r) = self.read(moment).await {
+            uninstall.request(r);
+        }
+    }
+
+    /// Reads the DaemonSet until it carries the mark, then asks the node.
+    pub async fn watch(
+        self: Arc<Self>,
+        uninstall: Arc<Uninstaller>,
+        mut stop: watch::Receiver<bool>,
+    ) {
+        loop {
+            if let Some(r) = self.read(Moment::Running).await {
+                info!(why = r.as_str(), "uninstall asked");
+                uninstall.request(r);
+                return;
+            }
+            tokio::select! {
+                _ = stop.changed() => return,
+                _ = tokio::time::sleep(EVERY) => {}
+            }
         }
     }
 }
@@ -95,6 +160,73 @@ mod tests {
         mock::{self, reply},
         uninstall::REQUESTED,
     };
+
+    fn daemonset(annotations: serde_json::Value, deleting: bool) -> serde_json::Value {
+        let mut meta = json!({"name": "sluice", "annotations": annotations});
+        if deleting {
+            meta["deletionTimestamp"] = json!("2026-11-28T10:00:00Z");
+        }
+        json!({"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": meta,
+            "spec": {"selector": {}, "template": {}}})
+    }
+
+    fn not_found() -> serde_json::Value {
+        json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+            "reason": "NotFound", "code": 404, "message": "not found"})
+    }
+
+    /// Only the mark counts while the agent runs or starts: a DaemonSet
+    /// orphan-deleted and recreated, or a wrong `--daemonset`, never takes
+    /// capture away. At SIGTERM a deletion does, and "gone" once the agent
+    /// has seen its DaemonSet.
+    #[tokio::test]
+    async fn only_the_mark_counts_until_sigterm_and_gone_only_once_seen() {
+        let (client, mut handle) = mock::client();
+        let answers = [
+            (404, not_found()),
+            (404, not_found()),
+            (200, daemonset(json!({}), true)),
+            (200, daemonset(json!({REQUESTED: "false"}), false)),
+            (404, not_found()),
+            (404, not_found()),
+            (200, daemonset(json!({}), true)),
+            (200, daemonset(json!({REQUESTED: "true"}), false)),
+        ];
+        let server = tokio::spawn(async move {
+            for (code, body) in answers {
+                let (_, send) = handle.next_request().await.unwrap();
+                reply(send, code, &body);
+            }
+        });
+        let mark = DaemonSetMark::new(client, ("istio-system".into(), "sluice".into()));
+        let mut got = Vec::new();
+        for moment in [
+            Moment::Stop,
+            Moment::Start,
+            Moment::Running,
+            Moment::Running,
+            Moment::Running,
+            Moment::Stop,
+            Moment::Stop,
+            Moment::Start,
+        ] {
+            got.push(mark.read(moment).await);
+        }
+        server.await.unwrap();
+        assert_eq!(
+            got,
+            [
+                None,
+                None,
+                None,
+                None,
+                None,
+                Some(Reason::Gone),
+                Some(Reason::Deleting),
+                Some(Reason::Requested)
+            ]
+        );
+    }
 
     /// Marked, unreadable, then unmarked: only the last ends the wait.
     #[tokio::test(start_paused = true)]

@@ -44,6 +44,7 @@ use crate::{
     zds::server::{self, Hub},
 };
 use cluster::KubeCtx;
+use daemonset::{DaemonSetMark, Moment};
 use node::{NodeAgent, Uninstall};
 
 /// The agent holds a descriptor per pod netns and per ztunnel listener it
@@ -91,13 +92,17 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     let listeners = Listeners::bind(&cfg).await?;
     let stops = Stops::default();
     let client = kube.as_ref().map(|k| k.client.clone());
+    let mark = client
+        .clone()
+        .zip(cfg.daemonset.clone())
+        .map(|(c, ds)| DaemonSetMark::new(c, ds));
     // An agent started after the uninstall mark (a restart midway) finishes it.
-    if let (Some(c), Some(ds)) = (&client, &cfg.daemonset) {
-        daemonset::check(c, ds, node.uninstall()).await;
+    if let Some(m) = &mark {
+        m.check(Moment::Start, node.uninstall()).await;
     }
-    let mut tasks = Tasks::start(&cfg, &node, kube.as_ref(), listeners, &stops);
+    let mut tasks = Tasks::start(&cfg, &node, kube.as_ref(), mark.as_ref(), listeners, &stops);
     info!(pods = node.pod_count(), "sluice agent running");
-    let signalled = until_stopped(&cfg, &node, client.as_ref(), &mut term).await;
+    let signalled = until_stopped(&node, mark.as_deref(), &mut term).await;
     tasks.stop_serving(&stops).await;
     if let Uninstall::Started(r) = node.uninstall().state() {
         node.uninstall().run(cfg.cni.as_ref(), r).await;
@@ -235,12 +240,7 @@ async fn verify_pods_left(node: &NodeAgent) -> anyhow::Result<()> {
 
 /// Runs until SIGTERM or SIGINT (true) or until an uninstall is asked
 /// (false).
-async fn until_stopped(
-    cfg: &Config,
-    node: &NodeAgent,
-    client: Option<&kube::Client>,
-    term: &mut Signal,
-) -> bool {
+async fn until_stopped(node: &NodeAgent, mark: Option<&DaemonSetMark>, term: &mut Signal) -> bool {
     let mut asked = node.uninstall().watch();
     let signalled = tokio::select! {
         _ = term.recv() => { info!("SIGTERM"); true }
@@ -250,8 +250,8 @@ async fn until_stopped(
     // Stopped without being asked: an uninstall if the DaemonSet is going
     // (`kubectl delete daemonset`), else a restart or an upgrade.
     if signalled && node.uninstall().state() == Uninstall::No {
-        if let (Some(c), Some(ds)) = (client, &cfg.daemonset) {
-            daemonset::check(c, ds, node.uninstall()).await;
+        if let Some(m) = mark {
+            m.check(Moment::Stop, node.uninstall()).await;
         }
     }
     signalled
@@ -323,6 +323,7 @@ impl Tasks {
         cfg: &Config,
         node: &Arc<NodeAgent>,
         kube: Option<&KubeCtx>,
+        mark: Option<&Arc<DaemonSetMark>>,
         listeners: Listeners,
         stops: &Stops,
     ) -> Self {
@@ -372,7 +373,7 @@ impl Tasks {
                 audience,
             ))
         }));
-        serving.extend(in_step_with_cluster(cfg, node, kube, uninstalling, stop));
+        serving.extend(in_step_with_cluster(cfg, node, mark, uninstalling, stop));
         Self {
             report,
             serving,
@@ -406,7 +407,7 @@ impl Tasks {
 fn in_step_with_cluster(
     cfg: &Config,
     node: &NodeAgent,
-    kube: Option<&KubeCtx>,
+    mark: Option<&Arc<DaemonSetMark>>,
     uninstalling: bool,
     stop: watch::Receiver<bool>,
 ) -> Vec<JoinHandle<()>> {
@@ -416,15 +417,10 @@ fn in_step_with_cluster(
     if let Some(c) = cfg.cni.clone().filter(|_| !uninstalling) {
         tasks.push(tokio::spawn(c.keep_installed(stop.clone())));
     }
-    if let (Some(k), Some(ds)) = (kube, &cfg.daemonset) {
-        if !uninstalling {
-            tasks.push(tokio::spawn(daemonset::watch_for_mark(
-                k.client.clone(),
-                ds.clone(),
-                node.uninstall().clone(),
-                stop,
-            )));
-        }
+    if let Some(m) = mark.filter(|_| !uninstalling) {
+        tasks.push(tokio::spawn(
+            m.clone().watch(node.uninstall().clone(), stop),
+        ));
     }
     tasks
 }
