@@ -249,7 +249,7 @@ pub fn trials() -> Vec<Trial> {
     ]
 }
 
-fn enroll(agent: &AgentProc, f: &Fixture) -> anyhow::Result<Out> {
+pub(crate) fn enroll(agent: &AgentProc, f: &Fixture) -> anyhow::Result<Out> {
     agent.enroll(
         &f.topo.pod_netns_path(),
         f.uid.as_str(),
@@ -260,7 +260,7 @@ fn enroll(agent: &AgentProc, f: &Fixture) -> anyhow::Result<Out> {
 
 /// Starts the ZDS peer and waits until the agent reports it connected (its
 /// snapshot acked), as a ztunnel that is up when pods arrive.
-fn peer(agent: &AgentProc) -> anyhow::Result<PeerProc> {
+pub(crate) fn peer(agent: &AgentProc) -> anyhow::Result<PeerProc> {
     peer_with(agent, &[])
 }
 
@@ -1445,7 +1445,7 @@ fn discovery_skips_host() -> TestResult {
 }
 
 /// Files under `dir` (bpffs pins), recursively.
-fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+pub(crate) fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
     let mut out = Vec::new();
     for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
         let p = e.path();
@@ -2732,7 +2732,7 @@ fn held_repair() -> TestResult {
 
 /// Opens `fifo` for writing once its reader (a held pause point) has it
 /// open, which releases the reader.
-fn release(fifo: &Path) -> TestResult {
+pub(crate) fn release(fifo: &Path) -> TestResult {
     wait::until("the pause point's reader", wait::DEADLINE, || {
         open_fifo_writer(fifo).map(drop)
     })?;
@@ -2741,7 +2741,7 @@ fn release(fifo: &Path) -> TestResult {
 
 /// Opens `fifo` for writing without waiting: that releases a reader
 /// blocked in its own open; with none there it fails (ENXIO).
-fn open_fifo_writer(fifo: &Path) -> std::io::Result<std::fs::File> {
+pub(crate) fn open_fifo_writer(fifo: &Path) -> std::io::Result<std::fs::File> {
     use std::os::unix::fs::OpenOptionsExt as _;
     std::fs::OpenOptions::new()
         .write(true)
@@ -2750,7 +2750,7 @@ fn open_fifo_writer(fifo: &Path) -> std::io::Result<std::fs::File> {
 }
 
 /// `who`'s enrollment said it steers; else its output and the agent's log.
-fn ensure_steering(who: &str, out: &Out, agent: &AgentProc) -> TestResult {
+pub(crate) fn ensure_steering(who: &str, out: &Out, agent: &AgentProc) -> TestResult {
     ensure!(
         out.ok && steering(&out.stdout),
         "{who}: {} {}\n{}",

@@ -24,6 +24,7 @@ mod readiness;
 mod runtime;
 mod served;
 mod syncookies;
+mod uninstall;
 mod verify;
 mod verify_agent;
 
@@ -125,5 +126,6 @@ fn main() {
     trials.extend(syncookies::trials());
     trials.extend(verify::trials());
     trials.extend(verify_agent::trials());
+    trials.extend(uninstall::trials());
     libtest_mimic::run(&args, trials).exit();
 }

@@ -105,22 +105,33 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     let signalled = until_stopped(&node, mark.as_deref(), &mut term).await;
     tasks.stop_serving(&stops).await;
     if let Uninstall::Started(r) = node.uninstall().state() {
-        node.uninstall().run(cfg.cni.as_ref(), r).await;
-        if !signalled {
+        let mut asked = node.uninstall().watch();
+        loop {
+            node.uninstall().run(cfg.cni.as_ref(), r).await;
+            if signalled {
+                break;
+            }
             // Exiting would only have the DaemonSet start the agent again,
             // unless the mark it acted on is cleared (an uninstall that
-            // failed or was cancelled, then a `helm upgrade`).
+            // failed or was cancelled, then a `helm upgrade`). One that
+            // failed runs again when asked again (`sluice uninstall`).
             info!("sluice removed from this node; waiting to be stopped");
             let marked = (r == Reason::Requested)
                 .then(|| cfg.daemonset.clone())
                 .flatten();
+            asked.mark_unchanged();
             tokio::select! {
                 _ = term.recv() => info!("SIGTERM"),
                 _ = tokio::signal::ctrl_c() => info!("SIGINT"),
                 _ = daemonset::until_unmarked(client.clone(), marked) => info!(
                     "the DaemonSet's uninstall mark was cleared: exiting, so that the agent starts again and installs sluice"
                 ),
+                _ = asked.wait_for(|u| matches!(u, Uninstall::Started(_))) => {
+                    info!("uninstall asked again");
+                    continue;
+                }
             }
+            break;
         }
     }
     tasks.stop_listening(&stops).await;

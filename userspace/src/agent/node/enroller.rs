@@ -262,6 +262,8 @@ fn attach(
     addrs: &PodAddrs,
     started: AppStarted,
 ) -> Result<Captured, EnrollError> {
+    // Where a test holds an enrollment that waits for the dataplane.
+    crate::fault::pause_point("enroll:lock");
     let (cookie, netns, held, evicted, over_cap) = {
         let mut dp = book.dataplane();
         let a = enroll::attach_pod(&mut dp, netns, uid, w, options, addrs, started)?;

@@ -71,16 +71,20 @@ impl Uninstaller {
         self.state.borrow().clone()
     }
 
-    /// Asks for the uninstall (once; later asks change nothing). The agent's
-    /// main loop carries it out.
+    /// Asks for the uninstall; after one that failed, asks for it again
+    /// (for the first reason). Otherwise later asks change nothing. The
+    /// agent's main loop carries it out.
     pub fn request(&self, reason: Reason) {
-        self.state.send_if_modified(|u| {
-            if *u == Uninstall::No {
+        self.state.send_if_modified(|u| match u {
+            Uninstall::No => {
                 *u = Uninstall::Started(reason);
                 true
-            } else {
-                false
             }
+            Uninstall::Failed(first, _) => {
+                *u = Uninstall::Started(*first);
+                true
+            }
+            Uninstall::Started(_) | Uninstall::Done(_) => false,
         });
     }
 
@@ -111,7 +115,8 @@ impl Uninstaller {
         }
         let (book, custody) = (self.book.clone(), self.custody.clone());
         let kernel = tokio::task::spawn_blocking(move || {
-            let dp = book.dataplane();
+            let mut dp = book.dataplane();
+            dp.retire();
             custody.forget_all();
             enroll::uninstall(dp.pins(), dp.node())
         })
@@ -121,7 +126,9 @@ impl Uninstaller {
             Ok(Err(e)) => errors.push(format!("removing capture: {}", crate::error_line(&e))),
             Err(e) => errors.push(format!("removing capture: {e}")),
         }
-        if let Some(k) = &self.kube {
+        // A node with capture left keeps its condition: the Helm hook then
+        // names it as not done.
+        if let Some(k) = self.kube.as_ref().filter(|_| errors.is_empty()) {
             let cleaned = tokio::time::timeout(crate::kube::API_TIMEOUT, async {
                 crate::kube::uninstall::clean(
                     k.client.clone(),

@@ -78,6 +78,10 @@ pub struct Dataplane {
     tc_attach: TcAttach,
     /// New pods' TCP takes the local route ([`Dataplane::set_local_route`]).
     local_route: bool,
+    /// Set by an uninstall, under the lock it holds: nothing attaches any
+    /// more (an enrollment that waited for the lock meanwhile would pin
+    /// into the bpffs root the uninstall removed).
+    retired: bool,
 }
 
 impl Dataplane {
@@ -143,6 +147,7 @@ impl Dataplane {
             features,
             tc_attach: TcAttach::default(),
             local_route: false,
+            retired: false,
         }
     }
 
@@ -182,6 +187,15 @@ impl Dataplane {
     /// Whether pods enrolled from now on have their TCP take the local route.
     pub fn local_route(&self) -> bool {
         self.local_route
+    }
+
+    /// From now on nothing attaches: sluice is being removed from the node.
+    pub fn retire(&mut self) {
+        self.retired = true;
+    }
+
+    pub fn is_retired(&self) -> bool {
+        self.retired
     }
 
     /// Sets the node's DNS capture default and applies it to every enrolled

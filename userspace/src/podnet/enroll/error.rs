@@ -51,6 +51,19 @@ pub enum EnrollError {
     Sockets(#[from] SocketError),
     #[error("taking over from istio-cni: {0}")]
     Migrate(#[from] MigrateError),
+    #[error(
+        "{removed} pods' capture removed, {} not: {}; their entries and the node's pins are \
+         kept (those pods fail closed): run `sluice uninstall` again",
+        left.len(),
+        left.iter().map(|(c, e)| format!("netns cookie {c}: {e}")).collect::<Vec<_>>().join("; ")
+    )]
+    UninstallIncomplete {
+        removed: usize,
+        /// Each pod left, by netns cookie, with its teardown's error.
+        left: Vec<(u64, String)>,
+    },
+    #[error("sluice is being removed from this node: nothing is attached any more")]
+    Retired,
     #[error("{what}: {source}")]
     Io {
         what: String,

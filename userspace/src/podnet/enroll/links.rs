@@ -33,6 +33,9 @@ pub fn attach_link(
     dir: &Path,
     spec: &LinkSpec,
 ) -> Result<(), EnrollError> {
+    if dp.is_retired() {
+        return Err(EnrollError::Retired);
+    }
     let path = dir.join(spec.pin_name());
     let tcx = dp.tc_attach() == TcAttach::Tcx;
     let lacking = |reason: &str| EnrollError::Pin {

@@ -123,6 +123,9 @@ pub fn attach_pod(
     addrs: &PodAddrs,
     started: AppStarted,
 ) -> Result<Attached, EnrollError> {
+    if dp.is_retired() {
+        return Err(EnrollError::Retired);
+    }
     let path = netns_path
         .to_str()
         .filter(|p| p.len() < NETNS_PATH_LEN)

@@ -29,38 +29,56 @@ pub const UNINSTALL_DRAIN: std::time::Duration = std::time::Duration::from_milli
 
 /// Unenrolls every pod and removes the node-wide pins. Works from whatever is
 /// pinned, also when the maps cannot be opened (e.g. left by another version).
-/// `node` as for `unenroll`.
+/// `node` as for `unenroll`. A pod whose teardown fails does not stop the
+/// others'; it keeps its entry (Draining: it fails closed) and the node keeps
+/// its pins, so that running the uninstall again finishes it.
 pub fn uninstall(pins: &Pins, node: Option<&hostside::Node>) -> Result<usize, EnrollError> {
     if !pins.root().exists() {
         return Ok(0);
     }
     let mut n = 0;
+    let mut left = Vec::new();
     let mut maps = Maps::open_pinned(&pins.maps()).ok();
     if let Some(maps) = maps.as_mut() {
         let cookies = maps.cookies();
         // First no pod takes new connections to ztunnel (its sk_lookup goes;
         // new SYNs from outside are dropped and retried), while the tc
         // programs still carry the connections ztunnel holds: those in
-        // flight finish before the rest goes.
+        // flight finish before the rest goes. (A pod this fails for is
+        // set Draining again by its teardown.)
         for &cookie in &cookies {
-            quiesce(pins, maps, cookie)?;
+            if let Err(e) = quiesce(pins, maps, cookie) {
+                tracing::warn!(cookie, error = %e, "quiescing the pod before its teardown");
+            }
         }
         if !cookies.is_empty() {
             std::thread::sleep(UNINSTALL_DRAIN);
         }
         for cookie in cookies {
-            let netns = open_pod_netns_unless_gone(maps, cookie)?;
-            teardown(pins, maps, netns.as_ref(), node, cookie)?;
-            n += 1;
+            let torn = open_pod_netns_unless_gone(maps, cookie)
+                .and_then(|netns| teardown(pins, maps, netns.as_ref(), node, cookie));
+            match torn {
+                Ok(()) => n += 1,
+                Err(e) => left.push((cookie, e.to_string())),
+            }
         }
     }
     // Pod directories with no map entry (interrupted enrolls, unreadable maps).
     if let Ok(entries) = fs::read_dir(pins.pods()) {
         for e in entries.flatten() {
-            if let Some(cookie) = e.file_name().to_str().and_then(|s| s.parse().ok()) {
-                remove_stateless(pins, node, cookie)?;
+            let Some(cookie) = e.file_name().to_str().and_then(|s| s.parse().ok()) else {
+                continue;
+            };
+            if left.iter().any(|(c, _)| *c == cookie) {
+                continue;
+            }
+            if let Err(e) = remove_stateless(pins, node, cookie) {
+                left.push((cookie, e.to_string()));
             }
         }
+    }
+    if !left.is_empty() {
+        return Err(EnrollError::UninstallIncomplete { removed: n, left });
     }
     remove_node_pins(pins).map_err(|e| EnrollError::Io {
         what: "removing node pins".into(),
