@@ -82,8 +82,9 @@ pub enum OptionsError {
 }
 
 impl PodOptions {
-    /// From the pod's annotations. Only `"true"` turns bypass on, as in
-    /// Istio. A reroute list with a name that is not an interface name is an
+    /// From the pod's annotations. Booleans read as istio-cni reads them
+    /// (Go's `strconv.ParseBool`: `1`, `t`, `T`, `TRUE`, `true`, `True` and
+    /// the six falses); any other value counts as absent. A reroute list with a name that is not an interface name is an
     /// error: the pod is not enrolled half-configured.
     pub fn from_annotations<'a>(
         mut get: impl FnMut(&str) -> Option<&'a str>,
@@ -95,14 +96,14 @@ impl PodOptions {
         let dns = if get(BYPASS_DNS_CAPTURE).is_some() {
             DnsChoice::Off
         } else {
-            match get(DNS_CAPTURE) {
-                Some(v) if v.eq_ignore_ascii_case("true") => DnsChoice::On,
-                Some(v) if v.eq_ignore_ascii_case("false") => DnsChoice::Off,
-                _ => DnsChoice::NodeDefault,
+            match get(DNS_CAPTURE).and_then(parse_bool) {
+                Some(true) => DnsChoice::On,
+                Some(false) => DnsChoice::Off,
+                None => DnsChoice::NodeDefault,
             }
         };
         Ok(Self {
-            bypass_inbound: get(BYPASS_INBOUND_CAPTURE) == Some("true"),
+            bypass_inbound: get(BYPASS_INBOUND_CAPTURE).and_then(parse_bool) == Some(true),
             reroute,
             dns,
             exclusions: PodExclusions::default(),
@@ -192,6 +193,16 @@ fn parse_interfaces(list: &str) -> Result<Vec<String>, OptionsError> {
     Ok(names)
 }
 
+/// A boolean annotation's value as Go's `strconv.ParseBool` reads it (what
+/// istio-cni's `CheckBooleanAnnotation` uses); `None`: not a boolean.
+fn parse_bool(v: &str) -> Option<bool> {
+    match v {
+        "1" | "t" | "T" | "TRUE" | "true" | "True" => Some(true),
+        "0" | "f" | "F" | "FALSE" | "false" | "False" => Some(false),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -201,8 +212,18 @@ mod tests {
     }
 
     #[test]
-    fn only_true_bypasses_and_options_round_trip_through_the_maps() {
-        for (value, want) in [("true", true), ("True", false), ("1", false)] {
+    fn booleans_read_as_istio_reads_them_and_options_round_trip_through_the_maps() {
+        for (value, want) in [
+            ("true", true),
+            ("True", true),
+            ("TRUE", true),
+            ("1", true),
+            ("t", true),
+            ("tRuE", false),
+            ("yes", false),
+            ("0", false),
+            ("false", false),
+        ] {
             let o = from(&[(BYPASS_INBOUND_CAPTURE, value)]).unwrap();
             assert_eq!(o.bypass_inbound, want, "{value:?}");
         }
@@ -223,7 +244,7 @@ mod tests {
 
     #[test]
     fn the_pods_dns_choice_wins_over_the_nodes_and_bypass_wins_over_both() {
-        let cases: [(&[(&str, &str)], DnsChoice); 7] = [
+        let cases: [(&[(&str, &str)], DnsChoice); 8] = [
             (&[], DnsChoice::NodeDefault),
             (&[(DNS_CAPTURE, "true")], DnsChoice::On),
             (&[(DNS_CAPTURE, "FALSE")], DnsChoice::Off),
@@ -234,6 +255,7 @@ mod tests {
                 DnsChoice::Off,
             ),
             (&[(DNS_CAPTURE, "True")], DnsChoice::On),
+            (&[(DNS_CAPTURE, "0")], DnsChoice::Off),
         ];
         for (annotations, want) in cases {
             let o = from(annotations).unwrap();
