@@ -388,6 +388,11 @@ def check_full(objs):
                  f"--condition-type={v['readiness']['conditionType']}"]:
         expect("full", flag in w, f"watchdog args lack {flag}: {w}")
     agent = container(ds, "agent")
+    env = {e["name"]: e.get("value") for e in agent.get("env", [])}
+    # `kubectl exec … sluice status` finds the agent's pins and socket.
+    expect("full", env.get("SLUICE_BPF_ROOT") == v["bpfRoot"]
+           and env.get("SLUICE_CONTROL_SOCKET") == v["controlSocket"],
+           f"agent env lacks the bpf root or control socket: {env}")
     expect("full", agent["image"] == "registry.example/sluice:1.2.3", f"image {agent['image']}")
     expect("full", agent["readinessProbe"]["httpGet"].get("host") == "127.0.0.1", "probe host")
     # Ready when the agent serves, whether or not ztunnel is there yet.

@@ -472,6 +472,9 @@ fn untaint_when_ready() -> TestResult {
                 && e["type"] == "Normal"
                 && e["regarding"]["kind"] == "Node"
                 && e["regarding"]["name"] == "node-a"
+                // What `kubectl describe node` looks for (the kubelet's
+                // convention: a node's events carry its name as uid).
+                && e["regarding"]["uid"] == "node-a"
                 && e["note"]
                     .as_str()
                     .is_some_and(|n| n.starts_with("RedirectionReady: "))),

@@ -215,11 +215,14 @@ enum Regarding {
     Node,
 }
 
+/// A node's events carry its name as uid, as the kubelet's do: `kubectl
+/// describe node` looks them up by that (or by the Node's real uid).
 fn node_ref(name: &str) -> ObjectReference {
     ObjectReference {
         api_version: Some("v1".into()),
         kind: Some("Node".into()),
         name: Some(name.to_owned()),
+        uid: Some(name.to_owned()),
         ..Default::default()
     }
 }
