@@ -425,11 +425,17 @@ pub fn host_egress(ctx: &TcContext) -> i32 {
     if !t.is_syn() || unsafe { (*ctx.skb.skb).__bindgen_anon_2.sk }.is_null() {
         return TCX_NEXT;
     }
-    // The socket's netns must be the node's. Where tc cannot ask, having a
-    // socket here says as much: IP orphans every packet it receives, so a
-    // forwarded or bridged SYN has none on this egress.
+    // The socket's netns must be the node's. Where tc cannot ask, the SYN
+    // must not have been received by the node: a forwarded one lost its
+    // socket to IP, but one a bridge passes on from a neighbour pod (a
+    // bridge CNI's `cni0`) still holds that pod's socket here on 6.1; both
+    // name the interface they came in on, which a SYN the node sent has not.
     let node = NODE_NETNS.get(0).copied().unwrap_or(0);
-    if node == 0 || netns_cookie(ctx).is_some_and(|c| c != node) {
+    let nodes_own = match netns_cookie(ctx) {
+        Some(c) => c == node,
+        None => (unsafe { (*ctx.skb.skb).ingress_ifindex }) == 0,
+    };
+    if node == 0 || !nodes_own {
         return TCX_NEXT;
     }
     if let Some(cookie) = pod_of(t.family, &t.daddr) {

@@ -128,3 +128,63 @@ impl Drop for Behind {
         let _ = ip(&["netns", "del", &self.ns]);
     }
 }
+
+/// A neighbour on the pod's L2: its own netns, whose veth's node side and
+/// the pod's (`veth-c`) are ports of one bridge in the node netns (a
+/// bridge CNI's `cni0`). Its packets to the pod are bridged, never routed:
+/// no IP receive in the node netns orphans them, so they reach the pod's
+/// host side still holding the neighbour's socket.
+pub struct Bridged {
+    pub ns: String,
+    subnet: u8,
+}
+
+impl Bridged {
+    pub fn new(topo: &Topology) -> anyhow::Result<Self> {
+        let b = Self {
+            ns: topo.client.replacen("slc-", "slb-", 1),
+            subnet: topo.subnet,
+        };
+        ip(&["netns", "add", &b.ns])?;
+        // From here on, Drop removes the netns (and the veth with it; the
+        // bridge goes with the node netns).
+        b.build(&topo.client)?;
+        Ok(b)
+    }
+
+    fn build(&self, node: &str) -> anyhow::Result<()> {
+        let n = self.ns.as_str();
+        ip(&["-n", node, "link", "add", "br-s", "type", "bridge"])?;
+        ip(&[
+            "link", "add", "veth-b", "netns", node, "type", "veth", "peer", "name", "eth0",
+            "netns", n,
+        ])?;
+        for dev in ["veth-b", "veth-c"] {
+            ip(&["-n", node, "link", "set", dev, "master", "br-s"])?;
+        }
+        for dev in ["br-s", "veth-b"] {
+            ip(&["-n", node, "link", "set", dev, "up"])?;
+        }
+        ip(&["-n", n, "link", "set", "lo", "up"])?;
+        ip(&["-n", n, "link", "set", "eth0", "up"])?;
+        let v4 = format!("{}/24", self.ip(Family::V4));
+        let v6 = format!("{}/64", self.ip(Family::V6));
+        ip(&["-n", n, "addr", "add", &v4, "dev", "eth0"])?;
+        ip(&["-n", n, "addr", "add", &v6, "dev", "eth0", "nodad"])?;
+        Ok(())
+    }
+
+    /// The neighbour's address, in the pod's subnet.
+    pub fn ip(&self, fam: Family) -> IpAddr {
+        match fam {
+            Family::V4 => Ipv4Addr::new(10, 200, self.subnet, 3).into(),
+            Family::V6 => Ipv6Addr::new(0xfd00, 0x200, self.subnet.into(), 0, 0, 0, 0, 3).into(),
+        }
+    }
+}
+
+impl Drop for Bridged {
+    fn drop(&mut self) {
+        let _ = ip(&["netns", "del", &self.ns]);
+    }
+}
