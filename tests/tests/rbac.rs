@@ -193,13 +193,20 @@ async fn rbac_grants_exactly_what_the_agent_and_watchdog_use() {
     .await
     .unwrap());
     // The pod annotation and readiness gate, the CNI cross-checks.
-    annotate::write(client.clone(), "shop", "cart", Some(PodState::Enabled))
-        .await
-        .unwrap();
+    annotate::write(
+        client.clone(),
+        "shop",
+        "cart",
+        "u-1",
+        Some(PodState::Enabled),
+    )
+    .await
+    .unwrap();
     assert!(gate::write(
         client.clone(),
         "shop",
         "cart",
+        "u-1",
         Some(PodState::Enabled),
         gate::Capture::Complete
     )

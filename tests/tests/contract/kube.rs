@@ -517,7 +517,7 @@ fn admitted_with(f: &Fixture, records: &std::path::Path) -> TestResult {
         .await?;
         wait_patch(&patches, 2).await?;
         ensure!(
-            patches.lock().unwrap()[0] == ("/api/v1/namespaces/shop/pods/cart/status".into(), json!({"metadata": {"annotations": {"ambient.istio.io/redirection": "pending"}}})),
+            patches.lock().unwrap()[0] == ("/api/v1/namespaces/shop/pods/cart/status".into(), json!({"metadata": {"uid": "u-cart", "annotations": {"ambient.istio.io/redirection": "pending"}}})),
             "{:?}",
             patches.lock().unwrap()
         );
@@ -569,7 +569,7 @@ fn admitted_with(f: &Fixture, records: &std::path::Path) -> TestResult {
         ensure!(matches!(&r, control::Response::Unenrolled { .. }), "{r:?}");
         ensure!(sluice::status::read(&f.topo.pins)?.is_empty());
         wait_patch(&patches, 4).await?;
-        ensure!(patches.lock().unwrap()[2].1 == json!({"metadata": {"annotations": {"ambient.istio.io/redirection": null}}}));
+        ensure!(patches.lock().unwrap()[2].1 == json!({"metadata": {"uid": "u-cart", "annotations": {"ambient.istio.io/redirection": null}}}));
         ensure!(gate(3)["status"] == "False" && gate(3)["reason"] == "NotEnrolled", "{:?}", patches.lock().unwrap());
         Ok(())
     })

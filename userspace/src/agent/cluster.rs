@@ -307,16 +307,17 @@ impl KubeCtx {
 
     /// Sets the pod's redirection annotation for `state` (None removes it)
     /// and, for pods with the `sluice.dev/redirected` readiness gate, that
-    /// condition.
+    /// condition: on pod `namespace/name` only while it is the pod of `uid`.
     pub async fn publish(
         &self,
         namespace: &str,
         name: &str,
+        uid: &str,
         state: Option<PodState>,
         capture: gate::Capture,
     ) -> kube::Result<()> {
-        annotate::write(self.client.clone(), namespace, name, state).await?;
-        gate::write(self.client.clone(), namespace, name, state, capture).await?;
+        annotate::write(self.client.clone(), namespace, name, uid, state).await?;
+        gate::write(self.client.clone(), namespace, name, uid, state, capture).await?;
         Ok(())
     }
 }

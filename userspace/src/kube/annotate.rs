@@ -25,18 +25,26 @@ pub fn patch(value: Option<&str>) -> Value {
     json!({ "metadata": { "annotations": { REDIRECTION: value } } })
 }
 
-/// Writes the annotation for `state` on pod `namespace/name`.
+/// [`patch`] for the pod of `uid` only: the API server refuses it (a
+/// conflict) for another pod of the same name (a StatefulSet's next one).
+pub fn patch_for(uid: &str, value: Option<&str>) -> Value {
+    json!({ "metadata": { "uid": uid, "annotations": { REDIRECTION: value } } })
+}
+
+/// Writes the annotation for `state` on pod `namespace/name`, if it is the
+/// pod of `uid`.
 pub async fn write(
     client: kube::Client,
     namespace: &str,
     name: &str,
+    uid: &str,
     state: Option<PodState>,
 ) -> kube::Result<()> {
     let api: Api<Pod> = Api::namespaced(client, namespace);
     api.patch_status(
         name,
         &PatchParams::default(),
-        &Patch::Merge(patch(value(state))),
+        &Patch::Merge(patch_for(uid, value(state))),
     )
     .await
     .map(drop)
@@ -80,7 +88,7 @@ mod tests {
             let sent: Value = serde_json::from_slice(&body).unwrap();
             assert_eq!(
                 sent,
-                json!({"metadata": {"annotations": {REDIRECTION: "enabled"}}})
+                json!({"metadata": {"uid": "u-1", "annotations": {REDIRECTION: "enabled"}}})
             );
             let pod = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "cart-1", "namespace": "shop"}});
             send.send_response(
@@ -89,7 +97,7 @@ mod tests {
                     .unwrap(),
             );
         });
-        write(client, "shop", "cart-1", Some(PodState::Enabled))
+        write(client, "shop", "cart-1", "u-1", Some(PodState::Enabled))
             .await
             .unwrap();
         server.await.unwrap();

@@ -93,6 +93,7 @@ pub fn condition_for(
 /// The patch for `state` and `capture` given the pod's current gate
 /// condition.
 pub fn patch_body(
+    uid: &str,
     state: Option<PodState>,
     capture: Capture,
     current: Option<&PodCondition>,
@@ -101,7 +102,7 @@ pub fn patch_body(
     let (status, reason, message) = condition_for(state, capture);
     let was = current.map(|c| (c.status.as_str(), c.last_transition_time.as_ref()));
     let transition = transition_time(was, status, now);
-    json!({ "status": { "conditions": [{
+    json!({ "metadata": { "uid": uid }, "status": { "conditions": [{
         "type": GATE,
         "status": status,
         "reason": reason,
@@ -127,15 +128,17 @@ pub async fn write(
     client: kube::Client,
     namespace: &str,
     name: &str,
+    uid: &str,
     state: Option<PodState>,
     capture: Capture,
 ) -> kube::Result<bool> {
     let api: Api<Pod> = Api::namespaced(client, namespace);
     let pod = api.get(name).await?;
-    if !has_gate(&pod) {
+    // Another pod of that name (a StatefulSet's next one): not this state's.
+    if !has_gate(&pod) || pod.metadata.uid.as_deref() != Some(uid) {
         return Ok(false);
     }
-    let body = patch_body(state, capture, current(&pod), &now_rfc3339());
+    let body = patch_body(uid, state, capture, current(&pod), &now_rfc3339());
     api.patch_status(name, &PatchParams::default(), &Patch::Strategic(body))
         .await?;
     Ok(true)
@@ -150,7 +153,7 @@ mod tests {
 
     fn pod(gated: bool, cond: Option<Value>) -> Value {
         let mut p = json!({"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": "cart", "namespace": "shop"},
+            "metadata": {"name": "cart", "namespace": "shop", "uid": "u-cart"},
             "spec": {"containers": [{"name": "app"}]},
             "status": {"conditions": [{"type": "Ready", "status": "False"}]}});
         if gated {
@@ -188,7 +191,7 @@ mod tests {
             assert_ne!(c["lastTransitionTime"].take(), "2026-11-22T01:00:00Z");
             assert_eq!(
                 body,
-                json!({"status": {"conditions": [{"type": GATE, "status": "True",
+                json!({"metadata": {"uid": "u-cart"}, "status": {"conditions": [{"type": GATE, "status": "True",
                     "reason": "Served", "message": "captured; ztunnel has the pod, its listeners and its workload",
                     "lastTransitionTime": null}]}})
             );
@@ -198,6 +201,7 @@ mod tests {
             client,
             "shop",
             "cart",
+            "u-cart",
             Some(PodState::Served),
             Capture::Complete
         )
@@ -269,7 +273,30 @@ mod tests {
             client,
             "shop",
             "cart",
+            "u-cart",
             Some(PodState::Enabled),
+            Capture::Complete
+        )
+        .await
+        .unwrap());
+        server.await.unwrap();
+    }
+
+    /// Another pod of the name (a StatefulSet's next one, the state's pod
+    /// force-deleted): its gate is not this pod's to write.
+    #[tokio::test]
+    async fn another_pod_of_the_name_is_left_alone() {
+        let (client, mut h) = mock::client();
+        let server = tokio::spawn(async move {
+            let (_, send) = h.next_request().await.unwrap();
+            reply(send, 200, &pod(true, None));
+        });
+        assert!(!write(
+            client,
+            "shop",
+            "cart",
+            "u-cart-before",
+            Some(PodState::Served),
             Capture::Complete
         )
         .await
@@ -283,6 +310,7 @@ mod tests {
             "reason": "NotEnrolled", "lastTransitionTime": "2026-11-22T01:00:00Z"}))
         .unwrap();
         let b = patch_body(
+            "u-cart",
             Some(PodState::Pending),
             Capture::Complete,
             Some(&was),

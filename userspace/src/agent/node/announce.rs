@@ -23,8 +23,11 @@ pub(super) struct Announcer {
     events: Option<Events>,
     /// Who a pod is, for its Events.
     pods: Arc<PodTable>,
-    /// Pods (namespace, name) whose annotation and gate need writing.
-    queue: Mutex<BTreeSet<(String, String)>>,
+    /// Pods (namespace, name, uid) whose annotation and gate need writing:
+    /// by uid, so that one pod's state never lands on another of the same
+    /// name (a StatefulSet's next pod, its predecessor still being torn
+    /// down on this node).
+    queue: Mutex<BTreeSet<(String, String, String)>>,
     wake: Notify,
 }
 
@@ -42,17 +45,18 @@ impl Announcer {
         }
     }
 
-    /// Queues pod `namespace/name` for the announcer, which writes whatever
-    /// state the map has for it when its turn comes: writes for one pod can
-    /// neither overtake each other nor leave an old state behind.
-    pub(super) fn announce_pod(&self, namespace: &str, name: &str) {
+    /// Queues pod `namespace/name` of `uid` for the announcer, which writes
+    /// whatever state the map has for that uid when its turn comes: writes
+    /// for one pod can neither overtake each other nor leave an old state
+    /// behind.
+    pub(super) fn announce_pod(&self, namespace: &str, name: &str, uid: &str) {
         if self.kube.is_none() {
             return;
         }
         self.queue
             .lock()
             .unwrap()
-            .insert((namespace.to_owned(), name.to_owned()));
+            .insert((namespace.to_owned(), name.to_owned(), uid.to_owned()));
         self.wake.notify_one();
     }
 
@@ -92,23 +96,25 @@ impl Announcer {
                 _ = self.wake.notified() => {}
             }
             let batch = std::mem::take(&mut *self.queue.lock().unwrap());
-            for (ns, name) in batch {
+            for (ns, name, uid) in batch {
                 let book = book.clone();
-                let (n, p) = (ns.clone(), name.clone());
+                let u = uid.clone();
                 let Ok((state, capture)) =
-                    tokio::task::spawn_blocking(move || book.state_by_name(&n, &p)).await
+                    tokio::task::spawn_blocking(move || book.state_by_uid(&u)).await
                 else {
                     continue;
                 };
                 let pod = format!("{ns}/{name}");
                 match tokio::time::timeout(
                     crate::kube::API_TIMEOUT,
-                    k.publish(&ns, &name, state, capture),
+                    k.publish(&ns, &name, &uid, state, capture),
                 )
                 .await
                 {
                     Ok(Ok(())) => {}
-                    Ok(Err(kube::Error::Api(e))) if e.code == 404 => {}
+                    // Gone, or another pod of the name now (its uid is not
+                    // the patch's: a conflict, or invalid as immutable).
+                    Ok(Err(kube::Error::Api(e))) if matches!(e.code, 404 | 409 | 422) => {}
                     failed => {
                         let why = match failed {
                             Ok(Err(e)) => e.to_string(),
@@ -118,7 +124,7 @@ impl Announcer {
                         let this = self.clone();
                         tokio::spawn(async move {
                             tokio::time::sleep(Duration::from_secs(1)).await;
-                            this.announce_pod(&ns, &name);
+                            this.announce_pod(&ns, &name, &uid);
                         });
                     }
                 }

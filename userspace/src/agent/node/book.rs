@@ -142,18 +142,15 @@ impl PodBook {
         enroll::open_pod_netns(dp.maps(), cookie)
     }
 
-    /// The state the map has for the pod named `namespace/name`, and
-    /// whether its capture is complete (as the last repair found it).
-    pub(super) fn state_by_name(&self, namespace: &str, name: &str) -> (Option<PodState>, Capture) {
-        let dp = self.dataplane();
-        let found = dp.maps().states().into_iter().find_map(|(cookie, e)| {
-            let m = dp.maps().meta(cookie)?;
-            (m.workload.namespace == namespace && m.workload.name == name)
-                .then(|| e.state().map(|s| (s, m.uid)))
-                .flatten()
-        });
-        match found {
-            Some((state, uid)) => (Some(state), self.capture_of(&uid)),
+    /// The state the map has for the pod of `uid`, and whether its capture
+    /// is complete (as the last repair found it).
+    pub(super) fn state_by_uid(&self, uid: &str) -> (Option<PodState>, Capture) {
+        let state = PodUid::new(uid)
+            .ok()
+            .and_then(|u| self.cookie_of(&u))
+            .and_then(|cookie| self.state_of(cookie));
+        match state {
+            Some(state) => (Some(state), self.capture_of(uid)),
             None => (None, Default::default()),
         }
     }

@@ -49,8 +49,11 @@ impl EffectRunner {
                         "pod state"
                     );
                     if let Some(p) = &a.pod {
-                        self.announcer
-                            .announce_pod(&p.workload.namespace, &p.workload.name);
+                        self.announcer.announce_pod(
+                            &p.workload.namespace,
+                            &p.workload.name,
+                            &p.uid,
+                        );
                     }
                 }
                 Effect::CheckServed => self.served.wake(),

@@ -249,26 +249,19 @@ impl Relist {
     /// Annotations and gates that disagree with the map (a lost write,
     /// someone else's edit) are written again.
     fn announce_out_of_step(&self, pods: &[Arc<Pod>], records: &[PodRecord]) {
-        let by_name: HashMap<(&str, &str), (PodState, &str)> = records
+        let by_uid: HashMap<&str, PodState> = records
             .iter()
-            .filter_map(|r| {
-                let w = r.workload.as_ref()?;
-                let state = r.state?;
-                Some((
-                    (w.namespace.as_str(), w.name.as_str()),
-                    (state, r.uid.as_str()),
-                ))
-            })
+            .filter_map(|r| Some((r.uid.as_str(), r.state?)))
             .collect();
         for pod in pods {
-            let (Some(ns), Some(name)) = (&pod.metadata.namespace, &pod.metadata.name) else {
+            let m = &pod.metadata;
+            let (Some(ns), Some(name), Some(uid)) = (&m.namespace, &m.name, &m.uid) else {
                 continue;
             };
-            let found = by_name.get(&(ns.as_str(), name.as_str())).copied();
-            let state = found.map(|(s, _)| s);
-            let capture = found.map_or(Default::default(), |(_, uid)| self.book.capture_of(uid));
+            let state = by_uid.get(uid.as_str()).copied();
+            let capture = state.map_or(Default::default(), |_| self.book.capture_of(uid));
             if out_of_step(pod, state, capture) {
-                self.announcer.announce_pod(ns, name);
+                self.announcer.announce_pod(ns, name, uid);
             }
         }
     }

@@ -243,7 +243,7 @@ impl Repairer {
             _ => info!("the pod's capture passed its verification"),
         }
         if let Some((namespace, name)) = pod.split_once('/') {
-            self.announcer.announce_pod(namespace, name);
+            self.announcer.announce_pod(namespace, name, uid);
         }
     }
 
@@ -415,7 +415,7 @@ impl Repairer {
             None => info!("the pod's capture is complete again"),
         }
         if let Some((namespace, name)) = pod.split_once('/') {
-            self.announcer.announce_pod(namespace, name);
+            self.announcer.announce_pod(namespace, name, uid);
         }
     }
 }
