@@ -300,11 +300,13 @@ pub fn build_test_bins() -> Result<PathBuf> {
 
 /// What `cargo xtask test` runs on the oldest supported kernel: the
 /// behaviour contract's IPv4 rows, on the real cls_bpf and address-keyed
-/// paths, the verification's test runs, and the pod exclusions' rows (the
+/// paths, the verification's test runs, the pod exclusions' rows (the
 /// exclusion checks are global functions, which each kernel's verifier
-/// checks its own way) (about 3 minutes emulated; the whole suite takes 15 per kernel,
-/// see docs/TESTING.md, Testing on older kernels).
-const VM_SUBSET: &str = "contract::ipv4::,verify::,exclusions";
+/// checks its own way), and the host-side program's rows (what a packet's
+/// socket says there differs by kernel: a bridged SYN keeps its sender's
+/// on 6.1, not on 6.18) (about 5 minutes emulated; the whole suite takes 15
+/// per kernel, see docs/TESTING.md, Testing on older kernels).
+const VM_SUBSET: &str = "contract::ipv4::,verify::,exclusions,probes::";
 
 fn test(extra: &[String], repeat: u32, cpu_hog: bool) -> Result<()> {
     setup::run(setup::Scope::Everything)?;
