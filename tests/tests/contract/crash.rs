@@ -92,7 +92,40 @@ pub fn trials() -> Vec<Trial> {
         "crash::takeover_from_istio_cni_killed_before_its_rules_went_is_finished",
         takeover_killed,
     )));
+    v.push(needs_fault_injection(trial(
+        "crash::killed_between_a_pods_identity_and_its_state_then_enrolled_again",
+        identity_without_state,
+    )));
     v
+}
+
+/// Killed between a new pod's two first map writes (its identity, then its
+/// state): the next agent removes the identity left without a state, and
+/// the pod enrolls again. (Its uid read as enrolled for good: every ADD and
+/// enroll was refused as "already enrolled", and nothing swept it.)
+fn identity_without_state() -> TestResult {
+    let step = "enroll:identity";
+    let f = Fixture::new(&tag(step), None)?;
+    let mut agent = AgentProc::start_crashing_at(&f.topo.pins, step)?;
+    let p = peer(&agent)?;
+    let enroll =
+        |agent: &AgentProc| agent.enroll(&f.topo.pod_netns_path(), f.uid.as_str(), "shop", "cart");
+    let out = enroll(&agent)?;
+    ensure!(!out.ok, "enroll survived the crash point: {}", out.stdout);
+    ensure!(agent.wait_killed()? == libc::SIGKILL);
+    agent.restart_clean()?;
+    // Pending until ztunnel reconnects, then Served.
+    let out = enroll(&agent)?;
+    ensure!(
+        out.ok,
+        "enrolled again: {}{}\n{}",
+        out.stdout,
+        out.stderr,
+        agent.log()
+    );
+    f.wait_state("Served")
+        .with_context(|| format!("{:?}\n{}", p.events(), agent.log()))?;
+    captured(&f, &p)
 }
 
 fn tag(step: &str) -> String {

@@ -166,6 +166,9 @@ impl Repairer {
         let survey = self.book.survey(cookie);
         let mut guard = self.book.dataplane();
         if guard.maps().entry(cookie).is_none() {
+            if guard.maps_mut().sweep_stateless(cookie) {
+                info!(cookie, "removed the map entries of a pod without state (an enrollment or teardown cut short between two writes)");
+            }
             drop(guard);
             return self.settle(cookie, None);
         }

@@ -204,6 +204,9 @@ impl Maps {
                 .map_err(merr("pod_meta"))?;
             self.uids.insert(identity::uid_of(&m), cookie);
             self.identities.insert(cookie, identity::identity_of(&m));
+            if before.is_none() {
+                crate::fault::crash_point("enroll:identity");
+            }
         }
         let pod = self.identity(cookie);
         match to {
@@ -251,6 +254,19 @@ impl Maps {
                 to,
             });
         }
+    }
+
+    /// Removes what a pod with an identity but no state entry left in the
+    /// maps: the debris of a process killed between a pod's identity and its
+    /// state (written in that order, removed in the other). Its uid would
+    /// read as enrolled for good. Only under the dataplane's lock, where no
+    /// enrollment stands between the two writes. Whether there was any.
+    pub fn sweep_stateless(&mut self, cookie: u64) -> bool {
+        if self.entry(cookie).is_some() || self.pod_meta.get(&cookie, 0).is_err() {
+            return false;
+        }
+        self.remove_entries(cookie);
+        true
     }
 
     /// Removes every entry of the pod, the state last but its identity.
