@@ -34,7 +34,7 @@ use crate::{
     addr::{is_loopback, is_probe},
     dns, exclusions,
     hints::{forget_hint, hint_ptr, put_charged_hint, release_hint, unshared_hint_ptr},
-    lookup::{loopback, skc_lookup},
+    lookup::{loopback, skc_lookup, skc_lookup_found},
     maps::{count, count_drop, NODE_NETNS, POD_STATE},
     origin::{from_its_pod, Sent},
     packet::{parse, parse_tcp, Parsed, Tcp, L2_ETH},
@@ -163,11 +163,12 @@ pub fn egress<const L2: usize>(ctx: &TcContext) -> i32 {
     // (outbound flows ztunnel accepted on 15001, or whose SYN it answered
     // with a cookie; the app's replies to ztunnel's spoofed-source
     // connections: row I4). Flows from before enrollment have no such socket
-    // and leave normally (row I5).
-    if terminated_locally(ctx, &t) {
-        return redirect_to_self::<L2>(ctx);
+    // and leave normally (row I5); a flow steered to ztunnel never does.
+    match terminated_locally(ctx, &t) {
+        Segment::Local => redirect_to_self::<L2>(ctx),
+        Segment::Refused => refuse_segment(ctx, &t),
+        Segment::Elsewhere => TC_OK,
     }
-    TC_OK
 }
 
 /// Where a steering pod's outbound SYN goes: row D2, TCP to port 53 to the
@@ -289,10 +290,14 @@ pub fn reroute_ingress(ctx: &TcContext) -> i32 {
         }
     };
     if !t.is_syn() {
-        if terminated_locally(ctx, &t) {
-            mark_redirect(ctx);
-        }
-        return TC_OK;
+        return match terminated_locally(ctx, &t) {
+            Segment::Local => {
+                mark_redirect(ctx);
+                TC_OK
+            }
+            Segment::Refused => refuse_segment(ctx, &t),
+            Segment::Elsewhere => TC_OK,
+        };
     }
     let Some(listener) = outbound_listener(ctx, &t) else {
         return TC_SHOT;
@@ -538,10 +543,19 @@ fn release_hint_of_request(ctx: &TcContext, t: &Tcp) {
 /// (and what follows it) goes where the SYN went, not out of the pod.
 /// Another listener (the app's, bound to a wildcard address) is not the
 /// flow's: sk_lookup refuses unhinted lookups before one is reached.
+///
+/// A flow whose SYN was steered to ztunnel, which no longer takes it (the
+/// listener gone, the pod no longer steering, while a SYN-cookie handshake
+/// waits for its ACK), is [`Segment::Refused`]: it must not leave the pod.
 #[inline(always)]
-pub fn terminated_locally(ctx: &TcContext, t: &Tcp) -> bool {
-    let Some(sk) = skc_lookup(ctx, t.family, &t.saddr, &t.daddr, t.sport, t.dport) else {
-        return false;
+pub fn terminated_locally(ctx: &TcContext, t: &Tcp) -> Segment {
+    let found = skc_lookup_found(ctx, t.family, &t.saddr, &t.daddr, t.sport, t.dport);
+    let Some(sk) = found.sk else {
+        return if found.refused_steered {
+            Segment::Refused
+        } else {
+            Segment::Elsewhere
+        };
     };
     let state = unsafe { (*sk).state };
     // The app's ACK of an outbound handshake 15001 answered from a request
@@ -555,5 +569,30 @@ pub fn terminated_locally(ctx: &TcContext, t: &Tcp) -> bool {
         !full.is_null() && unsafe { (*full).mark } & MARK_MASK == MARK_ZTUNNEL
     };
     unsafe { bpf_sk_release(sk as *mut c_void) };
-    ours
+    if ours {
+        Segment::Local
+    } else {
+        Segment::Elsewhere
+    }
+}
+
+/// Drops a [`Segment::Refused`], counted as its pod's capture failing
+/// closed.
+#[inline(always)]
+pub fn refuse_segment(ctx: &TcContext, t: &Tcp) -> i32 {
+    if let Some(cookie) = pod_of(t.family, &t.saddr) {
+        Writes::of(ctx, t.sport).count(cookie, |c: &mut Counters| &mut c.dropped_fail_closed);
+    }
+    TC_SHOT
+}
+
+/// Where a segment (not a SYN) goes, by [`terminated_locally`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Segment {
+    /// A socket of ztunnel's takes it: it is delivered in the pod.
+    Local,
+    /// Its flow was steered to ztunnel, which no longer takes it: dropped.
+    Refused,
+    /// Not ztunnel's flow: it goes as addressed.
+    Elsewhere,
 }

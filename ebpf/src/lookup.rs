@@ -11,7 +11,7 @@ use aya_ebpf::{
 use core::ffi::c_void;
 use sluice_common::FAMILY_V4;
 
-use crate::maps::TC_LOOKUP;
+use crate::maps::{TC_LOOKUP, TC_LOOKUP_ASKING, TC_LOOKUP_REFUSED_STEERED};
 
 /// The loopback address of `family`, as raw network-order words.
 #[inline(always)]
@@ -47,6 +47,15 @@ pub fn sk_lookup_udp(
     (!sk.is_null()).then_some(sk as *mut c_void)
 }
 
+/// What a tc program's lookup found.
+pub struct Found {
+    pub sk: Option<*mut aya_ebpf::bindings::bpf_sock>,
+    /// sk_lookup refused the flow though it had steered its SYN to ztunnel
+    /// (the pod no longer steers, or the listener is gone): see
+    /// [`TC_LOOKUP_REFUSED_STEERED`].
+    pub refused_steered: bool,
+}
+
 /// The socket of this netns a packet from `saddr:sport` to `daddr:dport`
 /// would be delivered to, referenced (the caller releases it).
 #[inline(always)]
@@ -58,11 +67,25 @@ pub fn skc_lookup(
     sport: u16,
     dport: u16,
 ) -> Option<*mut aya_ebpf::bindings::bpf_sock> {
-    // sk_lookup runs inside this lookup: it is told who asks (TC_LOOKUP).
+    skc_lookup_found(ctx, family, saddr, daddr, sport, dport).sk
+}
+
+/// [`skc_lookup`], also saying whether sk_lookup refused a steered flow.
+#[inline(always)]
+pub fn skc_lookup_found(
+    ctx: &TcContext,
+    family: u8,
+    saddr: &[u32; 4],
+    daddr: &[u32; 4],
+    sport: u16,
+    dport: u16,
+) -> Found {
+    // sk_lookup runs inside this lookup: it is told who asks (TC_LOOKUP),
+    // and says there whether it refused a steered flow.
     let asking = TC_LOOKUP.get_ptr_mut(0);
     let (mut tuple, size) = sock_tuple(family, saddr, daddr, sport, dport);
     if let Some(a) = asking {
-        unsafe { *a = 1 };
+        unsafe { *a = TC_LOOKUP_ASKING };
     }
     let sk = unsafe {
         bpf_skc_lookup_tcp(
@@ -73,10 +96,15 @@ pub fn skc_lookup(
             0,
         )
     };
+    let mut refused_steered = false;
     if let Some(a) = asking {
+        refused_steered = unsafe { *a } == TC_LOOKUP_REFUSED_STEERED;
         unsafe { *a = 0 };
     }
-    (!sk.is_null()).then_some(sk)
+    Found {
+        sk: (!sk.is_null()).then_some(sk),
+        refused_steered,
+    }
 }
 
 /// A socket-lookup tuple and its size for `family`.

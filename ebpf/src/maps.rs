@@ -158,6 +158,14 @@ pub static DROPS: PerCpuArray<u64> = PerCpuArray::pinned(DROP_REASONS, 0);
 #[map(name = "tc_lookup")]
 pub static TC_LOOKUP: PerCpuArray<u32> = PerCpuArray::pinned(1, 0);
 
+/// `TC_LOOKUP` while a tc program's lookup runs.
+pub const TC_LOOKUP_ASKING: u32 = 1;
+/// `TC_LOOKUP` once sk_lookup, asked by tc, refused a flow whose SYN it had
+/// a steering hint for (the pod no longer steers, or its listener is gone,
+/// e.g. ztunnel down while a SYN-cookie handshake waits for its ACK): the
+/// lookup finds no socket, and the segment must not leave the pod.
+pub const TC_LOOKUP_REFUSED_STEERED: u32 = 2;
+
 /// The hints of verification runs of `sluice_steer` (lookups with remote
 /// port 0; see `sluice_common::verify`): the agent writes one right before a
 /// test run and removes it right after. Apart from `flow_hints` so that a

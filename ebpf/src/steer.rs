@@ -29,7 +29,7 @@ use crate::{
     hints::hint_ptr,
     maps::{
         count, count_dns, count_drop, DNS_LISTENERS, FLOW_HINTS, LISTENERS, POD_STATE, TC_LOOKUP,
-        VERIFY_HINTS,
+        TC_LOOKUP_REFUSED_STEERED, VERIFY_HINTS,
     },
 };
 
@@ -106,7 +106,7 @@ pub fn steer(ctx: &SkLookupContext) -> u32 {
         if first {
             count(cookie, |c: &mut Counters| &mut c.dropped_fail_closed);
         }
-        return SK_DROP;
+        return refused_steered(asked_by_tc);
     }
     let lkey = ListenerKey::new(cookie, role, family);
     let assigned = if role == Role::DnsTcp {
@@ -134,9 +134,21 @@ pub fn steer(ctx: &SkLookupContext) -> u32 {
             if first {
                 count(cookie, |c: &mut Counters| &mut c.missing_socket);
             }
-            SK_DROP
+            refused_steered(asked_by_tc)
         }
     }
+}
+
+/// Refuses a flow hinted for ztunnel; a tc program asking is told so
+/// (`TC_LOOKUP_REFUSED_STEERED`), so that it keeps the segment in the pod.
+#[inline(always)]
+fn refused_steered(asked_by_tc: bool) -> u32 {
+    if asked_by_tc {
+        if let Some(a) = TC_LOOKUP.get_ptr_mut(0) {
+            unsafe { *a = TC_LOOKUP_REFUSED_STEERED };
+        }
+    }
+    SK_DROP
 }
 
 /// A verification's test run (see `sluice_common::verify`): the answer a

@@ -29,7 +29,7 @@ use crate::{local_route_trial, trial, TestResult};
 type Row = (&'static str, fn(Family) -> TestResult);
 
 pub fn trials() -> Vec<Trial> {
-    let rows: [Row; 5] = [
+    let rows: [Row; 6] = [
         (
             "a_pods_syn_cookie_flood_keeps_its_neighbours_hints",
             cookie_flood,
@@ -49,6 +49,10 @@ pub fn trials() -> Vec<Trial> {
         (
             "a_spoofed_syn_over_lo_is_denied_over_a_kept_hint",
             lo_spoof_denied,
+        ),
+        (
+            "a_steered_flow_stays_in_the_pod_once_its_listener_is_gone",
+            steered_flow_stays,
         ),
     ];
     let mut v = Vec::new();
@@ -305,6 +309,70 @@ fn under_cookies(fam: Family) -> TestResult {
         }
     }
     ensure!(problems.is_empty(), "{problems:#?}");
+    Ok(())
+}
+
+/// A captured outbound connection whose SYN 15001 answered with a cookie
+/// and whose ACK is lost (dropped in the pod's INPUT, as a full accept
+/// queue would): the app takes it for open and sends. Then ztunnel goes
+/// (its listeners close): the app's retransmissions find no socket in the
+/// pod, and must be dropped there (counted as failing closed), never sent
+/// on to the remote around ztunnel. (They left the pod: sk_lookup's refusal
+/// read as "no socket of ztunnel's, so not ztunnel's flow".)
+fn steered_flow_stays(fam: Family) -> TestResult {
+    use std::io::Write as _;
+    let mut f = Fixture::new("scs", Some(Bind::DualStack))?;
+    ensure!(f.enroll()?.state == PodState::Enabled);
+    always_cookies(&f.topo.pod)?;
+    let tool = match fam {
+        Family::V4 => "iptables",
+        Family::V6 => "ip6tables",
+    };
+    // The steered segments keep their destination (sk_lookup picks 15001).
+    let port = REMOTE_PORT.to_string();
+    exec(
+        &f.topo.pod,
+        &[
+            tool,
+            "-w",
+            "-A",
+            "INPUT",
+            "-p",
+            "tcp",
+            "--dport",
+            &port,
+            "--tcp-flags",
+            "SYN,ACK",
+            "ACK",
+            "-j",
+            "DROP",
+        ],
+    )?;
+    let sniffer = L4Sniffer::start(&f.topo.client)?;
+    let remote = sa(fam.client(), REMOTE_PORT);
+    let stream = run_in(&f.topo.pod, move || {
+        let mut s =
+            std::net::TcpStream::connect_timeout(&remote, std::time::Duration::from_secs(5))?;
+        s.write_all(b"must not leave the pod")?;
+        Ok::<_, std::io::Error>(s)
+    })
+    .context("connecting out of the pod")?;
+    let app = stream.local_addr()?;
+    let dropped = f.pod_record()?.counters.dropped_fail_closed;
+    f.standin = None;
+    f.wait_no_listeners()?;
+    f.wait_dropped_after(dropped)
+        .context("the app's retransmission was not dropped in the pod")?;
+    let leaked: Vec<Segment> = sniffer
+        .drain()
+        .into_iter()
+        .filter(|s| s.proto == 6 && s.src.port() == app.port() && s.dst == remote)
+        .collect();
+    drop(stream);
+    ensure!(
+        leaked.is_empty(),
+        "segments of the app's steered connection left the pod: {leaked:?}"
+    );
     Ok(())
 }
 
