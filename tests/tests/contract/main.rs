@@ -23,6 +23,7 @@ mod probes;
 mod readiness;
 mod runtime;
 mod served;
+mod snapshot;
 mod syncookies;
 mod uninstall;
 mod verify;
@@ -127,5 +128,6 @@ fn main() {
     trials.extend(verify::trials());
     trials.extend(verify_agent::trials());
     trials.extend(uninstall::trials());
+    trials.extend(snapshot::trials());
     libtest_mimic::run(&args, trials).exit();
 }

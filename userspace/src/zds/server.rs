@@ -90,6 +90,9 @@ pub trait Handler: Send + Sync + 'static {
     fn add_not_sent(&self, uid: &str, why: &str);
     /// A connection finished its snapshot and is live.
     fn connected(&self, id: u64, pid: Option<i32>);
+    /// Whether pod `uid`, in a snapshot, has left since (unenrolled): its
+    /// `del` went only to the connections live then.
+    fn left(&self, uid: &str) -> bool;
     /// A connection is gone.
     fn disconnected(&self, id: u64);
 }
@@ -341,11 +344,13 @@ async fn connection(
 
 /// Sends the snapshot's entries until one fails the connection; what is
 /// left of `entries` was not sent.
+/// Sends the snapshot's entries; `added`: the uids whose `add` went out.
 async fn send_snapshot(
     fd: &AsyncFd<OwnedFd>,
     pid: Option<i32>,
     handler: &Arc<dyn Handler>,
     entries: &mut impl Iterator<Item = SnapshotEntry>,
+    added: &mut Vec<String>,
 ) -> Result<(), ZdsError> {
     for e in entries {
         match e {
@@ -356,6 +361,7 @@ async fn send_snapshot(
             } => {
                 let out = exchange(fd, &WorkloadRequest::add(&uid, &workload), Some(&netns)).await;
                 handler.add_outcome(&uid, pid, &out);
+                added.push(uid);
                 match out {
                     Err(e) if e.is_fatal() => return Err(e),
                     _ => {}
@@ -392,7 +398,8 @@ async fn run_connection(
         .map_err(|e| ZdsError::Protocol(format!("building the snapshot failed: {e}")))?;
     let n = entries.len();
     let mut entries = entries.into_iter();
-    if let Err(e) = send_snapshot(fd, pid, handler, &mut entries).await {
+    let mut added = Vec::new();
+    if let Err(e) = send_snapshot(fd, pid, handler, &mut entries, &mut added).await {
         // Each add the snapshot promised gets an answer, so that its pod
         // is retried (the handler counts it in flight).
         let why = format!("not sent: ztunnel's snapshot stopped: {e}");
@@ -422,6 +429,14 @@ async fn run_connection(
         tx,
     }));
     handler.connected(id, pid);
+    // A pod unenrolled while the snapshot went out had its `del` sent only
+    // to the connections live then, not this one (live from now on).
+    for uid in added.iter().filter(|u| handler.left(u)) {
+        if let Answer::Nack(t) = exchange(fd, &WorkloadRequest::del(uid), None).await? {
+            warn!(%uid, nack = %t, "ztunnel nacked del");
+        }
+        info!(%uid, "a pod unenrolled during the snapshot: del sent");
+    }
     loop {
         tokio::select! {
             job = rx.recv() => {

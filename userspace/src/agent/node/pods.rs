@@ -140,6 +140,12 @@ impl PodTable {
             .collect()
     }
 
+    /// Whether pod `uid` is held and not leaving.
+    pub(super) fn is_staying(&self, uid: &str) -> bool {
+        self.track(uid, |t| t.plan != Plan::Leaving)
+            .unwrap_or(false)
+    }
+
     /// Every pod held and not leaving, as of now.
     pub(super) fn staying(&self) -> Vec<Pod> {
         let mut out: Vec<Pod> = self

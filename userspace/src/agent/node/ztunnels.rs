@@ -318,6 +318,10 @@ impl Handler for Ztunnels {
         self.release_orphans(None);
         self.changed.notify_one();
     }
+
+    fn left(&self, uid: &str) -> bool {
+        !self.book.pods().is_staying(uid)
+    }
 }
 
 /// Whose listeners a pod gets after `acking`'s ack: its own, unless the pod
