@@ -164,11 +164,10 @@ pub fn egress<const L2: usize>(ctx: &TcContext) -> i32 {
     // with a cookie; the app's replies to ztunnel's spoofed-source
     // connections: row I4). Flows from before enrollment have no such socket
     // and leave normally (row I5); a flow steered to ztunnel never does.
-    match terminated_locally(ctx, &t) {
-        Segment::Local => redirect_to_self::<L2>(ctx),
-        Segment::Refused => refuse_segment(ctx, &t),
-        Segment::Elsewhere => TC_OK,
+    if terminated_locally(ctx, &t) {
+        return redirect_to_self::<L2>(ctx);
     }
+    TC_OK
 }
 
 /// Where a steering pod's outbound SYN goes: row D2, TCP to port 53 to the
@@ -290,14 +289,10 @@ pub fn reroute_ingress(ctx: &TcContext) -> i32 {
         }
     };
     if !t.is_syn() {
-        return match terminated_locally(ctx, &t) {
-            Segment::Local => {
-                mark_redirect(ctx);
-                TC_OK
-            }
-            Segment::Refused => refuse_segment(ctx, &t),
-            Segment::Elsewhere => TC_OK,
-        };
+        if terminated_locally(ctx, &t) {
+            mark_redirect(ctx);
+        }
+        return TC_OK;
     }
     let Some(listener) = outbound_listener(ctx, &t) else {
         return TC_SHOT;
@@ -544,18 +539,16 @@ fn release_hint_of_request(ctx: &TcContext, t: &Tcp) {
 /// Another listener (the app's, bound to a wildcard address) is not the
 /// flow's: sk_lookup refuses unhinted lookups before one is reached.
 ///
-/// A flow whose SYN was steered to ztunnel, which no longer takes it (the
-/// listener gone, the pod no longer steering, while a SYN-cookie handshake
-/// waits for its ACK), is [`Segment::Refused`]: it must not leave the pod.
+/// A flow of the pod's that was steered to ztunnel, which no longer takes
+/// it (the listener gone, or the pod no longer steering, while a SYN-cookie
+/// handshake waits for its ACK), stays too: delivered in the pod, where the
+/// lookup refuses it again and the app gets a reset, instead of leaving the
+/// pod around ztunnel.
 #[inline(always)]
-pub fn terminated_locally(ctx: &TcContext, t: &Tcp) -> Segment {
+pub fn terminated_locally(ctx: &TcContext, t: &Tcp) -> bool {
     let found = skc_lookup_found(ctx, t.family, &t.saddr, &t.daddr, t.sport, t.dport);
     let Some(sk) = found.sk else {
-        return if found.refused_steered {
-            Segment::Refused
-        } else {
-            Segment::Elsewhere
-        };
+        return found.refused_steered;
     };
     let state = unsafe { (*sk).state };
     // The app's ACK of an outbound handshake 15001 answered from a request
@@ -569,30 +562,5 @@ pub fn terminated_locally(ctx: &TcContext, t: &Tcp) -> Segment {
         !full.is_null() && unsafe { (*full).mark } & MARK_MASK == MARK_ZTUNNEL
     };
     unsafe { bpf_sk_release(sk as *mut c_void) };
-    if ours {
-        Segment::Local
-    } else {
-        Segment::Elsewhere
-    }
-}
-
-/// Drops a [`Segment::Refused`], counted as its pod's capture failing
-/// closed.
-#[inline(always)]
-pub fn refuse_segment(ctx: &TcContext, t: &Tcp) -> i32 {
-    if let Some(cookie) = pod_of(t.family, &t.saddr) {
-        Writes::of(ctx, t.sport).count(cookie, |c: &mut Counters| &mut c.dropped_fail_closed);
-    }
-    TC_SHOT
-}
-
-/// Where a segment (not a SYN) goes, by [`terminated_locally`].
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Segment {
-    /// A socket of ztunnel's takes it: it is delivered in the pod.
-    Local,
-    /// Its flow was steered to ztunnel, which no longer takes it: dropped.
-    Refused,
-    /// Not ztunnel's flow: it goes as addressed.
-    Elsewhere,
+    ours
 }

@@ -21,9 +21,7 @@ use sluice_common::{Counters, DropReason, HINT_LO_OUT, MARK_DIRECT, MARK_MASK, M
 
 use crate::{
     addr::{is_loopback, is_probe},
-    capture::{
-        flow_key, outbound_verdict, refuse_segment, terminated_locally, Segment, TC_OK, TC_SHOT,
-    },
+    capture::{flow_key, outbound_verdict, terminated_locally, TC_OK, TC_SHOT},
     exclusions,
     maps::{LOCAL_ROUTE, POD_STATE},
     packet::{parse_tcp, Tcp, L2_ETH},
@@ -60,11 +58,10 @@ pub fn lo_egress(ctx: &TcContext) -> i32 {
     // A flow ztunnel terminates (15001 or the DNS proxy accepted it, or
     // answered its SYN with a cookie; the app's answers to ztunnel's
     // inbound connections): it stays on `lo`. Any other flow leaves.
-    match terminated_locally(ctx, &t) {
-        Segment::Local => TC_OK,
-        Segment::Refused => refuse_segment(ctx, &t),
-        Segment::Elsewhere => leave(ctx, uplink),
+    if terminated_locally(ctx, &t) {
+        return TC_OK;
     }
+    leave(ctx, uplink)
 }
 
 /// A SYN of pod `cookie` that the local route sent over `lo`: hinted for

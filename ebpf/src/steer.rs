@@ -31,6 +31,7 @@ use crate::{
         count, count_dns, count_drop, DNS_LISTENERS, FLOW_HINTS, LISTENERS, POD_STATE, TC_LOOKUP,
         TC_LOOKUP_REFUSED_STEERED, VERIFY_HINTS,
     },
+    tc::pod_of,
 };
 
 const IPPROTO_TCP: u32 = 6;
@@ -101,12 +102,20 @@ pub fn steer(ctx: &SkLookupContext) -> u32 {
 
     // Row F1: anything but Enabled/Served fails closed. The tc programs already drop
     // such SYNs silently; a drop here (an RST to the client) only covers races.
-    let steers = unsafe { POD_STATE.get(cookie) }.is_some_and(|p| p.steers());
-    if !steers {
+    let pod = unsafe { POD_STATE.get(cookie) };
+    // A tc program asking about the app's own segment of a flow its pod
+    // (still enrolled) steered is told the flow is refused (see
+    // `TC_LOOKUP_REFUSED_STEERED`); a hint of another pod's, or of one
+    // gone, says nothing of this segment.
+    let its_own = asked_by_tc
+        && pod.is_some()
+        && matches!(role, Role::Outbound | Role::DnsTcp)
+        && pod_of(family, &remote) == Some(cookie);
+    if !pod.is_some_and(|p| p.steers()) {
         if first {
             count(cookie, |c: &mut Counters| &mut c.dropped_fail_closed);
         }
-        return refused_steered(asked_by_tc);
+        return refused_steered(its_own);
     }
     let lkey = ListenerKey::new(cookie, role, family);
     let assigned = if role == Role::DnsTcp {
@@ -134,16 +143,17 @@ pub fn steer(ctx: &SkLookupContext) -> u32 {
             if first {
                 count(cookie, |c: &mut Counters| &mut c.missing_socket);
             }
-            refused_steered(asked_by_tc)
+            refused_steered(its_own)
         }
     }
 }
 
-/// Refuses a flow hinted for ztunnel; a tc program asking is told so
-/// (`TC_LOOKUP_REFUSED_STEERED`), so that it keeps the segment in the pod.
+/// Refuses a flow hinted for ztunnel; with `tell`, the tc program asking is
+/// told so (`TC_LOOKUP_REFUSED_STEERED`), so that it keeps the segment in
+/// the pod.
 #[inline(always)]
-fn refused_steered(asked_by_tc: bool) -> u32 {
-    if asked_by_tc {
+fn refused_steered(tell: bool) -> u32 {
+    if tell {
         if let Some(a) = TC_LOOKUP.get_ptr_mut(0) {
             unsafe { *a = TC_LOOKUP_REFUSED_STEERED };
         }

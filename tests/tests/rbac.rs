@@ -227,7 +227,7 @@ async fn rbac_grants_exactly_what_the_agent_and_watchdog_use() {
     );
     uninstall::clean(
         client.clone(),
-        "sluice.dev/RedirectionReady",
+        Some("sluice.dev/RedirectionReady"),
         &[],
         Some("node-a"),
     )

@@ -315,8 +315,8 @@ fn under_cookies(fam: Family) -> TestResult {
 /// A captured outbound connection whose SYN 15001 answered with a cookie
 /// and whose ACK is lost (dropped in the pod's INPUT, as a full accept
 /// queue would): the app takes it for open and sends. Then ztunnel goes
-/// (its listeners close): the app's retransmissions find no socket in the
-/// pod, and must be dropped there (counted as failing closed), never sent
+/// (its listeners close): the app's retransmissions find no socket, and
+/// must stay in the pod (they keep meeting the INPUT rule), never be sent
 /// on to the remote around ztunnel. (They left the pod: sk_lookup's refusal
 /// read as "no socket of ztunnel's, so not ztunnel's flow".)
 fn steered_flow_stays(fam: Family) -> TestResult {
@@ -348,6 +348,16 @@ fn steered_flow_stays(fam: Family) -> TestResult {
             "DROP",
         ],
     )?;
+    // What the rule dropped: segments of the app's kept in the pod.
+    let pod = f.topo.pod.clone();
+    let dropped_in_pod = move || -> anyhow::Result<u64> {
+        let out = sluice_tests::ns::output(&pod, &[tool, "-w", "-nvx", "-L", "INPUT"])?;
+        out.lines()
+            .nth(2)
+            .and_then(|l| l.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .with_context(|| format!("no rule counter in {out}"))
+    };
     let sniffer = L4Sniffer::start(&f.topo.client)?;
     let remote = sa(fam.client(), REMOTE_PORT);
     let stream = run_in(&f.topo.pod, move || {
@@ -358,11 +368,15 @@ fn steered_flow_stays(fam: Family) -> TestResult {
     })
     .context("connecting out of the pod")?;
     let app = stream.local_addr()?;
-    let dropped = f.pod_record()?.counters.dropped_fail_closed;
     f.standin = None;
     f.wait_no_listeners()?;
-    f.wait_dropped_after(dropped)
-        .context("the app's retransmission was not dropped in the pod")?;
+    let before = dropped_in_pod()?;
+    wait::until_seen(
+        "the app's retransmission kept in the pod",
+        wait::DEADLINE,
+        || dropped_in_pod().ok(),
+        |n| n.is_some_and(|n| n > before),
+    )?;
     let leaked: Vec<Segment> = sniffer
         .drain()
         .into_iter()

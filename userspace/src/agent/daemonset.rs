@@ -9,6 +9,9 @@
 //! --cascade=orphan`, then the DaemonSet recreated; the pods stay), and
 //! "gone" counts only once this agent has read its DaemonSet, so a wrong
 //! `--daemonset` (a kustomize `namePrefix`, say) never takes capture away.
+//! A deletion seen while running is remembered for SIGTERM, when the read
+//! may fail (`kubectl delete -k` removes the RBAC too), until a later read
+//! finds the DaemonSet again (an orphaning delete, then re-created).
 
 use std::{
     sync::{
@@ -53,6 +56,9 @@ pub struct DaemonSetMark {
     name: String,
     /// Whether a read found it.
     seen: AtomicBool,
+    /// A deletion (or, once seen, its absence) read while the agent runs,
+    /// for SIGTERM should the read then fail.
+    going: std::sync::Mutex<Option<Reason>>,
 }
 
 impl DaemonSetMark {
@@ -62,26 +68,31 @@ impl DaemonSetMark {
             namespace,
             name,
             seen: AtomicBool::new(false),
+            going: std::sync::Mutex::new(None),
         })
     }
 
     /// What the DaemonSet asks at `moment`; `None` also when it cannot be
-    /// read (capture stays on a doubt).
+    /// read (capture stays on a doubt), unless at SIGTERM after a deletion
+    /// read while running.
     pub async fn read(&self, moment: Moment) -> Option<Reason> {
         let read = tokio::time::timeout(
             crate::kube::API_TIMEOUT,
             decide(self.client.clone(), &self.namespace, &self.name),
         )
         .await;
+        let going = *self.going.lock().unwrap();
         let reason = match read {
             Ok(Ok(r)) => r,
             Ok(Err(e)) => {
-                warn!(daemonset = %self.name, error = %e, "cannot read the DaemonSet: taken as not uninstalling");
-                return None;
+                let r = going.filter(|_| moment == Moment::Stop);
+                warn!(daemonset = %self.name, error = %e, then = ?r, "cannot read the DaemonSet: taken as what it last said");
+                return r;
             }
             Err(_) => {
-                warn!(daemonset = %self.name, "reading the DaemonSet timed out: taken as not uninstalling");
-                return None;
+                let r = going.filter(|_| moment == Moment::Stop);
+                warn!(daemonset = %self.name, then = ?r, "reading the DaemonSet timed out: taken as what it last said");
+                return r;
             }
         };
         let seen = if reason == Some(Reason::Gone) {
@@ -89,6 +100,11 @@ impl DaemonSetMark {
         } else {
             self.seen.store(true, Ordering::Relaxed);
             true
+        };
+        *self.going.lock().unwrap() = match reason {
+            Some(r @ Reason::Deleting) => Some(r),
+            Some(r @ Reason::Gone) if seen => Some(r),
+            _ => None,
         };
         match reason {
             Some(r) if asks(moment, r, seen) => Some(r),
@@ -226,6 +242,43 @@ mod tests {
                 Some(Reason::Requested)
             ]
         );
+    }
+
+    /// `kubectl delete -k` without the mark: the agent reads the deletion
+    /// while it runs, and at SIGTERM the RBAC is gone too (403): what it
+    /// read last decides. An orphaning delete, the DaemonSet then created
+    /// again, is forgotten once read.
+    #[tokio::test]
+    async fn a_deletion_read_while_running_holds_at_sigterm_until_read_again() {
+        let (client, mut handle) = mock::client();
+        let forbidden = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+            "reason": "Forbidden", "code": 403, "message": "forbidden"});
+        let answers = [
+            (200, daemonset(json!({}), false)),
+            (200, daemonset(json!({}), true)),
+            (403, forbidden.clone()),
+            (200, daemonset(json!({}), false)),
+            (403, forbidden),
+        ];
+        let server = tokio::spawn(async move {
+            for (code, body) in answers {
+                let (_, send) = handle.next_request().await.unwrap();
+                reply(send, code, &body);
+            }
+        });
+        let mark = DaemonSetMark::new(client, ("istio-system".into(), "sluice".into()));
+        let mut got = Vec::new();
+        for moment in [
+            Moment::Running,
+            Moment::Running,
+            Moment::Stop,
+            Moment::Running,
+            Moment::Stop,
+        ] {
+            got.push(mark.read(moment).await);
+        }
+        server.await.unwrap();
+        assert_eq!(got, [None, None, Some(Reason::Deleting), None, None]);
     }
 
     /// Marked, unreadable, then unmarked: only the last ends the wait.

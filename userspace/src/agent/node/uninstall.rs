@@ -4,8 +4,11 @@
 //! first; then the CNI entry and plugin go (new pods no longer come to sluice),
 //! then every pod's capture (links, routes, map entries: the pod keeps working,
 //! uncaptured), then the pins, then the node condition and this node's pod
-//! annotations. The agent then stays up, answering `uninstalled`, until it is
-//! stopped — exiting would only have the DaemonSet start it again.
+//! annotations. A pod whose capture cannot be removed stops no other's: it
+//! stays (Draining, failing closed) with the pins and the node condition,
+//! and asking again runs the uninstall again. The agent then stays up,
+//! answering `uninstalled`, until it is stopped — exiting would only have
+//! the DaemonSet start it again.
 
 use std::sync::Arc;
 
@@ -126,24 +129,23 @@ impl Uninstaller {
             Ok(Err(e)) => errors.push(format!("removing capture: {}", crate::error_line(&e))),
             Err(e) => errors.push(format!("removing capture: {e}")),
         }
-        // A node with capture left keeps its condition: the Helm hook then
-        // names it as not done.
-        if let Some(k) = self.kube.as_ref().filter(|_| errors.is_empty()) {
+        // A node with something left (a pod's capture, the CNI entry) keeps
+        // its condition, so the Helm hook names it as not done; the pods'
+        // annotations and gates go all the same (those left fail closed).
+        if let Some(k) = &self.kube {
+            let kind = errors
+                .is_empty()
+                .then_some(self.report.condition_type.as_str());
             let cleaned = tokio::time::timeout(crate::kube::API_TIMEOUT, async {
-                crate::kube::uninstall::clean(
-                    k.client.clone(),
-                    &self.report.condition_type,
-                    &[],
-                    Some(&k.node),
-                )
-                .await
+                crate::kube::uninstall::clean(k.client.clone(), kind, &[], Some(&k.node)).await
             })
             .await;
             match cleaned {
                 Ok(Ok(c)) => info!(
                     annotations = c.annotations,
                     gates = c.gates,
-                    "node condition and this node's pod annotations removed"
+                    conditions = c.conditions,
+                    "this node's pod annotations and gates, and its condition unless kept, removed"
                 ),
                 Ok(Err(e)) => errors.push(format!("clearing the API objects: {e}")),
                 Err(_) => errors.push("clearing the API objects: timed out".into()),

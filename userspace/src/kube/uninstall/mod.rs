@@ -159,11 +159,12 @@ pub struct Cleaned {
 /// Clears what sluice wrote on API objects, on every node and pod (or only
 /// `node` and its pods): the `ambient.istio.io/redirection` annotation, the
 /// readiness-gate condition (released, see [`gate_released`]), node
-/// condition `kind`, and the taints keyed `taints` (e.g. the
-/// NodeReadinessRule's, whose rule goes with the chart).
+/// condition `kind` (`None`: kept, as by a node whose capture is not all
+/// removed), and the taints keyed `taints` (e.g. the NodeReadinessRule's,
+/// whose rule goes with the chart).
 pub async fn clean(
     client: kube::Client,
-    kind: &str,
+    kind: Option<&str>,
     taints: &[String],
     node: Option<&str>,
 ) -> kube::Result<Cleaned> {
@@ -215,7 +216,7 @@ pub async fn clean(
         let Some(name) = n.metadata.name.clone() else {
             continue;
         };
-        if super::condition::current(&n, kind).is_some() {
+        if let Some(kind) = kind.filter(|k| super::condition::current(&n, k).is_some()) {
             remove_condition(client.clone(), &name, kind).await?;
             done.conditions += 1;
         }
@@ -295,7 +296,7 @@ impl Cluster<'_> {
             }
             tokio::time::sleep(NODES_EVERY).await;
         };
-        let done = clean(client, self.condition_type, self.taints, None)
+        let done = clean(client, Some(self.condition_type), self.taints, None)
             .await
             .context("clearing sluice's marks on pods and nodes")?;
         tracing::info!(

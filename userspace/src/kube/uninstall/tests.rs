@@ -276,7 +276,7 @@ async fn clean_clears_annotations_releases_gates_and_removes_conditions_and_tain
         );
         reply(send, 200, &node);
     });
-    let done = clean(client, KIND, &[TAINT.to_owned()], None)
+    let done = clean(client, Some(KIND), &[TAINT.to_owned()], None)
         .await
         .unwrap();
     assert_eq!(
