@@ -68,9 +68,10 @@ pub enum Answer {
 
 /// One entry of the snapshot sent on a new connection.
 pub enum SnapshotEntry {
-    /// `add` with the pod's netns fd.
+    /// `add` with the pod's netns fd (that netns's `cookie`).
     Add {
         uid: String,
+        cookie: u64,
         workload: proto::Workload,
         netns: OwnedFd,
     },
@@ -90,9 +91,10 @@ pub trait Handler: Send + Sync + 'static {
     fn add_not_sent(&self, uid: &str, why: &str);
     /// A connection finished its snapshot and is live.
     fn connected(&self, id: u64, pid: Option<i32>);
-    /// Whether pod `uid`, in a snapshot, has left since (unenrolled): its
-    /// `del` went only to the connections live then.
-    fn left(&self, uid: &str) -> bool;
+    /// Whether pod `uid`, in a snapshot (added with the netns of `cookie`,
+    /// or kept), has left since (unenrolled, or enrolled again in another
+    /// netns): its `del` went only to the connections live then.
+    fn left(&self, uid: &str, cookie: Option<u64>) -> bool;
     /// A connection is gone.
     fn disconnected(&self, id: u64);
 }
@@ -344,24 +346,26 @@ async fn connection(
 
 /// Sends the snapshot's entries until one fails the connection; what is
 /// left of `entries` was not sent.
-/// Sends the snapshot's entries; `added`: the uids whose `add` went out.
+/// Sends the snapshot's entries; `sent`: the pods it named (with the
+/// cookie of the netns an `add` carried).
 async fn send_snapshot(
     fd: &AsyncFd<OwnedFd>,
     pid: Option<i32>,
     handler: &Arc<dyn Handler>,
     entries: &mut impl Iterator<Item = SnapshotEntry>,
-    added: &mut Vec<String>,
+    sent: &mut Vec<(String, Option<u64>)>,
 ) -> Result<(), ZdsError> {
     for e in entries {
         match e {
             SnapshotEntry::Add {
                 uid,
+                cookie,
                 workload,
                 netns,
             } => {
                 let out = exchange(fd, &WorkloadRequest::add(&uid, &workload), Some(&netns)).await;
                 handler.add_outcome(&uid, pid, &out);
-                added.push(uid);
+                sent.push((uid, Some(cookie)));
                 match out {
                     Err(e) if e.is_fatal() => return Err(e),
                     _ => {}
@@ -371,6 +375,7 @@ async fn send_snapshot(
                 if let Answer::Nack(t) = exchange(fd, &WorkloadRequest::keep(&uid), None).await? {
                     warn!(%uid, nack = %t, "ztunnel nacked keep");
                 }
+                sent.push((uid, None));
             }
         }
     }
@@ -398,8 +403,8 @@ async fn run_connection(
         .map_err(|e| ZdsError::Protocol(format!("building the snapshot failed: {e}")))?;
     let n = entries.len();
     let mut entries = entries.into_iter();
-    let mut added = Vec::new();
-    if let Err(e) = send_snapshot(fd, pid, handler, &mut entries, &mut added).await {
+    let mut sent = Vec::new();
+    if let Err(e) = send_snapshot(fd, pid, handler, &mut entries, &mut sent).await {
         // Each add the snapshot promised gets an answer, so that its pod
         // is retried (the handler counts it in flight).
         let why = format!("not sent: ztunnel's snapshot stopped: {e}");
@@ -431,11 +436,13 @@ async fn run_connection(
     handler.connected(id, pid);
     // A pod unenrolled while the snapshot went out had its `del` sent only
     // to the connections live then, not this one (live from now on).
-    for uid in added.iter().filter(|u| handler.left(u)) {
-        if let Answer::Nack(t) = exchange(fd, &WorkloadRequest::del(uid), None).await? {
-            warn!(%uid, nack = %t, "ztunnel nacked del");
+    for (uid, _) in sent.iter().filter(|(u, c)| handler.left(u, *c)) {
+        match exchange(fd, &WorkloadRequest::del(uid), None).await {
+            Ok(Answer::Ack) => info!(%uid, "a pod that left during the snapshot: del sent"),
+            Ok(Answer::Nack(t)) => warn!(%uid, nack = %t, "ztunnel nacked del"),
+            Err(e) if e.is_fatal() => return Err(e),
+            Err(e) => warn!(%uid, error = %e, "del failed"),
         }
-        info!(%uid, "a pod unenrolled during the snapshot: del sent");
     }
     loop {
         tokio::select! {

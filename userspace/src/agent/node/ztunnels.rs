@@ -174,6 +174,11 @@ impl Ztunnels {
                 let ns = book.netns_of(cookie)?;
                 let mut guard = book.dataplane();
                 let dp = &mut *guard;
+                // An ack that comes after the uninstall took the pod: its
+                // listeners are not kept (nothing serves them any more).
+                if dp.is_retired() {
+                    return Err(EnrollError::Retired);
+                }
                 // Under the lock that registrations take: two ztunnels'
                 // acks of one pod are decided one after the other.
                 let pid = serving(&custody, &hub, &owned_uid, acking);
@@ -270,6 +275,7 @@ impl Handler for Ztunnels {
                     pods.apply(&uid, Event::AddSent);
                     out.push(SnapshotEntry::Add {
                         uid,
+                        cookie: p.cookie,
                         workload: p.identity.workload,
                         netns: ns.into_fd(),
                     });
@@ -319,8 +325,9 @@ impl Handler for Ztunnels {
         self.changed.notify_one();
     }
 
-    fn left(&self, uid: &str) -> bool {
-        !self.book.pods().is_staying(uid)
+    fn left(&self, uid: &str, cookie: Option<u64>) -> bool {
+        let pods = self.book.pods();
+        !pods.is_staying(uid) || cookie.is_some_and(|c| pods.cookie(uid) != Some(c))
     }
 }
 

@@ -160,6 +160,9 @@ pub fn repair_surveyed(
     takeover: bool,
     survey: Option<&Survey>,
 ) -> Result<Repair, EnrollError> {
+    if dp.is_retired() {
+        return Err(EnrollError::Retired);
+    }
     let draining = dp.maps().entry(cookie).and_then(|e| e.state()) == Some(PodState::Draining);
     if draining {
         let netns = open_pod_netns_unless_gone(dp.maps(), cookie)?;
