@@ -2665,74 +2665,112 @@ fn unparsable_nft_rules() -> TestResult {
 /// links.
 fn held_repair() -> TestResult {
     use sluice_tests::topology::ip;
-    const STEP: &str = "survey";
     let a = Fixture::in_subnet("hra", None, 1)?;
     let b = Fixture::in_subnet("hrb", None, 2)?;
-    let dir = std::path::PathBuf::from(format!("/tmp/sluice-pause-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir)?;
-    let fifo = dir.join(format!("{STEP}.release"));
-    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600))?;
-    let result = (|| -> TestResult {
-        let mut agent = AgentProc::start(&a.topo.pins)?;
-        agent.set_env("SLUICE_PAUSE_AT", Some(STEP));
-        agent.set_env("SLUICE_PAUSE_DIR", dir.to_str());
-        agent.restart()?;
-        let _peer = peer(&agent)?;
-        enroll_enabled(&agent, &a)?;
-        let pins = a.topo.pins.pod(a.pod_record()?.netns_cookie);
-        let pod = a.topo.pod.as_str();
-        ip(&[
-            "-n", pod, "link", "add", "d0", "type", "veth", "peer", "name", "d1",
-        ])?;
-        ip(&["-n", pod, "link", "set", "d0", "up"])?;
-        let paused = dir.join(format!("{STEP}.paused"));
-        wait::until(
-            "a's repair held in its netlink work",
+    let pause = Pause::new("hr", "survey")?;
+    let agent = pause.agent(&a.topo.pins)?;
+    let _peer = peer(&agent)?;
+    enroll_enabled(&agent, &a)?;
+    let pins = a.topo.pins.pod(a.pod_record()?.netns_cookie);
+    let pod = a.topo.pod.as_str();
+    ip(&[
+        "-n", pod, "link", "add", "d0", "type", "veth", "peer", "name", "d1",
+    ])?;
+    ip(&["-n", pod, "link", "set", "d0", "up"])?;
+    pause.wait_held("a's repair held in its netlink work")?;
+    std::thread::scope(|s| -> TestResult {
+        let second = s.spawn(|| enroll(&agent, &b));
+        let waited = wait::until(
+            "b's enrollment done while a's repair is held",
             wait::DEADLINE,
-            || paused.exists().then_some(()).ok_or("not held yet"),
-        )?;
-        std::thread::scope(|s| -> TestResult {
-            let second = s.spawn(|| enroll(&agent, &b));
-            let waited = wait::until(
-                "b's enrollment done while a's repair is held",
-                wait::DEADLINE,
-                || second.is_finished().then_some(()).ok_or("b waits"),
-            );
-            release(&fifo)?;
-            waited.with_context(|| agent.log())?;
-            ensure_steering(
-                "b",
-                &second.join().expect("enroll thread panicked")?,
-                &agent,
-            )
+            || second.is_finished().then_some(()).ok_or("b waits"),
+        );
+        pause.release()?;
+        waited.with_context(|| agent.log())?;
+        ensure_steering(
+            "b",
+            &second.join().expect("enroll thread panicked")?,
+            &agent,
+        )
+    })?;
+    wait::until("d0's links pinned once released", wait::DEADLINE, || {
+        let have = |n: &str| pins.join(n).exists();
+        (have("egress_d0") && have("ingress_d0"))
+            .then_some(())
+            .ok_or("not yet")
+    })?;
+    // The routing the repair completes: accept_local, found off in the
+    // survey's link dump, is on.
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", pod, "sysctl", "-n"])
+        .arg("net.ipv4.conf.d0.accept_local")
+        .output_bounded()?;
+    let on = String::from_utf8_lossy(&out.stdout);
+    ensure!(on.trim() == "1", "d0's accept_local: {on:?}");
+    Ok(())
+}
+
+/// A pause point of the fault-injection build (`SLUICE_PAUSE_AT`): its
+/// directory and the FIFO that releases the held thread. Dropped, it
+/// releases a thread still held and removes the directory.
+pub(crate) struct Pause {
+    dir: std::path::PathBuf,
+    step: &'static str,
+}
+
+impl Pause {
+    pub(crate) fn new(tag: &str, step: &'static str) -> anyhow::Result<Self> {
+        let dir =
+            std::path::PathBuf::from(format!("/tmp/sluice-pause-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+        let p = Self { dir, step };
+        nix::unistd::mkfifo(&p.fifo(), nix::sys::stat::Mode::from_bits_truncate(0o600))?;
+        Ok(p)
+    }
+
+    fn fifo(&self) -> std::path::PathBuf {
+        self.dir.join(format!("{}.release", self.step))
+    }
+
+    /// An agent that holds the first thread reaching the step.
+    pub(crate) fn agent(
+        &self,
+        pins: &sluice::dataplane::loader::Pins,
+    ) -> anyhow::Result<AgentProc> {
+        let mut agent = AgentProc::start(pins)?;
+        agent.set_env("SLUICE_PAUSE_AT", Some(self.step));
+        agent.set_env("SLUICE_PAUSE_DIR", self.dir.to_str());
+        agent.restart()?;
+        Ok(agent)
+    }
+
+    /// Waits until a thread is held at the step.
+    pub(crate) fn wait_held(&self, what: &str) -> TestResult {
+        let paused = self.dir.join(format!("{}.paused", self.step));
+        wait::until(what, wait::DEADLINE, || {
+            paused.exists().then_some(()).ok_or("not held yet")
         })?;
-        wait::until("d0's links pinned once released", wait::DEADLINE, || {
-            let have = |n: &str| pins.join(n).exists();
-            (have("egress_d0") && have("ingress_d0"))
-                .then_some(())
-                .ok_or("not yet")
-        })?;
-        // The routing the repair completes: accept_local, found off in the
-        // survey's link dump, is on.
-        let out = std::process::Command::new("ip")
-            .args(["netns", "exec", pod, "sysctl", "-n"])
-            .arg("net.ipv4.conf.d0.accept_local")
-            .output_bounded()?;
-        let on = String::from_utf8_lossy(&out.stdout);
-        ensure!(on.trim() == "1", "d0's accept_local: {on:?}");
         Ok(())
-    })();
-    // Never leave the agent held (a failure before the release above): a
-    // reader still there takes this one open.
-    let _ = open_fifo_writer(&fifo);
-    let _ = std::fs::remove_dir_all(&dir);
-    result
+    }
+
+    /// Releases the held thread.
+    pub(crate) fn release(&self) -> TestResult {
+        release(&self.fifo())
+    }
+}
+
+impl Drop for Pause {
+    fn drop(&mut self) {
+        // Never leave the agent held: a reader still there takes this open.
+        let _ = open_fifo_writer(&self.fifo());
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 /// Opens `fifo` for writing once its reader (a held pause point) has it
 /// open, which releases the reader.
-pub(crate) fn release(fifo: &Path) -> TestResult {
+fn release(fifo: &Path) -> TestResult {
     wait::until("the pause point's reader", wait::DEADLINE, || {
         open_fifo_writer(fifo).map(drop)
     })?;
@@ -2741,7 +2779,7 @@ pub(crate) fn release(fifo: &Path) -> TestResult {
 
 /// Opens `fifo` for writing without waiting: that releases a reader
 /// blocked in its own open; with none there it fails (ENXIO).
-pub(crate) fn open_fifo_writer(fifo: &Path) -> std::io::Result<std::fs::File> {
+fn open_fifo_writer(fifo: &Path) -> std::io::Result<std::fs::File> {
     use std::os::unix::fs::OpenOptionsExt as _;
     std::fs::OpenOptions::new()
         .write(true)

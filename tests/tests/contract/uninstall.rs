@@ -6,11 +6,11 @@ use std::path::{Path, PathBuf};
 use anyhow::ensure;
 use libtest_mimic::Trial;
 use sluice_tests::{
-    agent::AgentProc, child::Bounded as _, harness::Fixture, inspect::filter_programs, wait,
+    agent::AgentProc, child::Bounded as _, harness::Fixture, inspect::filter_programs,
 };
 
 use crate::{
-    agent::{enroll, enroll_enabled, ensure_steering, open_fifo_writer, peer, release, walk},
+    agent::{enroll, enroll_enabled, ensure_steering, peer, walk, Pause},
     needs_fault_injection, trial, TestResult,
 };
 
@@ -39,47 +39,29 @@ fn filters(f: &Fixture) -> anyhow::Result<usize> {
 /// re-create its pin directory under the root the uninstall had removed and
 /// capture the pod on a node sluice had left.)
 fn waiting_enrollment() -> TestResult {
-    const STEP: &str = "enroll:lock";
     let a = Fixture::new("uwe", None)?;
-    let dir = PathBuf::from(format!("/tmp/sluice-uwe-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir)?;
-    let fifo = dir.join(format!("{STEP}.release"));
-    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600))?;
-    let result = (|| -> TestResult {
-        let mut agent = AgentProc::start(&a.topo.pins)?;
-        agent.set_env("SLUICE_PAUSE_AT", Some(STEP));
-        agent.set_env("SLUICE_PAUSE_DIR", dir.to_str());
-        agent.restart()?;
-        let paused = dir.join(format!("{STEP}.paused"));
-        std::thread::scope(|s| -> TestResult {
-            let held = s.spawn(|| enroll(&agent, &a));
-            wait::until(
-                "the enrollment held before the dataplane",
-                wait::DEADLINE,
-                || paused.exists().then_some(()).ok_or("not held yet"),
-            )?;
-            let out = agent.sluice(&["uninstall"])?;
-            ensure!(out.ok, "sluice uninstall: {}{}", out.stdout, out.stderr);
-            release(&fifo)?;
-            let out = held.join().expect("enroll thread panicked")?;
-            ensure!(
-                !out.ok && out.stderr.contains("being removed"),
-                "the held enrollment: {}{}\n{}",
-                out.stdout,
-                out.stderr,
-                agent.log()
-            );
-            Ok(())
-        })?;
-        let left = walk(a.topo.pins.root());
-        ensure!(left.is_empty(), "pins after the uninstall: {left:?}");
-        ensure!(filters(&a)? == 0, "the pod got filters after the uninstall");
+    let pause = Pause::new("uwe", "enroll:lock")?;
+    let agent = pause.agent(&a.topo.pins)?;
+    std::thread::scope(|s| -> TestResult {
+        let held = s.spawn(|| enroll(&agent, &a));
+        pause.wait_held("the enrollment held before the dataplane")?;
+        let out = agent.sluice(&["uninstall"])?;
+        ensure!(out.ok, "sluice uninstall: {}{}", out.stdout, out.stderr);
+        pause.release()?;
+        let out = held.join().expect("enroll thread panicked")?;
+        ensure!(
+            !out.ok && out.stderr.contains("being removed"),
+            "the held enrollment: {}{}\n{}",
+            out.stdout,
+            out.stderr,
+            agent.log()
+        );
         Ok(())
-    })();
-    let _ = open_fifo_writer(&fifo);
-    let _ = std::fs::remove_dir_all(&dir);
-    result
+    })?;
+    let left = walk(a.topo.pins.root());
+    ensure!(left.is_empty(), "pins after the uninstall: {left:?}");
+    ensure!(filters(&a)? == 0, "the pod got filters after the uninstall");
+    Ok(())
 }
 
 /// A bind mount of a pod's netns at a path of the test's, removed (lazily)

@@ -186,6 +186,28 @@ mod tests {
             "spec": {"selector": {}, "template": {}}})
     }
 
+    /// What one agent's reads at `moments` say, the API answering `answers`
+    /// in turn.
+    async fn reads(
+        answers: Vec<(u16, serde_json::Value)>,
+        moments: &[Moment],
+    ) -> Vec<Option<Reason>> {
+        let (client, mut handle) = mock::client();
+        let server = tokio::spawn(async move {
+            for (code, body) in answers {
+                let (_, send) = handle.next_request().await.unwrap();
+                reply(send, code, &body);
+            }
+        });
+        let mark = DaemonSetMark::new(client, ("istio-system".into(), "sluice".into()));
+        let mut got = Vec::new();
+        for &moment in moments {
+            got.push(mark.read(moment).await);
+        }
+        server.await.unwrap();
+        got
+    }
+
     fn not_found() -> serde_json::Value {
         json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
             "reason": "NotFound", "code": 404, "message": "not found"})
@@ -197,8 +219,7 @@ mod tests {
     /// has seen its DaemonSet.
     #[tokio::test]
     async fn only_the_mark_counts_until_sigterm_and_gone_only_once_seen() {
-        let (client, mut handle) = mock::client();
-        let answers = [
+        let answers = vec![
             (404, not_found()),
             (404, not_found()),
             (200, daemonset(json!({}), true)),
@@ -208,27 +229,20 @@ mod tests {
             (200, daemonset(json!({}), true)),
             (200, daemonset(json!({REQUESTED: "true"}), false)),
         ];
-        let server = tokio::spawn(async move {
-            for (code, body) in answers {
-                let (_, send) = handle.next_request().await.unwrap();
-                reply(send, code, &body);
-            }
-        });
-        let mark = DaemonSetMark::new(client, ("istio-system".into(), "sluice".into()));
-        let mut got = Vec::new();
-        for moment in [
-            Moment::Stop,
-            Moment::Start,
-            Moment::Running,
-            Moment::Running,
-            Moment::Running,
-            Moment::Stop,
-            Moment::Stop,
-            Moment::Start,
-        ] {
-            got.push(mark.read(moment).await);
-        }
-        server.await.unwrap();
+        let got = reads(
+            answers,
+            &[
+                Moment::Stop,
+                Moment::Start,
+                Moment::Running,
+                Moment::Running,
+                Moment::Running,
+                Moment::Stop,
+                Moment::Stop,
+                Moment::Start,
+            ],
+        )
+        .await;
         assert_eq!(
             got,
             [
@@ -250,34 +264,26 @@ mod tests {
     /// again, is forgotten once read.
     #[tokio::test]
     async fn a_deletion_read_while_running_holds_at_sigterm_until_read_again() {
-        let (client, mut handle) = mock::client();
         let forbidden = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
             "reason": "Forbidden", "code": 403, "message": "forbidden"});
-        let answers = [
+        let answers = vec![
             (200, daemonset(json!({}), false)),
             (200, daemonset(json!({}), true)),
             (403, forbidden.clone()),
             (200, daemonset(json!({}), false)),
             (403, forbidden),
         ];
-        let server = tokio::spawn(async move {
-            for (code, body) in answers {
-                let (_, send) = handle.next_request().await.unwrap();
-                reply(send, code, &body);
-            }
-        });
-        let mark = DaemonSetMark::new(client, ("istio-system".into(), "sluice".into()));
-        let mut got = Vec::new();
-        for moment in [
-            Moment::Running,
-            Moment::Running,
-            Moment::Stop,
-            Moment::Running,
-            Moment::Stop,
-        ] {
-            got.push(mark.read(moment).await);
-        }
-        server.await.unwrap();
+        let got = reads(
+            answers,
+            &[
+                Moment::Running,
+                Moment::Running,
+                Moment::Stop,
+                Moment::Running,
+                Moment::Stop,
+            ],
+        )
+        .await;
         assert_eq!(got, [None, None, Some(Reason::Deleting), None, None]);
     }
 
