@@ -132,16 +132,20 @@ impl DaemonSetMark {
         uninstall: Arc<Uninstaller>,
         mut stop: watch::Receiver<bool>,
     ) {
+        tokio::select! {
+            _ = stop.changed() => {}
+            r = self.asked() => uninstall.request(r),
+        }
+    }
+
+    /// Reads the DaemonSet every few seconds until it carries the mark.
+    pub async fn asked(&self) -> Reason {
         loop {
             if let Some(r) = self.read(Moment::Running).await {
                 info!(why = r.as_str(), "uninstall asked");
-                uninstall.request(r);
-                return;
+                return r;
             }
-            tokio::select! {
-                _ = stop.changed() => return,
-                _ = tokio::time::sleep(EVERY) => {}
-            }
+            tokio::time::sleep(EVERY).await;
         }
     }
 }

@@ -8,9 +8,15 @@ use anyhow::Context as _;
 use tokio::sync::watch;
 use tracing::warn;
 
-use super::{admin, config::Config, report::Report};
+use super::{
+    admin,
+    config::Config,
+    daemonset::{DaemonSetMark, Moment},
+    held_uninstall,
+    report::Report,
+};
 use crate::{
-    kube::condition::ConditionWriter,
+    kube::{condition::ConditionWriter, uninstall::Reason},
     metrics::{Metrics, Sample, Source},
     readiness::Condition,
 };
@@ -24,9 +30,21 @@ impl Source for NoPods {
     }
 }
 
+/// How a report-only agent's wait ended.
+enum End {
+    /// SIGTERM or SIGINT.
+    Stopped,
+    /// What kept it out is gone: it may start for real.
+    Cleared,
+    /// The DaemonSet asks for sluice to go from this node.
+    Uninstall(Reason),
+}
+
 /// Reports `condition` until SIGTERM (`term`, registered when the agent
 /// started) or SIGINT (false) or until `until` completes (true: the agent
-/// may start for real).
+/// may start for real). Asked by its DaemonSet to uninstall (the mark, or
+/// its deletion at SIGTERM), it removes sluice from the node first
+/// ([`held_uninstall`]) and then waits to be stopped (false).
 pub async fn report_only(
     cfg: &Config,
     condition: Condition,
@@ -38,9 +56,14 @@ pub async fn report_only(
         &cfg.report.condition_type,
     ));
     report.hold(condition.clone());
-    if let Some(node) = &cfg.node_name {
-        write_condition(cfg, node, &condition).await;
-    }
+    let client = match &cfg.node_name {
+        Some(node) => api_client(cfg, node, &condition).await,
+        None => None,
+    };
+    let mark = client
+        .clone()
+        .zip(cfg.daemonset.clone())
+        .map(|(c, ds)| DaemonSetMark::new(c, ds));
     let (stop_tx, stop) = watch::channel(false);
     let mut admin_tasks = Vec::new();
     for (addr, audience) in cfg.admin_addrs() {
@@ -55,36 +78,79 @@ pub async fn report_only(
         )));
     }
     tokio::pin!(until);
-    let cleared = loop {
+    let asked = async {
+        match &mark {
+            Some(m) => m.asked().await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(asked);
+    let mut end = loop {
         tokio::select! {
-            _ = term.recv() => break false,
-            _ = tokio::signal::ctrl_c() => break false,
-            _ = &mut until => break true,
+            _ = term.recv() => break End::Stopped,
+            _ = tokio::signal::ctrl_c() => break End::Stopped,
+            _ = &mut until => break End::Cleared,
+            r = &mut asked => break End::Uninstall(r),
             // Kept fresh, so /healthz does not take it for a stuck loop.
             _ = tokio::time::sleep(Duration::from_secs(5)) => report.hold(condition.clone()),
         }
     };
+    let mut stopped = matches!(end, End::Stopped);
+    if let (End::Stopped, Some(m)) = (&end, &mark) {
+        if let Some(r) = m.read(Moment::Stop).await {
+            end = End::Uninstall(r);
+        }
+    }
+    if let End::Uninstall(why) = end {
+        let api = client.map(|client| held_uninstall::NodeApi {
+            client,
+            node: cfg.node_name.clone().unwrap_or_default(),
+            condition_type: cfg.report.condition_type.clone(),
+        });
+        let node = super::open_node_netns(cfg).unwrap_or_default();
+        let _ = held_uninstall::remove(why, cfg.cni.as_ref(), cfg.pins.clone(), node, api.as_ref())
+            .await;
+        report.set_uninstalled();
+        if !stopped {
+            // Exiting would only have the DaemonSet start the agent again.
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
+        stopped = true;
+    }
     let _ = stop_tx.send(true);
     for t in admin_tasks {
         let _ = t.await;
     }
-    Ok(cleared)
+    Ok(!stopped)
 }
 
-/// Writes `condition` on the Node, once (nothing without an API).
-async fn write_condition(cfg: &Config, node: &str, condition: &Condition) {
+/// A client for the API, the node condition written with it (none without
+/// one).
+async fn api_client(cfg: &Config, node: &str, condition: &Condition) -> Option<kube::Client> {
     match kube::Client::try_default().await {
         Ok(client) => {
-            let w = ConditionWriter::new(
-                client,
-                node,
-                &cfg.report.condition_type,
-                cfg.report.heartbeat,
-            );
-            if let Err(e) = w.write(condition).await {
-                warn!(error = %e, "could not write the node condition");
-            }
+            write_condition(cfg, client.clone(), node, condition).await;
+            Some(client)
         }
-        Err(e) => warn!(error = %e, "no Kubernetes API: the node condition is not written"),
+        Err(e) => {
+            warn!(error = %e, "no Kubernetes API: the node condition is not written");
+            None
+        }
+    }
+}
+
+/// Writes `condition` on the Node, once.
+async fn write_condition(cfg: &Config, client: kube::Client, node: &str, condition: &Condition) {
+    let w = ConditionWriter::new(
+        client,
+        node,
+        &cfg.report.condition_type,
+        cfg.report.heartbeat,
+    );
+    if let Err(e) = w.write(condition).await {
+        warn!(error = %e, "could not write the node condition");
     }
 }

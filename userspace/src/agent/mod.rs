@@ -19,6 +19,7 @@ pub mod config;
 pub mod control_socket;
 pub mod custody;
 pub mod daemonset;
+pub mod held_uninstall;
 pub mod hold;
 pub mod incompatible;
 pub mod node;
@@ -143,7 +144,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
 }
 
 /// The node's netns (`--node-netns`), for host-originated probes.
-fn open_node_netns(cfg: &Config) -> anyhow::Result<Option<hostside::Node>> {
+pub(super) fn open_node_netns(cfg: &Config) -> anyhow::Result<Option<hostside::Node>> {
     cfg.node_netns
         .as_ref()
         .map(|path| {
