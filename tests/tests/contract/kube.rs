@@ -35,6 +35,10 @@ pub fn trials() -> Vec<Trial> {
             relist,
         ),
         trial(
+            "kube::a_recorded_netns_path_that_no_longer_holds_the_pods_addresses_is_not_captured",
+            stale_record,
+        ),
+        trial(
             "kube::enablement_selectors_decide_capture_and_the_plugins_snapshot",
             enablement_selectors,
         ),
@@ -698,6 +702,64 @@ fn existing_pod_netns_found_by_cgroup() -> TestResult {
     );
     ensure!(sluice::podnet::podns::find("00000000-0000-4000-8000-00000000dead", &ips).is_none());
     Ok(())
+}
+
+/// The runtime's netns path recorded for an ambient pod (at an ADD it was
+/// not captured at) now names a netns without the pod's addresses (a
+/// `/proc/<pid>/ns/net` path whose pid another pod's process has taken):
+/// the relist must not capture that netns as the pod (another pod's
+/// traffic under its identity). Only the pod's own netns, found by its
+/// addresses, is.
+fn stale_record() -> TestResult {
+    let f = Fixture::new("strec", None)?;
+    let other = Fixture::in_subnet("strecb", None, 1)?;
+    let records = std::env::temp_dir().join(format!("sluice-strec-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&records);
+    let uid = "u-strec";
+    let rt = tokio::runtime::Runtime::new()?;
+    let result = rt.block_on(async {
+        let (svc, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let ips = pod_ips_json(&f);
+        tokio::spawn(async move {
+            while let Some((req, send)) = handle.next_request().await {
+                let path = req.uri().path().to_owned();
+                let reply = match path.as_str() {
+                    "/api/v1/pods" => json!({"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": [{
+                        "metadata": {"name": "web", "namespace": "mesh", "uid": uid},
+                        "spec": {"nodeName": "node-a", "serviceAccountName": "web-sa", "containers": [{"name": "app"}]},
+                        "status": {"phase": "Running", "podIPs": ips}}]}),
+                    "/api/v1/namespaces" => json!({"apiVersion": "v1", "kind": "NamespaceList", "metadata": {}, "items": [
+                        {"metadata": {"name": "mesh", "labels": {"istio.io/dataplane-mode": "ambient"}}}]}),
+                    p if p.starts_with("/apis/events.k8s.io/") => json!({"apiVersion": "events.k8s.io/v1", "kind": "Event", "metadata": {"name": "e"}}),
+                    p => panic!("unexpected request {p}"),
+                };
+                mockapi::reply(send, 200, &reply);
+            }
+        });
+        let (node, _announcing) =
+            cluster_node(&f, kube::Client::new(svc, "default"), Some(records.clone()))?;
+        // As the agent records it (`KubeCtx::record_netns`): the path, in a
+        // file named after the uid.
+        std::fs::create_dir_all(&records)?;
+        std::fs::write(records.join(uid), other.topo.pod_netns_path().to_str().context("path")?)?;
+        node.relist().reconcile_once(std::time::Duration::ZERO).await?;
+        let pods = sluice::status::read(&f.topo.pins)?;
+        ensure!(
+            pods.is_empty(),
+            "a netns without the pod's addresses was captured as it: {pods:?}"
+        );
+        // The pod's own netns, recorded, is.
+        std::fs::write(records.join(uid), f.topo.pod_netns_path().to_str().context("path")?)?;
+        node.relist().reconcile_once(std::time::Duration::ZERO).await?;
+        let pods = sluice::status::read(&f.topo.pins)?;
+        ensure!(
+            pods.len() == 1 && pods[0].uid == uid && pods[0].netns == f.topo.pod_netns_path().to_str().unwrap_or(""),
+            "the pod's own recorded netns was not captured: {pods:?}"
+        );
+        Ok(())
+    });
+    let _ = std::fs::remove_dir_all(&records);
+    result
 }
 
 /// A fixture pod's `status.podIPs`, as the API lists them.

@@ -73,6 +73,14 @@ pub fn find(uid: &str, ips: &[IpAddr]) -> Option<PathBuf> {
     holding
 }
 
+/// Whether `path` names a netns, not the host's, with one of `ips` on an
+/// interface: a path recorded earlier (`/proc/<pid>/ns/net` names another
+/// netns once the pid is reused) checked against the pod's addresses now.
+/// Blocking.
+pub fn holds(path: &Path, ips: &[IpAddr]) -> bool {
+    Netns::open(path).is_ok_and(|ns| ns.host_like().is_none() && holds_any(&ns, ips))
+}
+
 /// Whether `ns` has one of `ips` on an interface.
 fn holds_any(ns: &Netns, ips: &[IpAddr]) -> bool {
     ns.run(crate::podnet::netns::addresses)

@@ -284,15 +284,18 @@ impl Relist {
         };
         let event = |reason, note: String| self.announcer.event(pod.clone(), reason, note);
         let recorded = PodUid::new(&uid).ok().and_then(|u| k.recorded_netns(&u));
-        let found = match recorded {
-            Some(n) => Some(n),
-            None => {
-                let (uid, ips) = (uid.clone(), ips.clone());
-                tokio::task::spawn_blocking(move || crate::podnet::podns::find(&uid, &ips))
-                    .await
-                    .ok()
-                    .flatten()
-            }
+        let found = {
+            let (uid, ips) = (uid.clone(), ips.clone());
+            // A recorded path counts only while it holds the pod's
+            // addresses (a pid's netns path names another once reused).
+            tokio::task::spawn_blocking(move || {
+                recorded
+                    .filter(|n| crate::podnet::podns::holds(n, &ips))
+                    .or_else(|| crate::podnet::podns::find(&uid, &ips))
+            })
+            .await
+            .ok()
+            .flatten()
         };
         let Some(netns) = found else {
             self.metrics.reconcile_error(ReconcileError::NoProcess);
