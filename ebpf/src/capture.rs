@@ -35,7 +35,7 @@ use crate::{
     dns, exclusions,
     hints::{forget_hint, hint_ptr, put_charged_hint, release_hint, unshared_hint_ptr},
     lookup::{loopback, skc_lookup, skc_lookup_found},
-    maps::{count, count_drop, NODE_NETNS, POD_STATE},
+    maps::{count, count_drop, NODE_NETNS, POD_STATE, TC_LOOKUP_ASKING, TC_LOOKUP_ASKING_REROUTED},
     origin::{from_its_pod, Sent},
     packet::{parse, parse_tcp, Parsed, Tcp, L2_ETH},
     tc::{
@@ -190,8 +190,17 @@ pub fn outbound_verdict(w: Writes, cookie: u64, t: &Tcp) -> Option<HintVerdict> 
 /// hint the others to sk_lookup (rows I1/I2).
 #[inline(always)]
 pub fn ingress<const L2: usize>(ctx: &TcContext) -> i32 {
-    let Some(t) = parse_tcp::<L2>(ctx) else {
-        return TC_OK;
+    let t = match parse::<L2>(ctx) {
+        Parsed::Tcp(t) => t,
+        Parsed::Udp(_) | Parsed::Other => return TC_OK,
+        // Headers that hide what they carry (an IPv6 extension chain past
+        // the walk, a first fragment cut inside the TCP header): a SYN
+        // there would write no verdict of its own and meet whatever older
+        // hint its tuple has (a node's `Host` one, say). It does not enter.
+        Parsed::Opaque => {
+            count_drop(DropReason::Malformed);
+            return TC_SHOT;
+        }
     };
     let mesh = mark(ctx) & MARK_MASK;
     // Under the local route (`--local-route`) a socket the app accepts takes
@@ -289,7 +298,7 @@ pub fn reroute_ingress(ctx: &TcContext) -> i32 {
         }
     };
     if !t.is_syn() {
-        if terminated_locally(ctx, &t) {
+        if terminated_locally_as(ctx, &t, TC_LOOKUP_ASKING_REROUTED) {
             mark_redirect(ctx);
         }
         return TC_OK;
@@ -546,7 +555,13 @@ fn release_hint_of_request(ctx: &TcContext, t: &Tcp) {
 /// pod around ztunnel.
 #[inline(always)]
 pub fn terminated_locally(ctx: &TcContext, t: &Tcp) -> bool {
-    let found = skc_lookup_found(ctx, t.family, &t.saddr, &t.daddr, t.sport, t.dport);
+    terminated_locally_as(ctx, t, TC_LOOKUP_ASKING)
+}
+
+/// [`terminated_locally`] asking as `asking` (`TC_LOOKUP_ASKING*`).
+#[inline(always)]
+fn terminated_locally_as(ctx: &TcContext, t: &Tcp, asking: u32) -> bool {
+    let found = skc_lookup_found(ctx, t.family, &t.saddr, &t.daddr, t.sport, t.dport, asking);
     let Some(sk) = found.sk else {
         return found.refused_steered;
     };

@@ -67,10 +67,11 @@ pub fn skc_lookup(
     sport: u16,
     dport: u16,
 ) -> Option<*mut aya_ebpf::bindings::bpf_sock> {
-    skc_lookup_found(ctx, family, saddr, daddr, sport, dport).sk
+    skc_lookup_found(ctx, family, saddr, daddr, sport, dport, TC_LOOKUP_ASKING).sk
 }
 
-/// [`skc_lookup`], also saying whether sk_lookup refused a steered flow.
+/// [`skc_lookup`], also saying whether sk_lookup refused a steered flow;
+/// `asking`: what `TC_LOOKUP` says meanwhile (`TC_LOOKUP_ASKING*`).
 #[inline(always)]
 pub fn skc_lookup_found(
     ctx: &TcContext,
@@ -79,13 +80,14 @@ pub fn skc_lookup_found(
     daddr: &[u32; 4],
     sport: u16,
     dport: u16,
+    asking_as: u32,
 ) -> Found {
     // sk_lookup runs inside this lookup: it is told who asks (TC_LOOKUP),
     // and says there whether it refused a steered flow.
     let asking = TC_LOOKUP.get_ptr_mut(0);
     let (mut tuple, size) = sock_tuple(family, saddr, daddr, sport, dport);
     if let Some(a) = asking {
-        unsafe { *a = TC_LOOKUP_ASKING };
+        unsafe { *a = asking_as };
     }
     let sk = unsafe {
         bpf_skc_lookup_tcp(

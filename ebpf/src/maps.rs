@@ -158,8 +158,12 @@ pub static DROPS: PerCpuArray<u64> = PerCpuArray::pinned(DROP_REASONS, 0);
 #[map(name = "tc_lookup")]
 pub static TC_LOOKUP: PerCpuArray<u32> = PerCpuArray::pinned(1, 0);
 
-/// `TC_LOOKUP` while a tc program's lookup runs.
+/// `TC_LOOKUP` while a tc program's lookup runs, for a segment whose
+/// source is its pod's address (egress, `lo`'s egress).
 pub const TC_LOOKUP_ASKING: u32 = 1;
+/// The same for a rerouted interface's segment (a VM's source address):
+/// the hint it finds is this netns's pod's, which the reroute program wrote.
+pub const TC_LOOKUP_ASKING_REROUTED: u32 = 3;
 /// `TC_LOOKUP` once sk_lookup, asked by tc, refused a flow whose SYN it had
 /// a steering hint for (the pod no longer steers, or its listener is gone,
 /// e.g. ztunnel down while a SYN-cookie handshake waits for its ACK): the

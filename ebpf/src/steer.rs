@@ -29,7 +29,7 @@ use crate::{
     hints::hint_ptr,
     maps::{
         count, count_dns, count_drop, DNS_LISTENERS, FLOW_HINTS, LISTENERS, POD_STATE, TC_LOOKUP,
-        TC_LOOKUP_REFUSED_STEERED, VERIFY_HINTS,
+        TC_LOOKUP_ASKING_REROUTED, TC_LOOKUP_REFUSED_STEERED, VERIFY_HINTS,
     },
     tc::pod_of,
 };
@@ -59,7 +59,8 @@ pub fn steer(ctx: &SkLookupContext) -> u32 {
     }
     // A tc program asking which socket a segment would reach: answer as for
     // the segment itself, but count nothing and mark nothing (see TC_LOOKUP).
-    let asked_by_tc = TC_LOOKUP.get(0).is_some_and(|v| *v != 0);
+    let asking = TC_LOOKUP.get(0).copied().unwrap_or(0);
+    let asked_by_tc = asking != 0;
     let Some(hint) = hint_ptr(&key) else {
         return unhinted(family, &remote, asked_by_tc);
     };
@@ -110,7 +111,7 @@ pub fn steer(ctx: &SkLookupContext) -> u32 {
     let its_own = asked_by_tc
         && pod.is_some()
         && matches!(role, Role::Outbound | Role::DnsTcp)
-        && pod_of(family, &remote) == Some(cookie);
+        && (asking == TC_LOOKUP_ASKING_REROUTED || pod_of(family, &remote) == Some(cookie));
     if !pod.is_some_and(|p| p.steers()) {
         if first {
             count(cookie, |c: &mut Counters| &mut c.dropped_fail_closed);

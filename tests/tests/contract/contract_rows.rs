@@ -86,6 +86,10 @@ pub fn trials() -> Vec<Trial> {
         "contract::ipv6::x4_a_header_chain_too_long_to_read_never_leaves_the_pod",
         x4,
     ));
+    v.push(trial(
+        "contract::ipv6::x4_a_header_chain_too_long_to_read_never_enters_the_pod",
+        x4_inbound,
+    ));
     for fam in [Family::V4, Family::V6] {
         v.push(trial(
             format!(
@@ -417,6 +421,31 @@ fn x1() -> TestResult {
             "inbound with {ext:?} was not captured: {acc:?}"
         );
     }
+    Ok(())
+}
+
+/// Row X4 inbound: a SYN hidden behind a chain too long to read writes no
+/// verdict of its own, so it would meet whatever older hint its tuple has
+/// (the node's `Host` one, say): it is dropped at the pod's interface,
+/// counted malformed, and the app never sees it.
+fn x4_inbound() -> TestResult {
+    use sluice_tests::sniff::send_dstopts_chain;
+    let f = enabled("x4i", Bind::DualStack)?;
+    let std::net::IpAddr::V6(pod) = f.topo.pod_ip(Family::V6) else {
+        anyhow::bail!("the topology's v6 address is not v6");
+    };
+    send_dstopts_chain(&f.topo.client, pod, APP_PORT, 7)?;
+    wait::until_seen(
+        "the chain dropped at the pod's ingress",
+        wait::DEADLINE,
+        || {
+            sluice::dataplane::state::Maps::open_pinned(&f.topo.pins.maps())
+                .ok()
+                .map(|m| m.drops(sluice_common::DropReason::Malformed))
+        },
+        |n| n.is_some_and(|n| n >= 1),
+    )?;
+    ensure!(f.app.peers().is_empty(), "the app saw {:?}", f.app.peers());
     Ok(())
 }
 

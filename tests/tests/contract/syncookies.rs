@@ -87,6 +87,11 @@ pub fn trials() -> Vec<Trial> {
             eprintln!("skipping {name}: no bpf_get_netns_cookie in tc programs here");
         }
         v.push(trial(name, move || rerouted(fam)).with_ignored_flag(refused));
+        let name = format!(
+            "syncookies::{}::a_rerouted_vms_steered_flow_stays_in_the_pod_once_its_listener_is_gone",
+            fam.name()
+        );
+        v.push(trial(name, move || steered_stays(fam, From::Vm)).with_ignored_flag(refused));
     }
     v
 }
@@ -320,10 +325,36 @@ fn under_cookies(fam: Family) -> TestResult {
 /// on to the remote around ztunnel. (They left the pod: sk_lookup's refusal
 /// read as "no socket of ztunnel's, so not ztunnel's flow".)
 fn steered_flow_stays(fam: Family) -> TestResult {
+    steered_stays(fam, From::App)
+}
+
+/// Who opens the steered connection: the pod's app, or a VM behind a
+/// rerouted interface of the pod (its segments reach the pod's ingress).
+#[derive(Clone, Copy)]
+enum From {
+    App,
+    Vm,
+}
+
+/// [`steered_flow_stays`] from the app or from a rerouted VM.
+fn steered_stays(fam: Family, from: From) -> TestResult {
     use std::io::Write as _;
     let mut f = Fixture::new("scs", Some(Bind::DualStack))?;
-    ensure!(f.enroll()?.state == PodState::Enabled);
+    let vm = match from {
+        From::App => None,
+        From::Vm => Some(crate::options::Vm::new(&f)?),
+    };
+    let reroute = vm
+        .as_ref()
+        .map(|_| vec!["tap0".to_string()])
+        .unwrap_or_default();
+    let e = f.enroll_with(sluice::options::PodOptions {
+        reroute,
+        ..Default::default()
+    })?;
+    ensure!(e.state == PodState::Enabled, "{e:?}");
     always_cookies(&f.topo.pod)?;
+    let client_ns = vm.as_ref().map_or(f.topo.pod.clone(), |vm| vm.ns.clone());
     let tool = match fam {
         Family::V4 => "iptables",
         Family::V6 => "ip6tables",
@@ -360,7 +391,7 @@ fn steered_flow_stays(fam: Family) -> TestResult {
     };
     let sniffer = L4Sniffer::start(&f.topo.client)?;
     let remote = sa(fam.client(), REMOTE_PORT);
-    let stream = run_in(&f.topo.pod, move || {
+    let stream = run_in(&client_ns, move || {
         let mut s =
             std::net::TcpStream::connect_timeout(&remote, std::time::Duration::from_secs(5))?;
         s.write_all(b"must not leave the pod")?;
