@@ -27,7 +27,7 @@ pub async fn remove(
     why: Reason,
     cni: Option<&CniInstall>,
     pins: Pins,
-    node: Option<hostside::Node>,
+    node: anyhow::Result<Option<hostside::Node>>,
     api: Option<&NodeApi>,
 ) -> Result<(), String> {
     info!(
@@ -35,6 +35,11 @@ pub async fn remove(
         "uninstall asked while only reporting: removing sluice from the node"
     );
     let mut errors = Vec::new();
+    // Without it, the host side's filters of pods could not be removed.
+    let node = node.unwrap_or_else(|e| {
+        errors.push(format!("{e:#}"));
+        None
+    });
     if let Some(cni) = cni {
         if let Err(e) = cni.uninstall() {
             errors.push(format!("removing sluice-cni: {e}"));
@@ -138,7 +143,7 @@ mod tests {
             condition_type: "sluice.dev/RedirectionReady".into(),
         };
         let pins = Pins::new(root.join("no-pins"));
-        remove(Reason::Requested, Some(&cni), pins, None, Some(&api))
+        remove(Reason::Requested, Some(&cni), pins, Ok(None), Some(&api))
             .await
             .unwrap();
         drop(api);

@@ -40,15 +40,29 @@ enum End {
     Uninstall(Reason),
 }
 
+/// Whether a holding agent may remove sluice from its node when asked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnUninstall {
+    /// Nothing else of sluice's runs here (another build's dataplane left
+    /// pinned): sluice-cni, the pins and the API marks go.
+    Remove,
+    /// Another node agent runs here (possibly another sluice, with the same
+    /// pins, CNI entry and condition): nothing is touched.
+    Leave,
+}
+
 /// Reports `condition` until SIGTERM (`term`, registered when the agent
 /// started) or SIGINT (false) or until `until` completes (true: the agent
-/// may start for real). Asked by its DaemonSet to uninstall (the mark, or
-/// its deletion at SIGTERM), it removes sluice from the node first
-/// ([`held_uninstall`]) and then waits to be stopped (false).
+/// may start for real). With [`OnUninstall::Remove`], asked by its
+/// DaemonSet to uninstall (the mark, or its deletion at SIGTERM), it removes
+/// sluice from the node first ([`held_uninstall`]) and then waits to be
+/// stopped, or for the mark to be cleared (false either way: the restart
+/// starts afresh).
 pub async fn report_only(
     cfg: &Config,
     condition: Condition,
     until: impl Future<Output = ()>,
+    on_uninstall: OnUninstall,
     term: &mut tokio::signal::unix::Signal,
 ) -> anyhow::Result<bool> {
     let report = Arc::new(Report::new(
@@ -63,6 +77,7 @@ pub async fn report_only(
     let mark = client
         .clone()
         .zip(cfg.daemonset.clone())
+        .filter(|_| on_uninstall == OnUninstall::Remove)
         .map(|(c, ds)| DaemonSetMark::new(c, ds));
     let (stop_tx, stop) = watch::channel(false);
     let mut admin_tasks = Vec::new();
@@ -102,20 +117,25 @@ pub async fn report_only(
         }
     }
     if let End::Uninstall(why) = end {
-        let api = client.map(|client| held_uninstall::NodeApi {
+        let api = client.clone().map(|client| held_uninstall::NodeApi {
             client,
             node: cfg.node_name.clone().unwrap_or_default(),
             condition_type: cfg.report.condition_type.clone(),
         });
-        let node = super::open_node_netns(cfg).unwrap_or_default();
+        let node = super::open_node_netns(cfg);
         let _ = held_uninstall::remove(why, cfg.cni.as_ref(), cfg.pins.clone(), node, api.as_ref())
             .await;
         report.set_uninstalled();
         if !stopped {
-            // Exiting would only have the DaemonSet start the agent again.
+            // Exiting would only have the DaemonSet start the agent again,
+            // unless the mark it acted on is cleared.
+            let marked = (why == Reason::Requested)
+                .then(|| cfg.daemonset.clone())
+                .flatten();
             tokio::select! {
                 _ = term.recv() => {}
                 _ = tokio::signal::ctrl_c() => {}
+                _ = super::daemonset::until_unmarked(client, marked) => {}
             }
         }
         stopped = true;

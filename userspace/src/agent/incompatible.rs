@@ -4,7 +4,10 @@
 //! `DataplaneIncompatible`, `/readyz` 503 with the reason, `/healthz` 200 —
 //! until it is stopped, instead of exiting into a restart loop.
 
-use super::{config::Config, hold::report_only};
+use super::{
+    config::Config,
+    hold::{report_only, OnUninstall},
+};
 use crate::readiness::{Condition, Reason};
 
 /// Reports `why` until SIGTERM (`term`) or SIGINT.
@@ -21,7 +24,13 @@ pub async fn hold(
             "this sluice build cannot take over the dataplane pinned by another build ({why}); that build's capture stays in place, nothing new is enrolled"
         ),
     };
-    report_only(&cfg, condition, std::future::pending(), term)
-        .await
-        .map(drop)
+    report_only(
+        &cfg,
+        condition,
+        std::future::pending(),
+        OnUninstall::Remove,
+        term,
+    )
+    .await
+    .map(drop)
 }

@@ -11,7 +11,10 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use super::{config::Config, hold::report_only};
+use super::{
+    config::Config,
+    hold::{report_only, OnUninstall},
+};
 use crate::readiness::{Condition, Reason};
 
 /// `__SO_ACCEPTCON` in `/proc/net/unix`'s Flags column: a listening socket.
@@ -112,7 +115,7 @@ pub async fn wait_until_gone(
         }
         tracing::info!("the other node agent is gone: starting");
     };
-    report_only(cfg, condition, gone, term).await
+    report_only(cfg, condition, gone, OnUninstall::Leave, term).await
 }
 
 #[cfg(test)]

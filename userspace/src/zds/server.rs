@@ -83,9 +83,15 @@ pub enum SnapshotEntry {
 pub trait Handler: Send + Sync + 'static {
     /// The pods to hand to a newly connected ztunnel.
     fn snapshot(&self) -> Vec<SnapshotEntry>;
-    /// ztunnel answered (or failed to answer) an `add` for `uid` on a
-    /// connection whose peer is `pid`.
-    fn add_outcome(&self, uid: &str, pid: Option<i32>, outcome: &Result<Answer, ZdsError>);
+    /// ztunnel answered (or failed to answer) a snapshot's `add` for `uid`
+    /// (with the netns of `cookie`) on a connection whose peer is `pid`.
+    fn add_outcome(
+        &self,
+        uid: &str,
+        cookie: u64,
+        pid: Option<i32>,
+        outcome: &Result<Answer, ZdsError>,
+    );
     /// A snapshot's `add` for `uid` was never sent (the snapshot stopped
     /// before it): the attempt failed without being made.
     fn add_not_sent(&self, uid: &str, why: &str);
@@ -364,7 +370,7 @@ async fn send_snapshot(
                 netns,
             } => {
                 let out = exchange(fd, &WorkloadRequest::add(&uid, &workload), Some(&netns)).await;
-                handler.add_outcome(&uid, pid, &out);
+                handler.add_outcome(&uid, cookie, pid, &out);
                 sent.push((uid, Some(cookie)));
                 match out {
                     Err(e) if e.is_fatal() => return Err(e),

@@ -177,7 +177,7 @@ impl Ztunnels {
                 // An ack that comes after the uninstall took the pod: its
                 // listeners are not kept (nothing serves them any more).
                 if dp.is_retired() {
-                    return Err(EnrollError::Retired);
+                    return Ok(None);
                 }
                 // Under the lock that registrations take: two ztunnels'
                 // acks of one pod are decided one after the other.
@@ -193,12 +193,16 @@ impl Ztunnels {
                 if pid.is_some() {
                     custody.keep(&owned_uid, taken);
                 }
-                Ok((e.state, pid))
+                Ok(Some((e.state, pid)))
             })
             .await
             .map_err(|e| e.to_string())?;
             match got {
-                Ok((s, pid)) if s.steers() => {
+                Ok(None) => {
+                    info!(%uid, "ztunnel acked after the uninstall: nothing registered");
+                    return Ok(());
+                }
+                Ok(Some((s, pid))) if s.steers() => {
                     if pid != acking {
                         self.metrics.older_ack();
                         info!(%uid, acking = acking.unwrap_or(0), pid = pid.unwrap_or(0), "an older ztunnel acked: the pod stays on the newer one's listeners");
@@ -289,15 +293,23 @@ impl Handler for Ztunnels {
         out
     }
 
-    fn add_outcome(&self, uid: &str, pid: Option<i32>, outcome: &Result<Answer, ZdsError>) {
+    fn add_outcome(
+        &self,
+        uid: &str,
+        cookie: u64,
+        pid: Option<i32>,
+        outcome: &Result<Answer, ZdsError>,
+    ) {
         // Registration may take a while (listeners appear around the ack): off
         // the connection's task, so the snapshot goes on.
         let Some(this) = self.me.upgrade() else {
             return;
         };
-        let Some(cookie) = PodUid::new(uid).ok().and_then(|u| self.book.cookie_of(&u)) else {
+        // The add carried the netns of `cookie`: a pod enrolled again since
+        // (another sandbox) is not registered on its answer.
+        if PodUid::new(uid).ok().and_then(|u| self.book.cookie_of(&u)) != Some(cookie) {
             return;
-        };
+        }
         let uid = uid.to_owned();
         let out = match outcome {
             Ok(a) => Ok(a.clone()),
