@@ -731,6 +731,9 @@ fn stale_record() -> TestResult {
                     "/api/v1/namespaces" => json!({"apiVersion": "v1", "kind": "NamespaceList", "metadata": {}, "items": [
                         {"metadata": {"name": "mesh", "labels": {"istio.io/dataplane-mode": "ambient"}}}]}),
                     p if p.starts_with("/apis/events.k8s.io/") => json!({"apiVersion": "events.k8s.io/v1", "kind": "Event", "metadata": {"name": "e"}}),
+                    // The captured pod's annotation and gate check.
+                    p if p.starts_with("/api/v1/namespaces/mesh/pods/web") => json!({"apiVersion": "v1", "kind": "Pod",
+                        "metadata": {"name": "web", "namespace": "mesh", "uid": uid}, "spec": {"containers": [{"name": "app"}]}}),
                     p => panic!("unexpected request {p}"),
                 };
                 mockapi::reply(send, 200, &reply);

@@ -62,6 +62,18 @@ pub struct Config {
 }
 
 impl Config {
+    /// The node's netns (`--node-netns`), for host-originated probes.
+    pub fn open_node_netns(&self) -> anyhow::Result<Option<crate::podnet::hostside::Node>> {
+        use anyhow::Context as _;
+        self.node_netns
+            .as_ref()
+            .map(|path| {
+                crate::podnet::hostside::Node::open(path)
+                    .with_context(|| format!("--node-netns {}", path.display()))
+            })
+            .transpose()
+    }
+
     /// The admin listeners to bind: the health one (node only) and the
     /// scrape one (bounded per peer); the same address for both binds it once.
     pub fn admin_addrs(&self) -> Vec<(SocketAddr, Audience)> {

@@ -122,7 +122,7 @@ pub async fn report_only(
             node: cfg.node_name.clone().unwrap_or_default(),
             condition_type: cfg.report.condition_type.clone(),
         });
-        let node = super::open_node_netns(cfg);
+        let node = cfg.open_node_netns();
         let _ = held_uninstall::remove(why, cfg.cni.as_ref(), cfg.pins.clone(), node, api.as_ref())
             .await;
         report.set_uninstalled();

@@ -80,7 +80,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     if !cfg.take_over_node_agent && !rival::wait_until_gone(&cfg, &mut term).await? {
         return Ok(());
     }
-    let node_netns = open_node_netns(&cfg)?;
+    let node_netns = cfg.open_node_netns()?;
     let mut dp = match Dataplane::load_adopt_or_upgrade(cfg.pins.clone(), node_netns.as_ref()) {
         Ok(dp) => dp,
         Err(LoadError::Incompatible(why)) => return incompatible::hold(cfg, why, &mut term).await,
@@ -141,16 +141,6 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         u => info!(uninstall = %u, "agent stopped"),
     }
     Ok(())
-}
-
-/// The node's netns (`--node-netns`), for host-originated probes.
-pub(super) fn open_node_netns(cfg: &Config) -> anyhow::Result<Option<hostside::Node>> {
-    cfg.node_netns
-        .as_ref()
-        .map(|path| {
-            hostside::Node::open(path).with_context(|| format!("--node-netns {}", path.display()))
-        })
-        .transpose()
 }
 
 /// Sets the loaded dataplane up for this node: its netns, then the DNS
