@@ -108,15 +108,18 @@ pub fn steer(ctx: &SkLookupContext) -> u32 {
     // (still enrolled) steered is told the flow is refused (see
     // `TC_LOOKUP_REFUSED_STEERED`); a hint of another pod's, or of one
     // gone, says nothing of this segment.
-    let its_own = asked_by_tc
-        && pod.is_some()
-        && matches!(role, Role::Outbound | Role::DnsTcp)
-        && (asking == TC_LOOKUP_ASKING_REROUTED || pod_of(family, &remote) == Some(cookie));
+    // Asked only on a refusal: the accepted path pays no address lookup.
+    let its_own = || {
+        asked_by_tc
+            && pod.is_some()
+            && matches!(role, Role::Outbound | Role::DnsTcp)
+            && (asking == TC_LOOKUP_ASKING_REROUTED || pod_of(family, &remote) == Some(cookie))
+    };
     if !pod.is_some_and(|p| p.steers()) {
         if first {
             count(cookie, |c: &mut Counters| &mut c.dropped_fail_closed);
         }
-        return refused_steered(its_own);
+        return refused_steered(its_own());
     }
     let lkey = ListenerKey::new(cookie, role, family);
     let assigned = if role == Role::DnsTcp {
@@ -144,7 +147,7 @@ pub fn steer(ctx: &SkLookupContext) -> u32 {
             if first {
                 count(cookie, |c: &mut Counters| &mut c.missing_socket);
             }
-            refused_steered(its_own)
+            refused_steered(its_own())
         }
     }
 }
