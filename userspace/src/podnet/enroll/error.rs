@@ -4,7 +4,7 @@ use aya::programs::ProgramError;
 use sluice_common::NETNS_PATH_LEN;
 
 use crate::{
-    dataplane::{migrate::MigrateError, state::StateError},
+    dataplane::{loader::Dataplane, migrate::MigrateError, state::StateError},
     podnet::{netns::NetnsError, podview::ViewError, routes::RouteError, sockets::SocketError},
     uid::PodUid,
 };
@@ -81,4 +81,13 @@ impl From<ViewError> for EnrollError {
             },
         }
     }
+}
+
+/// `Err(Retired)` once the uninstall has retired the dataplane: every path
+/// that attaches or registers asks this first, under the dataplane's lock.
+pub fn unless_retired(dp: &Dataplane) -> Result<(), EnrollError> {
+    if dp.is_retired() {
+        return Err(EnrollError::Retired);
+    }
+    Ok(())
 }

@@ -21,7 +21,7 @@ use crate::{
     },
 };
 
-use super::error::EnrollError;
+use super::error::{unless_retired, EnrollError};
 
 /// Attaches one link and pins it under `dir`; pod-side filters over
 /// `view`'s socket when there is one (an enrollment), else from inside
@@ -33,9 +33,7 @@ pub fn attach_link(
     dir: &Path,
     spec: &LinkSpec,
 ) -> Result<(), EnrollError> {
-    if dp.is_retired() {
-        return Err(EnrollError::Retired);
-    }
+    unless_retired(dp)?;
     let path = dir.join(spec.pin_name());
     let tcx = dp.tc_attach() == TcAttach::Tcx;
     let lacking = |reason: &str| EnrollError::Pin {

@@ -36,6 +36,7 @@ use crate::{
 
 pub use crate::podnet::localroute::AppStarted;
 pub use addrs::{refresh_addrs, PodAddrs};
+use error::unless_retired;
 pub use error::EnrollError;
 pub use hostpeers::host_peers;
 pub use register::{register, register_keeping, Enrolled};
@@ -123,9 +124,7 @@ pub fn attach_pod(
     addrs: &PodAddrs,
     started: AppStarted,
 ) -> Result<Attached, EnrollError> {
-    if dp.is_retired() {
-        return Err(EnrollError::Retired);
-    }
+    unless_retired(dp)?;
     let path = netns_path
         .to_str()
         .filter(|p| p.len() < NETNS_PATH_LEN)

@@ -23,7 +23,7 @@ use crate::{
 
 use super::{
     addrs::refresh_addrs,
-    error::EnrollError,
+    error::{unless_retired, EnrollError},
     hostpeers::host_peers,
     links::{
         attach_link, attached, attached_seen_from, tcx_standing, unseat_if_behind, TcxStanding,
@@ -160,9 +160,7 @@ pub fn repair_surveyed(
     takeover: bool,
     survey: Option<&Survey>,
 ) -> Result<Repair, EnrollError> {
-    if dp.is_retired() {
-        return Err(EnrollError::Retired);
-    }
+    unless_retired(dp)?;
     let draining = dp.maps().entry(cookie).and_then(|e| e.state()) == Some(PodState::Draining);
     if draining {
         let netns = open_pod_netns_unless_gone(dp.maps(), cookie)?;
