@@ -1,6 +1,7 @@
 //! `sluice-cni`, the chained plugin: ADD asks the agent to enroll the pod and
 //! fails (so the runtime retries) rather than let an ambient pod start
-//! uncaptured; DEL unenrolls; CHECK asks; VERSION answers. The agent is
+//! uncaptured; DEL unenrolls; CHECK asks; VERSION answers; CNI 1.1's GC and
+//! STATUS succeed. The agent is
 //! reached through a function, so the logic is tested without one.
 //!
 //! Pods that must never wait for sluice do not: pods of excluded namespaces
@@ -131,6 +132,15 @@ pub fn run(env: &Env, stdin: &[u8], call: &Call<'_>) -> Result<Option<String>, C
                 Some(other) => Err(refused(&pod.namespace, &pod.name, other)),
             }
         }
+        // Nothing to release: sluice holds nothing per attachment that only
+        // the runtime knows of. The agent unenrolls a pod whose sandbox is
+        // gone when its pod watch or relist says so.
+        Command::Gc => Ok(None),
+        // Ready: a chained plugin that fails STATUS makes the runtime report
+        // the node's whole network not ready, which would stop every pod,
+        // ambient or not. ADD answers for each pod instead (an ambient pod
+        // waits while the agent is away).
+        Command::Status => Ok(None),
         Command::Version => unreachable!("handled above"),
     }
 }
@@ -357,6 +367,54 @@ mod tests {
             .as_array()
             .unwrap()
             .contains(&"0.3.1".into()));
+    }
+
+    /// A primary CNI on CNI 1.1 hands its version to every plugin of the
+    /// chain, and the runtime then also sends GC and STATUS, with no
+    /// container: none of them may fail (a failed DEL leaves the pod stuck
+    /// terminating; a failed STATUS marks the node's network not ready).
+    #[test]
+    fn a_cni_1_1_chain_is_served_and_gc_and_status_succeed() {
+        let v11 = String::from_utf8(CONF.to_vec())
+            .unwrap()
+            .replace("1.0.0", "1.1.0");
+        let asked = RefCell::new(0);
+        let enrolls = |_: &Path, req: &PluginRequest| {
+            *asked.borrow_mut() += 1;
+            Ok(Some(match req {
+                PluginRequest::CniDel(_) => Answer::Unenrolled { uid: "u1".into() },
+                _ => Answer::Enrolled {
+                    uid: "u1".into(),
+                    cookie: 1,
+                    state: Some(sluice_common::PodState::Enabled),
+                    note: None,
+                },
+            }))
+        };
+        let out = run(&env("ADD", POD), v11.as_bytes(), &enrolls)
+            .unwrap()
+            .unwrap();
+        let out: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(out["cniVersion"], "1.1.0");
+        assert_eq!(
+            run(&env("DEL", POD), v11.as_bytes(), &enrolls).unwrap(),
+            None
+        );
+        assert_eq!(*asked.borrow(), 2);
+        let gc = br#"{"cniVersion":"1.1.0","name":"k8s","type":"sluice-cni",
+            "cni.dev/valid-attachments":[{"containerID":"c1","ifname":"eth0"}]}"#;
+        for (cmd, conf) in [("GC", &gc[..]), ("STATUS", v11.as_bytes())] {
+            let only_command: BTreeMap<&str, String> = [
+                ("CNI_COMMAND", cmd.to_string()),
+                ("CNI_PATH", "/opt/cni/bin".into()),
+            ]
+            .into();
+            let e = Env::from_vars(|k| only_command.get(k).cloned()).unwrap();
+            assert_eq!(run(&e, conf, &enrolls).unwrap(), None, "{cmd}");
+        }
+        assert_eq!(*asked.borrow(), 2, "GC and STATUS do not ask the agent");
+        let v = run(&env("VERSION", ""), b"{}", &enrolls).unwrap().unwrap();
+        assert!(v.contains("\"1.1.0\""), "{v}");
     }
 
     /// A config whose agent socket is in a fresh directory: the selection

@@ -1,12 +1,12 @@
 //! The CNI spec as far as a chained plugin needs it: network config on stdin,
 //! `CNI_*` environment, `CNI_ARGS` (Kubernetes pod identity), and the error
-//! object printed on failure. Versions 1.0.0, 0.4.0 and 0.3.x.
+//! object printed on failure. Versions 1.1.0, 1.0.0, 0.4.0 and 0.3.x.
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-pub const SUPPORTED_VERSIONS: [&str; 4] = ["0.3.0", "0.3.1", "0.4.0", "1.0.0"];
+pub const SUPPORTED_VERSIONS: [&str; 5] = ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
 
 /// Well-known CNI error codes (spec "Error" section).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -116,6 +116,18 @@ pub enum Command {
     Del,
     Check,
     Version,
+    /// CNI 1.1: release what attachments no longer valid hold.
+    Gc,
+    /// CNI 1.1: whether the plugin can take ADDs.
+    Status,
+}
+
+impl Command {
+    /// Commands about no one container: they come without
+    /// `CNI_CONTAINERID`, `CNI_NETNS` and `CNI_IFNAME`.
+    fn is_plugin_wide(self) -> bool {
+        matches!(self, Command::Version | Command::Gc | Command::Status)
+    }
 }
 
 /// The `CNI_*` environment of one invocation.
@@ -145,6 +157,8 @@ impl Env {
             "DEL" => Command::Del,
             "CHECK" => Command::Check,
             "VERSION" => Command::Version,
+            "GC" => Command::Gc,
+            "STATUS" => Command::Status,
             other => {
                 return Err(CniError::new(
                     Code::InvalidEnv,
@@ -153,7 +167,7 @@ impl Env {
                 ));
             }
         };
-        if command == Command::Version {
+        if command.is_plugin_wide() {
             return Ok(Self {
                 command,
                 container_id: String::new(),
