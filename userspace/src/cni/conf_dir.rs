@@ -6,6 +6,7 @@
 use std::{
     fs,
     io::Write as _,
+    os::unix::fs::PermissionsExt,
     path::{Path, PathBuf},
 };
 
@@ -101,13 +102,20 @@ pub fn read_json(p: &Path) -> Result<Value, InstallError> {
 /// and the directory flushed. Without the flushes a power loss right after
 /// can leave an empty file that sorts first: the runtime then fails every
 /// pod's network, or skips it and starts pods without sluice-cni.
-pub fn write_json(p: &Path, v: &Value) -> Result<(), InstallError> {
+///
+/// The file gets the permissions of `like` (the file it replaces, or the
+/// primary's it is made from), 0600 when that is gone: a primary kept
+/// private (CIS 1.1.9) is not copied or rewritten readable to all.
+pub fn write_json(p: &Path, v: &Value, like: &Path) -> Result<(), InstallError> {
     let dir = p.parent().unwrap_or(Path::new("."));
     let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("conf");
     let tmp = dir.join(format!(".{name}.sluice-tmp"));
     let body = serde_json::to_vec_pretty(v).expect("JSON values serialise");
+    let mode = fs::metadata(like).map_or(0o600, |m| m.permissions().mode() & 0o7777);
     let write = || -> std::io::Result<()> {
         let mut f = fs::File::create(&tmp)?;
+        // Set, not asked at creation: the umask would take bits away.
+        f.set_permissions(fs::Permissions::from_mode(mode))?;
         f.write_all(&body)?;
         f.sync_all()
     };
@@ -129,7 +137,7 @@ pub fn remove(p: &Path) -> Result<(), InstallError> {
     }
 }
 
-fn sync_dir(dir: &Path) -> Result<(), InstallError> {
+pub fn sync_dir(dir: &Path) -> Result<(), InstallError> {
     fs::File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(io(format!("flushing {}", dir.display())))

@@ -37,7 +37,7 @@ pub fn insert(primary: &ConfFile, entry: &Entry) -> Result<(PathBuf, bool), Inst
             }
             None => plugins.push(entry.json(None)),
         }
-        conf_dir::write_json(path, &conf)?;
+        conf_dir::write_json(path, &conf, path)?;
         return Ok((path.clone(), true));
     }
     // A single-plugin .conf: becomes a .conflist holding it and us.
@@ -55,7 +55,7 @@ pub fn insert(primary: &ConfFile, entry: &Entry) -> Result<(PathBuf, bool), Inst
         "plugins": [Value::Object(single), entry.json(Some(json!({ "convertedFrom": primary.name() })))],
     });
     let target = path.with_extension("conflist");
-    conf_dir::write_json(&target, &list)?;
+    conf_dir::write_json(&target, &list, path)?;
     conf_dir::remove(path)?;
     Ok((target, true))
 }
@@ -108,7 +108,11 @@ impl Restored {
     /// Writes the file back (the restored `.conf` before the `.conflist`
     /// goes, so the directory never lacks the primary).
     pub fn apply(&self) -> Result<(), InstallError> {
-        conf_dir::write_json(&self.path, &self.json)?;
+        conf_dir::write_json(
+            &self.path,
+            &self.json,
+            self.remove.as_deref().unwrap_or(&self.path),
+        )?;
         match &self.remove {
             Some(p) => conf_dir::remove(p),
             None => Ok(()),

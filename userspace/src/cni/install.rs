@@ -356,9 +356,13 @@ impl CniInstall {
             if let Ok(t) = src_meta.modified() {
                 f.set_modified(t)?;
             }
-            Ok(())
+            // On disk before it is named: after a power loss a copy of the
+            // right size and time but no data would pass the check above
+            // for good, and every ADD and DEL would fail to run it.
+            f.sync_all()
         };
         write().map_err(io(format!("writing {}", tmp.display())))?;
-        fs::rename(&tmp, &dst).map_err(io(format!("installing {}", dst.display())))
+        fs::rename(&tmp, &dst).map_err(io(format!("installing {}", dst.display())))?;
+        conf_dir::sync_dir(&self.bin_dir)
     }
 }

@@ -160,7 +160,7 @@ pub fn sync(
     let want = desired(base.name(), base.parsed()?, current, entry);
     let written = current != Some(&want);
     if written {
-        conf_dir::write_json(&target, &want)?;
+        conf_dir::write_json(&target, &want, &primary.path)?;
     }
     for f in layout.owned.iter().filter(|f| f.path != target) {
         conf_dir::remove(&f.path)?;

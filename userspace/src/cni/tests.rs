@@ -145,7 +145,7 @@ fn reinserts_after_the_primary_cni_rewrites_its_file() {
         .as_array_mut()
         .unwrap()
         .push(json!({"type": "bandwidth"}));
-    write_json(&p, &v).unwrap();
+    write_json(&p, &v, &p).unwrap();
     assert_eq!(i.install().unwrap(), Outcome::Inserted(p.clone()));
     let v = read_json(&p).unwrap();
     assert_eq!(v["plugins"][3]["type"], PLUGIN_TYPE);
@@ -239,7 +239,7 @@ fn the_owned_conflist_follows_the_primary_and_keeps_other_tools_plugins() {
         .as_array_mut()
         .unwrap()
         .push(json!({"type": "linkerd-cni"}));
-    write_json(&owned, &v).unwrap();
+    write_json(&owned, &v, &owned).unwrap();
     // The primary rewrites its file at boot: a changed setting, one
     // plugin dropped.
     let rewritten = r#"{"cniVersion":"1.0.0","name":"kindnet","plugins":[
@@ -452,4 +452,46 @@ fn owned_file_names_are_checked() {
         let e = bad.parse::<FileName>().unwrap_err();
         assert!(e.contains(bad), "{e}");
     }
+}
+
+/// A primary kept private (0600, as CIS 1.1.9 asks) stays so: its owned
+/// copy, its in-place rewrite and its `.conf` turned `.conflist` all get its
+/// permissions, whatever the agent's umask; the plugin binary is 0755.
+#[test]
+fn written_configs_keep_the_primarys_permissions() {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &std::path::Path| fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+    let private = |p: &std::path::Path| {
+        fs::set_permissions(p, fs::Permissions::from_mode(0o600)).unwrap();
+    };
+    let (_d, i) = setup("mode-owned");
+    let p = i.conf_dir.join("10-kindnet.conflist");
+    fs::write(&p, LIST).unwrap();
+    private(&p);
+    let Outcome::Written(owned) = i.install().unwrap() else {
+        panic!("owned mode writes the owned file");
+    };
+    assert_eq!(mode(&owned), 0o600);
+    assert_eq!(mode(&i.bin_dir.join(PLUGIN_TYPE)), 0o755);
+
+    let (_d, i) = setup_in_place("mode-in-place");
+    let p = i.conf_dir.join("10-kindnet.conflist");
+    fs::write(&p, LIST).unwrap();
+    fs::set_permissions(&p, fs::Permissions::from_mode(0o640)).unwrap();
+    assert_eq!(i.install().unwrap(), Outcome::Inserted(p.clone()));
+    assert_eq!(mode(&p), 0o640);
+
+    let (_d, i) = setup_in_place("mode-conf");
+    let conf = i.conf_dir.join("10-bridge.conf");
+    fs::write(
+        &conf,
+        r#"{"cniVersion":"0.4.0","name":"mynet","type":"bridge"}"#,
+    )
+    .unwrap();
+    private(&conf);
+    let list = i.conf_dir.join("10-bridge.conflist");
+    assert_eq!(i.install().unwrap(), Outcome::Inserted(list.clone()));
+    assert_eq!(mode(&list), 0o600);
+    i.uninstall().unwrap();
+    assert_eq!(mode(&conf), 0o600, "the restored .conf");
 }
