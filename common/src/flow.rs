@@ -99,7 +99,7 @@ pub const HINT_LO_TAKEN: u32 = 1 << 4;
 /// How many flow hints one pod may leave unreleased in `flow_hints` per
 /// window ([`BUDGET_WINDOW_NS`]): hints no answer released (a SYN answered
 /// with a SYN cookie, which keeps its hint for the ACK; a SYN nothing
-/// answered). A handshake answered from a request socket gives its hint
+/// answered; a UDP DNS query dropped before sk_lookup took its hint). A handshake answered from a request socket gives its hint
 /// back at once, so a pod's connection rate is not bounded, only what it
 /// leaves behind. Past it, the pod's hints go to `flow_hints_overflow`
 /// (counted `sluice_flow_hints_over_share_total`): they work while that

@@ -30,7 +30,7 @@ use sluice_common::{
 use crate::{
     addr::is_loopback,
     budget,
-    hints::{flow_key, put_hint},
+    hints::{flow_key, put_charged_hint},
     maps::{count_dns, DNS_BUDGET, DNS_FLOWS, POD_STATE},
     origin::{from_its_pod, Sent},
     packet::{Tcp, Udp, IPV4_CHECK, IPV4_SADDR, IPV6_SADDR},
@@ -127,7 +127,11 @@ pub fn egress_udp<const L2: usize>(ctx: &TcContext, u: &Udp) -> i32 {
         w.count_dns(cookie, |c: &mut DnsCounters| &mut c.passthrough);
         return PASS;
     }
-    put_hint(cookie, &hint, HintVerdict::DnsUdp);
+    // Paid from the pod's hint share, and given back when sk_lookup takes it:
+    // a query dropped before its lookup (the pod's own raw-table rule, a
+    // datagram too short for UDP) leaves its hint behind, as a SYN nothing
+    // answers does.
+    put_charged_hint(cookie, &hint, HintVerdict::DnsUdp, 0);
     redirect_to_self::<L2>(ctx)
 }
 

@@ -35,9 +35,8 @@ pub fn flow_key(family: u8, saddr: [u32; 4], daddr: [u32; 4], sport: u16, dport:
     }
 }
 
-/// Writes a verdict no pod's share pays for (the node's `Host` hints, DNS's
-/// one-shot `DnsUdp` ones, which `dns_budget` bounds) over any older hint
-/// of the same tuple in `flow_hints`.
+/// Writes a verdict no pod's share pays for (the node's `Host` hints) over
+/// any older hint of the same tuple in `flow_hints`.
 #[inline(always)]
 pub fn put_hint(cookie: u64, key: &FlowKey, verdict: HintVerdict) {
     let _ = FLOW_HINTS.insert(key, hint(cookie, verdict, 0), 0);
@@ -78,7 +77,7 @@ pub fn hint_ptr(key: &FlowKey) -> Option<*mut FlowHint> {
 }
 
 /// The hint of this tuple in `flow_hints` only: where hints no share pays
-/// for are (`Host`, `DnsUdp`).
+/// for are (`Host`).
 #[inline(always)]
 pub fn unshared_hint_ptr(key: &FlowKey) -> Option<*mut FlowHint> {
     FLOW_HINTS.get_ptr_mut(key)

@@ -26,9 +26,9 @@ use sluice_common::{
 
 use crate::{
     addr::{is_loopback, is_probe},
-    hints::hint_ptr,
+    hints::{hint_ptr, release_hint},
     maps::{
-        count, count_dns, count_drop, DNS_LISTENERS, FLOW_HINTS, LISTENERS, POD_STATE, TC_LOOKUP,
+        count, count_dns, count_drop, DNS_LISTENERS, LISTENERS, POD_STATE, TC_LOOKUP,
         TC_LOOKUP_ASKING_REROUTED, TC_LOOKUP_REFUSED_STEERED, VERIFY_HINTS,
     },
     tc::pod_of,
@@ -308,11 +308,12 @@ fn lookup_key(ctx: &SkLookupContext) -> FlowKey {
 /// ports (the key has no protocol) is left for its connection.
 #[inline(always)]
 fn take_udp_hint(key: &FlowKey) -> Option<FlowHint> {
-    let h = *unsafe { FLOW_HINTS.get(key) }?;
+    let h = unsafe { *hint_ptr(key)? };
     if h.verdict != HintVerdict::DnsUdp as u32 {
         return None;
     }
-    let _ = FLOW_HINTS.remove(key);
+    // Its pod's share back, stale or not: the hint is gone.
+    release_hint(key);
     if unsafe { bpf_ktime_get_ns() }.wrapping_sub(h.at_ns) > FLOW_HINT_TTL_NS {
         return None;
     }

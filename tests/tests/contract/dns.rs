@@ -92,6 +92,10 @@ pub fn trials() -> Vec<Trial> {
         answered_queries_are_not_held_to_the_budget,
     ));
     v.push(trial(
+        "dns::d7_queries_dropped_before_their_lookup_leave_no_more_than_the_pods_hint_share",
+        dropped_before_lookup,
+    ));
+    v.push(trial(
         "dns::d5_annotations_and_the_node_default_choose",
         switches,
     ));
@@ -458,6 +462,77 @@ fn answered_queries_are_not_held_to_the_budget() -> TestResult {
     ensure!(
         used.iter().all(|u| *u == 0),
         "budget uses left after {queries} answered queries: {used:?}"
+    );
+    Ok(())
+}
+
+/// Pod A (NET_ADMIN in its netns) drops its own captured queries before
+/// sk_lookup takes their hints: a raw-table rule on the redirected
+/// datagram. Those hints stay behind, as a SYN nothing answers does, so
+/// they are paid from A's hint share (`HINTS_PER_POD_PER_S` a window) and
+/// past it go to the overflow map: A cannot turn `flow_hints` over under
+/// its neighbours' kept SYN-cookie hints. Before, a DNS hint was paid from
+/// no share: A left up to its DNS budget (2,048) there every second.
+fn dropped_before_lookup() -> TestResult {
+    let a = DnsPod::new("dnsdrop", true)?;
+    a.enroll(PodOptions::default(), true)?;
+    let dp = a.f.dataplane()?;
+    sluice_tests::ns::exec(
+        &a.f.topo.pod,
+        &[
+            "iptables",
+            "-t",
+            "raw",
+            "-A",
+            "PREROUTING",
+            "-p",
+            "udp",
+            "--dport",
+            "53",
+            "-j",
+            "DROP",
+        ],
+    )?;
+    let over_before = dp.maps().hints_over_share();
+    let resolver = SocketAddr::new(Family::V4.client(), 53);
+    // One socket a query: each leaves a hint of its own tuple.
+    let queries = sluice_common::DNS_QUERIES_PER_POD_PER_S as usize;
+    sluice_tests::ns::run_in(&a.f.topo.pod, move || -> std::io::Result<()> {
+        for i in 0..queries {
+            let s = std::net::UdpSocket::bind("0.0.0.0:0")?;
+            s.send_to(
+                &dns::query(i as u16, "dropped.proxy.test", TYPE_A),
+                resolver,
+            )?;
+        }
+        Ok(())
+    })?;
+    let pod = sluice::dataplane::state::addr_key(&a.f.topo.pod_ip(Family::V4));
+    let hints = aya::maps::HashMap::<_, sluice_common::FlowKey, sluice_common::FlowHint>::try_from(
+        aya::maps::Map::LruHashMap(aya::maps::MapData::from_pin(
+            a.f.topo.pins.maps().join("flow_hints"),
+        )?),
+    )?;
+    let mut left = 0;
+    for e in hints.iter() {
+        let (k, h) = e?;
+        if k.remote_addr == pod.addr
+            && k.local_port == 53
+            && h.verdict == sluice_common::HintVerdict::DnsUdp as u32
+        {
+            left += 1;
+        }
+    }
+    let over = dp.maps().hints_over_share() - over_before;
+    // The queries may span the end of a window: two shares at most.
+    let share = 2 * sluice_common::HINTS_PER_POD_PER_S as usize;
+    ensure!(
+        left <= share,
+        "{left} of {queries} dropped queries' hints left in flow_hints (share {share})"
+    );
+    ensure!(
+        over > 0 && left + over as usize >= queries / 2,
+        "{over} hints past the share, {left} within it, for {queries} queries"
     );
     Ok(())
 }
