@@ -348,6 +348,53 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+    use crate::kube::mock::{self, reply};
+
+    /// A static pod's sandbox comes with the kubelet's uid for it (a hash of
+    /// its manifest) as `K8S_POD_UID`; the API holds its mirror, of another
+    /// uid, which records the kubelet's. Such a pod in an ambient namespace
+    /// is captured, under the mirror's uid (the one ztunnel knows it by).
+    /// Before, the two uids differing read as "another incarnation" and the
+    /// pod started uncaptured. Another uid is still another incarnation.
+    #[tokio::test]
+    async fn a_static_pod_in_an_ambient_namespace_is_captured_under_its_mirrors_uid() {
+        let mirror = json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "etcd-node-a", "namespace": "shop", "uid": "api-uid",
+                "annotations": {"kubernetes.io/config.mirror": "kubelet-hash"}},
+            "spec": {"nodeName": "node-a", "containers": [{"name": "etcd"}]},
+            "status": {"phase": "Running"}});
+        let ambient = json!({"apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": "shop", "labels": {"istio.io/dataplane-mode": "ambient"}}});
+        let (client, mut handle) = mock::client();
+        let answers = [mirror.clone(), ambient, mirror];
+        let server = tokio::spawn(async move {
+            for body in answers {
+                let (_, send) = handle.next_request().await.unwrap();
+                reply(send, 200, &body);
+            }
+        });
+        let k = KubeCtx {
+            client,
+            node: "node-a".into(),
+            cni_records: None,
+            selection: Default::default(),
+            selection_file: None,
+        };
+        let named = |uid: &str| PodRef {
+            name: "etcd-node-a".into(),
+            namespace: "shop".into(),
+            uid: Some(uid.into()),
+        };
+        match k.admit_add(&named("kubelet-hash")).await.unwrap() {
+            Admission::Enroll { uid, .. } => assert_eq!(uid.as_str(), "api-uid"),
+            Admission::Skip(why) => panic!("the static pod was skipped: {why}"),
+        }
+        match k.admit_add(&named("another-hash")).await.unwrap() {
+            Admission::Skip(why) => assert!(why.contains("Gone"), "{why}"),
+            Admission::Enroll { .. } => panic!("another incarnation was captured"),
+        }
+        server.await.unwrap();
+    }
 
     fn pod(annotation: Option<&str>, gate: Option<Option<&str>>) -> Pod {
         let mut p = json!({"metadata": {"name": "cart", "namespace": "shop"},

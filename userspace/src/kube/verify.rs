@@ -18,9 +18,26 @@ pub enum Found {
     OtherNode(String),
 }
 
+/// The annotation the kubelet gives a static pod's mirror in the API: the
+/// static pod's own uid (its config hash), which is what the runtime's
+/// `K8S_POD_UID` carries for it.
+const MIRROR_OF: &str = "kubernetes.io/config.mirror";
+
+/// Whether `pod` is the incarnation a CNI request's `K8S_POD_UID` names:
+/// its API uid, or for a static pod the kubelet's uid its mirror records.
+fn is_incarnation(pod: &Pod, uid: &str) -> bool {
+    pod.metadata.uid.as_deref() == Some(uid)
+        || pod
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(MIRROR_OF))
+            .is_some_and(|m| m == uid)
+}
+
 pub fn classify(pod: Option<&Pod>, uid: Option<&str>, node: &str) -> Found {
     let Some(pod) = pod else { return Found::Gone };
-    if uid.is_some_and(|u| pod.metadata.uid.as_deref() != Some(u)) {
+    if uid.is_some_and(|u| !is_incarnation(pod, u)) {
         return Found::Gone;
     }
     if let Some(n) = pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) {
