@@ -241,17 +241,37 @@ impl CniInstall {
     }
 
     /// Removes exactly what `install` added: owned conflists (whatever their
-    /// name), an in-place entry (restoring a converted `.conf`), the binary.
+    /// name), in-place entries (restoring a converted `.conf`), the binary.
     /// istio-cni's files are not sluice's to restore.
+    ///
+    /// An entry is looked for in every other file, not only the primary's:
+    /// a `.conf` that sluice turned into a `.conflist`, then written anew by
+    /// the primary CNI (sorting first), leaves the `.conflist` second, in
+    /// force as soon as the `.conf` goes. That stale `.conflist` is removed,
+    /// the newer `.conf` kept.
     pub fn uninstall(&self) -> Result<(), InstallError> {
         if let Ok(files) = conf_dir::list(&self.conf_dir) {
             let layout = Layout::of(&files, self.owned.as_ref().map(FileName::as_str));
             for f in &layout.owned {
                 conf_dir::remove(&f.path)?;
             }
-            if let Some(p) = layout.primary.filter(|p| p.json.is_ok()) {
-                if let Some(r) = inplace::without_ours(p)? {
-                    r.apply()?;
+            let sluices_or_istios = |f: &conf_dir::ConfFile| {
+                layout
+                    .owned
+                    .iter()
+                    .chain(&layout.istio_owned)
+                    .any(|o| o.path == f.path)
+            };
+            for f in files
+                .iter()
+                .filter(|f| f.json.is_ok() && !sluices_or_istios(f))
+            {
+                let Some(r) = inplace::without_ours(f)? else {
+                    continue;
+                };
+                match &r.remove {
+                    Some(list) if r.path.exists() => conf_dir::remove(list)?,
+                    _ => r.apply()?,
                 }
             }
         }

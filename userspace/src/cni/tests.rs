@@ -495,3 +495,46 @@ fn written_configs_keep_the_primarys_permissions() {
     i.uninstall().unwrap();
     assert_eq!(mode(&conf), 0o600, "the restored .conf");
 }
+
+/// A `.conf` sluice turned into a `.conflist` (in-place mode), then written
+/// anew by its CNI while the agent was away: the new `.conf` sorts first
+/// and is the primary, the `.conflist` second still holds sluice's entry.
+/// Uninstall leaves no file naming sluice-cni (the runtime would fail every
+/// pod once the `.conf` went) and keeps the newer `.conf`. An entry left in
+/// a second conflist of the dir is taken out too.
+#[test]
+fn uninstall_leaves_no_entry_behind_the_primary() {
+    let (_d, i) = setup_in_place("stale-list");
+    let conf = i.conf_dir.join("10-bridge.conf");
+    fs::write(
+        &conf,
+        r#"{"cniVersion":"0.4.0","name":"mynet","type":"bridge"}"#,
+    )
+    .unwrap();
+    let list = i.conf_dir.join("10-bridge.conflist");
+    assert_eq!(i.install().unwrap(), Outcome::Inserted(list.clone()));
+    let newer = r#"{"cniVersion":"0.4.0","name":"mynet","type":"bridge","mtu":1400}"#;
+    fs::write(&conf, newer).unwrap();
+    let second = i.conf_dir.join("20-kindnet.conflist");
+    fs::write(&second, LIST).unwrap();
+    let mut v = read_json(&second).unwrap();
+    v["plugins"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"type": PLUGIN_TYPE}));
+    write_json(&second, &v, &second).unwrap();
+    i.uninstall().unwrap();
+    assert!(!list.exists(), "the stale conflist");
+    assert_eq!(
+        read_json(&conf).unwrap(),
+        serde_json::from_str::<Value>(newer).unwrap()
+    );
+    assert_eq!(
+        read_json(&second).unwrap(),
+        serde_json::from_str::<Value>(LIST).unwrap()
+    );
+    for f in fs::read_dir(&i.conf_dir).unwrap() {
+        let text = fs::read_to_string(f.unwrap().path()).unwrap();
+        assert!(!text.contains(PLUGIN_TYPE), "{text}");
+    }
+}
