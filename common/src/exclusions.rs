@@ -8,7 +8,7 @@
 pub const EXCLUSIONS_MAX: usize = 64;
 
 /// `includeOutboundIPRanges` is set (and not `*`): only connections to one
-/// of its ranges are captured.
+/// of its ranges, or to a port of `includeOutboundPorts`, are captured.
 pub const EXCL_OUT_INCLUDE: u32 = 1 << 0;
 /// `includeInboundPorts` is set (and not `*`): only connections to one of
 /// its ports are captured.
@@ -48,6 +48,12 @@ impl IpRange {
 /// counter alone (a constant for the verifier at every step; an index
 /// offset by a length read from the map loses its bound on 6.1's
 /// verifier). The per-pod limit counts over all lists; each array holds it.
+///
+/// `includeOutboundPorts` shares `out_ports` with `excludeOutboundPorts`,
+/// from its far end (`out_ports[63]` down): the two cannot meet, since all
+/// ports together are at most [`EXCLUSIONS_MAX`], and the value keeps the
+/// size of the builds before it, whose pinned map it must be able to
+/// take over (its length is their padding, 0 in their entries).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Exclusions {
@@ -59,8 +65,11 @@ pub struct Exclusions {
     pub n_in_included: u8,
     pub n_out_ranges: u8,
     pub n_out_included: u8,
-    pub _pad: [u8; 3],
-    /// `excludeOutboundPorts`.
+    /// Length of `includeOutboundPorts`, at the far end of `out_ports`.
+    pub n_out_included_ports: u8,
+    pub _pad: [u8; 2],
+    /// `excludeOutboundPorts` from the start; `includeOutboundPorts` from
+    /// the end.
     pub out_ports: [u16; EXCLUSIONS_MAX],
     /// `excludeInboundPorts`.
     pub in_ports: [u16; EXCLUSIONS_MAX],
@@ -95,6 +104,23 @@ fn has_port(ports: &[u16; EXCLUSIONS_MAX], n: u8, port: u16) -> bool {
     false
 }
 
+/// Whether `port` is among the last `n` of `ports` (the list kept at the
+/// array's far end).
+#[inline(always)]
+fn has_port_from_end(ports: &[u16; EXCLUSIONS_MAX], n: u8, port: u16) -> bool {
+    let mut i = 0;
+    while i < EXCLUSIONS_MAX {
+        if i >= n as usize {
+            return false;
+        }
+        if ports[EXCLUSIONS_MAX - 1 - i] == port {
+            return true;
+        }
+        i += 1;
+    }
+    false
+}
+
 /// Whether `addr` lies in one of the first `n` of `ranges`.
 #[inline(always)]
 fn in_ranges(ranges: &[IpRange; EXCLUSIONS_MAX], n: u8, family: u8, addr: &[u32; 4]) -> bool {
@@ -119,7 +145,8 @@ impl Exclusions {
         n_in_included: 0,
         n_out_ranges: 0,
         n_out_included: 0,
-        _pad: [0; 3],
+        n_out_included_ports: 0,
+        _pad: [0; 2],
         out_ports: [0; EXCLUSIONS_MAX],
         in_ports: [0; EXCLUSIONS_MAX],
         in_included: [0; EXCLUSIONS_MAX],
@@ -128,8 +155,9 @@ impl Exclusions {
     };
 
     /// Whether a new outbound connection to `addr`:`port` stays out of
-    /// capture: its port or address is excluded, or an include list leaves
-    /// its address out (exclusions win over inclusions).
+    /// capture, in the order of sidecar mode's rules: an excluded port or
+    /// address range keeps it out; else an included port captures it; else
+    /// an include list of ranges that leaves its address out keeps it out.
     #[inline(always)]
     pub fn excludes_outbound(&self, family: u8, addr: &[u32; 4], port: u16) -> bool {
         if has_port(&self.out_ports, self.n_out_ports, port)
@@ -137,14 +165,20 @@ impl Exclusions {
         {
             return true;
         }
-        self.flags & EXCL_OUT_INCLUDE != 0
+        if self.flags & EXCL_OUT_INCLUDE == 0 {
+            return false;
+        }
+        !has_port_from_end(&self.out_ports, self.n_out_included_ports, port)
             && !in_ranges(&self.out_included, self.n_out_included, family, addr)
     }
 
-    /// Whether a new inbound connection to `port` stays out of capture.
-    /// ztunnel's own ports never do: an include list that leaves them out
-    /// would otherwise let a client reach ztunnel's in-pod listeners as if
-    /// they were the app's (15001 would proxy for it as the pod).
+    /// Whether a new inbound connection to `port` stays out of capture:
+    /// with an include list, whether it leaves the port out (the exclusions
+    /// then count for nothing, as in sidecar mode, where they apply only
+    /// under `*`); else whether the port is excluded. ztunnel's own ports
+    /// never do: an include list that leaves them out would otherwise let
+    /// a client reach ztunnel's in-pod listeners as if they were the app's
+    /// (15001 would proxy for it as the pod).
     #[inline(always)]
     pub fn excludes_inbound(&self, port: u16) -> bool {
         if matches!(
@@ -153,10 +187,10 @@ impl Exclusions {
         ) {
             return false;
         }
-        if has_port(&self.in_ports, self.n_in_ports, port) {
-            return true;
+        if self.flags & EXCL_IN_INCLUDE != 0 {
+            return !has_port(&self.in_included, self.n_in_included, port);
         }
-        self.flags & EXCL_IN_INCLUDE != 0 && !has_port(&self.in_included, self.n_in_included, port)
+        has_port(&self.in_ports, self.n_in_ports, port)
     }
 }
 

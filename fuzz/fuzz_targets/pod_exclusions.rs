@@ -1,4 +1,4 @@
-//! The five exclusion annotations (`traffic.sidecar.istio.io/*`), as a pod
+//! The six exclusion annotations (`traffic.sidecar.istio.io/*`), as a pod
 //! could carry them: parsing never panics; what parses stays within the
 //! per-pod limit, survives the trip through its pinned-map form, decides
 //! as the annotations say at every edge of each range (the kernel's words,
@@ -25,12 +25,26 @@ fn words(a: IpAddr) -> (u8, [u32; 4]) {
     }
 }
 
-/// What the annotations say of an outbound connection to `a`:`port`.
+/// What the annotations say of an outbound connection to `a`:`port`, in
+/// sidecar mode's order: exclusions, then included ports, then ranges.
 fn excluded(x: &PodExclusions, a: IpAddr, port: u16) -> bool {
     let within = |nets: &[IpNet]| nets.iter().any(|n| n.contains(&a));
     x.exclude_outbound_ports.contains(&port)
         || within(&x.exclude_outbound_ip_ranges)
-        || matches!(&x.include_outbound_ip_ranges, Include::Only(v) if !within(v))
+        || matches!(&x.include_outbound_ip_ranges, Include::Only(v)
+            if !x.include_outbound_ports.contains(&port) && !within(v))
+}
+
+/// What the annotations say of an inbound connection to `port`: an include
+/// list other than `*` decides alone; ztunnel's ports are always captured.
+fn excluded_inbound(x: &PodExclusions, port: u16) -> bool {
+    if [15001, 15006, 15008, 15053].contains(&port) {
+        return false;
+    }
+    match &x.include_inbound_ports {
+        Include::Only(v) => !v.contains(&port),
+        Include::All => x.exclude_inbound_ports.contains(&port),
+    }
 }
 
 /// Each range's first and last address and the ones just outside it.
@@ -83,8 +97,12 @@ fuzz_target!(|data: &[u8]| {
     assert!(x.ports() <= EXCLUSIONS_MAX && x.ranges() <= EXCLUSIONS_MAX);
     let value = x.to_value();
     assert_eq!(PodExclusions::from_value(&value), x);
+    let listed = |v: &[u16]| v.iter().take(2).copied().collect::<Vec<_>>();
+    let mut ports = vec![80, 5432];
+    ports.extend(listed(&x.include_outbound_ports));
+    ports.extend(listed(&x.exclude_outbound_ports));
     for a in edges(&x) {
-        for port in [80, 5432] {
+        for &port in &ports {
             let (family, w) = words(a);
             assert_eq!(
                 value.excludes_outbound(family, &w, port),
@@ -101,5 +119,13 @@ fuzz_target!(|data: &[u8]| {
     }
     if let Some(p) = x.captured_inbound_port(80) {
         assert!(!value.excludes_inbound(p));
+    }
+    let mut inbound = vec![80, 15006];
+    inbound.extend(listed(&x.exclude_inbound_ports));
+    if let Include::Only(v) = &x.include_inbound_ports {
+        inbound.extend(listed(v));
+    }
+    for p in inbound {
+        assert_eq!(value.excludes_inbound(p), excluded_inbound(&x, p), "inbound {p}");
     }
 });

@@ -33,7 +33,7 @@ pub fn trials() -> Vec<Trial> {
     for fam in [Family::V4, Family::V6] {
         v.push(trial(
             format!(
-                "exclusions::{}::e1_outbound_ports_and_ranges_exclude_include_restricts_exclude_wins",
+                "exclusions::{}::e1_outbound_ports_and_ranges_exclude_included_ports_and_ranges_capture_exclude_wins",
                 fam.name()
             ),
             move || outbound(fam),
@@ -42,14 +42,14 @@ pub fn trials() -> Vec<Trial> {
         // interface (`lo`'s egress program sends them out).
         v.push(local_route_trial(
             format!(
-                "exclusions::local_route::{}::e1_outbound_ports_and_ranges_exclude_include_restricts_exclude_wins",
+                "exclusions::local_route::{}::e1_outbound_ports_and_ranges_exclude_included_ports_and_ranges_capture_exclude_wins",
                 fam.name()
             ),
             move || outbound(fam),
         ));
         v.push(trial(
             format!(
-                "exclusions::{}::e2_inbound_ports_exclude_include_restricts_hbone_stays_captured",
+                "exclusions::{}::e2_inbound_ports_exclude_include_decides_alone_hbone_stays_captured",
                 fam.name()
             ),
             move || inbound(fam),
@@ -217,6 +217,22 @@ fn outbound(fam: Family) -> TestResult {
             ],
             excluded: (0, 1),
         },
+        // An included port is captured wherever it goes, with no range
+        // included (`includeOutboundIPRanges: ""`); an excluded range wins.
+        Case {
+            x: PodExclusions {
+                include_outbound_ip_ranges: Include::Only(vec![]),
+                include_outbound_ports: vec![REMOTE_PORT],
+                exclude_outbound_ip_ranges: vec![host(second.ip())],
+                ..Default::default()
+            },
+            want: vec![
+                (remote, CAPTURED, "included port"),
+                (other_port, None, "no range included"),
+                (second, None, "excluded range wins over included port"),
+            ],
+            excluded: (0, 2),
+        },
     ];
     run(&f, &f.topo.pod, cases)
 }
@@ -240,17 +256,17 @@ fn inbound(fam: Family) -> TestResult {
             ],
             excluded: (1, 0),
         },
-        // Only the included ports are captured; an excluded one among them
-        // is not.
+        // Only the included ports are captured, an excluded one among them
+        // too: sidecar mode applies the exclusions only under `*`.
         Case {
             x: PodExclusions {
-                include_inbound_ports: Include::Only(vec![APP_PORT, OTHER_PORT]),
-                exclude_inbound_ports: vec![OTHER_PORT],
+                include_inbound_ports: Include::Only(vec![APP_PORT]),
+                exclude_inbound_ports: vec![APP_PORT],
                 ..Default::default()
             },
             want: vec![
-                (app, Some(Role::Inbound), "included"),
-                (other_port, None, "excluded wins"),
+                (app, Some(Role::Inbound), "included, also excluded"),
+                (other_port, None, "not included"),
             ],
             excluded: (1, 0),
         },

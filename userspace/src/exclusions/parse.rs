@@ -10,6 +10,7 @@ use sluice_common::{EXCLUSIONS_MAX, PORT_DNS_PROXY, PORT_HBONE, PORT_INBOUND, PO
 use super::set::{
     Include, PodExclusions, ANNOTATIONS, EXCLUDE_INBOUND_PORTS, EXCLUDE_OUTBOUND_IP_RANGES,
     EXCLUDE_OUTBOUND_PORTS, INCLUDE_INBOUND_PORTS, INCLUDE_OUTBOUND_IP_RANGES,
+    INCLUDE_OUTBOUND_PORTS,
 };
 
 /// What is wrong with a pod's exclusion annotations. Any of these leaves
@@ -39,7 +40,7 @@ pub fn parse<'a>(
     if values.iter().all(Option::is_none) {
         return Ok(None);
     }
-    let [out_ports, out_ranges, out_include, in_ports, in_include] = values;
+    let [out_ports, out_ranges, out_include, in_ports, in_include, out_include_ports] = values;
     let x = PodExclusions {
         exclude_outbound_ports: excluded_ports(EXCLUDE_OUTBOUND_PORTS, out_ports)?,
         exclude_outbound_ip_ranges: ranges(EXCLUDE_OUTBOUND_IP_RANGES, out_ranges.unwrap_or(""))?,
@@ -47,6 +48,7 @@ pub fn parse<'a>(
             None | Some("*") => Include::All,
             Some(v) => Include::Only(ranges(INCLUDE_OUTBOUND_IP_RANGES, v)?),
         },
+        include_outbound_ports: ports(INCLUDE_OUTBOUND_PORTS, out_include_ports.unwrap_or(""))?,
         exclude_inbound_ports: excluded_ports(EXCLUDE_INBOUND_PORTS, in_ports)?,
         include_inbound_ports: match in_include.map(str::trim) {
             None | Some("*") => Include::All,

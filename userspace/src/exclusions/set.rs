@@ -12,15 +12,18 @@ use sluice_common::{
 pub const EXCLUDE_OUTBOUND_PORTS: &str = "traffic.sidecar.istio.io/excludeOutboundPorts";
 pub const EXCLUDE_OUTBOUND_IP_RANGES: &str = "traffic.sidecar.istio.io/excludeOutboundIPRanges";
 pub const INCLUDE_OUTBOUND_IP_RANGES: &str = "traffic.sidecar.istio.io/includeOutboundIPRanges";
+pub const INCLUDE_OUTBOUND_PORTS: &str = "traffic.sidecar.istio.io/includeOutboundPorts";
 pub const EXCLUDE_INBOUND_PORTS: &str = "traffic.sidecar.istio.io/excludeInboundPorts";
 pub const INCLUDE_INBOUND_PORTS: &str = "traffic.sidecar.istio.io/includeInboundPorts";
-/// The five, in the order `status` lists them.
-pub const ANNOTATIONS: [&str; 5] = [
+/// The six, in the order `status` lists them (the one read last came
+/// last: the fuzz corpus names them by position).
+pub const ANNOTATIONS: [&str; 6] = [
     EXCLUDE_OUTBOUND_PORTS,
     EXCLUDE_OUTBOUND_IP_RANGES,
     INCLUDE_OUTBOUND_IP_RANGES,
     EXCLUDE_INBOUND_PORTS,
     INCLUDE_INBOUND_PORTS,
+    INCLUDE_OUTBOUND_PORTS,
 ];
 
 /// An include list: `*` (everything, as without the annotation) or only
@@ -48,6 +51,9 @@ pub struct PodExclusions {
     pub exclude_outbound_ports: Vec<u16>,
     pub exclude_outbound_ip_ranges: Vec<IpNet>,
     pub include_outbound_ip_ranges: Include<IpNet>,
+    /// Captured whatever `include_outbound_ip_ranges` says (an excluded
+    /// port or range still wins); with `*` ranges, everything already is.
+    pub include_outbound_ports: Vec<u16>,
     pub exclude_inbound_ports: Vec<u16>,
     pub include_inbound_ports: Include<u16>,
 }
@@ -67,6 +73,7 @@ impl PodExclusions {
     /// Ports over all lists.
     pub fn ports(&self) -> usize {
         self.exclude_outbound_ports.len()
+            + self.include_outbound_ports.len()
             + self.exclude_inbound_ports.len()
             + self.include_inbound_ports.listed().len()
     }
@@ -86,6 +93,19 @@ impl PodExclusions {
         }
         let mut x = Exclusions::EMPTY;
         x.n_out_ports = fill(&mut x.out_ports, &self.exclude_outbound_ports);
+        // From the far end of the same array (see `Exclusions`): the
+        // counts bound both lists together by EXCLUSIONS_MAX.
+        let room = EXCLUSIONS_MAX - x.n_out_ports as usize;
+        let included: Vec<u16> = self
+            .include_outbound_ports
+            .iter()
+            .take(room)
+            .copied()
+            .collect();
+        for (i, p) in included.iter().enumerate() {
+            x.out_ports[EXCLUSIONS_MAX - 1 - i] = *p;
+        }
+        x.n_out_included_ports = included.len() as u8;
         x.n_in_ports = fill(&mut x.in_ports, &self.exclude_inbound_ports);
         x.n_in_included = fill(&mut x.in_included, self.include_inbound_ports.listed());
         let ranges = |v: &[IpNet]| v.iter().map(range_of).collect::<Vec<_>>();
@@ -122,6 +142,14 @@ impl PodExclusions {
             } else {
                 Include::All
             },
+            include_outbound_ports: {
+                let n = (x.n_out_included_ports as usize).min(EXCLUSIONS_MAX);
+                let mut v: Vec<u16> = (0..n)
+                    .map(|i| x.out_ports[EXCLUSIONS_MAX - 1 - i])
+                    .collect();
+                v.sort_unstable();
+                v
+            },
             exclude_inbound_ports: ports(&x.in_ports, x.n_in_ports),
             include_inbound_ports: if x.flags & EXCL_IN_INCLUDE != 0 {
                 Include::Only(ports(&x.in_included, x.n_in_included))
@@ -146,24 +174,29 @@ impl PodExclusions {
 
     /// A destination of the same family as `preferred` whose outbound
     /// connections are captured: `preferred` when they are, else one in an
-    /// included range on a port not excluded; `None` when there is none.
+    /// included range or on an included port, not excluded; `None` when
+    /// there is none.
     pub fn captured_outbound(&self, preferred: SocketAddr) -> Option<SocketAddr> {
         let x = self.to_value();
         let v6 = preferred.is_ipv6();
         let included = self.include_outbound_ip_ranges.listed().iter();
-        let addrs = std::iter::once(preferred.ip()).chain(
-            included
-                .filter(|n| n.addr().is_ipv6() == v6)
-                .flat_map(|n| [n.network(), n.broadcast()]),
-        );
-        let ports: Vec<u16> = std::iter::once(preferred.port())
-            .chain(1..=u16::MAX)
-            .filter(|p| !self.exclude_outbound_ports.contains(p))
-            .take(1)
+        let addrs: Vec<IpAddr> = std::iter::once(preferred.ip())
+            .chain(
+                included
+                    .filter(|n| n.addr().is_ipv6() == v6)
+                    .flat_map(|n| [n.network(), n.broadcast()]),
+            )
             .collect();
-        let port = *ports.first()?;
+        let unexcluded = std::iter::once(preferred.port())
+            .chain(1..=u16::MAX)
+            .find(|p| !self.exclude_outbound_ports.contains(p));
+        let ports: Vec<u16> = std::iter::once(preferred.port())
+            .chain(self.include_outbound_ports.iter().copied())
+            .chain(unexcluded)
+            .collect();
         addrs
-            .map(|a| SocketAddr::new(a, port))
+            .iter()
+            .flat_map(|a| ports.iter().map(|p| SocketAddr::new(*a, *p)))
             .find(|d| !x.excludes_outbound(family(d.ip()), &words(d.ip()), d.port()))
     }
 
@@ -190,6 +223,9 @@ impl PodExclusions {
         }
         if let Include::Only(v) = &self.include_inbound_ports {
             out.push((INCLUDE_INBOUND_PORTS, ports(v)));
+        }
+        if !self.include_outbound_ports.is_empty() {
+            out.push((INCLUDE_OUTBOUND_PORTS, ports(&self.include_outbound_ports)));
         }
         out
     }

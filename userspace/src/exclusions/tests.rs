@@ -142,10 +142,17 @@ fn the_map_value_decides_as_sidecar_mode_and_round_trips() {
     // Families never match each other's ranges.
     let (_, w4) = words_of("10.2.3.4");
     assert!(v.excludes_outbound(FAMILY_V6, &w4, 80));
-    // Inbound: only included ports, excluded ones never.
+    // Inbound: an include list decides alone (sidecar mode applies the
+    // exclusions only under `*`): 9090, also excluded, is captured.
     assert!(!v.excludes_inbound(8080));
-    assert!(v.excludes_inbound(9090));
+    assert!(!v.excludes_inbound(9090));
     assert!(v.excludes_inbound(22));
+    // Under `*`, the exclusions apply.
+    let all = parsed(&[(EXCLUDE_INBOUND_PORTS, "9090")])
+        .unwrap()
+        .unwrap()
+        .to_value();
+    assert!(all.excludes_inbound(9090) && !all.excludes_inbound(8080));
     assert_eq!(PodExclusions::from_value(&v), x);
     assert_eq!(
         PodExclusions::from_value(&PodExclusions::default().to_value()),
@@ -232,4 +239,82 @@ fn a_verification_finds_captured_destinations_or_none() {
     .unwrap();
     assert_eq!(nothing.captured_outbound(doc4), None);
     assert_eq!(nothing.captured_inbound_port(80), None);
+}
+
+/// `includeOutboundPorts` (sidecar mode's `ISTIO_OUTPUT -p tcp --dport P
+/// -j ISTIO_REDIRECT`, after the exclusions, before the included ranges):
+/// with an include list of ranges, a connection to an included port is
+/// captured wherever it goes, unless its port or address is excluded.
+/// Before, the annotation was not read: `includeOutboundIPRanges: ""`
+/// with `includeOutboundPorts: "4317"` captured nothing.
+#[test]
+fn included_outbound_ports_are_captured_whatever_the_ranges_say() {
+    let x = parsed(&[
+        (INCLUDE_OUTBOUND_IP_RANGES, ""),
+        (INCLUDE_OUTBOUND_PORTS, "4317, 9411"),
+        (EXCLUDE_OUTBOUND_PORTS, "9411"),
+        (EXCLUDE_OUTBOUND_IP_RANGES, "10.9.0.0/16"),
+    ])
+    .unwrap()
+    .unwrap();
+    assert_eq!(x.include_outbound_ports, [4317, 9411]);
+    let v = x.to_value();
+    let out = |ip: &str, port: u16| {
+        let (f, w) = words_of(ip);
+        v.excludes_outbound(f, &w, port)
+    };
+    assert!(!out("192.0.2.1", 4317) && !out("2001:db8::1", 4317));
+    assert!(out("192.0.2.1", 80), "no range is included");
+    assert!(out("192.0.2.1", 9411), "an excluded port wins");
+    assert!(out("10.9.1.1", 4317), "an excluded range wins");
+    assert_eq!(PodExclusions::from_value(&v), x);
+    assert_eq!(
+        x.lines(),
+        [
+            (EXCLUDE_OUTBOUND_PORTS, "9411".to_owned()),
+            (EXCLUDE_OUTBOUND_IP_RANGES, "10.9.0.0/16".to_owned()),
+            (INCLUDE_OUTBOUND_IP_RANGES, String::new()),
+            (INCLUDE_OUTBOUND_PORTS, "4317,9411".to_owned()),
+        ]
+    );
+    let doc4: SocketAddr = "192.0.2.1:80".parse().unwrap();
+    assert_eq!(
+        x.captured_outbound(doc4),
+        Some("192.0.2.1:4317".parse().unwrap())
+    );
+    // Under `*` ranges, everything not excluded is captured anyway.
+    let all = parsed(&[(INCLUDE_OUTBOUND_PORTS, "4317")])
+        .unwrap()
+        .unwrap();
+    let (f, w) = words_of("192.0.2.1");
+    assert!(!all.to_value().excludes_outbound(f, &w, 80));
+    // Both port lists share one array of the value, from either end: at
+    // the limit together, each still decides only its own ports.
+    let ports = |r: std::ops::Range<u16>| r.map(|p| p.to_string()).collect::<Vec<_>>().join(",");
+    let full = parsed(&[
+        (EXCLUDE_OUTBOUND_PORTS, &ports(1000..1040)),
+        (INCLUDE_OUTBOUND_PORTS, &ports(2000..2024)),
+        (INCLUDE_OUTBOUND_IP_RANGES, ""),
+    ])
+    .unwrap()
+    .unwrap();
+    let v = full.to_value();
+    for p in 1000..1040 {
+        assert!(v.excludes_outbound(f, &w, p), "{p}");
+    }
+    for p in 2000..2024 {
+        assert!(!v.excludes_outbound(f, &w, p), "{p}");
+    }
+    assert!(v.excludes_outbound(f, &w, 3000));
+    assert_eq!(PodExclusions::from_value(&v), full);
+    assert_eq!(
+        parsed(&[
+            (EXCLUDE_OUTBOUND_PORTS, &ports(1000..1040)),
+            (INCLUDE_OUTBOUND_PORTS, &ports(2000..2025)),
+        ]),
+        Err(ExclusionError::TooMany {
+            what: "ports",
+            count: 65
+        })
+    );
 }
