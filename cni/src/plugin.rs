@@ -132,15 +132,11 @@ pub fn run(env: &Env, stdin: &[u8], call: &Call<'_>) -> Result<Option<String>, C
                 Some(other) => Err(refused(&pod.namespace, &pod.name, other)),
             }
         }
-        // Nothing to release: sluice holds nothing per attachment that only
-        // the runtime knows of. The agent unenrolls a pod whose sandbox is
-        // gone when its pod watch or relist says so.
-        Command::Gc => Ok(None),
-        // Ready: a chained plugin that fails STATUS makes the runtime report
-        // the node's whole network not ready, which would stop every pod,
-        // ambient or not. ADD answers for each pod instead (an ambient pod
-        // waits while the agent is away).
-        Command::Status => Ok(None),
+        // GC: nothing per attachment that only the runtime knows of (the
+        // agent's pod watch and relist release gone sandboxes). STATUS:
+        // ready, as a failure would mark the node's whole network not ready
+        // and stop every pod; ADD answers for each pod instead.
+        Command::Gc | Command::Status => Ok(None),
         Command::Version => unreachable!("handled above"),
     }
 }
