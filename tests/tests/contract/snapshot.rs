@@ -1,5 +1,5 @@
-//! ztunnel's snapshot racing the pod lifecycle: a pod unenrolled while the
-//! snapshot of a connecting ztunnel goes out.
+//! ztunnel's snapshot racing the pod lifecycle: a pod unenrolled, or
+//! enrolled, while the snapshot of a connecting ztunnel goes out.
 
 use std::path::Path;
 
@@ -10,15 +10,24 @@ use sluice_tests::{
     harness::Fixture,
 };
 
-use crate::{agent::enroll, trial, TestResult};
+use crate::{
+    agent::{enroll, enroll_enabled, peer},
+    trial, TestResult,
+};
 
 const PEER: &str = env!("CARGO_BIN_EXE_sluice-zds-peer");
 
 pub fn trials() -> Vec<Trial> {
-    vec![trial(
-        "snapshot::a_pod_unenrolled_while_the_snapshot_goes_out_is_deleted_from_that_ztunnel",
-        unenrolled_during_snapshot,
-    )]
+    vec![
+        trial(
+            "snapshot::a_pod_unenrolled_while_the_snapshot_goes_out_is_deleted_from_that_ztunnel",
+            unenrolled_during_snapshot,
+        ),
+        trial(
+            "snapshot::a_pod_enrolled_while_a_newer_ztunnels_snapshot_goes_out_is_added_to_it",
+            enrolled_during_snapshot,
+        ),
+    ]
 }
 
 /// Two pods wait for ztunnel; one connects and holds its first ack (its
@@ -53,5 +62,41 @@ fn unenrolled_during_snapshot() -> TestResult {
             .any(|e| e["event"] == "del" && e["uid"] == uid.as_str())
     })
     .with_context(|| format!("{:?}\n{}", p.events(), agent.log()))?;
+    Ok(())
+}
+
+/// An older ztunnel serves pod a; a newer one connects and holds its first
+/// ack (its snapshot stays in flight). Pod b is enrolled meanwhile: its add
+/// goes to the connection live then, the older one's. Once the snapshot is
+/// through, the newer ztunnel must get b's add too: it serves b from then
+/// on, as in an upgrade, where the older one drains next. (b stayed with
+/// the older ztunnel only, and lost its listeners when that one drained.)
+fn enrolled_during_snapshot() -> TestResult {
+    let a = Fixture::in_subnet("esa", None, 1)?;
+    let b = Fixture::in_subnet("esb", None, 2)?;
+    let agent = AgentProc::start(&a.topo.pins)?;
+    let old = peer(&agent)?;
+    enroll_enabled(&agent, &a)?;
+    let gate = agent.dir.join("newer-ztunnel-may-ack");
+    let gate_arg = gate.to_str().context("path")?.to_owned();
+    let new = PeerProc::start(
+        Path::new(PEER),
+        &agent.zds,
+        &["--hold-acks-until", &gate_arg],
+    )?;
+    new.wait_for("the newer ztunnel's snapshot held at a's add", |e| {
+        e.iter().any(|e| e["event"] == "listening")
+    })?;
+    let out = enroll(&agent, &b)?;
+    ensure!(out.ok, "enroll b: {}{}", out.stdout, out.stderr);
+    let uid = b.uid.as_str().to_owned();
+    let added = |e: &[serde_json::Value]| {
+        e.iter()
+            .any(|e| e["event"] == "add" && e["uid"] == uid.as_str())
+    };
+    old.wait_for("b's add at the older ztunnel", added)?;
+    std::fs::write(&gate, "")?;
+    new.wait_for("b's add at the newer ztunnel", added)
+        .with_context(|| format!("{:?}\n{}", new.events(), agent.log()))?;
     Ok(())
 }

@@ -95,6 +95,10 @@ pub trait Handler: Send + Sync + 'static {
     /// A snapshot's `add` for `uid` was never sent (the snapshot stopped
     /// before it): the attempt failed without being made.
     fn add_not_sent(&self, uid: &str, why: &str);
+    /// The pods to add on a connection that just went live, beyond its
+    /// snapshot's (`sent`, by uid and netns cookie): those enrolled while
+    /// it went out, whose add went to the connection newest then.
+    fn joined(&self, sent: &[(String, Option<u64>)]) -> Vec<SnapshotEntry>;
     /// A connection finished its snapshot and is live.
     fn connected(&self, id: u64, pid: Option<i32>);
     /// Whether pod `uid`, in a snapshot (added with the netns of `cookie`,
@@ -354,7 +358,7 @@ async fn connection(
 /// left of `entries` was not sent.
 /// Sends the snapshot's entries; `sent`: the pods it named (with the
 /// cookie of the netns an `add` carried).
-async fn send_snapshot(
+async fn send_entries(
     fd: &AsyncFd<OwnedFd>,
     pid: Option<i32>,
     handler: &Arc<dyn Handler>,
@@ -410,7 +414,7 @@ async fn run_connection(
     let n = entries.len();
     let mut entries = entries.into_iter();
     let mut sent = Vec::new();
-    if let Err(e) = send_snapshot(fd, pid, handler, &mut entries, &mut sent).await {
+    if let Err(e) = send_entries(fd, pid, handler, &mut entries, &mut sent).await {
         // Each add the snapshot promised gets an answer, so that its pod
         // is retried (the handler counts it in flight).
         let why = format!("not sent: ztunnel's snapshot stopped: {e}");
@@ -449,6 +453,32 @@ async fn run_connection(
             Err(e) if e.is_fatal() => return Err(e),
             Err(e) => warn!(%uid, error = %e, "del failed"),
         }
+    }
+    // A pod enrolled while the snapshot went out had its add sent to the
+    // connection newest then (an older ztunnel about to drain, or none):
+    // this one serves it from now on. (One enrolled since this connection
+    // went live may get its add twice: ztunnel takes a repeated add of the
+    // same netns as done.)
+    let (h, named) = (handler.clone(), sent.clone());
+    let joined = tokio::task::spawn_blocking(move || h.joined(&named))
+        .await
+        .map_err(|e| {
+            ZdsError::Protocol(format!("listing the pods enrolled meanwhile failed: {e}"))
+        })?;
+    if !joined.is_empty() {
+        info!(
+            pods = joined.len(),
+            "adding the pods enrolled while the snapshot went out"
+        );
+    }
+    let mut joined = joined.into_iter();
+    if let Err(e) = send_entries(fd, pid, handler, &mut joined, &mut Vec::new()).await {
+        for entry in joined {
+            if let SnapshotEntry::Add { uid, .. } = entry {
+                handler.add_not_sent(&uid, &format!("not sent: ztunnel's connection failed: {e}"));
+            }
+        }
+        return Err(e);
     }
     loop {
         tokio::select! {

@@ -260,22 +260,26 @@ impl Ztunnels {
     }
 }
 
-impl Handler for Ztunnels {
-    fn snapshot(&self) -> Vec<SnapshotEntry> {
+impl Ztunnels {
+    /// An `add` for each pod staying (not being torn down) but those `skip`
+    /// names by uid and netns cookie, each now the pod's attempt (a new
+    /// ztunnel starts the backoff afresh). A pod whose netns cannot be
+    /// opened gets a `keep` when `keeps` (a snapshot's; after it, a keep is
+    /// a protocol error), else nothing.
+    fn adds(&self, skip: impl Fn(&str, u64) -> bool, keeps: bool) -> Vec<SnapshotEntry> {
         let dp = self.book.dataplane();
         let pods = self.book.pods();
         let mut out = Vec::new();
         for p in pods.staying() {
             let uid = p.identity.uid;
-            // A pod being torn down is not offered again.
-            if dp.maps().entry(p.cookie).and_then(|e| e.state()) == Some(PodState::Draining) {
+            if skip(&uid, p.cookie)
+                || dp.maps().entry(p.cookie).and_then(|e| e.state()) == Some(PodState::Draining)
+            {
                 continue;
             }
             let held = p.netns.and_then(|n| n.try_clone().ok());
             match held.map_or_else(|| enroll::open_pod_netns(dp.maps(), p.cookie), Ok) {
                 Ok(ns) => {
-                    // The snapshot's add is this pod's attempt now; a new
-                    // ztunnel starts the backoff afresh.
                     pods.apply(&uid, Event::AddSent);
                     out.push(SnapshotEntry::Add {
                         uid,
@@ -284,13 +288,27 @@ impl Handler for Ztunnels {
                         netns: ns.into_fd(),
                     });
                 }
-                Err(e) => {
+                Err(e) if keeps => {
                     warn!(%uid, error = %e, "pod netns unavailable: sending keep");
                     out.push(SnapshotEntry::Keep { uid });
                 }
+                Err(e) => warn!(%uid, error = %e, "pod netns unavailable: no add"),
             }
         }
         out
+    }
+}
+
+impl Handler for Ztunnels {
+    fn snapshot(&self) -> Vec<SnapshotEntry> {
+        self.adds(|_, _| false, true)
+    }
+
+    fn joined(&self, sent: &[(String, Option<u64>)]) -> Vec<SnapshotEntry> {
+        self.adds(
+            |uid, cookie| sent.iter().any(|(u, c)| u == uid && *c == Some(cookie)),
+            false,
+        )
     }
 
     fn add_outcome(
