@@ -26,7 +26,7 @@ pub enum Action {
         namespace: String,
         service_account: String,
         /// From the pod's annotations (an error: the pod is not enrolled).
-        options: Result<crate::options::PodOptions, crate::options::OptionsError>,
+        options: Box<Result<crate::options::PodOptions, crate::options::OptionsError>>,
     },
     /// Captured, but gone from the node or no longer ambient.
     Unenroll { uid: String, reason: String },
@@ -53,7 +53,7 @@ pub fn plan<P: Borrow<Pod>>(
         let verdict = select(pod, namespaces.get(&ns), node, sel);
         match (verdict, have.contains(uid)) {
             (Verdict::Enroll, false) => actions.push(Action::Enroll {
-                options: super::selection::new_pod_options(pod, sel),
+                options: Box::new(super::selection::new_pod_options(pod, sel)),
                 uid: uid.to_owned(),
                 name: pod.metadata.name.clone().unwrap_or_default(),
                 namespace: ns,
@@ -150,7 +150,7 @@ mod tests {
                     name: "new".into(),
                     namespace: "mesh".into(),
                     service_account: "sa".into(),
-                    options: Ok(Default::default()),
+                    options: Box::new(Ok(Default::default())),
                 },
                 Action::Unenroll {
                     uid: "u-optout".into(),

@@ -189,7 +189,7 @@ impl Relist {
                         name,
                         namespace,
                         service_account,
-                        options,
+                        options: *options,
                         ips,
                     };
                     self.capture(&k, pod).instrument(span).await
