@@ -11,7 +11,7 @@ use sluice_tests::{
 };
 
 use crate::{
-    agent::{enroll, enroll_enabled, peer},
+    agent::{enroll, enroll_enabled, peer, Pause},
     trial, TestResult,
 };
 
@@ -26,6 +26,10 @@ pub fn trials() -> Vec<Trial> {
         trial(
             "snapshot::a_pod_enrolled_while_a_newer_ztunnels_snapshot_goes_out_is_added_to_it",
             enrolled_during_snapshot,
+        ),
+        trial(
+            "snapshot::a_pod_unenrolled_while_its_add_waits_is_deleted_again_after_it",
+            unenrolled_during_add,
         ),
     ]
 }
@@ -98,5 +102,39 @@ fn enrolled_during_snapshot() -> TestResult {
     std::fs::write(&gate, "")?;
     new.wait_for("b's add at the newer ztunnel", added)
         .with_context(|| format!("{:?}\n{}", new.events(), agent.log()))?;
+    Ok(())
+}
+
+/// A pod's add, its netns open, is held just before it is queued on the
+/// connection (a pause point of the fault-injection build), and the pod is
+/// unenrolled meanwhile: its `del` reaches ztunnel first, then the add.
+/// ztunnel must end without the pod: the agent deletes it again once the
+/// add is answered. (ztunnel kept a proxy for the gone pod, and its netns,
+/// until it next reconnected.)
+fn unenrolled_during_add() -> TestResult {
+    let a = Fixture::new("uda", None)?;
+    let pause = Pause::new("uda", "zds:add")?;
+    let agent = pause.agent(&a.topo.pins)?;
+    let p = peer(&agent)?;
+    let uid = a.uid.as_str().to_owned();
+    std::thread::scope(|s| -> TestResult {
+        let held = s.spawn(|| enroll(&agent, &a));
+        pause.wait_held("the pod's add held")?;
+        let out = agent.sluice(&["unenroll", "--uid", &uid])?;
+        ensure!(out.ok, "unenroll: {}{}", out.stdout, out.stderr);
+        pause.release()?;
+        held.join().expect("enroll thread panicked")?;
+        Ok(())
+    })?;
+    let ours = |e: &serde_json::Value| e["uid"] == uid.as_str();
+    p.wait_for("a del after the pod's add", |e| {
+        let last = e
+            .iter()
+            .rev()
+            .find(|e| ours(e) && e["event"] != "listening");
+        e.iter().any(|e| ours(e) && e["event"] == "add")
+            && last.is_some_and(|e| e["event"] == "del")
+    })
+    .with_context(|| format!("{:?}\n{}", p.events(), agent.log()))?;
     Ok(())
 }

@@ -105,7 +105,24 @@ impl Ztunnels {
                 return Err(why);
             }
         };
+        // Where a test holds an add, its netns open, until the pod has left.
+        #[cfg(feature = "fault-injection")]
+        tokio::task::block_in_place(|| crate::fault::pause_point("zds:add"));
         let out = conn.request(WorkloadRequest::add(uid, w), Some(fd)).await;
+        // The pod left while this add waited: its unenroll's `del` may have
+        // reached ztunnel first (both queued on this connection), and
+        // ztunnel now serves a pod that is gone, holding its netns, until
+        // it next reconnects. It is deleted again, after the add.
+        if matches!(out, Ok(Answer::Ack)) && !self.book.pods().is_staying(uid) {
+            match conn.request(WorkloadRequest::del(uid), None).await {
+                Ok(Answer::Ack) => {
+                    info!(%uid, "the pod left while its add was in flight: del sent")
+                }
+                Ok(Answer::Nack(t)) => warn!(%uid, nack = %t, "ztunnel nacked del"),
+                Err(e) => warn!(%uid, error = %e, "del failed"),
+            }
+            return Ok(());
+        }
         self.after_add(uid, cookie, conn.pid, out).await
     }
 
