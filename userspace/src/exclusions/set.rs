@@ -6,7 +6,7 @@ use std::net::{IpAddr, SocketAddr};
 use ipnet::IpNet;
 use sluice_common::{
     Exclusions, IpRange, EXCLUSIONS_MAX, EXCL_IN_INCLUDE, EXCL_OUT_INCLUDE, FAMILY_V4, FAMILY_V6,
-    PORT_DNS,
+    PORT_DNS, PROBE_ADDR_V4, PROBE_ADDR_V6,
 };
 
 pub const EXCLUDE_OUTBOUND_PORTS: &str = "traffic.sidecar.istio.io/excludeOutboundPorts";
@@ -180,12 +180,20 @@ impl PodExclusions {
         let x = self.to_value();
         let v6 = preferred.is_ipv6();
         let included = self.include_outbound_ip_ranges.listed().iter();
+        // Loopback and the probe address are never captured, whatever the
+        // lists say: a destination there would fail the verification.
+        let capturable = |a: &IpAddr| {
+            !a.is_loopback()
+                && *a != IpAddr::from(PROBE_ADDR_V4)
+                && *a != IpAddr::from(PROBE_ADDR_V6)
+        };
         let addrs: Vec<IpAddr> = std::iter::once(preferred.ip())
             .chain(
                 included
                     .filter(|n| n.addr().is_ipv6() == v6)
                     .flat_map(|n| [n.network(), n.broadcast()]),
             )
+            .filter(capturable)
             .collect();
         let unexcluded = std::iter::once(preferred.port())
             .chain(1..=u16::MAX)

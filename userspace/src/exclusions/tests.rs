@@ -238,6 +238,17 @@ fn a_verification_finds_captured_destinations_or_none() {
     .unwrap()
     .unwrap();
     assert_eq!(nothing.captured_outbound(doc4), None);
+    // Loopback and the probe address are never captured: not picked.
+    let odd = parsed(&[(
+        INCLUDE_OUTBOUND_IP_RANGES,
+        "127.0.0.0/8,169.254.7.127/32,192.168.0.0/16",
+    )])
+    .unwrap()
+    .unwrap();
+    assert_eq!(
+        odd.captured_outbound(doc4).unwrap().ip(),
+        "192.168.0.0".parse::<IpAddr>().unwrap()
+    );
     assert_eq!(nothing.captured_inbound_port(80), None);
 }
 
