@@ -323,20 +323,17 @@ pub fn parse_answer(data: &[u8], fds: usize) -> Result<Answer, ZdsError> {
     }
 }
 
-/// ztunnel's hello, checked: no fds, decodable, version 1.
-pub fn parse_hello(data: &[u8], fds: usize) -> Result<(), ZdsError> {
+/// ztunnel's hello, checked: no fds, decodable. Its version: the one it
+/// says. Another than 1 is served as 1 (with a warning), as istio-cni
+/// does: a connection closed at its hello is reconnected at once, and the
+/// two would spin.
+pub fn parse_hello(data: &[u8], fds: usize) -> Result<i32, ZdsError> {
     if fds != 0 {
         return Err(ZdsError::Protocol(format!("hello came with {fds} fds")));
     }
     let hello: ZdsHello =
         proto::decode(data).map_err(|e| ZdsError::Protocol(format!("undecodable hello: {e}")))?;
-    if hello.version != Version::V1 as i32 {
-        return Err(ZdsError::Protocol(format!(
-            "unsupported ZDS version {}",
-            hello.version
-        )));
-    }
-    Ok(())
+    Ok(hello.version)
 }
 
 async fn connection(
@@ -401,7 +398,10 @@ async fn run_connection(
 ) -> Result<(), ZdsError> {
     // ztunnel speaks first.
     let hello = deadline(recv(fd, MAX_REQUEST)).await?;
-    parse_hello(&hello.data, hello.fds.len())?;
+    let version = parse_hello(&hello.data, hello.fds.len())?;
+    if version != Version::V1 as i32 {
+        warn!(version, "ztunnel speaks another ZDS version than 1: served as 1");
+    }
     hub.attach(id, pid);
     info!("ztunnel connected; sending snapshot");
 
