@@ -264,6 +264,26 @@ pub(crate) fn peer(agent: &AgentProc) -> anyhow::Result<PeerProc> {
     peer_with(agent, &[])
 }
 
+/// Starts a ZDS peer that holds its first ack until the returned gate file
+/// exists, and waits until it holds it (`what`): the add it holds has its
+/// listeners open, and its snapshot stays in flight.
+pub(crate) fn held_peer(
+    agent: &AgentProc,
+    what: &str,
+) -> anyhow::Result<(PeerProc, std::path::PathBuf)> {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let gate = agent.dir.join(format!("ztunnel-may-ack-{n}"));
+    let gate_arg = gate.to_str().context("path")?.to_owned();
+    let p = PeerProc::start(
+        Path::new(PEER),
+        &agent.zds,
+        &["--hold-acks-until", &gate_arg],
+    )?;
+    p.wait_for(what, |e| e.iter().any(|e| e["event"] == "listening"))?;
+    Ok((p, gate))
+}
+
 pub(crate) fn peer_with(agent: &AgentProc, flags: &[&str]) -> anyhow::Result<PeerProc> {
     let p = PeerProc::start(Path::new(PEER), &agent.zds, flags)?;
     let pid = p.pid().context("peer has no pid")?;
@@ -673,16 +693,7 @@ fn upgrade_old_gone_first() -> TestResult {
     enroll_enabled(&agent, &f)?;
     let clients = Clients::start(&f);
     clients.wait_more(20, "through the old ztunnel")?;
-    let gate = agent.dir.join("new-ztunnel-may-ack");
-    let gate_arg = gate.to_str().context("path")?.to_owned();
-    let new = PeerProc::start(
-        Path::new(PEER),
-        &agent.zds,
-        &["--hold-acks-until", &gate_arg],
-    )?;
-    new.wait_for("the new ztunnel to open the pod's listeners", |e| {
-        e.iter().any(|e| e["event"] == "listening")
-    })?;
+    let (new, gate) = held_peer(&agent, "the new ztunnel to open the pod's listeners")?;
     old.terminate();
     old_pid_gone(&agent)?;
     // The old ztunnel is gone; the agent still holds its listeners, so the

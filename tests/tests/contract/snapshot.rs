@@ -1,21 +1,14 @@
 //! ztunnel's snapshot racing the pod lifecycle: a pod unenrolled, or
 //! enrolled, while the snapshot of a connecting ztunnel goes out.
 
-use std::path::Path;
-
 use anyhow::{ensure, Context as _};
 use libtest_mimic::Trial;
-use sluice_tests::{
-    agent::{AgentProc, PeerProc},
-    harness::Fixture,
-};
+use sluice_tests::{agent::AgentProc, harness::Fixture};
 
 use crate::{
-    agent::{enroll, enroll_enabled, peer, Pause},
+    agent::{enroll, enroll_enabled, held_peer, peer, Pause},
     trial, TestResult,
 };
-
-const PEER: &str = env!("CARGO_BIN_EXE_sluice-zds-peer");
 
 pub fn trials() -> Vec<Trial> {
     vec![
@@ -47,16 +40,7 @@ fn unenrolled_during_snapshot() -> TestResult {
         let out = enroll(&agent, f)?;
         ensure!(out.ok, "{}{}", out.stdout, out.stderr);
     }
-    let gate = agent.dir.join("ztunnel-may-ack");
-    let gate_arg = gate.to_str().context("path")?.to_owned();
-    let p = PeerProc::start(
-        Path::new(PEER),
-        &agent.zds,
-        &["--hold-acks-until", &gate_arg],
-    )?;
-    p.wait_for("the snapshot's first add held", |e| {
-        e.iter().any(|e| e["event"] == "listening")
-    })?;
+    let (p, gate) = held_peer(&agent, "the snapshot's first add held")?;
     let out = agent.sluice(&["unenroll", "--uid", b.uid.as_str()])?;
     ensure!(out.ok, "unenroll: {}{}", out.stdout, out.stderr);
     std::fs::write(&gate, "")?;
@@ -81,16 +65,7 @@ fn enrolled_during_snapshot() -> TestResult {
     let agent = AgentProc::start(&a.topo.pins)?;
     let old = peer(&agent)?;
     enroll_enabled(&agent, &a)?;
-    let gate = agent.dir.join("newer-ztunnel-may-ack");
-    let gate_arg = gate.to_str().context("path")?.to_owned();
-    let new = PeerProc::start(
-        Path::new(PEER),
-        &agent.zds,
-        &["--hold-acks-until", &gate_arg],
-    )?;
-    new.wait_for("the newer ztunnel's snapshot held at a's add", |e| {
-        e.iter().any(|e| e["event"] == "listening")
-    })?;
+    let (new, gate) = held_peer(&agent, "the newer ztunnel's snapshot held at a's add")?;
     let out = enroll(&agent, &b)?;
     ensure!(out.ok, "enroll b: {}{}", out.stdout, out.stderr);
     let uid = b.uid.as_str().to_owned();

@@ -400,7 +400,10 @@ async fn run_connection(
     let hello = deadline(recv(fd, MAX_REQUEST)).await?;
     let version = parse_hello(&hello.data, hello.fds.len())?;
     if version != Version::V1 as i32 {
-        warn!(version, "ztunnel speaks another ZDS version than 1: served as 1");
+        warn!(
+            version,
+            "ztunnel speaks another ZDS version than 1: served as 1"
+        );
     }
     hub.attach(id, pid);
     info!("ztunnel connected; sending snapshot");
