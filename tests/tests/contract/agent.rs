@@ -135,6 +135,24 @@ pub fn trials() -> Vec<Trial> {
                 t.with_ignored_flag(true)
             }
         },
+        {
+            let t = needs_fault_injection(tcx_trial(
+                "agent::tcx::upgrade_over_a_pod_gone_while_no_agent_ran_switches_the_others",
+                upgrade_over_a_gone_pod,
+            ));
+            t.with_ignored_flag(!Path::new(VARIANT).exists())
+        },
+        {
+            let t = needs_fault_injection(trial(
+                "agent::upgrade_over_a_pod_gone_while_no_agent_ran_switches_the_others",
+                upgrade_over_a_gone_pod,
+            ));
+            if Path::new(VARIANT).exists() {
+                t
+            } else {
+                t.with_ignored_flag(true)
+            }
+        },
         // tcx links are pointed at the new programs with BPF_LINK_UPDATE.
         needs_fault_injection(tcx_trial(
             "agent::tcx::restart_over_another_builds_programs_replaces_them_in_place_under_load",
@@ -1791,6 +1809,37 @@ fn another_build() -> TestResult {
         clients.wait_more(20, step)?;
     }
     clients.finish_without_failures("upgrade to another build and back", &agent)?;
+    Ok(())
+}
+
+/// Pod b's interface goes while no agent runs (its pod deleted: CNI DEL
+/// succeeds without the agent), which detaches its tcx links. The next
+/// agent, of another build, must still point every other pod's links at
+/// its programs and serve: a detached link has nothing to switch. (The
+/// first one stopped the upgrade, ENOLINK, with pods on either build.)
+fn upgrade_over_a_gone_pod() -> TestResult {
+    let a = Fixture::new("uga", None)?;
+    let b = Fixture::in_subnet("ugb", None, 1)?;
+    let mut agent = AgentProc::start(&a.topo.pins)?;
+    let _p = peer(&agent)?;
+    enroll_enabled(&agent, &a)?;
+    enroll_enabled(&agent, &b)?;
+    ensure!(agent.terminate(), "the agent did not exit cleanly");
+    sluice_tests::topology::ip(&["-n", &b.topo.pod, "link", "del", "eth0"])?;
+    agent.set_env("SLUICE_EBPF_OBJECT_FILE", Some(VARIANT));
+    agent.restart()?;
+    let shown = agent.node_status()?["dataplane"].to_string();
+    ensure!(
+        shown.contains("upgraded in place at start"),
+        "{shown}\n{}",
+        agent.log()
+    );
+    links_follow_pins(&a)?;
+    ensure!(
+        inbound(&a).reply().is_some(),
+        "pod a after the upgrade\n{}",
+        agent.log()
+    );
     Ok(())
 }
 

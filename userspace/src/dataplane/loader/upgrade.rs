@@ -196,12 +196,23 @@ fn switch_link(
             let fd = handles::in_object(ebpf, prog)?
                 .fd()
                 .map_err(handles::program_error(prog))?;
-            relink::update(path, std::os::fd::AsFd::as_fd(fd)).map_err(LoadError::io(format!(
-                "pointing {} at this build's {}",
-                path.display(),
-                prog.name()
-            )))?;
-            Ok(true)
+            match relink::update(path, std::os::fd::AsFd::as_fd(fd)) {
+                Ok(()) => Ok(true),
+                // Detached: its interface (tcx) or netns (sk_lookup) is gone,
+                // and so is all it captured: a pod deleted while no agent
+                // ran. Nothing to switch; the pod's repair or teardown sees
+                // to the pin. (Stopping here would leave the node half on
+                // each build.)
+                Err(e) if e.raw_os_error() == Some(libc::ENOLINK) => {
+                    tracing::info!(link = %path.display(), "detached (its pod gone?): left to the pod's repair");
+                    Ok(false)
+                }
+                Err(e) => Err(LoadError::io(format!(
+                    "pointing {} at this build's {}",
+                    path.display(),
+                    prog.name()
+                ))(e)),
+            }
         }
         Some(Pinned::Program(_)) => {
             let p = handles::tc_in_object(ebpf, prog)?;
