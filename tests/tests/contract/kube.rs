@@ -1189,7 +1189,7 @@ fn gate_follows_served_in(f: &Fixture, dir: &std::path::Path) -> TestResult {
         let verifying = tokio::spawn(node.verify_queued(stop.clone()));
         // A ztunnel whose xDS does not have the pod yet.
         std::fs::write(&workloads, "[]")?;
-        let _peer = PeerProc::start(
+        let mut peer = PeerProc::start(
             std::path::Path::new(PEER),
             &zds,
             &["--admin-workloads", workloads.to_str().unwrap()],
@@ -1261,10 +1261,40 @@ fn gate_follows_served_in(f: &Fixture, dir: &std::path::Path) -> TestResult {
             annotations.last() == Some(&json!("enabled")),
             "{annotations:?}"
         );
+        // ztunnel goes (a crash, a restart): its listeners go, the pod is
+        // Pending, failing closed, and its gate False; its annotation stays
+        // `enabled`, as istio-cni leaves it, so that istiod keeps sending it
+        // HBONE for the next ztunnel. (It went `pending`, and istiod pushed
+        // every pod of the node twice.)
+        let supervising = tokio::spawn(node.supervise(stop.clone()));
+        peer.kill();
+        wait::until_async(
+            "the gate False: Pending",
+            wait::DEADLINE,
+            last_gate("Pending"),
+        )
+        .await?;
+        ensure!(cart_record()?.state == Some(sluice_common::PodState::Pending));
+        let annotations: Vec<Value> = patches
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|(_, b)| {
+                b["metadata"]["annotations"]
+                    .get("ambient.istio.io/redirection")
+                    .cloned()
+            })
+            .collect();
+        let first = annotations.iter().position(|a| *a == json!("enabled"));
+        ensure!(
+            first.is_some_and(|i| annotations[i..].iter().all(|a| *a == json!("enabled"))),
+            "{annotations:?}"
+        );
         stop_tx.send(true)?;
         let _ = checking.await;
         let _ = verifying.await;
         let _ = serving.await;
+        let _ = supervising.await;
         Ok(())
     })
 }

@@ -61,6 +61,15 @@ pub async fn checked_client(node: &str) -> anyhow::Result<kube::Client> {
     Ok(client)
 }
 
+/// What a pod's annotation and readiness gate show: its state, what its
+/// capture lacks, and whether ztunnel has taken it since it was attached.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Shown {
+    pub state: Option<PodState>,
+    pub capture: gate::Capture,
+    pub acked: bool,
+}
+
 /// What to do with a pod a CNI ADD names.
 pub enum Admission {
     Enroll {
@@ -305,18 +314,23 @@ impl KubeCtx {
             .map_err(|e| anyhow::anyhow!("pod {}/{}: {e}", pod.namespace, pod.name))
     }
 
-    /// Sets the pod's redirection annotation for `state` (None removes it)
-    /// and, for pods with the `sluice.dev/redirected` readiness gate, that
-    /// condition: on pod `namespace/name` only while it is the pod of `uid`.
+    /// Sets the pod's redirection annotation for its state (none removes
+    /// it) and, for pods with the `sluice.dev/redirected` readiness gate,
+    /// that condition: on pod `namespace/name` only while it is the pod of
+    /// `uid`.
     pub async fn publish(
         &self,
         namespace: &str,
         name: &str,
         uid: &str,
-        state: Option<PodState>,
-        capture: gate::Capture,
+        shown: Shown,
     ) -> kube::Result<()> {
-        annotate::write(self.client.clone(), namespace, name, uid, state).await?;
+        let Shown {
+            state,
+            capture,
+            acked,
+        } = shown;
+        annotate::write(self.client.clone(), namespace, name, uid, state, acked).await?;
         gate::write(self.client.clone(), namespace, name, uid, state, capture).await?;
         Ok(())
     }
@@ -332,7 +346,7 @@ pub fn out_of_step(pod: &Pod, state: Option<PodState>, capture: gate::Capture) -
         .as_ref()
         .and_then(|a| a.get(annotate::REDIRECTION))
         .map(String::as_str);
-    if annotation != annotate::value(state) {
+    if !annotate::in_step(annotation, state) {
         return true;
     }
     if !gate::has_gate(pod) {

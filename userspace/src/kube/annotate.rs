@@ -9,14 +9,30 @@ use sluice_common::PodState;
 
 pub const REDIRECTION: &str = "ambient.istio.io/redirection";
 
-/// The annotation's value for a pod state; `None` removes it.
-pub fn value(state: Option<PodState>) -> Option<&'static str> {
+/// The annotation's value for a pod state; `None` removes it. `acked`:
+/// ztunnel has taken the pod's capture since it was attached. Such a pod
+/// stays `enabled` while Pending for ztunnel's listeners to come back (a
+/// ztunnel restart), as istio-cni leaves it: `pending` would have istiod
+/// stop sending the pod HBONE, and push every pod of the node twice, for
+/// an outage the capture already fails closed through.
+pub fn value(state: Option<PodState>, acked: bool) -> Option<&'static str> {
     match state {
         // istiod's meaning: redirection is in place (what ztunnel knows of
         // the pod is the readiness gate's business).
         Some(PodState::Enabled | PodState::Served) => Some("enabled"),
+        Some(PodState::Pending) if acked => Some("enabled"),
         Some(PodState::Pending) => Some("pending"),
         Some(PodState::Draining) | None => None,
+    }
+}
+
+/// Whether `shown` is the annotation for `state` (either value, for a
+/// Pending pod: which one depends on what ztunnel did before, which an
+/// agent that restarted since does not know).
+pub fn in_step(shown: Option<&str>, state: Option<PodState>) -> bool {
+    match state {
+        Some(PodState::Pending) => matches!(shown, Some("enabled" | "pending")),
+        _ => shown == value(state, false),
     }
 }
 
@@ -39,12 +55,13 @@ pub async fn write(
     name: &str,
     uid: &str,
     state: Option<PodState>,
+    acked: bool,
 ) -> kube::Result<()> {
     let api: Api<Pod> = Api::namespaced(client, namespace);
     api.patch_status(
         name,
         &PatchParams::default(),
-        &Patch::Merge(patch_for(uid, value(state))),
+        &Patch::Merge(patch_for(uid, value(state, acked))),
     )
     .await
     .map(drop)
@@ -59,10 +76,16 @@ mod tests {
 
     #[test]
     fn values_follow_the_pod_state() {
-        assert_eq!(value(Some(PodState::Enabled)), Some("enabled"));
-        assert_eq!(value(Some(PodState::Served)), Some("enabled"));
-        assert_eq!(value(Some(PodState::Pending)), Some("pending"));
-        assert_eq!(value(None), None);
+        assert_eq!(value(Some(PodState::Enabled), false), Some("enabled"));
+        assert_eq!(value(Some(PodState::Served), true), Some("enabled"));
+        assert_eq!(value(Some(PodState::Pending), false), Some("pending"));
+        // Pending again after ztunnel took it (its listeners gone): as it was.
+        assert_eq!(value(Some(PodState::Pending), true), Some("enabled"));
+        assert_eq!(value(None, true), None);
+        assert!(in_step(Some("enabled"), Some(PodState::Pending)));
+        assert!(in_step(Some("pending"), Some(PodState::Pending)));
+        assert!(!in_step(None, Some(PodState::Pending)));
+        assert!(!in_step(Some("pending"), Some(PodState::Served)));
         assert_eq!(
             patch(None),
             json!({"metadata": {"annotations": {REDIRECTION: null}}})
@@ -97,9 +120,16 @@ mod tests {
                     .unwrap(),
             );
         });
-        write(client, "shop", "cart-1", "u-1", Some(PodState::Enabled))
-            .await
-            .unwrap();
+        write(
+            client,
+            "shop",
+            "cart-1",
+            "u-1",
+            Some(PodState::Enabled),
+            false,
+        )
+        .await
+        .unwrap();
         server.await.unwrap();
     }
 }

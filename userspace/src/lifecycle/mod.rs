@@ -277,6 +277,10 @@ pub struct Track {
     /// What the last verification found, and when it ran.
     pub verification: Verification,
     pub verified_at: Option<Instant>,
+    /// ztunnel has taken the pod's capture (its listeners registered) since
+    /// it was attached: its annotation stays `enabled` while it waits for
+    /// them again.
+    pub acked: bool,
 }
 
 /// What the agent does because of a step.
@@ -440,6 +444,7 @@ fn next_track(track: &Track, event: &Event, state_changed: bool, now: Instant) -
             if !leaving {
                 next.plan = Plan::Idle;
             }
+            next.acked = true;
             effects.push(Effect::RecheckServed);
             effects.push(Effect::Verify);
         }
@@ -451,7 +456,17 @@ fn next_track(track: &Track, event: &Event, state_changed: bool, now: Instant) -
         }
         Event::UnenrollRequested | Event::Drain => next.plan = Plan::Leaving,
         Event::TornDown => effects.push(Effect::Forget),
-        Event::AddSent if !leaving => next.plan = Plan::Retry(Retry::fresh(true, None)),
+        // A new attempt (a new ztunnel's snapshot) starts the backoff afresh;
+        // what the last one met is still what the pod waits on until this
+        // one is answered (a pod ztunnel refused is not a pod pending).
+        Event::AddSent if !leaving => {
+            let mut fresh = Retry::fresh(true, None);
+            if let Plan::Retry(r) = &next.plan {
+                fresh.cause = r.cause;
+                fresh.last_error = r.last_error.clone();
+            }
+            next.plan = Plan::Retry(fresh);
+        }
         Event::Wait { why } if !leaving => {
             next.plan = Plan::Retry(Retry::fresh(false, Some(why.clone())));
         }

@@ -99,15 +99,14 @@ impl Announcer {
             for (ns, name, uid) in batch {
                 let book = book.clone();
                 let u = uid.clone();
-                let Ok((state, capture)) =
-                    tokio::task::spawn_blocking(move || book.state_by_uid(&u)).await
+                let Ok(shown) = tokio::task::spawn_blocking(move || book.state_by_uid(&u)).await
                 else {
                     continue;
                 };
                 let pod = format!("{ns}/{name}");
                 match tokio::time::timeout(
                     crate::kube::API_TIMEOUT,
-                    k.publish(&ns, &name, &uid, state, capture),
+                    k.publish(&ns, &name, &uid, shown),
                 )
                 .await
                 {

@@ -13,6 +13,7 @@ use sluice_common::{Counters, DnsCounters, PodState};
 
 use super::pods::PodTable;
 use crate::{
+    agent::cluster::Shown,
     cni::install::CniInstall,
     dataplane::{loader::Dataplane, state::boottime_ns},
     kube::gate::Capture,
@@ -144,14 +145,18 @@ impl PodBook {
 
     /// The state the map has for the pod of `uid`, and whether its capture
     /// is complete (as the last repair found it).
-    pub(super) fn state_by_uid(&self, uid: &str) -> (Option<PodState>, Capture) {
+    pub(super) fn state_by_uid(&self, uid: &str) -> Shown {
         let state = PodUid::new(uid)
             .ok()
             .and_then(|u| self.cookie_of(&u))
             .and_then(|cookie| self.state_of(cookie));
         match state {
-            Some(state) => (Some(state), self.capture_of(uid)),
-            None => (None, Default::default()),
+            Some(state) => Shown {
+                state: Some(state),
+                capture: self.capture_of(uid),
+                acked: self.pods.acked(uid),
+            },
+            None => Shown::default(),
         }
     }
 

@@ -275,7 +275,7 @@ fn attach(
                 source,
             });
             match kept {
-                Ok(kept) => book.pods().insert(a.cookie, meta, Some(kept)),
+                Ok(kept) => book.pods().insert(a.cookie, meta, Some(kept), false),
                 Err(e) => {
                     enroll::back_out(&mut dp, &a.netns, a.cookie);
                     return Err(e);

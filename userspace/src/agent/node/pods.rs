@@ -46,17 +46,32 @@ pub(super) struct PodTable {
 
 impl PodTable {
     /// Holds a pod from now on (replacing any record of the same uid), with
-    /// nothing planned yet.
-    pub(super) fn insert(&self, cookie: u64, identity: PodIdentity, netns: Option<Netns>) {
+    /// nothing planned yet. `acked`: ztunnel has taken its capture already
+    /// (a pod an earlier agent left steering).
+    pub(super) fn insert(
+        &self,
+        cookie: u64,
+        identity: PodIdentity,
+        netns: Option<Netns>,
+        acked: bool,
+    ) {
         self.by_uid.lock().unwrap().insert(
             identity.uid.clone(),
             Pod {
                 cookie,
                 identity,
                 netns: netns.map(Arc::new),
-                track: Track::default(),
+                track: Track {
+                    acked,
+                    ..Track::default()
+                },
             },
         );
+    }
+
+    /// Whether ztunnel has taken the pod's capture since it was attached.
+    pub(super) fn acked(&self, uid: &str) -> bool {
+        self.track(uid, |t| t.acked).unwrap_or(false)
     }
 
     /// Drops a pod's row (the pod is gone, or its enrollment backed out).
@@ -307,7 +322,7 @@ mod tests {
     #[test]
     fn the_table_keeps_what_the_machine_decides() {
         let t = PodTable::default();
-        t.insert(7, pod("u1"), None);
+        t.insert(7, pod("u1"), None, false);
         let due = |t: &PodTable| t.apply("u1", Event::RetryDue(Instant::now()));
         assert_eq!(due(&t), [Effect::SendAdd], "a new pod is due at once");
         assert!(t.in_flight("u1"));
@@ -318,6 +333,13 @@ mod tests {
         assert!(t.apply("u1", nack).is_empty());
         assert!(t.waiting()[0].ztunnel_refused);
         assert_eq!(t.refused_by_ztunnel(), ["u1".to_string()].into());
+        // A new ztunnel's snapshot offers it again: until that add is
+        // answered, the pod is still one ztunnel refused, not one pending
+        // (which would take the node condition False in an upgrade).
+        t.apply("u1", Event::AddSent);
+        assert!(t.in_flight("u1") && t.waiting()[0].ztunnel_refused);
+        assert_eq!(t.refused_by_ztunnel(), ["u1".to_string()].into());
+        assert!(!t.acked("u1"));
         t.apply("u1", Event::Acked(Ztunnel::new(Some(42))));
         assert_eq!(t.ztunnel_of("u1"), Some(Ztunnel::Pid(42)));
         t.apply("u1", Event::SandboxOwned("c1".into()));
@@ -332,6 +354,10 @@ mod tests {
         });
         assert!(effects.contains(&Effect::CheckServed));
         assert!(t.waiting().is_empty() && !t.in_flight("u1"));
+        assert!(
+            t.acked("u1"),
+            "ztunnel took it: its annotation stays enabled"
+        );
         // A state-changing event never bypasses the map.
         assert!(t.apply("u1", Event::Drain).is_empty());
         assert_eq!(t.staying().len(), 1, "still planned, not leaving");

@@ -325,7 +325,8 @@ impl Repairer {
             let pods = self.book.pods();
             if !pods.contains(&meta.uid) {
                 let ns = enroll::open_pod_netns(dp.maps(), cookie).ok();
-                pods.insert(cookie, meta, ns);
+                let acked = dp.maps().entry(cookie).is_some_and(|e| e.steers());
+                pods.insert(cookie, meta, ns, acked);
             }
         }
         let survey = survey.filter(|s| s.is_of(dp, cookie));

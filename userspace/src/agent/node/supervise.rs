@@ -97,7 +97,8 @@ impl Supervisor {
             if !pods.contains(&meta.uid) {
                 // Not opened at start (its netns was missing then): hold it
                 // now, opened by path when needed.
-                pods.insert(cookie, meta.clone(), None);
+                let acked = state.is_some_and(PodState::steers);
+                pods.insert(cookie, meta.clone(), None, acked);
             }
             match state {
                 Some(PodState::Enabled | PodState::Served) if !complete.contains(&cookie) => {
