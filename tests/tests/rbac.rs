@@ -199,6 +199,7 @@ async fn rbac_grants_exactly_what_the_agent_and_watchdog_use() {
         "cart",
         "u-1",
         Some(PodState::Enabled),
+        false,
     )
     .await
     .unwrap();
