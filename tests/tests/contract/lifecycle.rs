@@ -39,6 +39,10 @@ pub fn trials() -> Vec<Trial> {
             outlives_process,
         ),
         trial(
+            "lifecycle::a_teardown_a_repair_finishes_keeps_the_pods_counts_in_the_totals",
+            counts_kept_when_a_repair_finishes_a_teardown,
+        ),
+        trial(
             "lifecycle::bad_input_gives_one_error_and_leaves_nothing",
             bad_input,
         ),
@@ -1058,5 +1062,31 @@ fn deleted_filter() -> TestResult {
         "outbound not captured after repair: {:?}",
         f.standin().accepted()
     );
+    Ok(())
+}
+
+/// A pod's teardown cut short (Draining) and finished by a repair, as the
+/// agent's repairer finishes it: what its counters said stays in the maps'
+/// totals of gone pods, so the metrics' node totals never go back while the
+/// agent runs. (Only an unenroll kept them; the repairer's finish dropped
+/// them, and the totals fell, which Prometheus reads as a counter reset.)
+fn counts_kept_when_a_repair_finishes_a_teardown() -> TestResult {
+    let f = Fixture::new("rkc", Some(Bind::DualStack))?;
+    ensure!(f.enroll()?.state == PodState::Enabled);
+    ensure!(inbound_captured(&f)?, "not captured");
+    let mut dp = f.dataplane()?;
+    let cookie = f.pod_record()?.netns_cookie;
+    let counted = dp.maps().counters(cookie).captured_inbound;
+    ensure!(counted == 1, "captured_inbound {counted}");
+    let before = dp.maps().retired_counters().kernel.captured_inbound;
+    dp.maps_mut().apply(
+        cookie,
+        sluice::lifecycle::Event::Drain,
+        sluice::dataplane::state::boottime_ns(),
+    )?;
+    sluice::podnet::enroll::repair(&mut dp, cookie, false)?;
+    ensure!(dp.maps().entry(cookie).is_none(), "the teardown was not finished");
+    let after = dp.maps().retired_counters().kernel.captured_inbound;
+    ensure!(after == before + counted, "retired captured_inbound {before} → {after}");
     Ok(())
 }

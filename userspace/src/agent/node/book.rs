@@ -9,7 +9,7 @@ use std::{
     time::Duration,
 };
 
-use sluice_common::{Counters, DnsCounters, PodState};
+use sluice_common::PodState;
 
 use super::pods::PodTable;
 use crate::{
@@ -40,11 +40,6 @@ pub(super) enum Sandbox {
 pub(super) struct PodBook {
     dp: Mutex<Dataplane>,
     pods: Arc<PodTable>,
-    /// Kernel counters of pods since unenrolled, so the metrics' totals
-    /// never go backwards while the agent runs.
-    retired: Mutex<Counters>,
-    retired_dns: Mutex<DnsCounters>,
-    retired_excluded: Mutex<sluice_common::ExcludedCounters>,
 }
 
 impl PodBook {
@@ -52,9 +47,6 @@ impl PodBook {
         Self {
             dp: Mutex::new(dp),
             pods,
-            retired: Mutex::default(),
-            retired_dns: Mutex::default(),
-            retired_excluded: Mutex::default(),
         }
     }
 
@@ -174,23 +166,12 @@ impl PodBook {
     }
 
     /// Removes the pod's capture from the kernel (its row goes with the
-    /// teardown's last step), keeping its counters for the metrics' totals.
-    /// Blocking.
+    /// teardown's last step; the maps keep what its counters said for the
+    /// metrics' totals). Blocking.
     pub(super) fn tear_down(&self, uid: &PodUid) -> Result<(), EnrollError> {
         let mut guard = self.dataplane();
-        let dp = &mut *guard;
-        let last = dp.maps().find_uid(uid).map(|c| {
-            let m = dp.maps();
-            (m.counters(c), m.dns_counters(c), m.excluded(c))
-        });
-        let (pins, maps, node) = dp.parts_mut();
-        enroll::unenroll(pins, maps, node, uid)?;
-        if let Some((c, d, x)) = last {
-            self.retired.lock().unwrap().add(&c);
-            self.retired_dns.lock().unwrap().add(&d);
-            self.retired_excluded.lock().unwrap().add(&x);
-        }
-        Ok(())
+        let (pins, maps, node) = guard.parts_mut();
+        enroll::unenroll(pins, maps, node, uid)
     }
 
     /// The node condition's inputs: the pods as the pinned state map has
@@ -256,9 +237,8 @@ impl metrics::Source for MapSource {
             ("Draining", 0),
             ("Unknown", 0),
         ];
-        let mut kernel = *book.retired.lock().unwrap();
-        let mut dns = *book.retired_dns.lock().unwrap();
-        let mut excluded = *book.retired_excluded.lock().unwrap();
+        let retired = dp.maps().retired_counters();
+        let (mut kernel, mut dns, mut excluded) = (retired.kernel, retired.dns, retired.excluded);
         let mut dns_modes = vec![("captured", 0), ("pass-through", 0), ("off", 0)];
         let with_proxy = dp.maps().pods_with_dns_listener();
         let mut local_route = 0;

@@ -14,6 +14,18 @@ pub struct CounterMaps {
     over_share: Option<PerCpuArray<MapData, u64>>,
     /// Connections kept out of capture by pod exclusions.
     excluded: Option<PerCpuHashMap<MapData, u64, ExcludedCounters>>,
+    /// What the pods whose counters were removed had counted, however they
+    /// went (an unenroll, a teardown the repairer finished, an uninstall):
+    /// node totals that never go back while the agent runs.
+    retired: Retired,
+}
+
+/// Counts of pods gone, summed.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Retired {
+    pub kernel: Counters,
+    pub dns: DnsCounters,
+    pub excluded: ExcludedCounters,
 }
 
 impl CounterMaps {
@@ -30,7 +42,13 @@ impl CounterMaps {
             drops,
             over_share,
             excluded,
+            retired: Retired::default(),
         }
+    }
+
+    /// What the pods whose counters were removed had counted.
+    pub fn retired(&self) -> Retired {
+        self.retired
     }
 
     pub fn excluded(&self, cookie: u64) -> ExcludedCounters {
@@ -81,15 +99,23 @@ impl CounterMaps {
     }
 
     pub fn remove_dns(&mut self, cookie: u64) {
+        let last = self.dns_counters(cookie);
         if let Some(m) = &mut self.dns {
-            let _ = m.remove(&cookie);
+            if m.remove(&cookie).is_ok() {
+                self.retired.dns.add(&last);
+            }
         }
     }
 
     pub fn remove(&mut self, cookie: u64) {
-        let _ = self.counters.remove(&cookie);
+        let (kernel, excluded) = (self.counters(cookie), self.excluded(cookie));
+        if self.counters.remove(&cookie).is_ok() {
+            self.retired.kernel.add(&kernel);
+        }
         if let Some(m) = &mut self.excluded {
-            let _ = m.remove(&cookie);
+            if m.remove(&cookie).is_ok() {
+                self.retired.excluded.add(&excluded);
+            }
         }
     }
 

@@ -35,6 +35,7 @@ use crate::{
 
 pub use crate::workload::PodIdentity;
 pub use addrs::{addr_key, addr_of, link_local, AddrSource, Published, DEFAULT_MAX_POD_ADDRESSES};
+pub use counters::Retired;
 pub use error::StateError;
 pub use records::{DnsMode, DnsView, PodRecord};
 
@@ -427,6 +428,11 @@ impl Maps {
     /// `sluice_common::HINTS_PER_POD_PER_S`).
     pub fn hints_over_share(&self) -> u64 {
         self.counters.hints_over_share()
+    }
+
+    /// What the pods whose counters went had counted (see [`Retired`]).
+    pub fn retired_counters(&self) -> Retired {
+        self.counters.retired()
     }
 
     /// Packets the programs dropped node-wide for `reason`, summed over CPUs.
