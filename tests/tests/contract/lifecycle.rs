@@ -1085,8 +1085,14 @@ fn counts_kept_when_a_repair_finishes_a_teardown() -> TestResult {
         sluice::dataplane::state::boottime_ns(),
     )?;
     sluice::podnet::enroll::repair(&mut dp, cookie, false)?;
-    ensure!(dp.maps().entry(cookie).is_none(), "the teardown was not finished");
+    ensure!(
+        dp.maps().entry(cookie).is_none(),
+        "the teardown was not finished"
+    );
     let after = dp.maps().retired_counters().kernel.captured_inbound;
-    ensure!(after == before + counted, "retired captured_inbound {before} → {after}");
+    ensure!(
+        after == before + counted,
+        "retired captured_inbound {before} → {after}"
+    );
     Ok(())
 }

@@ -3,13 +3,13 @@
 //! Without the API (no `--node-name`) nothing is queued or sent.
 
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeSet, HashMap},
     sync::{Arc, Mutex},
     time::Duration,
 };
 
 use tokio::sync::{watch, Notify};
-use tracing::warn;
+use tracing::{debug, warn};
 
 use super::{book::PodBook, pods::PodTable};
 use crate::{
@@ -29,7 +29,15 @@ pub(super) struct Announcer {
     /// down on this node).
     queue: Mutex<BTreeSet<(String, String, String)>>,
     wake: Notify,
+    /// Pods whose last write failed, by uid: the wait before the next try.
+    backoff: Mutex<HashMap<String, Duration>>,
 }
+
+/// The first wait after a failed write, doubled at each failure up to
+/// [`RETRY_MAX`]: an API that refuses for good (RBAC taken away, a webhook
+/// that denies) gets a few writes a minute per pod, not one a second.
+const RETRY_MIN: Duration = Duration::from_secs(1);
+const RETRY_MAX: Duration = Duration::from_secs(60);
 
 impl Announcer {
     pub(super) fn new(kube: Option<KubeCtx>, pods: Arc<PodTable>) -> Self {
@@ -42,6 +50,7 @@ impl Announcer {
             pods,
             queue: Mutex::default(),
             wake: Notify::new(),
+            backoff: Mutex::default(),
         }
     }
 
@@ -58,6 +67,19 @@ impl Announcer {
             .unwrap()
             .insert((namespace.to_owned(), name.to_owned(), uid.to_owned()));
         self.wake.notify_one();
+    }
+
+    /// A write for pod `uid` failed: how long before the next.
+    fn failed_write(&self, uid: &str) -> Duration {
+        let mut b = self.backoff.lock().unwrap();
+        let wait = b.get(uid).copied().unwrap_or(RETRY_MIN);
+        b.insert(uid.to_owned(), (wait * 2).min(RETRY_MAX));
+        wait
+    }
+
+    /// A write for pod `uid` is done with: the next failure waits the least.
+    fn written(&self, uid: &str) {
+        self.backoff.lock().unwrap().remove(uid);
     }
 
     /// Publishes a Kubernetes Event on an enrolled pod (nothing without the
@@ -110,24 +132,47 @@ impl Announcer {
                 )
                 .await
                 {
-                    Ok(Ok(())) => {}
+                    Ok(Ok(())) => self.written(&uid),
                     // Gone, or another pod of the name now (its uid is not
                     // the patch's: a conflict, or invalid as immutable).
-                    Ok(Err(kube::Error::Api(e))) if matches!(e.code, 404 | 409 | 422) => {}
+                    Ok(Err(kube::Error::Api(e))) if matches!(e.code, 404 | 409 | 422) => {
+                        self.written(&uid);
+                        debug!(%pod, code = e.code, reason = %e.reason, "pod gone, or another of its name: not written");
+                    }
                     failed => {
                         let why = match failed {
                             Ok(Err(e)) => e.to_string(),
                             _ => "the API server did not answer".into(),
                         };
-                        warn!(%pod, error = %why, "could not update the pod's redirection annotation or readiness gate; will retry");
+                        let wait = self.failed_write(&uid);
+                        warn!(%pod, error = %why, retry_in_s = wait.as_secs(), "could not update the pod's redirection annotation or readiness gate; will retry");
                         let this = self.clone();
                         tokio::spawn(async move {
-                            tokio::time::sleep(Duration::from_secs(1)).await;
+                            tokio::time::sleep(wait).await;
                             this.announce_pod(&ns, &name, &uid);
                         });
                     }
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A write the API keeps refusing (RBAC taken away, a webhook that
+    /// denies) is retried ever less often, up to once a minute per pod; a
+    /// write that lands starts the next failure's wait over. (It was every
+    /// second, forever: 100 pods, 100 writes and warnings a second.)
+    #[test]
+    fn failed_writes_back_off_to_a_minute_and_a_written_pod_starts_over() {
+        let a = Announcer::new(None, Arc::default());
+        let waits: Vec<u64> = (0..8).map(|_| a.failed_write("u1").as_secs()).collect();
+        assert_eq!(waits, [1, 2, 4, 8, 16, 32, 60, 60]);
+        assert_eq!(a.failed_write("u2"), RETRY_MIN, "per pod");
+        a.written("u1");
+        assert_eq!(a.failed_write("u1"), RETRY_MIN);
     }
 }
