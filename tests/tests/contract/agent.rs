@@ -1540,8 +1540,21 @@ fn crash_agent_at(agent: &AgentProc, f: &Fixture, step: &str, object: Option<&st
 fn another_layout() -> TestResult {
     let f = Fixture::new("ml", None)?;
     let mut agent = AgentProc::start(&f.topo.pins)?;
-    let _p = peer(&agent)?;
+    // With ztunnel's DNS proxy too: its sockets are in a socket map, which
+    // a migration cannot copy (the kernel reads none back to user space).
+    let resolver = format!("{}:53", Family::V4.client());
+    let _p = peer_with(&agent, &["--dns-forward", &resolver])?;
     enroll_enabled(&agent, &f)?;
+    let dns_mode = |a: &AgentProc| -> Option<String> {
+        a.status_json().ok()?["pods"][0]["dns"]["mode"]
+            .as_str()
+            .map(str::to_owned)
+    };
+    ensure!(
+        dns_mode(&agent).as_deref() == Some("captured"),
+        "{:?}",
+        dns_mode(&agent)
+    );
     let ours = max_entries(&f, "pod_state")?;
     let stamp_before = sluice::dataplane::stamp::read(&f.topo.pins.maps()).context("no stamp")?;
     let clients = Clients::start(&f);
@@ -1581,6 +1594,11 @@ fn another_layout() -> TestResult {
         );
         let shown = agent.node_status()?["dataplane"].to_string();
         ensure!(shown.contains("migrated at start"), "{step}: {shown}");
+        ensure!(
+            dns_mode(&agent).as_deref() == Some("captured"),
+            "{step}: DNS {:?}",
+            dns_mode(&agent)
+        );
         // `sluice status` names the build that pinned the dataplane.
         let built = match object {
             Some(o) => sluice::dataplane::stamp::version_of(&std::fs::read(o)?),

@@ -6,10 +6,11 @@ use crate::dataplane::stamp::{self, Change, Layout};
 
 use super::{error::LoadError, object::ebpf_object, pins::Pins};
 
-/// Maps a migration does not copy: ztunnel's listeners (re-registered from
-/// the pods' netns: a socket map cannot be read from user space) and flow
-/// hints (each is needed for a handshake, and honoured for seconds at most).
-pub const REBUILT: [&str; 2] = ["listeners", "flow_hints"];
+/// Maps a migration does not copy: ztunnel's listeners and DNS proxy
+/// sockets (re-registered from the pods' netns: the kernel reads no socket
+/// map back to user space) and flow hints (each is needed for a handshake,
+/// and honoured for seconds at most).
+pub const REBUILT: [&str; 3] = ["listeners", "dns_listeners", "flow_hints"];
 
 /// This build's layout and the pinned maps that differ from it.
 pub struct Compared {

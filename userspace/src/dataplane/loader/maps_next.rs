@@ -51,8 +51,9 @@ pub fn create(pins: &Pins, changes: &[Change]) -> Result<(), LoadError> {
 }
 
 /// Fills this build's maps under `maps_next/` from the pinned ones: a byte
-/// copy of every entry, then ztunnel's listeners of every pod, found again
-/// in its netns (a socket map cannot be read back from user space).
+/// copy of every entry, then ztunnel's listeners and DNS proxy sockets of
+/// every pod, found again in its netns (a socket map cannot be read back
+/// from user space).
 pub fn fill(pins: &Pins, changes: &[Change]) -> Result<(), LoadError> {
     let next = dir(pins);
     for c in changes {
@@ -60,7 +61,10 @@ pub fn fill(pins: &Pins, changes: &[Change]) -> Result<(), LoadError> {
             copy_entries(pins, &next, c)?;
         }
     }
-    if changes.iter().any(|c| c.map == "listeners") {
+    if changes
+        .iter()
+        .any(|c| c.map == "listeners" || c.map == "dns_listeners")
+    {
         reregister_listeners(pins, &next, changes)?;
     }
     Ok(())
