@@ -22,6 +22,9 @@ use crate::{
 pub enum Verdict {
     /// Captured, acked by ztunnel, and ztunnel serves it.
     FullyEnrolled,
+    /// Served, but its capture has not been verified by running it yet:
+    /// not fully enrolled (its readiness gate is False until it is).
+    NotYetVerified,
     /// Captured and steering to ztunnel's listeners, but ztunnel does not
     /// know its workload from istiod yet.
     NotServed,
@@ -71,13 +74,19 @@ pub fn explain<'a>(
     pods: &'a [PodRecord],
     agent: Option<&'a NodeStatus>,
 ) -> Option<Explanation<'a>> {
-    let pod = pods.iter().find(|p| {
+    let named = |p: &&PodRecord| {
         let (ns, name) = p
             .workload
             .as_ref()
             .map_or(("", ""), |w| (w.namespace.as_str(), w.name.as_str()));
         names(query, &p.uid, ns, name)
-    });
+    };
+    // By name, the pod of that name now over a predecessor still being
+    // torn down (a StatefulSet's next pod).
+    let pod = pods
+        .iter()
+        .filter(named)
+        .min_by_key(|p| p.state == Some(PodState::Draining));
     let skipped: Option<&SkippedPod> = agent.and_then(|a| {
         a.skipped
             .iter()
@@ -92,6 +101,7 @@ pub fn explain<'a>(
     let verification = pod.and_then(|p| agent?.verifications.iter().find(|v| v.uid == p.uid));
     let steers = pod.is_some_and(|p| matches!(p.state, Some(PodState::Enabled | PodState::Served)));
     let failed = verification.filter(|v| steers && v.outcome == VerifyOutcome::Failed);
+    let not_yet = verification.is_some_and(|v| v.outcome == VerifyOutcome::NotYet);
     let verdict = match (pod, skipped, incomplete) {
         (Some(_), _, Some(i)) => Verdict::CaptureIncomplete {
             missing: i.missing.clone(),
@@ -105,6 +115,7 @@ pub fn explain<'a>(
             }
         }
         (Some(p), _, None) => match p.state {
+            Some(PodState::Served) if not_yet => Verdict::NotYetVerified,
             Some(PodState::Served) => Verdict::FullyEnrolled,
             Some(PodState::Enabled) => Verdict::NotServed,
             Some(PodState::Draining) => Verdict::Draining,
@@ -156,6 +167,7 @@ pub fn render(e: &Explanation, agent_running: bool) -> String {
     };
     let verdict = match &e.verdict {
         Verdict::FullyEnrolled => "fully enrolled: captured, acked by ztunnel, served by it".into(),
+        Verdict::NotYetVerified => "captured, acked and served, but its capture is not verified by running it yet: not fully enrolled (readiness gate False until it is)".into(),
         Verdict::NotServed => {
             "captured and steering to ztunnel, which does not know the workload yet (not served)"
                 .into()
@@ -345,6 +357,34 @@ mod tests {
         );
         let text = render(&e, true);
         assert!(text.contains("lacks egress_eth0"), "{text}");
+    }
+
+    /// The gate says "not verified yet" for a Served pod whose capture has
+    /// not run yet; so does the verdict. By name, the pod of that name now
+    /// is explained, not a predecessor being torn down.
+    #[test]
+    fn a_served_pod_not_yet_verified_is_not_fully_enrolled_and_a_name_finds_the_live_pod() {
+        let mut old = record("Draining", &[]);
+        old.uid = "u-old".into();
+        let pods = [old, record("Served", &["inbound/ipv4"])];
+        let mut agent = node(vec![], vec![]);
+        agent.verifications = vec![PodVerification {
+            uid: "u-cart".into(),
+            outcome: VerifyOutcome::NotYet,
+            case: String::new(),
+            detail: String::new(),
+            age_s: None,
+        }];
+        let e = explain("shop/cart", &pods, Some(&agent)).unwrap();
+        assert_eq!(e.verdict, Verdict::NotYetVerified);
+        assert!(render(&e, true).contains("not fully enrolled"));
+        agent.verifications[0].outcome = VerifyOutcome::Verified;
+        let e = explain("shop/cart", &pods, Some(&agent)).unwrap();
+        assert_eq!(e.verdict, Verdict::FullyEnrolled);
+        assert_eq!(
+            explain("u-old", &pods, Some(&agent)).unwrap().verdict,
+            Verdict::Draining
+        );
     }
 
     #[test]
