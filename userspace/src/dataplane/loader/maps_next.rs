@@ -30,6 +30,9 @@ const MAPS_NEXT: &str = "maps_next";
 /// `_LRU_PERCPU_HASH`): user space reads one value per possible CPU.
 const PER_CPU: [u32; 3] = [5, 6, 10];
 
+/// Array map types (`BPF_MAP_TYPE_ARRAY`, `_PERCPU_ARRAY`): fixed indexes.
+const ARRAYS: [u32; 2] = [2, 6];
+
 pub fn dir(pins: &Pins) -> PathBuf {
     pins.root().join(MAPS_NEXT)
 }
@@ -80,8 +83,15 @@ fn copy_entries(pins: &Pins, next: &Path, c: &Change) -> Result<(), LoadError> {
     let (from, to) = (open(&pins.maps())?, open(next)?);
     let bytes = mapcopy::value_bytes(c.ours.value_size, PER_CPU.contains(&c.ours.map_type))
         .map_err(LoadError::io("counting CPUs"))?;
-    let n = mapcopy::copy(from.fd().as_fd(), to.fd().as_fd(), c.ours.key_size, bytes)
-        .map_err(LoadError::io(format!("copying map {} ({c})", c.map)))?;
+    let array = ARRAYS.contains(&c.ours.map_type);
+    let n = mapcopy::copy(
+        from.fd().as_fd(),
+        to.fd().as_fd(),
+        c.ours.key_size,
+        bytes,
+        array,
+    )
+    .map_err(LoadError::io(format!("copying map {} ({c})", c.map)))?;
     tracing::info!(map = %c.map, entries = n, "map migrated");
     Ok(())
 }
