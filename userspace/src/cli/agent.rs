@@ -123,7 +123,8 @@ pub struct Args {
     dns_capture: bool,
     /// Whether ambient pods' `traffic.sidecar.istio.io/*` exclusion
     /// annotations (excludeOutboundPorts, excludeOutboundIPRanges,
-    /// includeOutboundIPRanges, excludeInboundPorts, includeInboundPorts)
+    /// includeOutboundIPRanges, includeOutboundPorts, excludeInboundPorts,
+    /// includeInboundPorts)
     /// are honoured: `off` (the default: such pods are captured fully and
     /// get a PodExclusionsIgnored Warning Event) or `annotations`. Excluded
     /// traffic bypasses ztunnel: no mTLS, no policy, no telemetry.

@@ -48,13 +48,28 @@ pub fn parse<'a>(
             None | Some("*") => Include::All,
             Some(v) => Include::Only(ranges(INCLUDE_OUTBOUND_IP_RANGES, v)?),
         },
-        include_outbound_ports: ports(INCLUDE_OUTBOUND_PORTS, out_include_ports.unwrap_or(""))?,
+        include_outbound_ports: Vec::new(),
         exclude_inbound_ports: excluded_ports(EXCLUDE_INBOUND_PORTS, in_ports)?,
         include_inbound_ports: match in_include.map(str::trim) {
             None | Some("*") => Include::All,
             Some(v) => Include::Only(ports(INCLUDE_INBOUND_PORTS, v)?),
         },
     };
+    // Included ports matter only beside an include list of ranges: with
+    // every range included (`*`, or no annotation) they change nothing and
+    // are left out, so that they read as no exclusion; `*` includes every
+    // port, as if every range were included.
+    let mut x = x;
+    match out_include_ports.map(str::trim) {
+        Some("*") => x.include_outbound_ip_ranges = Include::All,
+        Some(v) if matches!(x.include_outbound_ip_ranges, Include::Only(_)) => {
+            x.include_outbound_ports = ports(INCLUDE_OUTBOUND_PORTS, v)?;
+        }
+        Some(v) => {
+            ports(INCLUDE_OUTBOUND_PORTS, v)?;
+        }
+        None => {}
+    }
     for (what, count) in [("ports", x.ports()), ("address ranges", x.ranges())] {
         if count > EXCLUSIONS_MAX {
             return Err(ExclusionError::TooMany { what, count });

@@ -197,10 +197,13 @@ impl PodExclusions {
             .collect();
         let unexcluded = std::iter::once(preferred.port())
             .chain(1..=u16::MAX)
-            .find(|p| !self.exclude_outbound_ports.contains(p));
+            .find(|p| *p != PORT_DNS && !self.exclude_outbound_ports.contains(p));
+        // Not 53: with DNS capture on, TCP there goes to the DNS proxy, not
+        // to 15001, whatever the lists say.
         let ports: Vec<u16> = std::iter::once(preferred.port())
             .chain(self.include_outbound_ports.iter().copied())
             .chain(unexcluded)
+            .filter(|p| *p != PORT_DNS)
             .collect();
         addrs
             .iter()

@@ -293,12 +293,33 @@ fn included_outbound_ports_are_captured_whatever_the_ranges_say() {
         x.captured_outbound(doc4),
         Some("192.0.2.1:4317".parse().unwrap())
     );
-    // Under `*` ranges, everything not excluded is captured anyway.
+    // Under `*` ranges, everything not excluded is captured anyway: the
+    // list changes nothing and is left out. `*` includes every port.
     let all = parsed(&[(INCLUDE_OUTBOUND_PORTS, "4317")])
         .unwrap()
         .unwrap();
+    assert!(all.is_empty(), "{all:?}");
     let (f, w) = words_of("192.0.2.1");
     assert!(!all.to_value().excludes_outbound(f, &w, 80));
+    let every = parsed(&[
+        (INCLUDE_OUTBOUND_IP_RANGES, ""),
+        (INCLUDE_OUTBOUND_PORTS, " * "),
+    ])
+    .unwrap()
+    .unwrap();
+    assert!(every.is_empty() && !every.to_value().excludes_outbound(f, &w, 80));
+    // A verification never picks 53: TCP there goes to the DNS proxy.
+    let dns = parsed(&[
+        (INCLUDE_OUTBOUND_IP_RANGES, "10.96.0.0/12"),
+        (INCLUDE_OUTBOUND_PORTS, "53,443"),
+    ])
+    .unwrap()
+    .unwrap();
+    let doc = "192.0.2.115:80".parse().unwrap();
+    assert_eq!(
+        dns.captured_outbound(doc),
+        Some("192.0.2.115:443".parse().unwrap())
+    );
     // Both port lists share one array of the value, from either end: at
     // the limit together, each still decides only its own ports.
     let ports = |r: std::ops::Range<u16>| r.map(|p| p.to_string()).collect::<Vec<_>>().join(",");
@@ -322,6 +343,7 @@ fn included_outbound_ports_are_captured_whatever_the_ranges_say() {
         parsed(&[
             (EXCLUDE_OUTBOUND_PORTS, &ports(1000..1040)),
             (INCLUDE_OUTBOUND_PORTS, &ports(2000..2025)),
+            (INCLUDE_OUTBOUND_IP_RANGES, ""),
         ]),
         Err(ExclusionError::TooMany {
             what: "ports",
