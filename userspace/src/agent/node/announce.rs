@@ -29,8 +29,10 @@ pub(super) struct Announcer {
     /// down on this node).
     queue: Mutex<BTreeSet<(String, String, String)>>,
     wake: Notify,
-    /// Pods whose last write failed, by uid: the wait before the next try.
-    backoff: Mutex<HashMap<String, Duration>>,
+    /// Pods whose last write failed, by uid: the wait before the next try,
+    /// and whether that try is scheduled (one at a time per pod, however
+    /// often the pod is queued meanwhile).
+    backoff: Mutex<HashMap<String, (Duration, bool)>>,
 }
 
 /// The first wait after a failed write, doubled at each failure up to
@@ -69,12 +71,24 @@ impl Announcer {
         self.wake.notify_one();
     }
 
-    /// A write for pod `uid` failed: how long before the next.
-    fn failed_write(&self, uid: &str) -> Duration {
+    /// A write for pod `uid` failed: how long before the next, or `None`
+    /// when a retry is scheduled already.
+    fn failed_write(&self, uid: &str) -> Option<Duration> {
         let mut b = self.backoff.lock().unwrap();
-        let wait = b.get(uid).copied().unwrap_or(RETRY_MIN);
-        b.insert(uid.to_owned(), (wait * 2).min(RETRY_MAX));
-        wait
+        let (wait, scheduled) = b.get(uid).copied().unwrap_or((RETRY_MIN, false));
+        if scheduled {
+            return None;
+        }
+        b.insert(uid.to_owned(), ((wait * 2).min(RETRY_MAX), true));
+        Some(wait)
+    }
+
+    /// The scheduled retry for pod `uid` is due: it is queued, and a failure
+    /// may schedule the next.
+    fn retry_due(&self, uid: &str) {
+        if let Some((_, scheduled)) = self.backoff.lock().unwrap().get_mut(uid) {
+            *scheduled = false;
+        }
     }
 
     /// A write for pod `uid` is done with: the next failure waits the least.
@@ -108,8 +122,8 @@ impl Announcer {
     }
 
     /// Writes queued pods' annotation and readiness-gate condition, one pod
-    /// at a time, as `book` has them; failures are retried after a second
-    /// (not for gone pods).
+    /// at a time, as `book` has them; failures are retried with a per-pod
+    /// backoff (not for gone pods).
     pub(super) async fn run(self: Arc<Self>, book: Arc<PodBook>, mut stop: watch::Receiver<bool>) {
         let Some(k) = self.kube.clone() else { return };
         loop {
@@ -144,11 +158,14 @@ impl Announcer {
                             Ok(Err(e)) => e.to_string(),
                             _ => "the API server did not answer".into(),
                         };
-                        let wait = self.failed_write(&uid);
+                        let Some(wait) = self.failed_write(&uid) else {
+                            continue;
+                        };
                         warn!(%pod, error = %why, retry_in_s = wait.as_secs(), "could not update the pod's redirection annotation or readiness gate; will retry");
                         let this = self.clone();
                         tokio::spawn(async move {
                             tokio::time::sleep(wait).await;
+                            this.retry_due(&uid);
                             this.announce_pod(&ns, &name, &uid);
                         });
                     }
@@ -169,10 +186,17 @@ mod tests {
     #[test]
     fn failed_writes_back_off_to_a_minute_and_a_written_pod_starts_over() {
         let a = Announcer::new(None, Arc::default());
-        let waits: Vec<u64> = (0..8).map(|_| a.failed_write("u1").as_secs()).collect();
+        let mut waits = Vec::new();
+        for _ in 0..8 {
+            waits.push(a.failed_write("u1").expect("none scheduled").as_secs());
+            // Queued again meanwhile (a relist, a repair) and failing: no
+            // second retry while one is scheduled.
+            assert_eq!(a.failed_write("u1"), None);
+            a.retry_due("u1");
+        }
         assert_eq!(waits, [1, 2, 4, 8, 16, 32, 60, 60]);
-        assert_eq!(a.failed_write("u2"), RETRY_MIN, "per pod");
+        assert_eq!(a.failed_write("u2"), Some(RETRY_MIN), "per pod");
         a.written("u1");
-        assert_eq!(a.failed_write("u1"), RETRY_MIN);
+        assert_eq!(a.failed_write("u1"), Some(RETRY_MIN));
     }
 }
