@@ -111,13 +111,23 @@ pub fn write_json(p: &Path, v: &Value, like: &Path) -> Result<(), InstallError> 
     let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("conf");
     let tmp = dir.join(format!(".{name}.sluice-tmp"));
     let body = serde_json::to_vec_pretty(v).expect("JSON values serialise");
-    let mode = fs::metadata(like).map_or(0o600, |m| m.permissions().mode() & 0o7777);
+    let like = fs::metadata(like).ok();
+    let mode = like
+        .as_ref()
+        .map_or(0o600, |m| m.permissions().mode() & 0o7777);
     let write = || -> std::io::Result<()> {
+        // A temp file a crash left may be read-only (the mode of a
+        // read-only primary): written anew, not opened.
+        let _ = fs::remove_file(&tmp);
         let mut f = fs::File::create(&tmp)?;
-        // Set, not asked at creation: the umask would take bits away.
-        f.set_permissions(fs::Permissions::from_mode(mode))?;
         f.write_all(&body)?;
-        f.sync_all()
+        f.sync_all()?;
+        // Set once written, not asked at creation: the umask would take
+        // bits away, and a read-only mode would stop the write.
+        if let Some(m) = &like {
+            std::os::unix::fs::fchown(&f, None, Some(std::os::unix::fs::MetadataExt::gid(m)))?;
+        }
+        f.set_permissions(fs::Permissions::from_mode(mode))
     };
     if let Err(e) = write() {
         let _ = fs::remove_file(&tmp);

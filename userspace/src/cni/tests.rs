@@ -477,9 +477,19 @@ fn written_configs_keep_the_primarys_permissions() {
     let (_d, i) = setup_in_place("mode-in-place");
     let p = i.conf_dir.join("10-kindnet.conflist");
     fs::write(&p, LIST).unwrap();
-    fs::set_permissions(&p, fs::Permissions::from_mode(0o640)).unwrap();
+    fs::set_permissions(&p, fs::Permissions::from_mode(0o440)).unwrap();
+    std::os::unix::fs::chown(&p, None, Some(1234)).unwrap();
+    // A read-only temp file a crash left does not stop the write.
+    let stale = i.conf_dir.join(".10-kindnet.conflist.sluice-tmp");
+    fs::write(&stale, "torn").unwrap();
+    fs::set_permissions(&stale, fs::Permissions::from_mode(0o400)).unwrap();
     assert_eq!(i.install().unwrap(), Outcome::Inserted(p.clone()));
-    assert_eq!(mode(&p), 0o640);
+    assert_eq!(mode(&p), 0o440);
+    assert_eq!(
+        std::os::unix::fs::MetadataExt::gid(&fs::metadata(&p).unwrap()),
+        1234
+    );
+    assert!(!stale.exists());
 
     let (_d, i) = setup_in_place("mode-conf");
     let conf = i.conf_dir.join("10-bridge.conf");
