@@ -6,7 +6,8 @@
 //! `HINTS_PER_POD_PER_S` hints left unreleased a second (`hint_budget`). A
 //! hint that an answer releases gives its share back, so only what a pod
 //! leaves behind counts: SYN-cookie handshakes (whose hint stays for the
-//! ACK) and SYNs nothing answered. Past its share, a pod's hints go to
+//! ACK), SYNs nothing answered, and UDP DNS queries dropped before their
+//! lookup took their hint. Past its share, a pod's hints go to
 //! `flow_hints_overflow`, which only pods past their share write: they
 //! still work while that map holds them, and they never evict another
 //! pod's hint from `flow_hints`. Readers look in `flow_hints` first; a
@@ -90,8 +91,9 @@ pub fn release_hint(key: &FlowKey) {
         let _ = FLOW_HINTS_OVERFLOW.remove(key);
         return;
     };
-    let _ = FLOW_HINTS.remove(key);
-    if h.flags & HINT_CHARGED != 0 {
+    // Only the CPU whose removal took it gives its share back: two taking
+    // one hint at once give it back once.
+    if FLOW_HINTS.remove(key).is_ok() && h.flags & HINT_CHARGED != 0 {
         budget::give_back(&HINT_BUDGET, h.netns_cookie);
     }
 }

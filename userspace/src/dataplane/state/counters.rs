@@ -14,9 +14,10 @@ pub struct CounterMaps {
     over_share: Option<PerCpuArray<MapData, u64>>,
     /// Connections kept out of capture by pod exclusions.
     excluded: Option<PerCpuHashMap<MapData, u64, ExcludedCounters>>,
-    /// What the pods whose counters were removed had counted, however they
-    /// went (an unenroll, a teardown the repairer finished, an uninstall):
-    /// node totals that never go back while the agent runs.
+    /// What the pods whose counters these maps removed had counted, however
+    /// they went (an unenroll, a teardown the repairer finished): node
+    /// totals that never go back while the agent runs. (An uninstall opens
+    /// maps of its own; the agent exits after it.)
     retired: Retired,
 }
 
