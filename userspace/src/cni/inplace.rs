@@ -105,6 +105,22 @@ pub fn without_ours(file: &ConfFile) -> Result<Option<Restored>, InstallError> {
 }
 
 impl Restored {
+    /// Whether this is a converted `.conflist` whose original its CNI has
+    /// written anew since: that file is the primary's now, the list stale.
+    pub fn superseded(&self) -> bool {
+        self.remove.is_some() && self.path.exists()
+    }
+
+    /// Puts the primary's file back as it was before sluice's entry: a
+    /// superseded list is removed (the newer original stays as it is),
+    /// else [`Self::apply`].
+    pub fn finish(&self) -> Result<(), InstallError> {
+        match &self.remove {
+            Some(list) if self.superseded() => conf_dir::remove(list),
+            _ => self.apply(),
+        }
+    }
+
     /// Writes the file back (the restored `.conf` before the `.conflist`
     /// goes, so the directory never lacks the primary).
     pub fn apply(&self) -> Result<(), InstallError> {

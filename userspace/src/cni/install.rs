@@ -266,12 +266,8 @@ impl CniInstall {
                 .iter()
                 .filter(|f| f.json.is_ok() && !sluices_or_istios(f))
             {
-                let Some(r) = inplace::without_ours(f)? else {
-                    continue;
-                };
-                match &r.remove {
-                    Some(list) if r.path.exists() => conf_dir::remove(list)?,
-                    _ => r.apply()?,
+                if let Some(r) = inplace::without_ours(f)? {
+                    r.finish()?;
                 }
             }
         }

@@ -143,8 +143,14 @@ pub fn sync(
     let layout = Layout::of(files, Some(name.as_str()));
     let primary = layout.primary(dir)?;
     let legacy = inplace::without_ours(primary)?;
+    // The primary as it was before sluice's entry; for a converted list
+    // whose original its CNI wrote anew since, that newer file.
+    let newer = legacy
+        .as_ref()
+        .filter(|r| r.superseded())
+        .and_then(|r| files.iter().find(|f| f.path == r.path));
     let base = legacy.as_ref().map(Restored::as_file);
-    let base = base.as_ref().unwrap_or(primary);
+    let base = newer.or(base.as_ref()).unwrap_or(primary);
     if name.as_str() >= base.name() {
         return Err(SyncError::SortsAfter {
             owned: name.clone(),
@@ -170,7 +176,7 @@ pub fn sync(
         conf_dir::remove(&f.path)?;
     }
     if let Some(r) = legacy {
-        r.apply()?;
+        r.finish()?;
     }
     Ok(Synced {
         config: target,

@@ -548,3 +548,34 @@ fn uninstall_leaves_no_entry_behind_the_primary() {
         assert!(!text.contains(PLUGIN_TYPE), "{text}");
     }
 }
+
+/// Moving to owned mode after a `.json` that in-place mode turned into a
+/// `.conflist` was written anew by its CNI (it sorts after the list, which
+/// is taken for the primary): the owned copy is made from the newer file,
+/// which stays as it is, and the stale list goes. (The list's old content
+/// was copied, and written back over the newer file.)
+#[test]
+fn moving_to_owned_over_a_superseded_converted_list_keeps_the_newer_file() {
+    let (_d, owned) = setup("superseded");
+    let mut in_place = owned.clone();
+    in_place.owned = None;
+    let json = owned.conf_dir.join("10-bridge.json");
+    fs::write(
+        &json,
+        r#"{"cniVersion":"0.4.0","name":"mynet","type":"bridge"}"#,
+    )
+    .unwrap();
+    in_place.install().unwrap();
+    assert_eq!(names(&owned), ["10-bridge.conflist"]);
+    let newer = r#"{"cniVersion":"0.4.0","name":"mynet","type":"bridge","mtu":1400}"#;
+    fs::write(&json, newer).unwrap();
+    owned.install().unwrap();
+    assert_eq!(names(&owned), ["02-sluice.conflist", "10-bridge.json"]);
+    assert_eq!(
+        read_json(&json).unwrap(),
+        serde_json::from_str::<Value>(newer).unwrap()
+    );
+    let v = read_json(&owned.conf_dir.join("02-sluice.conflist")).unwrap();
+    assert_eq!(v["plugins"][0]["mtu"], 1400, "{v}");
+    assert_eq!(types(&v), ["bridge", PLUGIN_TYPE]);
+}
