@@ -1247,16 +1247,19 @@ fn gate_follows_served_in(f: &Fixture, dir: &std::path::Path) -> TestResult {
         ensure!(cart_record()?.state == Some(sluice_common::PodState::Enabled));
         // The annotation istiod reads said `enabled` once the pod was captured
         // and acked, and never went back to `pending`.
-        let annotations: Vec<Value> = patches
-            .lock()
-            .unwrap()
-            .iter()
-            .filter_map(|(_, b)| {
-                b["metadata"]["annotations"]
-                    .get("ambient.istio.io/redirection")
-                    .cloned()
-            })
-            .collect();
+        let redirections = || -> Vec<Value> {
+            patches
+                .lock()
+                .unwrap()
+                .iter()
+                .filter_map(|(_, b)| {
+                    b["metadata"]["annotations"]
+                        .get("ambient.istio.io/redirection")
+                        .cloned()
+                })
+                .collect()
+        };
+        let annotations = redirections();
         ensure!(
             annotations.last() == Some(&json!("enabled")),
             "{annotations:?}"
@@ -1275,16 +1278,7 @@ fn gate_follows_served_in(f: &Fixture, dir: &std::path::Path) -> TestResult {
         )
         .await?;
         ensure!(cart_record()?.state == Some(sluice_common::PodState::Pending));
-        let annotations: Vec<Value> = patches
-            .lock()
-            .unwrap()
-            .iter()
-            .filter_map(|(_, b)| {
-                b["metadata"]["annotations"]
-                    .get("ambient.istio.io/redirection")
-                    .cloned()
-            })
-            .collect();
+        let annotations = redirections();
         let first = annotations.iter().position(|a| *a == json!("enabled"));
         ensure!(
             first.is_some_and(|i| annotations[i..].iter().all(|a| *a == json!("enabled"))),
